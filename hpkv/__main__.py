@@ -1,0 +1,5 @@
+import sys
+
+from hpkv.cli import main
+
+sys.exit(main())

@@ -1,0 +1,91 @@
+"""The ``hpkv`` command line.
+
+Verbs are thin: each parses its flags and calls into the layer that does the work.
+Benchmarks live in :mod:`hpkv.bench`, one module per ``hpkv bench NAME``, each
+with ``add_arguments(parser)`` and ``run(args) -> int``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from hpkv import __version__
+
+# hpkv bench NAME -> module. Modules must be cheap to import (heavy imports inside run()).
+BENCHES = {
+    "ring": ("hpkv.bench.ring", "ring round-trip latency and throughput vs. semaphores, pipes, mp.Queue"),
+    "copy": ("hpkv.bench.copy", "save/load throughput through a transfer worker vs. memcpy; lookup latency"),
+    "io": ("hpkv.bench.io", "KV file write/read throughput through the IO workers vs. raw O_DIRECT"),
+    "ttft": ("hpkv.bench.ttft", "the CT-HPKV four-tier TTFT experiment against real vLLM"),
+}
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from hpkv.config import ConfigError, check_runtime, describe, dumps_json, load_config
+
+    try:
+        cfg = load_config()
+    except ConfigError as exc:
+        print(f"hpkv: configuration error: {exc}", file=sys.stderr)
+        return 1
+    for w in cfg.warnings:
+        print(f"hpkv: warning: {w}", file=sys.stderr)
+    print(dumps_json(cfg) if args.json else describe(cfg))
+    if args.check:
+        try:
+            for w in check_runtime(cfg):
+                print(f"hpkv: warning: {w}", file=sys.stderr)
+        except ConfigError as exc:
+            print(f"hpkv: check failed: {exc}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    module = importlib.import_module(BENCHES[args.bench][0])
+    return int(module.run(args) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hpkv", description="hpkv: tiered KV-cache offload engine for vLLM and SGLang")
+    parser.add_argument("--version", action="version", version=f"hpkv {__version__}")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB")
+    verbs.required = True
+
+    p = verbs.add_parser("config", help="print every configuration key, its value and its source")
+    p.add_argument("--json", action="store_true", help="print one JSON object {KEY: {value, source}}")
+    p.add_argument("--check", action="store_true",
+                   help="also check the machine (pool on tmpfs, storage writable, pool fits)")
+    p.set_defaults(func=_cmd_config)
+
+    p = verbs.add_parser("bench", help="benchmarks that print ratios measured in one run")
+    benches = p.add_subparsers(dest="bench", metavar="NAME")
+    benches.required = True
+    for name, (module, help_text) in BENCHES.items():
+        bp = benches.add_parser(name, help=help_text)
+        bp.add_argument("--json", action="store_true", help="print one JSON object")
+        try:
+            importlib.import_module(module).add_arguments(bp)
+        except ModuleNotFoundError:
+            bp.set_defaults(unavailable=True)
+        bp.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "unavailable", False):
+        print(f"hpkv: 'bench {args.bench}' is not available in this build", file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

