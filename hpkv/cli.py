@@ -43,6 +43,30 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_config_or_exit():
+    from hpkv.config import ConfigError, load_config
+    try:
+        return load_config()
+    except ConfigError as exc:
+        print(f"hpkv: configuration error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from hpkv.engine.server import serve
+    return serve(_load_config_or_exit(), auto=args.auto, log_level=args.log_level)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from hpkv.engine.status import print_status
+    return print_status(_load_config_or_exit(), as_json=args.json)
+
+
+def _cmd_stop(args: argparse.Namespace) -> int:
+    from hpkv.engine.status import stop_server
+    return stop_server(_load_config_or_exit(), timeout=args.timeout)
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     module = importlib.import_module(BENCHES[args.bench][0])
     return int(module.run(args) or 0)
@@ -60,6 +84,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="also check the machine (pool on tmpfs, storage writable, pool fits)")
     p.set_defaults(func=_cmd_config)
+
+    p = verbs.add_parser("serve", help="run the hpkv server in the foreground")
+    p.add_argument("--auto", action="store_true",
+                   help="auto-spawned mode: exit after HPKV_SERVER_IDLE_EXIT seconds without clients")
+    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper,
+                   help="overrides HPKV_LOG_LEVEL")
+    p.set_defaults(func=_cmd_serve)
+
+    p = verbs.add_parser("status", help="show the running server's pool, namespaces and workers")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_status)
+
+    p = verbs.add_parser("stop", help="ask the running server to shut down cleanly")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for it to exit")
+    p.set_defaults(func=_cmd_stop)
 
     p = verbs.add_parser("bench", help="benchmarks that print ratios measured in one run")
     benches = p.add_subparsers(dest="bench", metavar="NAME")

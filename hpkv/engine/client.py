@@ -1,0 +1,376 @@
+"""Client library of the hpkv server, used by the connectors, the CLI and the tests.
+
+``connect(cfg)`` attaches to the server of the configured pool directory, or
+starts one (``hpkv serve --auto``, detached in its own session) and waits for it
+with a bound. Every call is bounded too: a slow or dead server raises
+:class:`HpkvUnavailable`, and the caller (the connector) falls back to recomputing.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from hpkv.config import Config, load_config
+from hpkv.engine import protocol as P
+from hpkv.engine.keys import KEY_BYTES
+from hpkv.ring import PeerDead, Ring, RingError, RingTimeout
+
+log = logging.getLogger("hpkv.client")
+
+HOT_CALL_SPIN_US = 300.0
+
+
+class HpkvError(RuntimeError):
+    """The server refused a call (bad argument, unknown namespace …)."""
+
+
+class HpkvUnavailable(HpkvError):
+    """No server answered in time, or the connection broke: recompute instead."""
+
+
+def _map_array(path: str) -> np.ndarray:
+    import mmap
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
+    return np.frombuffer(mm, dtype=np.uint8)
+
+
+@dataclass(frozen=True)
+class NamespaceHandle:
+    ns_id: int
+    slot_bytes: int
+    world_size: int
+
+
+class HpkvClient:
+    def __init__(self, directory: str, sock: socket.socket, hello: dict[str, Any], call_timeout: float):
+        self.dir = directory
+        self._sock = sock
+        self._sock_file = sock.makefile("rb")
+        self._ctl_lock = threading.Lock()
+        self._hot_lock = threading.Lock()
+        self.client_id = hello["client_id"]
+        self.server_pid = hello["server_pid"]
+        self.pool_path = hello["pool"]
+        self.pool_size = hello["pool_size"]
+        self.storage = hello.get("storage")
+        self.call_timeout = call_timeout
+        self._req = Ring.attach(directory, hello["req"], role="producer")
+        # A hot call's answer takes tens of µs; sleeping would add a ≈50 µs
+        # cross-vCPU wake-up (research/limits.md §4), so spin a little longer.
+        self._resp = Ring.attach(directory, hello["resp"], role="consumer", spin_us=HOT_CALL_SPIN_US)
+        self._mbox = _map_array(hello["mailbox"])
+        self._seq = 0
+        self._broken: str | None = None
+        self.devices: list[DeviceHandle] = []
+
+    # ---------------------------------------------------------------- control calls (socket)
+    def call(self, op: str, **kwargs: Any) -> dict[str, Any]:
+        with self._ctl_lock:
+            try:
+                self._sock.settimeout(max(self.call_timeout, 30.0))
+                self._sock.sendall(json.dumps({"op": op, **kwargs}).encode() + b"\n")
+                line = self._sock_file.readline()
+            except OSError as exc:
+                raise HpkvUnavailable(f"hpkv server connection failed during {op!r}: {exc}") from None
+        if not line:
+            raise HpkvUnavailable(f"the hpkv server closed the connection during {op!r}")
+        reply = json.loads(line)
+        if not reply.get("ok"):
+            raise HpkvError(f"hpkv server refused {op!r}: {reply.get('error')}")
+        return reply
+
+    def attach_namespace(self, fingerprint: str, world_size: int, shard_bytes: int, name: str = "",
+                         rank: int | None = None) -> NamespaceHandle:
+        extra = {} if rank is None else {"rank": rank}
+        r = self.call("namespace", fingerprint=fingerprint, world_size=world_size,
+                      shard_bytes=shard_bytes, name=name, **extra)
+        return NamespaceHandle(r["ns_id"], r["slot_bytes"], world_size)
+
+    def clear(self, ns_id: int) -> int:
+        return self.call("clear", ns_id=ns_id)["dropped"]
+
+    def stats(self) -> dict[str, Any]:
+        return self.call("stats")["stats"]
+
+    def shutdown_server(self) -> None:
+        self.call("shutdown", pid=os.getpid())
+
+    # ---------------------------------------------------------------- hot calls (rings)
+    def _rpc(self, kind: int, ns_id: int, keys: Sequence[bytes], a2: int = 0) -> tuple[int, int]:
+        n = len(keys)
+        if n > P.MAX_KEYS_PER_CALL:
+            raise HpkvError(f"{n} keys in one call; at most {P.MAX_KEYS_PER_CALL}")
+        if self._broken:
+            raise HpkvUnavailable(self._broken)
+        if n:
+            self._mbox[: n * KEY_BYTES] = np.frombuffer(b"".join(keys), np.uint8)
+        self._seq += 1
+        seq = self._seq
+        deadline = time.monotonic() + self.call_timeout
+        try:
+            self._req.push(kind, seq, ns_id, n, a2, timeout=self.call_timeout)
+            while True:
+                d = self._resp.pop(timeout=max(deadline - time.monotonic(), 0.0))
+                if d.seq == seq:
+                    break
+        except RingTimeout:
+            self._broken = (f"the hpkv server (pid {self.server_pid}) did not answer within "
+                            f"{self.call_timeout:g}s")
+            raise HpkvUnavailable(self._broken) from None
+        except RingError as exc:
+            self._broken = f"the hpkv server (pid {self.server_pid}) is gone: {exc}"
+            raise HpkvUnavailable(self._broken) from None
+        if d.status < 0:
+            raise HpkvError(f"hpkv call failed: {P.status_message(d.status)}")
+        return d.a0, d.a1
+
+    def lookup(self, ns_id: int, keys: Sequence[bytes]) -> tuple[int, list[int]]:
+        """(number of leading keys present, tier of each: 1 DRAM, 2 storage)."""
+        with self._hot_lock:
+            hit, _ = self._rpc(P.LOOKUP, ns_id, keys)
+            return hit, self._mbox[P.MAILBOX_HALF: P.MAILBOX_HALF + hit].tolist()
+
+    def reserve(self, ns_id: int, keys: Sequence[bytes]) -> np.ndarray:
+        """Pool byte offsets ``[len(keys), world]``; -1 = already there, -2 = pool full."""
+        with self._hot_lock:
+            world, _ = self._rpc(P.RESERVE, ns_id, keys)
+            return self._answer(len(keys), world)
+
+    def commit(self, ns_id: int, keys: Sequence[bytes], rank: int = 0) -> int:
+        with self._hot_lock:
+            return self._rpc(P.COMMIT, ns_id, keys, rank)[0]
+
+    def pin(self, ns_id: int, keys: Sequence[bytes]) -> np.ndarray:
+        """Pin keys; pool offsets ``[len(keys), world]`` (-1 where not in DRAM)."""
+        with self._hot_lock:
+            world, _ = self._rpc(P.PIN, ns_id, keys)
+            return self._answer(len(keys), world)
+
+    def unpin(self, ns_id: int, keys: Sequence[bytes]) -> None:
+        with self._hot_lock:
+            self._rpc(P.UNPIN, ns_id, keys)
+
+    def _answer(self, n: int, world: int) -> np.ndarray:
+        nbytes = n * world * 8
+        return self._mbox[P.MAILBOX_HALF: P.MAILBOX_HALF + nbytes].view(np.int64).reshape(n, world).copy()
+
+    # ---------------------------------------------------------------- devices
+    def register_device(self, ns_id: int, *, rank: int, regions: list[dict[str, Any]],
+                        layer_bases: list[tuple[int, int]], block_stride: int, page_bytes: int,
+                        num_blocks: int, device: str = "cpu", numa_node: int | None = None
+                        ) -> "DeviceHandle":
+        """Export a device's KV memory (shared-memory files) to new transfer workers."""
+        r = self.call("register_device", ns_id=ns_id, rank=rank, regions=regions,
+                      layer_bases=[list(x) for x in layer_bases], block_stride=block_stride,
+                      page_bytes=page_bytes, num_blocks=num_blocks, device=device, numa_node=numa_node)
+        dev = DeviceHandle(self.dir, r["device_id"], r["workers"], self.call_timeout)
+        self.devices.append(dev)
+        return dev
+
+    def close(self) -> None:
+        for dev in self.devices:
+            dev.close()
+        for ring in (self._req, self._resp):
+            try:
+                ring.close()
+            except RingError:
+                pass
+        try:
+            self._sock_file.close()
+            self._sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self) -> "HpkvClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _WorkerLink:
+    def __init__(self, directory: str, info: dict[str, Any]):
+        self.req = Ring.attach(directory, info["req"], role="producer", wait=5.0)
+        self.resp = Ring.attach(directory, info["resp"], role="consumer", wait=5.0)
+        self.jobs = _map_array(info["jobs"]).view(np.int64).reshape(P.JOB_SLOTS, -1)
+        self.seq = 0
+        self.inflight: set[int] = set()
+        self.done: dict[int, int] = {}   # seq -> status, received but not yet claimed
+
+
+class DeviceHandle:
+    """Copy jobs to the device's transfer workers; each batch is one native copy in a worker."""
+
+    def __init__(self, directory: str, dev_id: int, workers: list[dict[str, Any]], timeout: float):
+        self.dev_id = dev_id
+        self.timeout = timeout
+        self.links = [_WorkerLink(directory, w) for w in workers]
+        self._lock = threading.Lock()
+        self._rr = 0
+
+    def submit(self, kind: int, blocks: np.ndarray, offsets: np.ndarray) -> list[tuple[int, int]]:
+        """Post a batch (split across workers); returns (worker, seq) tickets."""
+        blocks = np.ascontiguousarray(blocks, np.int64)
+        offsets = np.ascontiguousarray(offsets, np.int64)
+        tickets = []
+        n = len(blocks)
+        per = -(-n // len(self.links)) if n else 0
+        per = min(max(per, 1), P.MAX_PAIRS_PER_JOB)
+        with self._lock:
+            for start in range(0, n, per):
+                w = self._rr % len(self.links)
+                self._rr += 1
+                link = self.links[w]
+                while len(link.inflight) >= P.JOB_SLOTS:
+                    if not self._collect(link, time.monotonic() + self.timeout):
+                        raise HpkvUnavailable(f"transfer worker {w} answered nothing for {self.timeout:g}s")
+                link.seq += 1
+                seq = link.seq
+                m = min(per, n - start)
+                job = link.jobs[seq % P.JOB_SLOTS]
+                job[:m] = blocks[start:start + m]
+                job[m:2 * m] = offsets[start:start + m]
+                link.req.push(kind, seq, m, timeout=self.timeout)
+                link.inflight.add(seq)
+                tickets.append((w, seq))
+        return tickets
+
+    def wait(self, tickets: list[tuple[int, int]], timeout: float | None = None) -> dict[tuple[int, int], int]:
+        """Status per ticket (0 ok, <0 failed); a ticket not answered in time counts as failed."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        results: dict[tuple[int, int], int] = {}
+        with self._lock:
+            for w, seq in tickets:
+                link = self.links[w]
+                while seq not in link.done and seq in link.inflight:
+                    if not self._collect(link, deadline):
+                        break
+                results[(w, seq)] = link.done.pop(seq, -errno.ETIMEDOUT)
+        return results
+
+    def _collect(self, link: _WorkerLink, deadline: float) -> bool:
+        """Receive one completion of ``link``; False when the deadline passed."""
+        try:
+            d = link.resp.pop(timeout=max(deadline - time.monotonic(), 0.0))
+        except RingTimeout:
+            return False
+        except PeerDead:
+            # The worker died; the server answers its jobs with errors: keep waiting for that.
+            time.sleep(0.01)
+            return time.monotonic() < deadline
+        if d.seq in link.inflight:
+            link.inflight.discard(d.seq)
+            link.done[d.seq] = d.status
+        return True
+
+    def save(self, blocks: np.ndarray, offsets: np.ndarray) -> bool:
+        """Device blocks → pool offsets; True when every batch succeeded."""
+        res = self.wait(self.submit(P.COPY_SAVE, blocks, offsets))
+        return all(s == 0 for s in res.values())
+
+    def load(self, blocks: np.ndarray, offsets: np.ndarray) -> bool:
+        res = self.wait(self.submit(P.COPY_LOAD, blocks, offsets))
+        return all(s == 0 for s in res.values())
+
+    def close(self) -> None:
+        for link in self.links:
+            for ring in (link.req, link.resp):
+                try:
+                    ring.close()
+                except RingError:
+                    pass
+
+
+# -------------------------------------------------------------------- connect / auto-spawn
+def _try_connect(sock_path: str, timeout: float) -> socket.socket | None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(sock_path)
+        return s
+    except (FileNotFoundError, ConnectionRefusedError, socket.timeout):
+        s.close()
+        return None
+
+
+def _hello(cfg: Config, sock: socket.socket, name: str, call_timeout: float) -> HpkvClient:
+    sock.settimeout(30.0)
+    sock.sendall(json.dumps({"op": "hello", "pid": os.getpid(), "name": name}).encode() + b"\n")
+    f = sock.makefile("rb")
+    line = f.readline()
+    f.close()
+    if not line:
+        raise HpkvUnavailable("the hpkv server closed the connection during hello")
+    reply = json.loads(line)
+    if not reply.get("ok"):
+        raise HpkvError(f"hpkv server refused hello: {reply.get('error')}")
+    return HpkvClient(cfg.pool_dir, sock, reply, call_timeout)
+
+
+def spawn_server(cfg: Config, env: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """Start ``hpkv serve --auto`` detached: own session, so the caller's Ctrl-C does not reach it."""
+    child_env = dict(os.environ if env is None else env)
+    child_env.update(cfg.to_env())
+    return subprocess.Popen([sys.executable, "-m", "hpkv", "serve", "--auto"], env=child_env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+
+
+def connect(cfg: Config | None = None, *, spawn: bool = True, timeout: float = 60.0,
+            call_timeout: float = 5.0, name: str = "", env: Mapping[str, str] | None = None) -> HpkvClient:
+    """Attach to the pool directory's server, starting one if needed (at most one ever runs)."""
+    cfg = cfg or load_config(env)
+    sock_path = os.path.join(cfg.pool_dir, P.SOCKET_FILE)
+    sock = _try_connect(sock_path, 5.0)
+    if sock is not None:
+        return _hello(cfg, sock, name, call_timeout)
+    if not spawn:
+        raise HpkvUnavailable(f"no hpkv server is running for {cfg.pool_dir}")
+    os.makedirs(cfg.pool_dir, mode=0o700, exist_ok=True)
+    deadline = time.monotonic() + timeout
+    lock_fd = os.open(os.path.join(cfg.pool_dir, P.SPAWN_LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        while True:  # one spawner at a time; the others find its server
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise HpkvUnavailable(f"timed out waiting for another process to start the hpkv "
+                                          f"server for {cfg.pool_dir}") from None
+                time.sleep(0.05)
+        sock = _try_connect(sock_path, 5.0)
+        if sock is None:
+            proc = spawn_server(cfg, env)
+            log.info("started hpkv server pid %d for %s", proc.pid, cfg.pool_dir)
+            while sock is None:
+                rc = proc.poll()
+                if rc is not None and rc != 3:  # 3: somebody else serves the directory
+                    raise HpkvUnavailable(
+                        f"the hpkv server exited with status {rc} at start-up; see "
+                        f"{os.path.join(cfg.pool_dir, P.LOG_FILE)}")
+                if time.monotonic() > deadline:
+                    raise HpkvUnavailable(f"the hpkv server for {cfg.pool_dir} did not become ready "
+                                          f"within {timeout:g}s; see {os.path.join(cfg.pool_dir, P.LOG_FILE)}")
+                time.sleep(0.02)
+                sock = _try_connect(sock_path, 5.0)
+    finally:
+        os.close(lock_fd)
+    return _hello(cfg, sock, name, call_timeout)

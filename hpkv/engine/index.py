@@ -1,0 +1,393 @@
+"""The server's block index and pool allocator.
+
+One process (the server) owns the index; nothing else mutates it. A *block* is
+one engine block of one namespace (a model layout), identified by a 16-byte key
+derived from the namespace fingerprint and the engine's chained block hash
+(:func:`hpkv.engine.keys.block_key`). With tensor parallelism a block has one
+*shard* per rank; each shard has its own pool slot, and the block becomes visible
+to lookups only when every rank has committed its shard.
+
+States::
+
+    reserve ──▶ RESERVED ──(all ranks commit)──▶ READY ──(evict, on storage)──▶ STORED
+                    │                              │
+                    └─(owner gone / aborted)──▶ freed   └─(evict, not on storage)──▶ dropped
+
+A READY block is *evictable* when it is unpinned and, if the storage tier is on,
+its files are written (a block is never dropped before its spill completes).
+Eviction takes the least recently used evictable block across all namespaces.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+POOL_ALIGN = 4096  # slots start on page boundaries: O_DIRECT and page-granular copies want it
+
+
+def align_up(n: int, a: int = POOL_ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+class PoolAllocator:
+    """First-fit allocator of byte ranges in the pool, coalescing on free.
+
+    Slots of one namespace all have one size, so in the common case (one model)
+    the free list stays short; several namespaces share the pool by range.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._starts: list[int] = [0] if capacity else []   # sorted free-range starts
+        self._sizes: dict[int, int] = {0: capacity} if capacity else {}
+        self.used = 0
+
+    def alloc(self, size: int) -> int | None:
+        """A range of ``size`` bytes starting at a multiple of ``size``.
+
+        Natural alignment lets a copy address a slot as ``offset // size`` with a
+        fixed stride; with one slot size (one model) it wastes nothing.
+        """
+        size = align_up(size)
+        for i, start in enumerate(self._starts):
+            avail = self._sizes[start]
+            begin = -(-start // size) * size
+            if begin + size > start + avail:
+                continue
+            del self._starts[i]
+            del self._sizes[start]
+            tail = start + avail - (begin + size)
+            if tail:
+                self._starts.insert(i, begin + size)
+                self._sizes[begin + size] = tail
+            if begin > start:
+                self._starts.insert(i, start)
+                self._sizes[start] = begin - start
+            self.used += size
+            return begin
+        return None
+
+    def free(self, offset: int, size: int) -> None:
+        size = align_up(size)
+        self.used -= size
+        i = bisect.bisect_left(self._starts, offset)
+        # merge with the following range
+        if i < len(self._starts) and self._starts[i] == offset + size:
+            size += self._sizes.pop(self._starts[i])
+            del self._starts[i]
+        # merge with the preceding range
+        if i > 0:
+            prev = self._starts[i - 1]
+            if prev + self._sizes[prev] == offset:
+                self._sizes[prev] += size
+                return
+            assert prev + self._sizes[prev] < offset, "double free in the pool allocator"
+        self._starts.insert(i, offset)
+        self._sizes[offset] = size
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.used
+
+
+class State(IntEnum):
+    RESERVED = 1
+    READY = 2
+    STORED = 3
+
+
+class Tier(IntEnum):
+    """Where a lookup found a block (also the wire code)."""
+    MISS = 0
+    DRAM = 1
+    STORAGE = 2
+
+
+# Per-namespace counters, kept in a numpy int64 vector (a view into the stats
+# segment in the server, so monitors read them live).
+class NsCounter(IntEnum):
+    BLOCKS_DRAM = 0        # gauge: READY blocks with pool slots
+    BYTES_DRAM = 1         # gauge
+    BLOCKS_PINNED = 2      # gauge
+    BLOCKS_STORAGE = 3     # gauge: blocks known to have files
+    HITS_DRAM = 4          # blocks
+    HITS_STORAGE = 5
+    MISSES = 6             # lookups that stopped at a missing key (one per lookup)
+    LOOKUPS = 7
+    EVICTIONS = 8
+    RESERVE_FAILED = 9     # pool full of unevictable blocks
+    COMMITS = 10           # blocks that became READY
+    BLOCKS_RESERVED = 11   # gauge
+
+
+NS_COUNTERS = len(NsCounter)
+
+
+@dataclass
+class Namespace:
+    ns_id: int
+    name: str                 # human-readable (model, layout) for monitors
+    fingerprint: str
+    world_size: int
+    shard_bytes: int          # bytes of one rank's shard of one block
+    counters: np.ndarray = field(default_factory=lambda: np.zeros(NS_COUNTERS, np.int64))
+
+    @property
+    def slot_bytes(self) -> int:
+        return align_up(self.shard_bytes)
+
+
+class Block:
+    __slots__ = ("key", "ns", "state", "slots", "committed", "pins", "on_storage", "owner")
+
+    def __init__(self, key: bytes, ns: Namespace, slots: list[int], owner: int):
+        self.key = key
+        self.ns = ns
+        self.state = State.RESERVED
+        self.slots: list[int] | None = slots   # pool offset per rank
+        self.committed = 0                      # bitmask of ranks
+        self.pins = 0
+        self.on_storage = False
+        self.owner = owner                      # client that reserved it (RESERVED only)
+
+    @property
+    def in_dram(self) -> bool:
+        return self.state == State.READY
+
+
+class NoSuchNamespace(KeyError):
+    pass
+
+
+class Index:
+    """key → block state, tier, slots, pins and recency; LRU eviction."""
+
+    def __init__(self, pool_capacity: int, storage_enabled: bool = False,
+                 on_evict: Callable[[Block], None] | None = None):
+        self.alloc = PoolAllocator(pool_capacity)
+        self.storage_enabled = storage_enabled
+        self.blocks: dict[bytes, Block] = {}
+        # key -> Tier of every block a lookup can hit (READY: DRAM, STORED: storage).
+        # Kept beside ``blocks`` so a lookup is a few C-level passes, not a Python loop.
+        self.present: dict[bytes, int] = {}
+        self.namespaces: dict[int, Namespace] = {}
+        self._lru: OrderedDict[bytes, None] = OrderedDict()   # evictable READY blocks, LRU first
+        self._on_evict = on_evict
+        self.pinned_bytes = 0
+
+    # ------------------------------------------------------------ namespaces
+    def add_namespace(self, ns: Namespace) -> None:
+        self.namespaces[ns.ns_id] = ns
+
+    def ns(self, ns_id: int) -> Namespace:
+        try:
+            return self.namespaces[ns_id]
+        except KeyError:
+            raise NoSuchNamespace(f"namespace id {ns_id} is not attached") from None
+
+    # ------------------------------------------------------------ evictability
+    def _is_evictable(self, b: Block) -> bool:
+        return (b.state == State.READY and b.pins == 0
+                and (b.on_storage or not self.storage_enabled))
+
+    def _refresh(self, b: Block, touch: bool = False) -> None:
+        if self._is_evictable(b):
+            if touch or b.key not in self._lru:
+                self._lru[b.key] = None
+                self._lru.move_to_end(b.key)
+        else:
+            self._lru.pop(b.key, None)
+
+    def _free_slots(self, b: Block) -> None:
+        assert b.slots is not None
+        size = b.ns.slot_bytes
+        for off in b.slots:
+            if off >= 0:
+                self.alloc.free(off, size)
+        b.slots = None
+
+    def _drop_from_dram(self, b: Block) -> None:
+        """The block's pool copy is gone: it lives on as STORED, or not at all."""
+        if b.on_storage:
+            b.state = State.STORED
+            self.present[b.key] = Tier.STORAGE
+        else:
+            del self.blocks[b.key]
+            self.present.pop(b.key, None)
+
+    def _evict_one(self) -> bool:
+        if not self._lru:
+            return False
+        key, _ = self._lru.popitem(last=False)
+        b = self.blocks[key]
+        c = b.ns.counters
+        c[NsCounter.BLOCKS_DRAM] -= 1
+        c[NsCounter.BYTES_DRAM] -= b.ns.slot_bytes * b.ns.world_size
+        c[NsCounter.EVICTIONS] += 1
+        self._free_slots(b)
+        self._drop_from_dram(b)
+        if self._on_evict is not None:
+            self._on_evict(b)
+        return True
+
+    def _alloc_slot(self, size: int) -> int | None:
+        while True:
+            off = self.alloc.alloc(size)
+            if off is not None:
+                return off
+            if not self._evict_one():
+                return None
+
+    # ------------------------------------------------------------ protocol operations
+    def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[int]]:
+        """How many leading keys are present, and the tier of each of those.
+
+        No side effects (the engine may ask again and again): recency is updated
+        when a hit is pinned for loading.
+        """
+        codes = list(map(self.present.get, keys))
+        try:
+            n = codes.index(None)
+        except ValueError:
+            n = len(codes)
+        return n, codes[:n]
+
+    def count_lookup(self, ns: Namespace, n_keys: int, tiers: list[int]) -> None:
+        c = ns.counters
+        dram = tiers.count(Tier.DRAM)
+        c[NsCounter.LOOKUPS] += 1
+        c[NsCounter.HITS_DRAM] += dram
+        c[NsCounter.HITS_STORAGE] += len(tiers) - dram
+        if len(tiers) < n_keys:
+            c[NsCounter.MISSES] += 1
+
+    def reserve(self, ns_id: int, keys: Sequence[bytes], owner: int = 0) -> np.ndarray:
+        """Allocate one pool slot per rank for each new key.
+
+        Returns int64 ``[len(keys), world_size]``: pool offsets, or -1 for a key
+        that needs no write (already present or being written) and -2 where the
+        pool is full of blocks that cannot be evicted (the caller skips saving it).
+        """
+        ns = self.ns(ns_id)
+        out = np.full((len(keys), ns.world_size), -1, np.int64)
+        size = ns.slot_bytes
+        for i, k in enumerate(keys):
+            b = self.blocks.get(k)
+            if b is not None and b.state != State.STORED:
+                continue
+            slots: list[int] = []
+            for _ in range(ns.world_size):
+                off = self._alloc_slot(size)
+                if off is None:
+                    break
+                slots.append(off)
+            if len(slots) < ns.world_size:
+                for off in slots:
+                    self.alloc.free(off, size)
+                out[i] = -2
+                ns.counters[NsCounter.RESERVE_FAILED] += 1
+                continue
+            if b is None:
+                b = Block(k, ns, slots, owner)
+                self.blocks[k] = b
+            else:  # a STORED block written again: keep its storage flag
+                b.slots, b.state, b.owner, b.committed = slots, State.RESERVED, owner, 0
+                self.present.pop(k, None)
+            ns.counters[NsCounter.BLOCKS_RESERVED] += 1
+            out[i] = slots
+        return out
+
+    def commit(self, ns_id: int, keys: Iterable[bytes], rank: int) -> list[Block]:
+        """Rank ``rank`` wrote its shard of these keys; returns blocks that became READY."""
+        ns = self.ns(ns_id)
+        full = (1 << ns.world_size) - 1
+        ready: list[Block] = []
+        for k in keys:
+            b = self.blocks.get(k)
+            if b is None or b.state != State.RESERVED:
+                continue
+            b.committed |= 1 << rank
+            if b.committed == full:
+                b.state = State.READY
+                b.owner = 0
+                self.present[k] = Tier.DRAM
+                c = ns.counters
+                c[NsCounter.BLOCKS_RESERVED] -= 1
+                c[NsCounter.BLOCKS_DRAM] += 1
+                c[NsCounter.BYTES_DRAM] += ns.slot_bytes * ns.world_size
+                c[NsCounter.COMMITS] += 1
+                self._refresh(b, touch=True)
+                ready.append(b)
+        return ready
+
+    def abort(self, keys: Iterable[bytes]) -> None:
+        """Drop reservations that will never be committed (failed copy, dead client)."""
+        for k in keys:
+            b = self.blocks.get(k)
+            if b is None or b.state != State.RESERVED:
+                continue
+            b.ns.counters[NsCounter.BLOCKS_RESERVED] -= 1
+            self._free_slots(b)
+            b.committed = 0
+            self._drop_from_dram(b)
+
+    def abort_owner(self, owner: int) -> int:
+        stale = [k for k, b in self.blocks.items() if b.state == State.RESERVED and b.owner == owner]
+        self.abort(stale)
+        return len(stale)
+
+    def pin(self, keys: Iterable[bytes]) -> list[list[int] | None]:
+        """Pin present blocks against eviction; returns each block's slots (None if not in DRAM)."""
+        out: list[list[int] | None] = []
+        for k in keys:
+            b = self.blocks.get(k)
+            if b is None or b.state == State.RESERVED:
+                out.append(None)
+                continue
+            if b.pins == 0:
+                b.ns.counters[NsCounter.BLOCKS_PINNED] += 1
+                self.pinned_bytes += b.ns.slot_bytes * b.ns.world_size
+            b.pins += 1
+            self._refresh(b)
+            out.append(list(b.slots) if b.slots is not None else None)
+        return out
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        for k in keys:
+            b = self.blocks.get(k)
+            if b is None or b.pins == 0:
+                continue
+            b.pins -= 1
+            if b.pins == 0:
+                b.ns.counters[NsCounter.BLOCKS_PINNED] -= 1
+                self.pinned_bytes -= b.ns.slot_bytes * b.ns.world_size
+            self._refresh(b, touch=True)
+
+    def mark_stored(self, key: bytes) -> None:
+        """The block's files are on storage (spill done, or found by a scan)."""
+        b = self.blocks.get(key)
+        if b is None or b.on_storage:
+            return
+        b.on_storage = True
+        b.ns.counters[NsCounter.BLOCKS_STORAGE] += 1
+        self._refresh(b)
+
+    def clear_namespace(self, ns_id: int) -> int:
+        """Drop the namespace's DRAM copies (pinned and reserved blocks stay); returns blocks dropped."""
+        ns = self.ns(ns_id)
+        dropped = 0
+        for k, b in list(self.blocks.items()):
+            if b.ns is not ns or b.state != State.READY or b.pins:
+                continue
+            self._lru.pop(k, None)
+            ns.counters[NsCounter.BLOCKS_DRAM] -= 1
+            ns.counters[NsCounter.BYTES_DRAM] -= ns.slot_bytes * ns.world_size
+            self._free_slots(b)
+            self._drop_from_dram(b)
+            dropped += 1
+        return dropped

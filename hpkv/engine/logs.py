@@ -1,0 +1,29 @@
+"""Logging of the server and its workers: stderr plus ``server.log`` in the pool directory."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from hpkv.engine.protocol import LOG_FILE
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
+
+
+def setup_logging(directory: str, level: str, to_stderr: bool = True) -> None:
+    fmt = logging.Formatter(FORMAT)
+    root = logging.getLogger("hpkv")
+    root.setLevel(level)
+    root.handlers.clear()
+    root.propagate = False
+    if to_stderr:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(fmt)
+        root.addHandler(h)
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        fh = logging.FileHandler(os.path.join(directory, LOG_FILE))
+        fh.setFormatter(fmt)
+        root.addHandler(fh)
+    except OSError as exc:
+        root.warning("cannot write the log file in %s: %s", directory, exc)

@@ -1,0 +1,585 @@
+"""The hpkv server: owns the pool, the index, the stats segment and the worker processes.
+
+One server per pool directory, guaranteed by an flock on ``server.lock`` (the
+kernel releases it when the holder dies, so a lock left by a killed server is
+simply taken over). Threads:
+
+* the *request loop* (main thread) sleeps on the doorbell shared by every
+  client's request ring and answers hot calls (lookup, reserve, commit, pin,
+  unpin) through the clients' mailboxes;
+* the *control thread* accepts Unix-socket connections and serves the rare
+  JSON calls (hello, namespace, register_device, clear, stats, shutdown); a
+  closed socket means the client is gone and its pins and reservations go too;
+* the *supervisor thread* restarts dead workers (their in-flight and queued jobs
+  complete as failures), publishes gauges, and stops an idle auto-spawned server.
+
+The index is touched under one lock; hot calls hold it for one request.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hpkv.config import Config, check_runtime, format_size
+from hpkv.engine import protocol as P
+from hpkv.engine.index import Index, Namespace, NsCounter, NoSuchNamespace
+from hpkv.engine.keys import KEY_BYTES
+from hpkv.engine.logs import setup_logging
+from hpkv.engine.pool import PoolFile
+from hpkv.engine.stats import MAX_NS, MAX_WORKERS, NS_COUNTERS, G, StatsSegment, W, WorkerState
+from hpkv.engine.workers import WorkerProcess, device_cpus
+from hpkv.ring import Doorbell, Ring, RingError
+
+log = logging.getLogger("hpkv.server")
+
+
+class AlreadyServed(RuntimeError):
+    def __init__(self, directory: str, pid: int | None):
+        self.pid = pid
+        who = f"pid {pid}" if pid else "another process"
+        super().__init__(f"the pool directory {directory} is already served by {who}; "
+                         f"stop it first (kill {pid or '<pid>'}) or use another HPKV_SHARE_MEM_FILE_PATH")
+
+
+def read_lock_pid(directory: str) -> int | None:
+    try:
+        with open(os.path.join(directory, P.LOCK_FILE)) as f:
+            return int(f.read().strip() or 0) or None
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class Device:
+    """One registered device of one client: its transfer workers and their rings."""
+    dev_id: int
+    client_id: int
+    ns_id: int
+    rank: int
+    spec: dict[str, Any]
+    workers: list[WorkerProcess] = field(default_factory=list)
+
+
+@dataclass
+class Client:
+    cid: int
+    pid: int
+    conn: socket.socket
+    req: Ring
+    resp: Ring
+    mbox_path: str
+    mbox: np.ndarray
+    name: str = ""
+    namespaces: set[int] = field(default_factory=set)
+    ranks: set[int] = field(default_factory=set)
+    pins: Counter = field(default_factory=Counter)
+    devices: list[Device] = field(default_factory=list)
+    alive: bool = True
+
+
+class Server:
+    def __init__(self, cfg: Config, auto: bool = False):
+        self.cfg = cfg
+        self.dir = cfg.pool_dir
+        self.auto = auto
+        self.idle_exit = cfg["HPKV_SERVER_IDLE_EXIT"] if auto else 0.0
+        self.lock = threading.RLock()
+        self.stop_event = threading.Event()
+        self.clients: dict[int, Client] = {}
+        self.namespaces_by_fp: dict[str, Namespace] = {}
+        self.workers: list[WorkerProcess] = []
+        self._closing: list[Client] = []
+        self._next_cid = 1
+        self._next_dev = 1
+        self._lock_fd: int | None = None
+        self._catalog_dirty = True
+        self._last_client_seen = time.monotonic()
+
+    # ================================================================ life cycle
+    def acquire_lock(self) -> None:
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        path = os.path.join(self.dir, P.LOCK_FILE)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise AlreadyServed(self.dir, read_lock_pid(self.dir)) from None
+        previous = read_lock_pid(self.dir)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+        if previous and previous != os.getpid():
+            log.warning("took over the pool directory %s from pid %s, which exited without "
+                        "cleaning up", self.dir, previous)
+        self._remove_owned_files(startup=True)
+
+    def _remove_owned_files(self, startup: bool) -> None:
+        removed = []
+        for name in os.listdir(self.dir):
+            if (name in (P.POOL_FILE, P.SOCKET_FILE, "stats") or name.endswith(P.OWNED_SUFFIXES)
+                    or ".tmp" in name):
+                try:
+                    os.unlink(os.path.join(self.dir, name))
+                    removed.append(name)
+                except FileNotFoundError:
+                    pass
+        if removed and startup:
+            log.warning("removed %d files left by a previous server in %s: %s", len(removed),
+                        self.dir, ", ".join(sorted(removed)[:8]) + (" ..." if len(removed) > 8 else ""))
+
+    def start(self) -> None:
+        for w in check_runtime(self.cfg):
+            log.warning("%s", w)
+        self.acquire_lock()
+        size = self.cfg.pool_size
+        t0 = time.monotonic()
+        self.pool = PoolFile.create(os.path.join(self.dir, P.POOL_FILE), size)
+        log.info("pool %s: %s allocated and mapped in %.2fs", self.pool.path, format_size(size),
+                 time.monotonic() - t0)
+        self.stats = StatsSegment.create(self.dir)
+        self.index = Index(size, storage_enabled=False)
+        self.stats.glob[G.POOL_CAPACITY] = size
+        self.doorbell = Doorbell.create(self.dir, "server")
+        sock_path = os.path.join(self.dir, P.SOCKET_FILE)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(sock_path)
+        os.chmod(sock_path, 0o600)
+        self.listener.listen(64)
+        self._publish_catalog()
+        threading.Thread(target=self._control_loop, name="control", daemon=True).start()
+        threading.Thread(target=self._supervisor_loop, name="supervisor", daemon=True).start()
+        log.info("hpkv server %d serving %s (pool %s, storage %s)%s", os.getpid(), self.dir,
+                 format_size(size), self.cfg.storage_path or "disabled",
+                 f", idle exit after {self.idle_exit:g}s" if self.idle_exit else "")
+
+    def shutdown(self) -> None:
+        self.stop_event.set()
+        for w in list(self.workers):
+            w.stop()
+        with self.lock:
+            for c in list(self.clients.values()):
+                self._drop_client(c, reason="server shutdown")
+        self._reap_closed_clients()
+        for obj in ("listener",):
+            try:
+                getattr(self, obj).close()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+        self.doorbell.close()
+        try:
+            self.stats.close()
+            self.pool.close()
+        except Exception as exc:  # noqa: BLE001
+            log.debug("unmap: %s", exc)
+        self._remove_owned_files(startup=False)
+        if self._lock_fd is not None:
+            os.unlink(os.path.join(self.dir, P.LOCK_FILE))
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        log.info("hpkv server %d stopped; pool, rings and stats removed", os.getpid())
+
+    def serve_forever(self) -> None:
+        """Run the request loop until SIGTERM/SIGINT, a shutdown call or idle exit."""
+        while not self.stop_event.is_set():
+            with self.lock:
+                clients = [c for c in self.clients.values() if c.alive]
+            try:
+                self.doorbell.wait(timeout=0.2)
+            except InterruptedError:
+                continue
+            for c in clients:
+                self._drain(c)
+            if self._closing:
+                self._reap_closed_clients()
+
+    def _reap_closed_clients(self) -> None:
+        with self.lock:
+            closing, self._closing = self._closing, []
+        for c in closing:
+            for ring in (c.req, c.resp):
+                ring.close()
+            try:
+                os.unlink(c.mbox_path)
+            except FileNotFoundError:
+                pass
+
+    # ================================================================ hot path
+    def _drain(self, c: Client) -> None:
+        while c.alive:
+            try:
+                d = c.req.try_pop()
+            except RingError:
+                return
+            if d is None:
+                return
+            with self.lock:
+                status, a0, a1 = self._handle(c, d)
+            self.stats.glob[G.REQUESTS] += 1
+            if status < 0:
+                self.stats.glob[G.ERRORS] += 1
+            try:
+                c.resp.try_push(P.COMPLETION, d.seq, a0, a1, status=status)
+            except RingError as exc:
+                log.info("client %d: cannot answer (%s)", c.cid, exc)
+
+    def _keys(self, c: Client, n: int) -> list[bytes]:
+        if n > P.MAX_KEYS_PER_CALL:
+            raise OverflowError
+        return c.mbox[: n * KEY_BYTES].view(f"V{KEY_BYTES}").tolist()
+
+    def _handle(self, c: Client, d) -> tuple[int, int, int]:
+        """One hot call; returns (status, a0, a1) for the completion."""
+        kind, ns_id, n = d.kind, d.a0, d.a1
+        try:
+            keys = self._keys(c, n)
+            idx = self.index
+            out = c.mbox[P.MAILBOX_HALF:]
+            if kind == P.LOOKUP:
+                hit, tiers = idx.lookup(keys)
+                idx.count_lookup(idx.ns(ns_id), n, tiers)
+                out[:hit] = np.frombuffer(bytes(tiers), np.uint8)
+                return 0, hit, 0
+            if kind == P.RESERVE:
+                slots = idx.reserve(ns_id, keys, owner=c.cid)
+                flat = slots.reshape(-1)
+                out[: flat.nbytes] = flat.view(np.uint8)
+                return 0, slots.shape[1], 0
+            if kind == P.COMMIT:
+                ready = idx.commit(ns_id, keys, rank=d.a2)
+                return 0, len(ready), 0
+            if kind == P.PIN:
+                idx.ns(ns_id)
+                slots_per_key = idx.pin(keys)
+                world = idx.ns(ns_id).world_size
+                arr = np.full((n, world), -1, np.int64)
+                for i, s in enumerate(slots_per_key):
+                    if s is not None:
+                        arr[i] = s
+                    c.pins[keys[i]] += 1
+                out[: arr.nbytes] = arr.reshape(-1).view(np.uint8)
+                return 0, world, 0
+            if kind == P.UNPIN:
+                idx.unpin(keys)
+                for k in keys:
+                    c.pins[k] -= 1
+                    if c.pins[k] <= 0:
+                        del c.pins[k]
+                return 0, 0, 0
+            return P.E_BAD_REQUEST, 0, 0
+        except NoSuchNamespace:
+            return P.E_NO_NAMESPACE, 0, 0
+        except OverflowError:
+            return P.E_TOO_MANY_KEYS, 0, 0
+        finally:
+            self.stats.glob[G.POOL_USED] = idx.alloc.used
+            self.stats.glob[G.POOL_PINNED] = idx.pinned_bytes
+            self.stats.glob[G.BLOCKS] = len(idx.blocks)
+
+    # ================================================================ control path
+    def _control_loop(self) -> None:
+        import selectors
+        sel = selectors.DefaultSelector()
+        sel.register(self.listener, selectors.EVENT_READ, None)
+        buffers: dict[socket.socket, bytes] = {}
+        while not self.stop_event.is_set():
+            try:
+                events = sel.select(timeout=0.5)
+            except (OSError, ValueError):
+                return
+            for key, _ in events:
+                if key.fileobj is self.listener:
+                    try:
+                        conn, _ = self.listener.accept()
+                    except OSError:
+                        continue
+                    conn.setblocking(False)
+                    buffers[conn] = b""
+                    sel.register(conn, selectors.EVENT_READ, {"client": None})
+                    continue
+                conn = key.fileobj
+                state = key.data
+                try:
+                    chunk = conn.recv(65536)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    sel.unregister(conn)
+                    buffers.pop(conn, None)
+                    if state["client"] is not None:
+                        with self.lock:
+                            self._drop_client(state["client"], reason="connection closed")
+                    conn.close()
+                    continue
+                buffers[conn] += chunk
+                while b"\n" in buffers[conn]:
+                    line, buffers[conn] = buffers[conn].split(b"\n", 1)
+                    reply = self._control_call(conn, state, line)
+                    try:
+                        conn.setblocking(True)
+                        conn.sendall(json.dumps(reply).encode() + b"\n")
+                        conn.setblocking(False)
+                    except OSError:
+                        pass
+
+    def _control_call(self, conn: socket.socket, state: dict, line: bytes) -> dict[str, Any]:
+        try:
+            msg = json.loads(line)
+            op = msg.get("op")
+            if op == "hello":
+                c = self._add_client(conn, int(msg.get("pid", 0)), str(msg.get("name", "")))
+                state["client"] = c
+                return {"ok": True, "client_id": c.cid, "req": c.req.name, "resp": c.resp.name,
+                        "mailbox": c.mbox_path, "pool": self.pool.path, "pool_size": self.pool.size,
+                        "server_pid": os.getpid(), "storage": self.cfg.storage_path}
+            if op == "stats":
+                with self.lock:
+                    if self._catalog_dirty:
+                        self._publish_catalog()
+                return {"ok": True, "stats": self.stats.snapshot()}
+            if op == "shutdown":
+                log.info("shutdown requested by pid %s", msg.get("pid"))
+                self.stop_event.set()
+                return {"ok": True}
+            c = state["client"]
+            if c is None:
+                return {"ok": False, "error": f"call 'hello' before {op!r}"}
+            with self.lock:
+                if op == "namespace":
+                    return self._attach_namespace(c, msg)
+                if op == "register_device":
+                    return self._register_device(c, msg)
+                if op == "clear":
+                    n = self.index.clear_namespace(int(msg["ns_id"]))
+                    log.info("client %d cleared namespace %s from the DRAM tier: %d blocks",
+                             c.cid, msg["ns_id"], n)
+                    return {"ok": True, "dropped": n}
+            return {"ok": False, "error": f"unknown op {op!r}"}
+        except NoSuchNamespace as exc:
+            return {"ok": False, "error": str(exc)}
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("bad control call %r: %s", line[:200], exc)
+            return {"ok": False, "error": f"bad request: {exc}"}
+        except Exception as exc:  # noqa: BLE001 - a bad call must not kill the control thread
+            log.exception("control call failed")
+            return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+
+    def _add_client(self, conn: socket.socket, pid: int, name: str) -> Client:
+        with self.lock:
+            cid = self._next_cid
+            self._next_cid += 1
+        req = Ring.create(self.dir, f"c{cid}.req", capacity=P.RING_CAPACITY,
+                          role="consumer", doorbell=self.doorbell)
+        resp = Ring.create(self.dir, f"c{cid}.resp", capacity=P.RING_CAPACITY, role="producer")
+        mbox_path = os.path.join(self.dir, f"c{cid}.mbox")
+        mbox = _create_shared_array(mbox_path, P.MAILBOX_BYTES)
+        c = Client(cid, pid, conn, req, resp, mbox_path, mbox, name=name)
+        with self.lock:
+            self.clients[cid] = c
+            self._last_client_seen = time.monotonic()
+            self.stats.glob[G.CLIENTS] = len(self.clients)
+            self._catalog_dirty = True
+        log.info("client %d attached (pid %d%s)", cid, pid, f", {name}" if name else "")
+        self.doorbell.ring()  # make the request loop pick up the new ring
+        return c
+
+    def _drop_client(self, c: Client, reason: str) -> None:
+        if not c.alive:
+            return
+        c.alive = False
+        if c.pins:
+            keys = [k for k, n in c.pins.items() for _ in range(n)]
+            self.index.unpin(keys)
+        aborted = self.index.abort_owner(c.cid)
+        for dev in c.devices:
+            for w in dev.workers:
+                w.stop()
+                self.workers.remove(w)
+        # The request loop may be waiting on the doorbell that watches c.req: it
+        # closes the rings itself (_reap_closed_clients), never another thread.
+        self._closing.append(c)
+        self.doorbell.ring()
+        self.clients.pop(c.cid, None)
+        self._last_client_seen = time.monotonic()
+        self.stats.glob[G.CLIENTS] = len(self.clients)
+        self._catalog_dirty = True
+        log.info("client %d (pid %d) detached: %s; released %d pins, %d reservations",
+                 c.cid, c.pid, reason, sum(c.pins.values()), aborted)
+
+    def _attach_namespace(self, c: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        fp = str(msg["fingerprint"])
+        world = int(msg["world_size"])
+        shard = int(msg["shard_bytes"])
+        if world < 1 or world > 62 or shard <= 0:
+            raise ValueError(f"world_size {world} must be 1..62 and shard_bytes {shard} > 0")
+        ns = self.namespaces_by_fp.get(fp)
+        if ns is None:
+            ns_id = len(self.namespaces_by_fp)
+            if ns_id >= MAX_NS:
+                raise ValueError(f"more than {MAX_NS} namespaces attached")
+            ns = Namespace(ns_id, str(msg.get("name", fp[:12])), fp, world, shard,
+                           counters=self.stats.ns[ns_id, :NS_COUNTERS])
+            self.namespaces_by_fp[fp] = ns
+            self.index.add_namespace(ns)
+            log.info("namespace %d %s: %s, %d rank(s), %s per shard", ns_id, fp[:12], ns.name,
+                     world, format_size(shard))
+        elif (ns.world_size, ns.shard_bytes) != (world, shard):
+            raise ValueError(f"namespace {fp} is attached with world_size {ns.world_size} and "
+                             f"shard_bytes {ns.shard_bytes}, not {world} and {shard}")
+        c.namespaces.add(ns.ns_id)
+        if "rank" in msg:
+            c.ranks.add(int(msg["rank"]))
+        self._catalog_dirty = True
+        return {"ok": True, "ns_id": ns.ns_id, "slot_bytes": ns.slot_bytes, "slot_unit": P.SLOT_UNIT}
+
+    def _register_device(self, c: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        ns = self.index.ns(int(msg["ns_id"]))
+        n_workers = self.cfg["HPKV_NUM_TRANSFER_WORKERS"]
+        dev_id = self._next_dev
+        self._next_dev += 1
+        node, cpus = device_cpus(msg.get("device", "cpu"), msg.get("numa_node"))
+        spec = {k: msg[k] for k in ("regions", "layer_bases", "block_stride", "page_bytes",
+                                    "num_blocks")}
+        spec.update(pool=self.pool.path, slot_bytes=ns.slot_bytes, numa_node=node, cpus=cpus,
+                    stats_dir=self.dir, log_level=self.cfg["HPKV_LOG_LEVEL"])
+        dev = Device(dev_id, c.cid, ns.ns_id, int(msg.get("rank", 0)), spec)
+        answer = []
+        for j in range(n_workers):
+            slot = self._free_worker_slot()
+            base = f"c{c.cid}.d{dev_id}.w{j}"
+            w = WorkerProcess.start_transfer(self.dir, base, slot, spec, device=str(msg.get("device", "cpu")),
+                                             stats=self.stats)
+            dev.workers.append(w)
+            self.workers.append(w)
+            answer.append({"req": w.req_name, "resp": w.resp_name, "jobs": w.jobs_path})
+        c.devices.append(dev)
+        self._catalog_dirty = True
+        log.info("client %d registered device %s (rank %d, NUMA node %s, CPUs %s): %d transfer worker(s)",
+                 c.cid, msg.get("device", "cpu"), dev.rank, node, _cpu_list(cpus), n_workers)
+        return {"ok": True, "device_id": dev_id, "workers": answer}
+
+    def _free_worker_slot(self) -> int:
+        used = {w.slot for w in self.workers}
+        for i in range(MAX_WORKERS):
+            if i not in used:
+                return i
+        raise ValueError(f"more than {MAX_WORKERS} workers")
+
+    # ================================================================ supervision
+    def _supervisor_loop(self) -> None:
+        while not self.stop_event.wait(0.2):
+            try:
+                self._supervise_once()
+            except Exception:  # noqa: BLE001 - supervision must keep running
+                log.exception("supervisor step failed")
+
+    def _supervise_once(self) -> None:
+        now = time.time_ns()
+        self.stats.header[4] = now  # heartbeat
+        with self.lock:
+            for w in list(self.workers):
+                if w.poll_dead():
+                    self.stats.glob[G.WORKER_RESTARTS] += 1
+                    w.fail_pending_and_restart()
+                    self._catalog_dirty = True
+            for c in list(self.clients.values()):
+                if c.alive and not _pid_alive(c.pid):
+                    self._drop_client(c, reason=f"process {c.pid} exited")
+            if self._catalog_dirty:
+                self._publish_catalog()
+            idle = not self.clients and self.idle_exit > 0 and \
+                time.monotonic() - self._last_client_seen > self.idle_exit
+        if idle:
+            log.info("no client for %.0fs (HPKV_SERVER_IDLE_EXIT): exiting", self.idle_exit)
+            self.stop_event.set()
+            self.doorbell.ring()
+
+    def _publish_catalog(self) -> None:
+        self._catalog_dirty = False
+        self.stats.write_catalog({
+            "server": {"pool_dir": self.dir, "pool_file": self.pool.path,
+                       "storage": self.cfg.storage_path, "auto": self.auto,
+                       "pool_locked": self.pool.locked},
+            "namespaces": [{"id": ns.ns_id, "name": ns.name, "fingerprint": ns.fingerprint,
+                            "world_size": ns.world_size, "shard_bytes": ns.shard_bytes}
+                           for ns in self.namespaces_by_fp.values()],
+            "workers": [w.describe() for w in self.workers],
+            "clients": [{"id": c.cid, "pid": c.pid, "name": c.name,
+                         "namespaces": sorted(c.namespaces), "ranks": sorted(c.ranks)}
+                        for c in self.clients.values()],
+            "rings": [{"name": r.name, "capacity": r.capacity}
+                      for c in self.clients.values() for r in (c.req, c.resp)],
+        })
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _cpu_list(cpus: list[int]) -> str:
+    return ",".join(map(str, cpus))
+
+
+def _create_shared_array(path: str, size: int) -> np.ndarray:
+    import mmap
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
+    return np.frombuffer(mm, dtype=np.uint8)
+
+
+def serve(cfg: Config, auto: bool = False, log_level: str | None = None) -> int:
+    """``hpkv serve``: run the server in the foreground until told to stop."""
+    setup_logging(cfg.pool_dir, log_level or cfg["HPKV_LOG_LEVEL"])
+    server = Server(cfg, auto=auto)
+    try:
+        server.start()
+    except AlreadyServed as exc:
+        log.error("%s", exc)
+        return 3
+    except OSError as exc:
+        log.error("cannot start: %s", exc)
+        if server._lock_fd is not None:
+            server.shutdown()
+        return 1
+
+    def on_signal(signum, _frame):
+        log.info("received %s: shutting down", signal.Signals(signum).name)
+        server.stop_event.set()
+        server.doorbell.ring()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if auto:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        server.serve_forever()
+    finally:
+        server.shutdown()
+    return 0

@@ -1,0 +1,201 @@
+"""The stats segment: counters and gauges in shared memory, read without locks or RPC.
+
+Layout of the file ``stats`` in the pool directory (all little-endian int64)::
+
+    header    [16]                 magic, version, server pid, start time (ns), heartbeat (ns),
+                                   catalog generation (seqlock), catalog length
+    global    [GLOBAL_SLOTS]       server-wide counters (:class:`G`)
+    ns        [MAX_NS][NS_SLOTS]   per-namespace counters (index.NsCounter), row = ns id
+    worker    [MAX_WORKERS][W_SLOTS] per-worker counters (:class:`W`), written by the worker itself
+    catalog   CATALOG_BYTES        JSON: namespaces, workers, clients, rings (names, pids, CPUs…)
+
+Counters are written by exactly one process each (the server, or the worker owning
+the row) with aligned 8-byte stores, so a reader sees each value whole. The JSON
+catalog changes rarely; its writer bumps the generation to odd, writes, bumps to
+even, and readers retry while it is odd or changed under them.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import time
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+
+from hpkv.engine.index import NS_COUNTERS, NsCounter
+
+MAGIC = 0x53544154564B5048  # "HPKVTATS"
+VERSION = 1
+HEADER_SLOTS = 16
+GLOBAL_SLOTS = 32
+MAX_NS = 64
+NS_SLOTS = 16
+MAX_WORKERS = 64
+W_SLOTS = 16
+CATALOG_BYTES = 256 * 1024
+assert NS_COUNTERS <= NS_SLOTS
+
+
+class H(IntEnum):
+    MAGIC = 0
+    VERSION = 1
+    SERVER_PID = 2
+    START_NS = 3
+    HEARTBEAT_NS = 4
+    CATALOG_GEN = 5
+    CATALOG_LEN = 6
+
+
+class G(IntEnum):
+    """Server-wide counters and gauges."""
+    POOL_CAPACITY = 0
+    POOL_USED = 1
+    POOL_PINNED = 2
+    CLIENTS = 3
+    REQUESTS = 4
+    ERRORS = 5
+    WORKER_RESTARTS = 6
+    BLOCKS = 7
+
+
+class W(IntEnum):
+    """Per-worker counters (written by the worker) and state (written by the server)."""
+    PID = 0
+    STATE = 1            # WorkerState
+    JOBS = 2
+    JOBS_FAILED = 3
+    BYTES_SAVED = 4      # device -> pool (transfer) / pool -> file (io)
+    BYTES_LOADED = 5     # pool -> device (transfer) / file -> pool (io)
+    BUSY_NS = 6
+    INFLIGHT_SEQ = 7     # seq of the batch being executed, 0 when idle
+    HEARTBEAT_NS = 8
+    RESTARTS = 9
+
+
+class WorkerState(IntEnum):
+    EMPTY = 0
+    STARTING = 1
+    RUNNING = 2
+    DEAD = 3
+    STOPPED = 4
+
+
+_OFF_GLOBAL = HEADER_SLOTS
+_OFF_NS = _OFF_GLOBAL + GLOBAL_SLOTS
+_OFF_W = _OFF_NS + MAX_NS * NS_SLOTS
+_N_INT = _OFF_W + MAX_WORKERS * W_SLOTS
+FILE_SIZE = _N_INT * 8 + CATALOG_BYTES
+
+STATS_FILE = "stats"
+
+
+class StatsSegment:
+    """A mapping of the stats file; the server creates it, everyone else attaches."""
+
+    def __init__(self, path: str, mm: mmap.mmap, writable: bool):
+        self.path = path
+        self.mm = mm
+        self.writable = writable
+        ints = np.frombuffer(mm, dtype=np.int64, count=_N_INT)
+        self.header = ints[:HEADER_SLOTS]
+        self.glob = ints[_OFF_GLOBAL:_OFF_NS]
+        self.ns = ints[_OFF_NS:_OFF_W].reshape(MAX_NS, NS_SLOTS)
+        self.workers = ints[_OFF_W:_N_INT].reshape(MAX_WORKERS, W_SLOTS)
+        self._catalog = np.frombuffer(mm, dtype=np.uint8, count=CATALOG_BYTES, offset=_N_INT * 8)
+
+    @classmethod
+    def create(cls, directory: str) -> "StatsSegment":
+        path = os.path.join(directory, STATS_FILE)
+        tmp = f"{path}.tmp{os.getpid()}"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, FILE_SIZE)
+            mm = mmap.mmap(fd, FILE_SIZE, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        seg = cls(path, mm, writable=True)
+        seg.header[H.VERSION] = VERSION
+        seg.header[H.SERVER_PID] = os.getpid()
+        seg.header[H.START_NS] = time.time_ns()
+        seg.header[H.HEARTBEAT_NS] = time.time_ns()
+        seg.header[H.MAGIC] = MAGIC
+        os.rename(tmp, path)
+        return seg
+
+    @classmethod
+    def attach(cls, directory: str, writable: bool = False) -> "StatsSegment":
+        """Raises FileNotFoundError when no server has created the segment."""
+        path = os.path.join(directory, STATS_FILE)
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_size != FILE_SIZE:
+                raise FileNotFoundError(f"{path} is not an hpkv stats segment of this version")
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(fd, FILE_SIZE, flags=mmap.MAP_SHARED, prot=prot)
+        finally:
+            os.close(fd)
+        seg = cls(path, mm, writable)
+        if seg.header[H.MAGIC] != MAGIC or seg.header[H.VERSION] != VERSION:
+            seg.close()
+            raise FileNotFoundError(f"{path} is not an hpkv stats segment of version {VERSION}")
+        return seg
+
+    # ---------------------------------------------------------------- catalog (seqlock)
+    def write_catalog(self, catalog: dict[str, Any]) -> None:
+        data = json.dumps(catalog, separators=(",", ":")).encode()
+        if len(data) > CATALOG_BYTES:
+            raise ValueError(f"stats catalog of {len(data)} bytes exceeds {CATALOG_BYTES}")
+        self.header[H.CATALOG_GEN] += 1          # odd: writing
+        self._catalog[: len(data)] = np.frombuffer(data, np.uint8)
+        self.header[H.CATALOG_LEN] = len(data)
+        self.header[H.CATALOG_GEN] += 1          # even: stable
+
+    def read_catalog(self, retries: int = 1000) -> dict[str, Any]:
+        for _ in range(retries):
+            gen = int(self.header[H.CATALOG_GEN])
+            if gen % 2:
+                time.sleep(0)
+                continue
+            n = int(self.header[H.CATALOG_LEN])
+            data = self._catalog[:n].tobytes()
+            if int(self.header[H.CATALOG_GEN]) == gen:
+                return json.loads(data) if data else {}
+        raise TimeoutError(f"the stats catalog in {self.path} kept changing while being read")
+
+    # ---------------------------------------------------------------- snapshot
+    def snapshot(self) -> dict[str, Any]:
+        """Everything as one JSON-able dict (used by ``hpkv status`` and monitors)."""
+        cat = self.read_catalog()
+        g = self.glob.copy()
+        out: dict[str, Any] = {
+            "server": {"pid": int(self.header[H.SERVER_PID]),
+                       "start_time": self.header[H.START_NS] / 1e9,
+                       "heartbeat_age_s": max(0.0, (time.time_ns() - int(self.header[H.HEARTBEAT_NS])) / 1e9),
+                       **cat.get("server", {})},
+            "pool": {"capacity_bytes": int(g[G.POOL_CAPACITY]), "used_bytes": int(g[G.POOL_USED]),
+                     "pinned_bytes": int(g[G.POOL_PINNED]), "blocks": int(g[G.BLOCKS])},
+            "requests": int(g[G.REQUESTS]), "errors": int(g[G.ERRORS]),
+            "worker_restarts": int(g[G.WORKER_RESTARTS]),
+            "namespaces": [], "workers": [], "clients": cat.get("clients", []),
+            "rings": cat.get("rings", []),
+        }
+        for ns in cat.get("namespaces", []):
+            row = self.ns[ns["id"]]
+            out["namespaces"].append({**ns, **{c.name.lower(): int(row[c]) for c in NsCounter}})
+        for w in cat.get("workers", []):
+            row = self.workers[w["slot"]]
+            out["workers"].append({**w, "pid": int(row[W.PID]),
+                                   "state": WorkerState(int(row[W.STATE])).name.lower(),
+                                   **{c.name.lower(): int(row[c]) for c in W
+                                      if c not in (W.PID, W.STATE)}})
+        return out
+
+    def close(self) -> None:
+        del self.header, self.glob, self.ns, self.workers, self._catalog
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a caller still holds a row view: the mapping goes when that view does

@@ -1,0 +1,200 @@
+"""Worker processes as the server sees them: start, NUMA placement, supervision, stop.
+
+A worker owns nothing the server needs to survive its death: its rings and job
+arena are created by the server, its counters live in its row of the stats
+segment. When a worker dies the server takes over the worker's ends of both rings,
+answers the batch that was in flight (the worker's INFLIGHT_SEQ) and every queued
+batch with an error completion, so no job is ever reported done that was not, and
+no stale job runs later against device blocks the engine has reused; then it
+starts a replacement on the same rings.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from hpkv.engine import protocol as P
+from hpkv.engine.stats import StatsSegment, W, WorkerState
+from hpkv.ring import Ring, RingError
+
+log = logging.getLogger("hpkv.workers")
+
+
+def numa_nodes() -> list[int]:
+    try:
+        return sorted(int(n[4:]) for n in os.listdir("/sys/devices/system/node") if n.startswith("node")
+                      and n[4:].isdigit())
+    except OSError:
+        return [0]
+
+
+def parse_cpulist(text: str) -> list[int]:
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def device_cpus(device: str, numa_node: int | None) -> tuple[int, list[int]]:
+    """The NUMA node to serve ``device`` from and the CPUs of that node we may run on.
+
+    The connector tells us the node: the GPU's PCI ``numa_node`` on CUDA, the node
+    of the engine worker's CPUs on the CPU backend. Unknown (-1/None) → node 0 or
+    all CPUs we are allowed.
+    """
+    allowed = sorted(os.sched_getaffinity(0))
+    node = numa_node if numa_node is not None and numa_node >= 0 else 0
+    try:
+        with open(f"/sys/devices/system/node/node{node}/cpulist") as f:
+            cpus = [c for c in parse_cpulist(f.read()) if c in allowed]
+    except OSError:
+        cpus = []
+    return node, cpus or allowed
+
+
+def worker_file_names(base: str) -> tuple[str, str, str]:
+    return f"{base}.req", f"{base}.resp", f"{base}.jobs"
+
+
+class WorkerProcess:
+    """One transfer (or IO) worker process and the files the server made for it."""
+
+    def __init__(self, directory: str, base: str, slot: int, kind: str, device: str,
+                 spec: dict[str, Any], stats: StatsSegment):
+        self.dir = directory
+        self.base = base
+        self.slot = slot
+        self.kind = kind
+        self.device = device
+        self.spec = spec
+        self.stats = stats
+        self.req_name, self.resp_name, jobs = worker_file_names(base)
+        self.jobs_path = os.path.join(directory, jobs)
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self._stopping = False
+
+    # ------------------------------------------------------------ start / stop
+    @classmethod
+    def start_transfer(cls, directory: str, base: str, slot: int, spec: dict[str, Any], device: str,
+                       stats: StatsSegment) -> "WorkerProcess":
+        w = cls(directory, base, slot, "transfer", device, spec, stats)
+        # The server only makes the files; the client and the worker attach the ends.
+        Ring.create(directory, w.req_name, capacity=P.RING_CAPACITY).close(unlink=False)
+        Ring.create(directory, w.resp_name, capacity=P.RING_CAPACITY).close(unlink=False)
+        fd = os.open(w.jobs_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, P.JOB_ARENA_BYTES)
+        finally:
+            os.close(fd)
+        row = stats.workers[slot]
+        row[:] = 0
+        w._spawn()
+        return w
+
+    def _spawn(self) -> None:
+        row = self.stats.workers[self.slot]
+        row[W.STATE] = WorkerState.STARTING
+        row[W.INFLIGHT_SEQ] = 0
+        args = {**self.spec, "dir": self.dir, "req": self.req_name, "resp": self.resp_name,
+                "jobs": self.jobs_path, "slot": self.slot}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hpkv.engine.transfer_worker", json.dumps(args)],
+            stdin=subprocess.DEVNULL, close_fds=True)
+        row[W.PID] = self.proc.pid
+        row[W.RESTARTS] = self.restarts
+        log.info("%s worker %s started: pid %d, device %s, NUMA node %s, CPUs %s", self.kind,
+                 self.base, self.proc.pid, self.device, self.spec.get("numa_node"),
+                 ",".join(map(str, self.spec.get("cpus", []))))
+
+    def stop(self, timeout: float = 3.0) -> None:
+        self._stopping = True
+        p = self.proc
+        if p is not None and p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("worker %s (pid %d) ignored SIGTERM for %.0fs: killing it", self.base, p.pid, timeout)
+                p.kill()
+                p.wait()
+        self.stats.workers[self.slot][W.STATE] = WorkerState.STOPPED
+        for name in (self.req_name, self.resp_name):
+            try:
+                os.unlink(os.path.join(self.dir, name + ".ring"))
+            except FileNotFoundError:
+                pass
+        try:
+            os.unlink(self.jobs_path)
+        except FileNotFoundError:
+            pass
+
+    # ------------------------------------------------------------ supervision
+    def poll_dead(self) -> bool:
+        return not self._stopping and self.proc is not None and self.proc.poll() is not None
+
+    def fail_pending_and_restart(self) -> None:
+        row = self.stats.workers[self.slot]
+        rc = self.proc.returncode if self.proc else None
+        row[W.STATE] = WorkerState.DEAD
+        inflight = int(row[W.INFLIGHT_SEQ])
+        failed = 0
+        try:
+            req = Ring.attach(self.dir, self.req_name, role="consumer")
+            resp = Ring.attach(self.dir, self.resp_name, role="producer")
+            try:
+                if inflight:
+                    resp.push(P.ERROR, inflight, status=P.E_WORKER_DIED, timeout=1.0)
+                    failed += 1
+                while (d := req.try_pop()) is not None:
+                    resp.push(P.ERROR, d.seq, status=P.E_WORKER_DIED, timeout=1.0)
+                    failed += 1
+            finally:
+                req.close()
+                resp.close()
+        except RingError as exc:
+            log.error("worker %s: cannot fail its pending jobs (%s); the client will time them out",
+                      self.base, exc)
+        row[W.JOBS_FAILED] += failed
+        self.restarts += 1
+        log.error("%s worker %s (pid %s) died (exit status %s); %d job(s) reported failed; restarting "
+                  "(restart %d)", self.kind, self.base, self.proc.pid if self.proc else "?", rc, failed,
+                  self.restarts)
+        self._spawn()
+
+    def describe(self) -> dict[str, Any]:
+        return {"slot": self.slot, "kind": self.kind, "name": self.base, "device": self.device,
+                "numa_node": self.spec.get("numa_node"), "cpus": self.spec.get("cpus", []),
+                "restarts": self.restarts, "rings": [self.req_name, self.resp_name]}
+
+
+def set_memory_node(node: int) -> str:
+    """Prefer allocations from ``node`` (MPOL_PREFERRED); returns what happened, for the log."""
+    if len(numa_nodes()) <= 1:
+        return "single NUMA node: no memory policy needed"
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    MPOL_PREFERRED = 1
+    SYS_set_mempolicy = 238 if os.uname().machine == "x86_64" else 237
+    mask = ctypes.c_ulong(1 << node)
+    if libc.syscall(SYS_set_mempolicy, MPOL_PREFERRED, ctypes.byref(mask), 64) != 0:
+        return f"set_mempolicy(node {node}) failed: {os.strerror(ctypes.get_errno())}"
+    return f"memory bound to node {node} (preferred)"
+
+
+def wait_running(stats: StatsSegment, slot: int, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if stats.workers[slot][W.STATE] == WorkerState.RUNNING:
+            return True
+        time.sleep(0.01)
+    return False

@@ -1,0 +1,129 @@
+"""A real ``hpkv serve`` process in a private pool directory, for tests and benchmarks."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any, Mapping
+
+from hpkv.config import Config, load_config
+from hpkv.engine.protocol import LOG_FILE, SOCKET_FILE
+from hpkv.engine.server import read_lock_pid
+
+
+def private_env(pool_size: str = "64m", storage: str | None = None, **extra: str) -> dict[str, str]:
+    """An environment with its own pool directory under /dev/shm and no config file."""
+    pool_dir = f"/dev/shm/hpkv-test-{uuid.uuid4().hex[:12]}"
+    cfg_file = os.path.join(tempfile.gettempdir(), f"hpkv-test-{uuid.uuid4().hex[:8]}.ini")
+    with open(cfg_file, "w") as f:
+        f.write("# empty: tests configure hpkv through the environment\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPKV_", "VLLM_HPKV"))}
+    env.update(HPKV_CONFIG_FILE_PATH=cfg_file, HPKV_SHARE_MEM_FILE_PATH=pool_dir,
+               HPKV_KV_MEM_POOL_SIZE=pool_size, HPKV_KV_STORAGE_PATH=storage or "",
+               HPKV_LOG_LEVEL="DEBUG")
+    env.update(extra)
+    return env
+
+
+class ServerProcess:
+    """Starts ``hpkv serve`` with ``env``; ``stop()`` always ends it (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, env: Mapping[str, str], args: tuple[str, ...] = ()):
+        self.env = dict(env)
+        self.cfg: Config = load_config(self.env)
+        self.args = args
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pool_dir(self) -> str:
+        return self.cfg.pool_dir
+
+    def start(self, timeout: float = 30.0) -> "ServerProcess":
+        self.proc = subprocess.Popen([sys.executable, "-m", "hpkv", "serve", *self.args], env=self.env,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"hpkv serve exited with {self.proc.returncode}:\n{self.stderr()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"hpkv serve did not start within {timeout}s:\n{self.log()}")
+            time.sleep(0.02)
+        return self
+
+    def ready(self) -> bool:
+        """This process (not a killed predecessor) holds the lock and accepts connections."""
+        if self.proc is None or read_lock_pid(self.pool_dir) != self.proc.pid:
+            return False
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(os.path.join(self.pool_dir, SOCKET_FILE))
+            return True
+        except OSError:
+            return False
+        finally:
+            s.close()
+
+    def stderr(self) -> str:
+        if self.proc is None or self.proc.stderr is None:
+            return ""
+        try:
+            return self.proc.stderr.read().decode(errors="replace") if self.proc.poll() is not None else ""
+        except (OSError, ValueError):
+            return ""
+
+    def log(self) -> str:
+        try:
+            with open(os.path.join(self.pool_dir, LOG_FILE)) as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def terminate(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM and wait; returns the exit status (None if it had to be killed)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        """End the server and its workers, whatever state they are in, and remove the directory."""
+        self.terminate()
+        self.kill()
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # leftover workers of a killed server
+            except ProcessLookupError:
+                pass
+            if self.proc.stderr:
+                self.proc.stderr.close()
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.pool_dir, ignore_errors=True)
+        try:
+            os.unlink(self.env["HPKV_CONFIG_FILE_PATH"])
+        except OSError:
+            pass
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cleanup()

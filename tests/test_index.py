@@ -1,0 +1,162 @@
+"""The server's index and pool allocator, in process."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hpkv.engine.index import Index, Namespace, NsCounter, PoolAllocator, State, Tier
+from hpkv.engine.keys import block_key, block_keys, namespace_fingerprint
+
+FP = namespace_fingerprint({"model": "m"})
+SLOT = 64 * 1024
+
+
+def make(capacity_slots: int = 4, world: int = 1, storage: bool = False) -> tuple[Index, Namespace]:
+    idx = Index(capacity_slots * SLOT * world, storage_enabled=storage)
+    ns = Namespace(0, "m", FP, world, SLOT)
+    idx.add_namespace(ns)
+    return idx, ns
+
+
+def put(idx: Index, keys, world: int = 1):
+    slots = idx.reserve(0, keys)
+    for r in range(world):
+        idx.commit(0, keys, r)
+    return slots
+
+
+def test_allocator_random_alloc_free_never_overlaps_and_coalesces():
+    rng = random.Random(7)
+    a = PoolAllocator(1 << 20)
+    live: dict[int, int] = {}
+    for _ in range(20000):
+        if live and rng.random() < 0.5:
+            off = rng.choice(list(live))
+            a.free(off, live.pop(off))
+        else:
+            size = rng.choice([4096, 8192, 12288])
+            off = a.alloc(size)
+            if off is None:
+                continue
+            assert off % size == 0, "slots are naturally aligned"
+            assert all(off + size <= o or o + s <= off for o, s in live.items())
+            live[off] = size
+        assert a.used == sum(live.values())
+    for off, size in list(live.items()):
+        a.free(off, size)
+    assert a.free_bytes == 1 << 20 and a.alloc(1 << 20) == 0
+
+
+def test_lookup_counts_leading_present_keys_only():
+    idx, ns = make(8)
+    keys = block_keys(FP, [b"a", b"b", b"c", b"d"])
+    put(idx, keys[:2])
+    put(idx, keys[3:])
+    assert idx.lookup(keys) == (2, [Tier.DRAM, Tier.DRAM])
+    assert idx.lookup(keys[2:]) == (0, [])
+
+
+def test_reserved_block_is_not_a_hit_until_committed():
+    idx, _ = make()
+    k = [block_key(FP, b"x")]
+    idx.reserve(0, k)
+    assert idx.lookup(k) == (0, [])
+    assert idx.reserve(0, k)[0, 0] == -1, "a block being written needs no second write"
+    idx.commit(0, k, 0)
+    assert idx.lookup(k) == (1, [Tier.DRAM])
+
+
+def test_two_rank_block_invisible_until_both_ranks_commit():
+    idx, ns = make(world=2)
+    k = [block_key(FP, b"x")]
+    slots = idx.reserve(0, k)
+    assert slots.shape == (1, 2) and slots[0, 0] != slots[0, 1]
+    idx.commit(0, k, rank=1)
+    assert idx.lookup(k)[0] == 0
+    idx.commit(0, k, rank=1)  # the same rank twice does not count twice
+    assert idx.lookup(k)[0] == 0
+    idx.commit(0, k, rank=0)
+    assert idx.lookup(k)[0] == 1
+    assert ns.counters[NsCounter.BLOCKS_DRAM] == 1
+
+
+def test_eviction_takes_least_recently_used_first():
+    idx, ns = make(capacity_slots=3)
+    a, b, c, d = block_keys(FP, [b"a", b"b", b"c", b"d"])
+    put(idx, [a, b, c])
+    idx.pin([a]); idx.unpin([a])   # a becomes most recently used
+    put(idx, [d])                  # evicts b, the least recently used
+    assert idx.lookup([b])[0] == 0
+    assert [idx.lookup([k])[0] for k in (a, c, d)] == [1, 1, 1]
+    assert ns.counters[NsCounter.EVICTIONS] == 1
+
+
+def test_lookup_has_no_side_effect_on_recency():
+    idx, _ = make(capacity_slots=2)
+    a, b, c = block_keys(FP, [b"a", b"b", b"c"])
+    put(idx, [a, b])
+    for _ in range(5):
+        idx.lookup([a])
+    put(idx, [c])
+    assert idx.lookup([a])[0] == 0, "a lookup is not a use: a is still the oldest"
+
+
+def test_pinned_blocks_are_never_evicted():
+    idx, ns = make(capacity_slots=2)
+    a, b, c = block_keys(FP, [b"a", b"b", b"c"])
+    put(idx, [a, b])
+    idx.pin([a, b])
+    assert idx.reserve(0, [c])[0, 0] == -2, "pool full of pinned blocks: reserve fails, nothing evicted"
+    assert ns.counters[NsCounter.RESERVE_FAILED] == 1
+    assert idx.lookup([a, b])[0] == 2
+    idx.unpin([b])
+    assert idx.reserve(0, [c])[0, 0] >= 0
+    assert idx.lookup([a])[0] == 1 and idx.lookup([b])[0] == 0
+
+
+def test_unspilled_block_is_not_dropped_when_storage_is_on():
+    idx, _ = make(capacity_slots=1, storage=True)
+    a, b = block_keys(FP, [b"a", b"b"])
+    put(idx, [a])
+    assert idx.reserve(0, [b])[0, 0] == -2
+    idx.mark_stored(a)
+    assert idx.reserve(0, [b])[0, 0] >= 0
+    assert idx.lookup([a]) == (1, [Tier.STORAGE]), "evicted from DRAM, still on storage"
+    assert idx.blocks[a].state == State.STORED
+
+
+def test_two_namespaces_share_one_pool():
+    idx = Index(6 * SLOT)
+    small = Namespace(0, "small", namespace_fingerprint({"m": 1}), 1, SLOT)
+    big = Namespace(1, "big", namespace_fingerprint({"m": 2}), 1, 2 * SLOT)
+    idx.add_namespace(small)
+    idx.add_namespace(big)
+    ks = block_keys(small.fingerprint, [b"1", b"2"])
+    kb = block_keys(big.fingerprint, [b"1", b"2"])
+    assert ks[0] != kb[0], "the same engine hash in two namespaces is two blocks"
+    s = idx.reserve(0, ks); idx.commit(0, ks, 0)
+    b = idx.reserve(1, kb); idx.commit(1, kb, 0)
+    spans = sorted([(o, SLOT) for o in s[:, 0]] + [(o, 2 * SLOT) for o in b[:, 0]])
+    assert all(x[0] + x[1] <= y[0] for x, y in zip(spans, spans[1:]))
+    assert idx.alloc.used == 6 * SLOT
+    assert idx.lookup(ks)[0] == 2 and idx.lookup(kb)[0] == 2
+    idx.clear_namespace(0)
+    assert idx.lookup(ks)[0] == 0 and idx.lookup(kb)[0] == 2
+
+
+def test_abort_frees_reservations_of_a_dead_owner():
+    idx, _ = make(capacity_slots=2)
+    a, b = block_keys(FP, [b"a", b"b"])
+    idx.reserve(0, [a, b], owner=7)
+    assert idx.alloc.free_bytes == 0
+    assert idx.abort_owner(7) == 2
+    assert idx.alloc.free_bytes == 2 * SLOT and not idx.blocks
+
+
+@pytest.mark.parametrize("h", [b"\x01" * 32, 12345, -5])
+def test_block_key_depends_on_namespace_and_hash(h):
+    other = namespace_fingerprint({"model": "other"})
+    assert block_key(FP, h) == block_key(FP, h)
+    assert block_key(FP, h) != block_key(other, h)
+    assert len(block_key(FP, h)) == 16

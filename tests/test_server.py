@@ -1,0 +1,405 @@
+"""The hpkv server as real processes: single instance, auto-spawn, protocol, transfer workers, clean-up."""
+from __future__ import annotations
+
+import json
+import mmap
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from hpkv.config import load_config
+from hpkv.engine import protocol as P
+from hpkv.engine.client import HpkvUnavailable, connect
+from hpkv.engine.keys import block_keys, namespace_fingerprint
+from hpkv.engine.pool import PoolFile
+from hpkv.engine.stats import StatsSegment, W, WorkerState
+from hpkv.testing.server import ServerProcess, private_env
+
+FP = namespace_fingerprint({"model": "test", "layers": 4})
+
+
+@pytest.fixture
+def server():
+    srv = ServerProcess(private_env(pool_size="64m")).start()
+    try:
+        yield srv
+    finally:
+        srv.cleanup()
+
+
+def client_of(srv: ServerProcess, **kw):
+    return connect(srv.cfg, spawn=False, **kw)
+
+
+def hpkv_cli(env, *args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "hpkv", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# ------------------------------------------------------------------ single instance
+def test_second_server_on_the_same_directory_names_the_running_pid(server):
+    out = subprocess.run([sys.executable, "-m", "hpkv", "serve"], env=server.env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0
+    assert f"already served by pid {server.proc.pid}" in out.stderr
+
+
+def test_lock_of_a_killed_server_is_taken_over_and_its_files_cleaned():
+    env = private_env()
+    first = ServerProcess(env).start()
+    second = ServerProcess(env)
+    try:
+        with client_of(first) as c:
+            c.attach_namespace(FP, 1, 65536)
+        first.kill()                      # SIGKILL: no clean-up
+        left = set(os.listdir(first.pool_dir))
+        assert {"pool", "stats", "server.sock", "server.lock"} <= left
+        second.start()
+        assert f"took over the pool directory {first.pool_dir} from pid {first.proc.pid}" in second.log()
+        with client_of(second) as c:
+            assert c.server_pid == second.proc.pid
+            assert c.stats()["namespaces"] == []
+    finally:
+        first.cleanup()
+        second.cleanup()
+
+
+def test_sigterm_stops_workers_and_leaves_no_files(server, tmp_path):
+    with client_of(server) as c:
+        ns = c.attach_namespace(FP, 1, 4 * 4096)
+        dev = make_device(tmp_path, layers=4, blocks=8, page=4096)
+        c.register_device(ns.ns_id, rank=0, **dev.spec)
+        worker_pids = [w["pid"] for w in c.stats()["workers"]]
+    assert worker_pids and all(psutil.pid_exists(p) for p in worker_pids)
+    assert server.terminate() == 0
+    assert sorted(os.listdir(server.pool_dir)) == ["server.log"]
+    deadline = time.monotonic() + 10
+    while any(_running(p) for p in worker_pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_running(p) for p in worker_pids)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+# ------------------------------------------------------------------ auto-spawn
+def _connect_and_report(env, q):
+    cfg = load_config(env)
+    c = connect(cfg, env=env, timeout=60)
+    q.put(c.server_pid)
+    time.sleep(1.0)  # stay attached while the others connect
+    c.close()
+
+
+def test_concurrent_auto_spawn_ends_with_exactly_one_server():
+    env = private_env(HPKV_SERVER_IDLE_EXIT="2")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_connect_and_report, args=(env, q)) for _ in range(4)]
+    try:
+        for p in procs:
+            p.start()
+        pids = {q.get(timeout=90) for _ in procs}
+        assert len(pids) == 1
+        (pid,) = pids
+        server = psutil.Process(pid)
+        assert os.getsid(pid) == pid, "the auto-spawned server runs in its own session"
+        assert "serve" in server.cmdline() and "--auto" in server.cmdline()
+        for p in procs:
+            p.join(30)
+        # idle for HPKV_SERVER_IDLE_EXIT seconds with no clients: it exits and cleans up
+        server.wait(timeout=30)
+        assert sorted(os.listdir(env["HPKV_SHARE_MEM_FILE_PATH"])) == ["server.log", "spawn.lock"]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        ServerProcess(env).cleanup()
+        for proc in psutil.process_iter(["cmdline", "environ"]):
+            try:
+                if "--auto" in (proc.info["cmdline"] or []) and \
+                        (proc.info["environ"] or {}).get("HPKV_SHARE_MEM_FILE_PATH") == env["HPKV_SHARE_MEM_FILE_PATH"]:
+                    proc.kill()
+            except psutil.Error:
+                pass
+
+
+def test_connect_without_spawn_reports_no_server():
+    env = private_env()
+    with pytest.raises(HpkvUnavailable, match="no hpkv server is running"):
+        connect(load_config(env), spawn=False)
+
+
+# ------------------------------------------------------------------ protocol over the rings
+def test_namespace_lookup_reserve_commit_pin_through_the_server(server):
+    with client_of(server) as c:
+        ns = c.attach_namespace(FP, 1, 65536, name="test-model")
+        keys = block_keys(FP, [bytes([i]) * 32 for i in range(10)])
+        assert c.lookup(ns.ns_id, keys) == (0, [])
+        slots = c.reserve(ns.ns_id, keys[:6])
+        assert slots.shape == (6, 1) and len(set(slots[:, 0])) == 6 and (slots >= 0).all()
+        assert c.lookup(ns.ns_id, keys)[0] == 0, "reserved, not committed"
+        assert c.commit(ns.ns_id, keys[:6]) == 6
+        assert c.lookup(ns.ns_id, keys) == (6, [1] * 6)
+        pinned = c.pin(ns.ns_id, keys[:3])
+        assert (pinned == slots[:3]).all()
+        st = c.stats()
+        (nss,) = st["namespaces"]
+        assert nss["name"] == "test-model" and nss["blocks_dram"] == 6 and nss["blocks_pinned"] == 3
+        assert nss["hits_dram"] == 6 and nss["lookups"] == 3 and nss["misses"] == 3
+        c.unpin(ns.ns_id, keys[:3])
+        assert c.stats()["namespaces"][0]["blocks_pinned"] == 0
+        assert c.clear(ns.ns_id) == 6
+        assert c.lookup(ns.ns_id, keys)[0] == 0
+
+
+def test_dead_clients_pins_and_reservations_are_released(server):
+    c1 = client_of(server)
+    ns = c1.attach_namespace(FP, 1, 65536)
+    keys = block_keys(FP, [b"k%d" % i for i in range(4)])
+    c1.reserve(ns.ns_id, keys)
+    c1.commit(ns.ns_id, keys[:2])
+    c1.pin(ns.ns_id, keys[:2])
+    c1.close()  # the socket closes: the server releases what c1 held
+    with client_of(server) as c2:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            s = c2.stats()
+            if s["namespaces"][0]["blocks_pinned"] == 0 and s["namespaces"][0]["blocks_reserved"] == 0:
+                break
+            time.sleep(0.05)
+        assert s["namespaces"][0]["blocks_pinned"] == 0
+        assert s["namespaces"][0]["blocks_reserved"] == 0
+        assert c2.lookup(ns.ns_id, keys)[0] == 2
+
+
+def test_two_rank_namespace_block_visible_only_after_both_ranks_commit(server):
+    with client_of(server) as sched, client_of(server) as rank1:
+        ns = sched.attach_namespace(FP, 2, 65536)
+        rank1.attach_namespace(FP, 2, 65536, rank=1)
+        keys = block_keys(FP, [b"tp-block"])
+        slots = sched.reserve(ns.ns_id, keys)
+        assert slots.shape == (1, 2) and slots[0, 0] != slots[0, 1]
+        rank1.commit(ns.ns_id, keys, rank=1)
+        assert sched.lookup(ns.ns_id, keys)[0] == 0
+        sched.commit(ns.ns_id, keys, rank=0)
+        assert sched.lookup(ns.ns_id, keys)[0] == 1
+
+
+def test_two_namespaces_share_one_pool_through_the_server(server):
+    fp2 = namespace_fingerprint({"model": "other"})
+    with client_of(server) as c:
+        a = c.attach_namespace(FP, 1, 65536, name="a")
+        b = c.attach_namespace(fp2, 1, 3 * 65536, name="b")
+        ka, kb = block_keys(FP, [b"x", b"y"]), block_keys(fp2, [b"x", b"y"])
+        c.reserve(a.ns_id, ka); c.commit(a.ns_id, ka)
+        c.reserve(b.ns_id, kb); c.commit(b.ns_id, kb)
+        assert c.lookup(a.ns_id, ka)[0] == 2 and c.lookup(b.ns_id, kb)[0] == 2
+        st = c.stats()
+        assert st["pool"]["used_bytes"] == 2 * 65536 + 2 * 3 * 65536
+        assert {n["name"]: n["blocks_dram"] for n in st["namespaces"]} == {"a": 2, "b": 2}
+
+
+def test_pool_full_evicts_lru_and_never_pinned(server):
+    with client_of(server) as c:
+        slot = 8 << 20                    # 64 MiB pool = 8 slots
+        ns = c.attach_namespace(FP, 1, slot)
+        keys = block_keys(FP, [b"%d" % i for i in range(10)])
+        c.reserve(ns.ns_id, keys[:8]); c.commit(ns.ns_id, keys[:8])
+        c.pin(ns.ns_id, keys[:1])         # block 0 is oldest but pinned
+        c.reserve(ns.ns_id, keys[8:]); c.commit(ns.ns_id, keys[8:])
+        present = [c.lookup(ns.ns_id, [k])[0] for k in keys]
+        assert present == [1, 0, 0, 1, 1, 1, 1, 1, 1, 1]
+        assert c.stats()["namespaces"][0]["evictions"] == 2
+
+
+# ------------------------------------------------------------------ transfer workers
+class Device:
+    """A fake device's KV memory in shared-memory files, laid out like an engine's cache."""
+
+    def __init__(self, directory, layers, blocks, page, layout, pad=0):
+        self.layers, self.blocks, self.page = layers, blocks, page
+        stride = page + pad
+        self.maps, regions, bases = [], [], []
+        if layout == "block_outermost":
+            stride = layers * page
+            regions.append(self._region(directory, "dev-all", blocks * stride))
+            bases = [(0, l * page) for l in range(layers)]
+        else:
+            for l in range(layers):
+                regions.append(self._region(directory, f"dev-l{l}", blocks * stride))
+                bases.append((l, 0))
+        self.stride = stride
+        self.layout = layout
+        self.spec = dict(regions=regions, layer_bases=bases, block_stride=stride, page_bytes=page,
+                         num_blocks=blocks)
+
+    def _region(self, directory, name, size):
+        path = os.path.join(directory, name)
+        with open(path, "wb") as f:
+            f.truncate(size)
+        fd = os.open(path, os.O_RDWR)
+        self.maps.append(np.frombuffer(mmap.mmap(fd, size), np.uint8))
+        os.close(fd)
+        return {"path": path, "size": size}
+
+    def page_view(self, block: int, layer: int) -> np.ndarray:
+        if self.layout == "block_outermost":
+            off = block * self.stride + layer * self.page
+            return self.maps[0][off: off + self.page]
+        off = block * self.stride
+        return self.maps[layer][off: off + self.page]
+
+    def block_bytes(self, block: int) -> bytes:
+        return b"".join(self.page_view(block, l).tobytes() for l in range(self.layers))
+
+    def fill_random(self, rng):
+        for m in self.maps:
+            m[:] = rng.integers(0, 256, m.size, dtype=np.uint8)
+
+
+def make_device(tmp_path, layers=4, blocks=16, page=4096, layout="per_layer", pad=0) -> Device:
+    d = tmp_path / f"dev-{layout}-{pad}"
+    d.mkdir(exist_ok=True)
+    return Device(str(d), layers, blocks, page, layout, pad)
+
+
+@pytest.mark.parametrize("layout,pad", [("per_layer", 0), ("block_outermost", 0), ("per_layer", 512)],
+                         ids=["one-region-per-layer", "block-outermost", "padded-pages"])
+def test_copies_through_the_transfer_worker_are_byte_exact(server, tmp_path, layout, pad):
+    rng = np.random.default_rng(1)
+    layers, blocks, page = 4, 32, 16 * 1024
+    dev = make_device(tmp_path, layers, blocks, page, layout, pad)
+    dev.fill_random(rng)
+    with client_of(server) as c:
+        ns = c.attach_namespace(FP + layout[:1] + str(pad), 1, layers * page)
+        handle = c.register_device(ns.ns_id, rank=0, **dev.spec)
+        src = rng.permutation(blocks)[:12]
+        keys = block_keys(FP, [b"b%d" % i for i in range(12)])
+        offsets = c.reserve(ns.ns_id, keys)[:, 0]
+        assert handle.save(src, offsets)
+        pool = PoolFile.attach(os.path.join(server.pool_dir, P.POOL_FILE))
+        for b, off in zip(src, offsets):
+            assert pool.array[off: off + layers * page].tobytes() == dev.block_bytes(b)
+        expected = {int(b): dev.block_bytes(b) for b in src}
+        dev.fill_random(rng)
+        dst = rng.permutation(blocks)[:12]
+        assert handle.load(dst, offsets)
+        for s, d in zip(src, dst):
+            assert dev.block_bytes(d) == expected[int(s)]
+        pool.close()
+        (w,) = c.stats()["workers"]
+        assert w["jobs"] == 2 and w["bytes_saved"] == w["bytes_loaded"] == 12 * layers * page
+
+
+def test_bad_block_ids_fail_the_batch_without_copying(server, tmp_path):
+    dev = make_device(tmp_path, blocks=8)
+    with client_of(server) as c:
+        ns = c.attach_namespace(FP, 1, 4 * 4096)
+        handle = c.register_device(ns.ns_id, rank=0, **dev.spec)
+        offsets = c.reserve(ns.ns_id, block_keys(FP, [b"a", b"b"]))[:, 0]
+        res = handle.wait(handle.submit(P.COPY_SAVE, np.array([1, 99]), offsets))
+        assert list(res.values()) == [P.E_BAD_REQUEST]
+        assert c.stats()["workers"][0]["jobs_failed"] == 1
+
+
+def test_killed_transfer_worker_is_restarted_and_its_batch_reported_failed(server, tmp_path):
+    layers, blocks, page = 8, 64, 64 * 1024      # 512 KiB per block
+    dev = make_device(tmp_path, layers, blocks, page)
+    dev.fill_random(np.random.default_rng(2))
+    with client_of(server) as c:
+        ns = c.attach_namespace(FP, 1, layers * page)
+        handle = c.register_device(ns.ns_id, rank=0, **dev.spec)
+        offsets = c.reserve(ns.ns_id, block_keys(FP, [b"%d" % i for i in range(64)]))[:, 0]
+        stats = StatsSegment.attach(server.pool_dir)
+        slot = c.stats()["workers"][0]["slot"]
+        row = stats.workers[slot]
+        old_pid = int(row[W.PID])
+        blk = np.arange(blocks)
+        victim = None
+        tickets = []
+        for _ in range(200):                    # jobs of 32 MiB each until we catch one running
+            tickets += handle.submit(P.COPY_SAVE, blk, offsets)
+            for _ in range(2000):
+                seq = int(row[W.INFLIGHT_SEQ])
+                if seq:
+                    victim = seq
+                    os.kill(old_pid, signal.SIGKILL)
+                    break
+            if victim:
+                break
+        assert victim, "never saw a batch in flight"
+        results = handle.wait(tickets, timeout=30)
+        assert results[(0, victim)] == P.E_WORKER_DIED
+        assert all(s in (0, P.E_WORKER_DIED) for s in results.values())
+        deadline = time.monotonic() + 30
+        while not (row[W.STATE] == WorkerState.RUNNING and row[W.PID] != old_pid):
+            assert time.monotonic() < deadline, "worker not restarted"
+            time.sleep(0.05)
+        assert handle.save(blk[:4], offsets[:4]), "the restarted worker serves new jobs"
+        w = c.stats()["workers"][0]
+        assert w["restarts"] == 1 and w["pid"] != old_pid and w["state"] == "running"
+        assert c.stats()["worker_restarts"] == 1
+        stats.close()
+
+
+def test_worker_is_pinned_to_its_nodes_cpus(server, tmp_path):
+    dev = make_device(tmp_path)
+    with client_of(server) as c:
+        ns = c.attach_namespace(FP, 1, 4 * 4096)
+        c.register_device(ns.ns_id, rank=0, numa_node=0, **dev.spec)
+        (w,) = c.stats()["workers"]
+        assert w["numa_node"] == 0
+        with open("/sys/devices/system/node/node0/cpulist") as f:
+            from hpkv.engine.workers import parse_cpulist
+            node_cpus = set(parse_cpulist(f.read()))
+        assert set(w["cpus"]) <= node_cpus
+        deadline = time.monotonic() + 10
+        while c.stats()["workers"][0]["state"] != "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert sorted(psutil.Process(c.stats()["workers"][0]["pid"]).cpu_affinity()) == sorted(w["cpus"])
+
+
+# ------------------------------------------------------------------ status
+def test_status_json_matches_what_the_test_did(server, tmp_path):
+    dev = make_device(tmp_path)
+    with client_of(server, name="status-test") as c:
+        ns = c.attach_namespace(FP, 1, 4 * 4096, name="status-model")
+        keys = block_keys(FP, [b"%d" % i for i in range(5)])
+        c.reserve(ns.ns_id, keys); c.commit(ns.ns_id, keys)
+        c.lookup(ns.ns_id, keys + block_keys(FP, [b"missing"]))
+        c.pin(ns.ns_id, keys[:2])
+        c.register_device(ns.ns_id, rank=0, **dev.spec)
+        out = hpkv_cli(server.env, "status", "--json")
+        assert out.returncode == 0, out.stderr
+        s = json.loads(out.stdout)
+        assert s["server"]["pid"] == server.proc.pid
+        assert s["pool"]["capacity_bytes"] == 64 << 20
+        assert s["pool"]["used_bytes"] == 5 * 16384 and s["pool"]["pinned_bytes"] == 2 * 16384
+        (n,) = s["namespaces"]
+        assert (n["name"], n["blocks_dram"], n["blocks_pinned"], n["hits_dram"], n["misses"]) == \
+            ("status-model", 5, 2, 5, 1)
+        (w,) = s["workers"]
+        assert w["kind"] == "transfer" and psutil.pid_exists(w["pid"])
+        assert [(cl["pid"], cl["name"]) for cl in s["clients"]] == [(os.getpid(), "status-test")]
+        table = hpkv_cli(server.env, "status").stdout
+        assert "status-model" in table and str(w["pid"]) in table
+
+
+def test_status_without_server_exits_1(tmp_path):
+    env = private_env()
+    out = hpkv_cli(env, "status")
+    assert out.returncode == 1
+    assert f"no server is running for the pool directory {env['HPKV_SHARE_MEM_FILE_PATH']}" in out.stderr
