@@ -12,10 +12,11 @@ the semaphore's; batch-32 throughput >= 2 M/s and >= 20x multiprocessing.Queue.
 """
 from __future__ import annotations
 
-import argparse
-from typing import Any
+from typing import TYPE_CHECKING
 
-# Cheap to import: everything heavy is imported inside run() and the workers.
+if TYPE_CHECKING:  # cheap to import: everything heavy is imported inside run() and the workers
+    import argparse
+    from typing import Any
 
 TARGET_BUSY_P50_US = 2.0
 TARGET_SLEEP_VS_SEM = 1.2

@@ -97,10 +97,11 @@ class HpkvClient:
         return reply
 
     def attach_namespace(self, fingerprint: str, world_size: int, shard_bytes: int, name: str = "",
-                         rank: int | None = None) -> NamespaceHandle:
+                         rank: int | None = None, block_tokens: int = 0) -> NamespaceHandle:
+        """Register a namespace (idempotent); ``rank`` says which shard this client writes."""
         extra = {} if rank is None else {"rank": rank}
         r = self.call("namespace", fingerprint=fingerprint, world_size=world_size,
-                      shard_bytes=shard_bytes, name=name, **extra)
+                      shard_bytes=shard_bytes, name=name, block_tokens=block_tokens, **extra)
         return NamespaceHandle(r["ns_id"], r["slot_bytes"], world_size)
 
     def clear(self, ns_id: int) -> int:

@@ -135,6 +135,7 @@ class Namespace:
     fingerprint: str
     world_size: int
     shard_bytes: int          # bytes of one rank's shard of one block
+    block_tokens: int = 0     # tokens per block (for token counts in monitors; 0 = unknown)
     counters: np.ndarray = field(default_factory=lambda: np.zeros(NS_COUNTERS, np.int64))
 
     @property

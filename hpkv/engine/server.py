@@ -433,6 +433,7 @@ class Server:
             if ns_id >= MAX_NS:
                 raise ValueError(f"more than {MAX_NS} namespaces attached")
             ns = Namespace(ns_id, str(msg.get("name", fp[:12])), fp, world, shard,
+                           block_tokens=int(msg.get("block_tokens", 0)),
                            counters=self.stats.ns[ns_id, :NS_COUNTERS])
             self.namespaces_by_fp[fp] = ns
             self.index.add_namespace(ns)
@@ -516,7 +517,8 @@ class Server:
                        "storage": self.cfg.storage_path, "auto": self.auto,
                        "pool_locked": self.pool.locked},
             "namespaces": [{"id": ns.ns_id, "name": ns.name, "fingerprint": ns.fingerprint,
-                            "world_size": ns.world_size, "shard_bytes": ns.shard_bytes}
+                            "world_size": ns.world_size, "shard_bytes": ns.shard_bytes,
+                            "block_tokens": ns.block_tokens}
                            for ns in self.namespaces_by_fp.values()],
             "workers": [w.describe() for w in self.workers],
             "clients": [{"id": c.cid, "pid": c.pid, "name": c.name,

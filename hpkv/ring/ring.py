@@ -62,9 +62,13 @@ def _ns(timeout: float | None) -> int:
     return _FOREVER if timeout is None or timeout > _MAX_TIMEOUT else int(timeout * 1e9)
 
 
+def _check_wait(spin_us: float, slice_ms: float) -> None:
+    if not (0 <= spin_us <= 1e9 and 1 <= slice_ms <= 1e9):
+        raise ValueError(f"spin_us must be in [0, 1e9] and slice_ms in [1, 1e9] (got {spin_us}, {slice_ms})")
+
+
 def _set_wait(setter: Any, handle: Any, spin_us: float, slice_ms: float) -> None:
-    if spin_us < 0 or slice_ms < 1:
-        raise ValueError(f"spin_us must be >= 0 and slice_ms >= 1 (got {spin_us}, {slice_ms})")
+    _check_wait(spin_us, slice_ms)
     setter(handle, int(spin_us * 1e3), int(slice_ms * 1e6))
 
 
@@ -167,6 +171,7 @@ class Ring:
         """
         check_name(name, "ring")
         role_id = _role_id(role)
+        _check_wait(spin_us, slice_ms)
         if not isinstance(capacity, int) or capacity < 2 or capacity > 1 << 24 or capacity & (capacity - 1):
             raise ValueError(f"capacity must be a power of two between 2 and 2**24, not {capacity!r}")
         directory = os.fspath(directory)
@@ -202,6 +207,7 @@ class Ring:
         """
         check_name(name, "ring")
         role_id = _role_id(role)
+        _check_wait(spin_us, slice_ms)
         directory = os.fspath(directory)
         fd, path = open_existing(directory, name + ".ring", "ring", wait)
         err = ffi.new("int *")
@@ -521,6 +527,7 @@ class Doorbell:
                spin_us: float = DEFAULT_SPIN_US, slice_ms: float = DEFAULT_SLICE_MS) -> Doorbell:
         """Creates ``directory/name.bell`` (mode 0600); the creator is the one that waits."""
         check_name(name, "doorbell")
+        _check_wait(spin_us, slice_ms)
         directory = os.fspath(directory)
         err = ffi.new("int *")
         path = os.path.join(directory, name + ".bell")
