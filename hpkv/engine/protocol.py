@@ -16,6 +16,12 @@ Copies. ``register_device`` starts the device's transfer workers and hands the
 client one ring pair and one *job arena* per worker. A job (COPY_SAVE / COPY_LOAD)
 is ``n`` device block ids followed by ``n`` pool slot numbers (int64) in arena
 slot ``seq % JOB_SLOTS``; the worker answers with a COMPLETION carrying the seq.
+
+Storage. ``promote`` (hot call PROMOTE, keys in the mailbox, a2 = the client's
+timeout in ms) answers like ``pin`` — pool offsets ``[n, world]``, -1 rows for
+blocks that could not be loaded — once the IO workers have read the files; the
+server answers by that timeout whatever is still in flight. IO jobs go from the
+server to its IO workers as single descriptors (see :func:`io_job`), no arena.
 """
 from __future__ import annotations
 
@@ -34,15 +40,25 @@ PIN = lib.HPKV_DESC_PIN
 UNPIN = lib.HPKV_DESC_UNPIN
 COPY_SAVE = lib.HPKV_DESC_COPY_SAVE
 COPY_LOAD = lib.HPKV_DESC_COPY_LOAD
+SPILL = lib.HPKV_DESC_SPILL          # IO job: pool slot -> KV file
+PROMOTE = lib.HPKV_DESC_PROMOTE      # hot call (client -> server) and IO job (KV file -> pool slot)
 COMPLETION = lib.HPKV_DESC_COMPLETION
 ERROR = lib.HPKV_DESC_ERROR
 SHUTDOWN = lib.HPKV_DESC_SHUTDOWN
+
+# Flags of a COMMIT: the shard could not be written; drop the reservation instead.
+FLAG_ABORT = 1
 
 # Status codes carried in descriptors besides -errno.
 E_NO_NAMESPACE = -2001
 E_TOO_MANY_KEYS = -2002
 E_BAD_REQUEST = -2003
 E_WORKER_DIED = -2004
+E_CORRUPT = -2005          # a KV file failed its header/length/checksum check; it was quarantined
+
+# Flags of an IO job's completion.
+IO_EXISTED = 1             # spill: a complete file was already in place, nothing written
+IO_DIRECT_FALLBACK = 2     # O_DIRECT was refused at run time (EINVAL); the worker went buffered
 
 # Files in the pool directory. The server owns them all.
 LOCK_FILE = "server.lock"
@@ -51,6 +67,22 @@ LOG_FILE = "server.log"
 POOL_FILE = "pool"
 SPAWN_LOCK_FILE = "spawn.lock"
 OWNED_SUFFIXES = (".ring", ".bell", ".mbox", ".jobs")   # removed at start-up and shutdown
+
+# An engine worker's KV cache, exported as a shared-memory file in the pool directory
+# (CPU backend). The pid in the name lets the server remove the file of a dead engine.
+DEVICE_FILE_PREFIX = "kvcache-"
+
+
+def device_file_name(pid: int, rank: int) -> str:
+    return f"{DEVICE_FILE_PREFIX}{pid}-r{rank}"
+
+
+def device_file_pid(name: str) -> int | None:
+    if not name.startswith(DEVICE_FILE_PREFIX):
+        return None
+    pid, _, _ = name[len(DEVICE_FILE_PREFIX):].partition("-")
+    return int(pid) if pid.isdigit() else None
+
 
 RING_CAPACITY = 1024
 
@@ -68,10 +100,30 @@ SLOT_UNIT = 4096  # pool slots are addressed in 4 KiB units (allocator alignment
 
 def status_message(status: int) -> str:
     names = {E_NO_NAMESPACE: "namespace not attached", E_TOO_MANY_KEYS: "too many keys in one call",
-             E_BAD_REQUEST: "bad request", E_WORKER_DIED: "the transfer worker died during the job"}
+             E_BAD_REQUEST: "bad request", E_WORKER_DIED: "the worker died during the job",
+             E_CORRUPT: "KV file corrupt (quarantined)"}
     if status in names:
         return names[status]
     return os.strerror(-status) if status < 0 else "ok"
+
+
+def io_job(namespace: bytes, key: bytes, rank: int, world: int, offset: int,
+           length: int) -> tuple[int, tuple[int, int, int, int, int, int]]:
+    """An IO job's (flags, a0..a5): flags = rank | world << 8; a0 pool offset, a1 payload
+    bytes, a2/a3 the 16-byte key, a4/a5 the 16-byte namespace fingerprint (little-endian u64s)."""
+    k = int.from_bytes(key, "little")
+    f = int.from_bytes(namespace, "little")
+    return rank | world << 8, (offset, length, k & _U64, k >> 64, f & _U64, f >> 64)
+
+
+def decode_io_job(flags: int, a: tuple[int, ...]) -> tuple[bytes, bytes, int, int, int, int]:
+    """Inverse of :func:`io_job`: (namespace, key, rank, world, offset, length)."""
+    key = (a[2] | a[3] << 64).to_bytes(KEY_BYTES, "little")
+    ns = (a[4] | a[5] << 64).to_bytes(KEY_BYTES, "little")
+    return ns, key, flags & 0xFF, flags >> 8, a[0], a[1]
+
+
+_U64 = (1 << 64) - 1
 
 
 def keys_to_array(keys: list[bytes]) -> np.ndarray:

@@ -17,6 +17,7 @@ The index is touched under one lock; hot calls hold it for one request.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -41,6 +42,7 @@ from hpkv.engine.logs import setup_logging
 from hpkv.engine.pool import PoolFile
 from hpkv.engine.stats import MAX_NS, MAX_WORKERS, NS_COUNTERS, G, StatsSegment, W, WorkerState
 from hpkv.engine.workers import WorkerProcess, device_cpus
+from hpkv.io_workers.tier import StorageTier
 from hpkv.ring import Doorbell, Ring, RingError
 
 log = logging.getLogger("hpkv.server")
@@ -88,6 +90,7 @@ class Client:
     pins: Counter = field(default_factory=Counter)
     devices: list[Device] = field(default_factory=list)
     alive: bool = True
+    busy: bool = False   # a hot call (promote) is parked until its IO completes: no other is taken
 
 
 class Server:
@@ -107,6 +110,7 @@ class Server:
         self._lock_fd: int | None = None
         self._catalog_dirty = True
         self._last_client_seen = time.monotonic()
+        self.storage: StorageTier | None = None
 
     # ================================================================ life cycle
     def acquire_lock(self) -> None:
@@ -130,8 +134,9 @@ class Server:
     def _remove_owned_files(self, startup: bool) -> None:
         removed = []
         for name in os.listdir(self.dir):
+            engine_pid = P.device_file_pid(name)
             if (name in (P.POOL_FILE, P.SOCKET_FILE, "stats") or name.endswith(P.OWNED_SUFFIXES)
-                    or ".tmp" in name):
+                    or ".tmp" in name or (engine_pid is not None and not _pid_alive(engine_pid))):
                 try:
                     os.unlink(os.path.join(self.dir, name))
                     removed.append(name)
@@ -151,9 +156,15 @@ class Server:
         log.info("pool %s: %s allocated and mapped in %.2fs", self.pool.path, format_size(size),
                  time.monotonic() - t0)
         self.stats = StatsSegment.create(self.dir)
-        self.index = Index(size, storage_enabled=False)
+        self.index = Index(size, storage_enabled=self.cfg.storage_path is not None)
         self.stats.glob[G.POOL_CAPACITY] = size
         self.doorbell = Doorbell.create(self.dir, "server")
+        if self.cfg.storage_path is not None:
+            self.storage = StorageTier(self.cfg, self.dir, self.stats, self.index, self.lock,
+                                       self.doorbell, self.pool.path, self._answer_parked)
+            self.workers += self.storage.start(list(range(self.cfg["HPKV_NUM_IO_WORKERS"])))
+        from hpkv.engine.metrics import start_metrics  # HPKV_METRICS_PORT; up before clients connect
+        self.metrics = start_metrics(self.cfg)
         sock_path = os.path.join(self.dir, P.SOCKET_FILE)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(sock_path)
@@ -170,6 +181,8 @@ class Server:
         self.stop_event.set()
         for w in list(self.workers):
             w.stop()
+        if self.storage is not None:
+            self.storage.shutdown()
         with self.lock:
             for c in list(self.clients.values()):
                 self._drop_client(c, reason="server shutdown")
@@ -203,6 +216,8 @@ class Server:
                 continue
             for c in clients:
                 self._drain(c)
+            if self.storage is not None:
+                self.storage.poll()
             if self._closing:
                 self._reap_closed_clients()
 
@@ -219,7 +234,7 @@ class Server:
 
     # ================================================================ hot path
     def _drain(self, c: Client) -> None:
-        while c.alive:
+        while c.alive and not c.busy:
             try:
                 d = c.req.try_pop()
             except RingError:
@@ -229,6 +244,8 @@ class Server:
             with self.lock:
                 status, a0, a1 = self._handle(c, d)
             self.stats.glob[G.REQUESTS] += 1
+            if status is None:       # parked until its IO completes (_answer_parked)
+                continue
             if status < 0:
                 self.stats.glob[G.ERRORS] += 1
             try:
@@ -241,8 +258,20 @@ class Server:
             raise OverflowError
         return c.mbox[: n * KEY_BYTES].view(f"V{KEY_BYTES}").tolist()
 
-    def _handle(self, c: Client, d) -> tuple[int, int, int]:
-        """One hot call; returns (status, a0, a1) for the completion."""
+    def _answer_parked(self, c: Client, seq: int, rows: np.ndarray) -> None:
+        """The storage tier finished a parked promote: answer it like a pin (request loop)."""
+        c.busy = False
+        if not c.alive:
+            return
+        c.mbox[P.MAILBOX_HALF: P.MAILBOX_HALF + rows.nbytes] = rows.reshape(-1).view(np.uint8)
+        try:
+            c.resp.try_push(P.COMPLETION, seq, rows.shape[1], 0, status=0)
+        except RingError as exc:
+            log.info("client %d: cannot answer (%s)", c.cid, exc)
+        self.doorbell.ring()  # requests it queued meanwhile are taken on the next round
+
+    def _handle(self, c: Client, d) -> tuple[int | None, int, int]:
+        """One hot call; returns (status, a0, a1) for the completion, status None when parked."""
         kind, ns_id, n = d.kind, d.a0, d.a1
         try:
             keys = self._keys(c, n)
@@ -250,6 +279,8 @@ class Server:
             out = c.mbox[P.MAILBOX_HALF:]
             if kind == P.LOOKUP:
                 hit, tiers = idx.lookup(keys)
+                if hit < n and self.storage is not None:   # files the index has not seen yet
+                    hit = self.storage.extend_lookup(idx.ns(ns_id), keys, hit, tiers)
                 idx.count_lookup(idx.ns(ns_id), n, tiers)
                 out[:hit] = np.frombuffer(bytes(tiers), np.uint8)
                 return 0, hit, 0
@@ -259,7 +290,12 @@ class Server:
                 out[: flat.nbytes] = flat.view(np.uint8)
                 return 0, slots.shape[1], 0
             if kind == P.COMMIT:
+                if d.flags & P.FLAG_ABORT:
+                    idx.abort(keys)
+                    return 0, 0, 0
                 ready = idx.commit(ns_id, keys, rank=d.a2)
+                if ready and self.storage is not None:
+                    self.storage.spill(ready)               # write-through
                 return 0, len(ready), 0
             if kind == P.PIN:
                 idx.ns(ns_id)
@@ -270,8 +306,26 @@ class Server:
                     if s is not None:
                         arr[i] = s
                     c.pins[keys[i]] += 1
+                idx.ns(ns_id).counters[NsCounter.LOADS_DRAM] += sum(s is not None for s in slots_per_key)
+                if self.storage is not None:
+                    self.storage.touch(keys)
                 out[: arr.nbytes] = arr.reshape(-1).view(np.uint8)
                 return 0, world, 0
+            if kind == P.PROMOTE:
+                ns = idx.ns(ns_id)
+                if self.storage is None:
+                    rows = np.full((n, ns.world_size), -1, np.int64)
+                    for i, s in enumerate(idx.pin(keys)):
+                        if s is not None:
+                            rows[i] = s
+                            c.pins[keys[i]] += 1
+                else:
+                    rows = self.storage.promote(c, d.seq, ns, keys, timeout=d.a2 / 1000.0)
+                    if rows is None:
+                        c.busy = True
+                        return None, 0, 0
+                out[: rows.nbytes] = rows.reshape(-1).view(np.uint8)
+                return 0, ns.world_size, 0
             if kind == P.UNPIN:
                 idx.unpin(keys)
                 for k in keys:
@@ -406,10 +460,18 @@ class Server:
             keys = [k for k, n in c.pins.items() for _ in range(n)]
             self.index.unpin(keys)
         aborted = self.index.abort_owner(c.cid)
+        if self.storage is not None:
+            self.storage.client_gone(c)
         for dev in c.devices:
             for w in dev.workers:
                 w.stop()
                 self.workers.remove(w)
+            for region in dev.spec["regions"]:   # an engine's KV cache file, if it died without removing it
+                name = os.path.basename(region["path"])
+                pid = P.device_file_pid(name)
+                if pid is not None and os.path.dirname(region["path"]) == self.dir and not _pid_alive(pid):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(region["path"])
         # The request loop may be waiting on the doorbell that watches c.req: it
         # closes the rings itself (_reap_closed_clients), never another thread.
         self._closing.append(c)
@@ -437,6 +499,8 @@ class Server:
                            counters=self.stats.ns[ns_id, :NS_COUNTERS])
             self.namespaces_by_fp[fp] = ns
             self.index.add_namespace(ns)
+            if self.storage is not None:
+                self.storage.attach_namespace(ns)
             log.info("namespace %d %s: %s, %d rank(s), %s per shard", ns_id, fp[:12], ns.name,
                      world, format_size(shard))
         elif (ns.world_size, ns.shard_bytes) != (world, shard):
@@ -494,13 +558,20 @@ class Server:
         self.stats.header[4] = now  # heartbeat
         with self.lock:
             for w in list(self.workers):
-                if w.poll_dead():
+                if not w.poll_dead():
+                    continue
+                if w.kind == "io" and self.storage is not None:
+                    self.storage.worker_died(w)    # the request loop recovers and restarts it
+                else:
                     self.stats.glob[G.WORKER_RESTARTS] += 1
                     w.fail_pending_and_restart()
                     self._catalog_dirty = True
             for c in list(self.clients.values()):
                 if c.alive and not _pid_alive(c.pid):
                     self._drop_client(c, reason=f"process {c.pid} exited")
+            if self.storage is not None and self.storage.catalog_dirty:
+                self.storage.catalog_dirty = False
+                self._catalog_dirty = True
             if self._catalog_dirty:
                 self._publish_catalog()
             idle = not self.clients and self.idle_exit > 0 and \
@@ -526,6 +597,7 @@ class Server:
                         for c in self.clients.values()],
             "rings": [{"name": r.name, "capacity": r.capacity}
                       for c in self.clients.values() for r in (c.req, c.resp)],
+            "storage": self.storage.describe() if self.storage is not None else {"path": None},
         })
 
 

@@ -59,6 +59,20 @@ class G(IntEnum):
     ERRORS = 5
     WORKER_RESTARTS = 6
     BLOCKS = 7
+    # The storage tier (hpkv/io_workers), slots 16.. so other counters can grow below.
+    STORAGE_FILES = 16           # gauge: KV files known (all ranks of known blocks)
+    STORAGE_BYTES = 17           # gauge: their bytes on disk
+    STORAGE_CAPACITY = 18        # HPKV_KV_STORAGE_SIZE (0 = unlimited)
+    STORAGE_FREE = 19            # gauge: free bytes of the storage file system
+    STORAGE_O_DIRECT = 20        # 1 when the IO workers use O_DIRECT
+    STORAGE_IO_ERRORS = 21       # failed spills/promotes/unlinks (ENOSPC included), corrupt files too
+    STORAGE_QUARANTINED = 22     # corrupt files moved to <storage>/quarantine
+    STORAGE_SPILL_PAUSED = 23    # gauge: 1 while spilling is paused (free space, ENOSPC)
+    STORAGE_BYTES_WRITTEN = 24
+    STORAGE_BYTES_READ = 25
+    STORAGE_SPILLS = 26          # files written
+    STORAGE_PROMOTES = 27        # files read into the pool
+    STORAGE_EVICTED_FILES = 28   # files removed by the capacity limit
 
 
 class W(IntEnum):
@@ -181,6 +195,7 @@ class StatsSegment:
             "worker_restarts": int(g[G.WORKER_RESTARTS]),
             "namespaces": [], "workers": [], "clients": cat.get("clients", []),
             "rings": cat.get("rings", []),
+            "storage": _storage_snapshot(g, cat.get("storage") or {}),
         }
         for ns in cat.get("namespaces", []):
             row = self.ns[ns["id"]]
@@ -199,3 +214,15 @@ class StatsSegment:
             self.mm.close()
         except BufferError:
             pass  # a caller still holds a row view: the mapping goes when that view does
+
+
+def _storage_snapshot(g: np.ndarray, cat: dict[str, Any]) -> dict[str, Any]:
+    """The ``"storage"`` section of a snapshot (monitors and Prometheus read exactly these)."""
+    return {"path": cat.get("path"), "files": int(g[G.STORAGE_FILES]), "bytes": int(g[G.STORAGE_BYTES]),
+            "capacity_bytes": int(g[G.STORAGE_CAPACITY]), "free_bytes": int(g[G.STORAGE_FREE]),
+            "o_direct": bool(g[G.STORAGE_O_DIRECT]), "o_direct_reason": cat.get("o_direct_reason"),
+            "io_errors": int(g[G.STORAGE_IO_ERRORS]), "quarantined": int(g[G.STORAGE_QUARANTINED]),
+            "spill_paused": bool(g[G.STORAGE_SPILL_PAUSED]),
+            "bytes_written": int(g[G.STORAGE_BYTES_WRITTEN]), "bytes_read": int(g[G.STORAGE_BYTES_READ]),
+            "spills": int(g[G.STORAGE_SPILLS]), "promotes": int(g[G.STORAGE_PROMOTES]),
+            "evicted_files": int(g[G.STORAGE_EVICTED_FILES])}

@@ -21,7 +21,7 @@ from typing import Any
 
 from hpkv.engine import protocol as P
 from hpkv.engine.stats import StatsSegment, W, WorkerState
-from hpkv.ring import Ring, RingError
+from hpkv.ring import Doorbell, Ring, RingError
 
 log = logging.getLogger("hpkv.workers")
 
@@ -59,6 +59,10 @@ def device_cpus(device: str, numa_node: int | None) -> tuple[int, list[int]]:
     except OSError:
         cpus = []
     return node, cpus or allowed
+
+
+#: The process main of each kind of worker.
+WORKER_MODULES = {"transfer": "hpkv.engine.transfer_worker", "io": "hpkv.io_workers.worker"}
 
 
 def worker_file_names(base: str) -> tuple[str, str, str]:
@@ -101,6 +105,28 @@ class WorkerProcess:
         w._spawn()
         return w
 
+    @classmethod
+    def start_io(cls, directory: str, base: str, slot: int, spec: dict[str, Any], stats: StatsSegment,
+                 doorbell: Doorbell) -> tuple["WorkerProcess", Ring, Ring]:
+        """An IO worker: the server itself holds the other end of both rings (it issues the
+        jobs and consumes the completions, woken by its doorbell); returns (worker, req, resp)."""
+        w = cls(directory, base, slot, "io", "disk", spec, stats)
+        req = Ring.create(directory, w.req_name, capacity=P.RING_CAPACITY, role="producer")
+        resp = Ring.create(directory, w.resp_name, capacity=P.RING_CAPACITY, role="consumer",
+                           doorbell=doorbell)
+        stats.workers[slot][:] = 0
+        w._spawn()
+        return w, req, resp
+
+    def respawn(self) -> None:
+        """Start a replacement of a dead worker on the same rings (its jobs are the caller's)."""
+        self.stats.workers[self.slot][W.STATE] = WorkerState.DEAD
+        self.restarts += 1
+        log.error("%s worker %s (pid %s) died (exit status %s); restarting (restart %d)", self.kind,
+                  self.base, self.proc.pid if self.proc else "?",
+                  self.proc.returncode if self.proc else None, self.restarts)
+        self._spawn()
+
     def _spawn(self) -> None:
         row = self.stats.workers[self.slot]
         row[W.STATE] = WorkerState.STARTING
@@ -108,7 +134,7 @@ class WorkerProcess:
         args = {**self.spec, "dir": self.dir, "req": self.req_name, "resp": self.resp_name,
                 "jobs": self.jobs_path, "slot": self.slot}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hpkv.engine.transfer_worker", json.dumps(args)],
+            [sys.executable, "-m", WORKER_MODULES[self.kind], json.dumps(args)],
             stdin=subprocess.DEVNULL, close_fds=True)
         row[W.PID] = self.proc.pid
         row[W.RESTARTS] = self.restarts

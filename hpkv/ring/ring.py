@@ -189,9 +189,13 @@ class Ring:
         handle, path, ident = create_file(directory, name + ".ring", "ring", replace_stale, map_fn,
                                           lib.hpkv_ring_unmap)
         ring = cls(handle, name, path, role, ident, creator=True)
-        ring.set_wait(spin_us, slice_ms)
-        if doorbell is not None:
-            ring._bind(doorbell, owned=False)
+        try:
+            ring.set_wait(spin_us, slice_ms)
+            if doorbell is not None:
+                ring._bind(doorbell, owned=False)
+        except BaseException:
+            ring.close()  # removes the file it just published
+            raise
         return ring
 
     @classmethod
@@ -524,10 +528,10 @@ class Doorbell:
 
     @classmethod
     def create(cls, directory: str | os.PathLike[str], name: str, *, replace_stale: bool = True,
-               spin_us: float = DEFAULT_SPIN_US, slice_ms: float = DEFAULT_SLICE_MS) -> Doorbell:
+               spin_us: float = DEFAULT_SPIN_US) -> Doorbell:
         """Creates ``directory/name.bell`` (mode 0600); the creator is the one that waits."""
         check_name(name, "doorbell")
-        _check_wait(spin_us, slice_ms)
+        _check_wait(spin_us, DEFAULT_SLICE_MS)
         directory = os.fspath(directory)
         err = ffi.new("int *")
         path = os.path.join(directory, name + ".bell")
@@ -541,7 +545,7 @@ class Doorbell:
         handle, path, ident = create_file(directory, name + ".bell", "doorbell", replace_stale, map_fn,
                                           lib.hpkv_doorbell_unmap)
         bell = cls(handle, name, path, ident, owner=True)
-        bell.set_wait(spin_us, slice_ms)
+        bell.set_spin(spin_us)
         return bell
 
     @classmethod
@@ -583,8 +587,10 @@ class Doorbell:
                 raise RingError(describe_error(rc, self.path))
             ns = _RESUME  # after a signal: same deadline
 
-    def set_wait(self, spin_us: float = DEFAULT_SPIN_US, slice_ms: float = DEFAULT_SLICE_MS) -> None:
-        _set_wait(lib.hpkv_doorbell_set_wait, self._handle(), spin_us, slice_ms)
+    def set_spin(self, spin_us: float = DEFAULT_SPIN_US) -> None:
+        """Busy-poll ``spin_us`` µs in :meth:`wait` before sleeping."""
+        _check_wait(spin_us, DEFAULT_SLICE_MS)
+        lib.hpkv_doorbell_set_spin(self._handle(), int(spin_us * 1e3))
 
     @property
     def owner(self) -> PeerInfo:

@@ -67,7 +67,7 @@ def create_file(directory: str, filename: str, what: str, replace_stale: bool,
         os.fchmod(fd, 0o600)  # exactly 0600 whatever the umask: only this user's processes attach
         handle = map_fn(fd)
         st = os.fstat(fd)
-        _publish(tmp, path, what, replace_stale)
+        _publish(tmp, path, what, replace_stale, (st.st_dev, st.st_ino))
     except BaseException:
         if handle is not None:
             unmap_fn(handle)
@@ -81,7 +81,7 @@ def create_file(directory: str, filename: str, what: str, replace_stale: bool,
     return handle, path, (st.st_dev, st.st_ino)
 
 
-def _publish(tmp: str, path: str, what: str, replace_stale: bool) -> None:
+def _publish(tmp: str, path: str, what: str, replace_stale: bool, ident: FileId) -> None:
     for _ in range(20):
         try:
             os.link(tmp, path)  # atomic, and fails if the name exists: never clobbers a live file
@@ -103,6 +103,11 @@ def _publish(tmp: str, path: str, what: str, replace_stale: bool) -> None:
             raise RingExists(f"{what} {path} is stale (its creator, pid {pid}, is gone); "
                              "remove it or create with replace_stale=True")
         os.rename(tmp, path)  # atomic replace: attachers see the old file or the new, never neither
+        st = os.stat(path)
+        if (st.st_dev, st.st_ino) != ident:
+            # Another process replaced the same stale file right after us; it won the name.
+            raise RingExists(f"{what} {path} was re-created concurrently by another process; "
+                             "two creators raced for one name: give each its own name")
         return
     raise RingError(f"could not publish {what} {path}: the name kept changing under us")
 

@@ -1,0 +1,345 @@
+"""The KV file: its format, its path, and how one file is written and read. Defined here only.
+
+A KV file holds one rank's shard of one block::
+
+    offset 0      header, HEADER_BYTES (4096) bytes, little-endian:
+                    0  8s  magic b"HPKVBLK1"
+                    8  u32 format version (hpkv.engine.keys.FORMAT_VERSION)
+                   12  u32 header bytes (4096)
+                   16  16s namespace fingerprint (raw 16 bytes of the 32-hex fingerprint)
+                   32  16s block key
+                   48  u32 rank          52  u32 world size
+                   56  u64 payload length (bytes, unpadded)
+                   64  u32 CRC32C of the payload
+                   68  u32 CRC32C of the whole 4096-byte header with this field zeroed
+                   72  u64 creation time (ns since the epoch)
+                   80  zeros up to 4096
+    offset 4096   payload, zero-padded to a multiple of 4096
+
+so every byte of the file is verified on read (header CRC, payload CRC, zero
+padding) and O_DIRECT can move it with 4096-aligned offsets and lengths straight
+between the file and a pool slot (slots are ``align_up(shard_bytes, 4096)`` long).
+
+Paths: ``<storage>/<fingerprint>/<aa>/<bb>/<keyhex>-r<rank>.kv`` (``aa``, ``bb``: the
+first two bytes of the key in hex), two directory levels so no directory grows past
+a few hundred entries per million blocks. A file is written as
+``.<keyhex>-r<rank>.kv.<host>.<pid>.tmp`` in the same directory and renamed into
+place, so no reader ever sees a partial file; the host and pid in the temporary name
+tell which writer left it behind if one dies. Corrupt files are moved to
+``<storage>/quarantine/``.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import re
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from hpkv.engine.keys import FORMAT_VERSION, KEY_BYTES
+from hpkv.io_workers.checksum import crc32c
+
+MAGIC = b"HPKVBLK1"
+HEADER_BYTES = 4096
+FILE_ALIGN = 4096          # payload padding and O_DIRECT granularity
+QUARANTINE_DIR = "quarantine"
+SUFFIX = ".kv"
+TMP_SUFFIX = ".tmp"
+
+_HDR = struct.Struct("<8sII16s16sIIQII Q")
+_HDR_CRC_AT = 68
+assert _HDR.size == 80
+
+_NAME_RE = re.compile(r"^([0-9a-f]{32})-r(\d+)\.kv$")
+_HOST = socket.gethostname().replace(".", "_").replace("/", "_")[:32] or "host"
+
+
+def align_up(n: int, a: int = FILE_ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def file_size(payload_len: int) -> int:
+    """Bytes on disk of a KV file with a payload of ``payload_len`` bytes."""
+    return HEADER_BYTES + align_up(payload_len)
+
+
+class CorruptFile(ValueError):
+    """A KV file whose header, length, padding or checksum does not match what was asked."""
+
+
+class BlockId(NamedTuple):
+    """Which shard a file holds: namespace fingerprint (16 raw bytes), key, rank, world size."""
+    namespace: bytes
+    key: bytes
+    rank: int
+    world: int
+
+
+@dataclass(frozen=True)
+class Header:
+    block: BlockId
+    payload_len: int
+    payload_crc: int
+    created_ns: int
+
+
+# ------------------------------------------------------------------ paths
+def rel_dir(fingerprint: str, key: bytes) -> str:
+    kh = key.hex()
+    return os.path.join(fingerprint, kh[:2], kh[2:4])
+
+
+def file_name(key: bytes, rank: int) -> str:
+    return f"{key.hex()}-r{rank}{SUFFIX}"
+
+
+def file_path(root: str, fingerprint: str, key: bytes, rank: int) -> str:
+    return os.path.join(root, rel_dir(fingerprint, key), file_name(key, rank))
+
+
+def tmp_path(final: str, pid: int | None = None, host: str = _HOST) -> str:
+    """The temporary name ``final`` is written under by process ``pid`` on ``host``."""
+    d, name = os.path.split(final)
+    return os.path.join(d, f".{name}.{host}.{os.getpid() if pid is None else pid}{TMP_SUFFIX}")
+
+
+def parse_name(name: str) -> tuple[bytes, int] | None:
+    """``<keyhex>-r<rank>.kv`` → (key, rank); None for anything else."""
+    m = _NAME_RE.match(name)
+    return (bytes.fromhex(m.group(1)), int(m.group(2))) if m else None
+
+
+def parse_tmp_name(name: str) -> tuple[str, int] | None:
+    """``.<final>.<host>.<pid>.tmp`` → (host, pid); None for anything else."""
+    if not (name.startswith(".") and name.endswith(TMP_SUFFIX)):
+        return None
+    parts = name[1:-len(TMP_SUFFIX)].rsplit(".", 2)
+    if len(parts) != 3 or not parts[2].isdigit():
+        return None
+    return parts[1], int(parts[2])
+
+
+def this_host() -> str:
+    return _HOST
+
+
+def quarantine_path(root: str, final: str) -> str:
+    return os.path.join(root, QUARANTINE_DIR, f"{os.path.basename(final)}.{time.time_ns()}")
+
+
+# ------------------------------------------------------------------ header
+def pack_header(buf: memoryview, block: BlockId, payload_len: int, payload_crc: int) -> None:
+    """Write the 4096-byte header of ``block`` into ``buf`` (all of it, padding included)."""
+    buf[:HEADER_BYTES] = bytes(HEADER_BYTES)
+    _HDR.pack_into(buf, 0, MAGIC, FORMAT_VERSION, HEADER_BYTES, block.namespace, block.key,
+                   block.rank, block.world, payload_len, payload_crc, 0, time.time_ns())
+    struct.pack_into("<I", buf, _HDR_CRC_AT, crc32c(buf[:HEADER_BYTES]))
+
+
+def unpack_header(buf: memoryview) -> Header:
+    """Parse and verify a header; raises :class:`CorruptFile` saying what is wrong."""
+    (magic, version, hdr_bytes, namespace, key, rank, world, payload_len, payload_crc, hdr_crc,
+     created) = _HDR.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise CorruptFile(f"bad magic {magic!r}")
+    check = bytearray(buf[:HEADER_BYTES])
+    check[_HDR_CRC_AT:_HDR_CRC_AT + 4] = b"\0\0\0\0"
+    if crc32c(check) != hdr_crc:
+        raise CorruptFile("header checksum mismatch")
+    if version != FORMAT_VERSION or hdr_bytes != HEADER_BYTES:
+        raise CorruptFile(f"format version {version} / header {hdr_bytes} B, expected "
+                          f"{FORMAT_VERSION} / {HEADER_BYTES} B")
+    return Header(BlockId(namespace, key, rank, world), payload_len, payload_crc, created)
+
+
+def fingerprint_bytes(fingerprint: str) -> bytes:
+    raw = bytes.fromhex(fingerprint)
+    if len(raw) != KEY_BYTES:
+        raise ValueError(f"namespace fingerprint {fingerprint!r} is not {KEY_BYTES} bytes of hex")
+    return raw
+
+
+# ------------------------------------------------------------------ one file
+class KvFileIO:
+    """Writes and reads KV files straight between a pool mapping and the file system.
+
+    ``pool`` is a writable memoryview of the whole pool (page-aligned; slots are
+    4096-aligned), so with O_DIRECT the payload moves between the pool and the
+    device with no bounce buffer; only the 4096-byte header uses a buffer of ours.
+    One instance per thread.
+    """
+
+    def __init__(self, root: str, pool: memoryview, o_direct: bool, fsync: bool = False):
+        self.root = root
+        self.pool = pool
+        self.o_direct = o_direct
+        self.fsync = fsync
+        self._hdr_mm = mmap.mmap(-1, HEADER_BYTES)      # page-aligned, as O_DIRECT wants
+        self.hdr = memoryview(self._hdr_mm)
+        self.fell_back = False                         # O_DIRECT refused at run time → buffered
+
+    def _flags(self) -> int:
+        return os.O_CLOEXEC | (os.O_DIRECT if self.o_direct else 0)
+
+    def write(self, fingerprint: str, block: BlockId, offset: int, length: int) -> tuple[int, bool]:
+        """Spill pool bytes ``[offset, offset+length)`` as the block's file.
+
+        Returns (bytes written, existed): a complete file already in place (another
+        writer, another node) is not written again. On any error the temporary file
+        is removed and the OSError propagates (ENOSPC included).
+        """
+        final = file_path(self.root, fingerprint, block.key, block.rank)
+        want = file_size(length)
+        try:
+            if os.stat(final).st_size == want:
+                return 0, True
+        except FileNotFoundError:
+            pass
+        padded = align_up(length)
+        payload = self.pool[offset: offset + padded]
+        if len(payload) != padded:
+            raise ValueError(f"pool range {offset}+{padded} is outside the pool")
+        payload[length:] = bytes(padded - length)  # the slot's tail is ours: zero padding on disk
+        pack_header(self.hdr, block, length, crc32c(payload[:length]))
+        tmp = tmp_path(final)
+        fd = self._open_tmp(tmp)
+        try:
+            try:
+                _pwrite_all(fd, [self.hdr, payload], want)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or not self.o_direct:
+                    raise
+                self._fall_back()           # O_DIRECT refused at run time: retry buffered
+                os.close(fd)
+                fd = -1
+                fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+                _pwrite_all(fd, [self.hdr, payload], want)
+            if self.fsync:
+                os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.rename(tmp, final)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            _unlink_quietly(tmp)
+            raise
+        return want, False
+
+    def _open_tmp(self, tmp: str) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        for attempt in range(2):
+            try:
+                try:
+                    return os.open(tmp, flags | self._flags(), 0o644)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL or not self.o_direct:
+                        raise
+                    self._fall_back()
+                    return os.open(tmp, flags | self._flags(), 0o644)
+            except FileNotFoundError:
+                if attempt:
+                    raise
+                os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        raise AssertionError("unreachable")
+
+    def read(self, fingerprint: str, block: BlockId, offset: int, length: int) -> int:
+        """Promote the block's file into pool bytes ``[offset, offset+align_up(length))``.
+
+        Returns the bytes read. Raises FileNotFoundError when there is no file,
+        :class:`CorruptFile` when anything in it does not match ``block``/``length``
+        (the caller quarantines it), OSError for IO errors.
+        """
+        final = file_path(self.root, fingerprint, block.key, block.rank)
+        want = file_size(length)
+        padded = align_up(length)
+        payload = self.pool[offset: offset + padded]
+        if len(payload) != padded:
+            raise ValueError(f"pool range {offset}+{padded} is outside the pool")
+        try:
+            fd = os.open(final, os.O_RDONLY | self._flags())
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or not self.o_direct:
+                raise
+            self._fall_back()
+            fd = os.open(final, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            if size != want:
+                raise CorruptFile(f"file is {size} bytes, expected {want} for a {length}-byte payload")
+            got = _pread_all(fd, [self.hdr, payload])
+        finally:
+            os.close(fd)
+        if got != want:
+            raise CorruptFile(f"short read: {got} of {want} bytes")
+        h = unpack_header(self.hdr)
+        if h.block != block:
+            raise CorruptFile(f"header names {h.block}, expected {block}")
+        if h.payload_len != length:
+            raise CorruptFile(f"payload length {h.payload_len}, expected {length}")
+        if payload[length:] != bytes(padded - length):
+            raise CorruptFile("non-zero padding after the payload")
+        if crc32c(payload[:length]) != h.payload_crc:
+            raise CorruptFile("payload checksum mismatch")
+        return want
+
+    def quarantine(self, fingerprint: str, block: BlockId) -> str:
+        """Move the block's file out of the way; returns where it went."""
+        final = file_path(self.root, fingerprint, block.key, block.rank)
+        dest = quarantine_path(self.root, final)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        os.rename(final, dest)
+        return dest
+
+    def _fall_back(self) -> None:
+        self.o_direct = False
+        self.fell_back = True
+
+    def close(self) -> None:
+        self.hdr.release()
+        self._hdr_mm.close()
+
+
+def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
+    out = []
+    for b in bufs:
+        if n >= len(b):
+            n -= len(b)
+            continue
+        out.append(b[n:] if n else b)
+        n = 0
+    return out
+
+
+def _pwrite_all(fd: int, bufs: list[memoryview], total: int) -> None:
+    """pwritev until everything is written; a short write continues where it stopped."""
+    done = 0
+    while done < total:
+        n = os.pwritev(fd, bufs, done)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        done += n
+        bufs = _advance(bufs, n)
+
+
+def _pread_all(fd: int, bufs: list[memoryview]) -> int:
+    """preadv until the buffers are full or end of file; returns the bytes read."""
+    done = 0
+    while bufs:
+        n = os.preadv(fd, bufs, done)
+        if n == 0:
+            break
+        done += n
+        bufs = _advance(bufs, n)
+    return done
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,71 @@
+"""Does the storage directory take O_DIRECT? Asked once, at server start.
+
+File systems answer in three ways, so the probe opens, writes and reads back:
+
+* ext4/xfs/btrfs on a block device: O_DIRECT works with 512- or 4096-byte aligned
+  buffers, offsets and lengths (EINVAL otherwise; hpkv always aligns to 4096);
+* ramfs, some FUSE and overlay set-ups, older NFS: ``open(O_DIRECT)`` itself fails
+  with EINVAL;
+* tmpfs (Linux ≥ 6.6) accepts O_DIRECT and silently does buffered IO: harmless.
+
+A file system may also accept the open and refuse the first IO (EINVAL from
+pwrite), which is why a 4096-byte write and read are part of the probe. The IO
+workers use buffered IO when the probe fails.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import secrets
+from dataclasses import dataclass
+
+from hpkv.config import filesystem_type
+
+PROBE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class DirectIoProbe:
+    ok: bool
+    fs_type: str
+    reason: str | None   # "EINVAL on ramfs (open)" when not ok
+
+    def describe(self, path: str) -> str:
+        if self.ok:
+            return f"O_DIRECT works on {path} ({self.fs_type}): KV files bypass the page cache"
+        return (f"O_DIRECT is not usable on {path}: {self.reason}; the IO workers fall back to "
+                "buffered IO (reads may come from the page cache, writes go through it)")
+
+
+def probe_o_direct(directory: str) -> DirectIoProbe:
+    """Open, write and read back one 4096-byte block with O_DIRECT in ``directory``."""
+    fs = filesystem_type(directory)
+    path = os.path.join(directory, f".hpkv-odirect-probe-{os.getpid()}-{secrets.token_hex(4)}")
+    buf = mmap.mmap(-1, PROBE_BYTES)
+    back = mmap.mmap(-1, PROBE_BYTES)
+    pattern = secrets.token_bytes(PROBE_BYTES)
+    buf[:] = pattern
+    step = "open"
+    fd = -1
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        step = "pwrite"
+        if os.pwritev(fd, [buf], 0) != PROBE_BYTES:
+            return DirectIoProbe(False, fs, f"short write on {fs} (pwrite)")
+        step = "pread"
+        if os.preadv(fd, [back], 0) != PROBE_BYTES or back[:] != pattern:
+            return DirectIoProbe(False, fs, f"read back differs on {fs} (pread)")
+        return DirectIoProbe(True, fs, None)
+    except OSError as exc:
+        name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        return DirectIoProbe(False, fs, f"{name} on {fs} ({step})")
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        buf.close()
+        back.close()

@@ -1,0 +1,744 @@
+"""The storage tier as the server runs it: IO workers, write-through, promotes, the file
+catalog, directory scans, capacity and free-space limits.
+
+Threads and ownership (everything below runs in the server process, under the
+server's one lock):
+
+* the *request loop* issues every IO job and consumes every completion. Each IO
+  worker has a request ring (server → worker, SPILL / PROMOTE) and a completion
+  ring bound to the server's doorbell, so a completion wakes the loop like a
+  client's request does. Nothing here waits for IO: a PROMOTE hot call is parked
+  (:class:`PromoteCall`) and answered when its jobs complete or its deadline passes;
+* the *maintenance thread* checks free space, evicts files above the capacity
+  limit (unlinks happen outside the lock) and decides when a paused spill resumes;
+* one *scan thread* per attached namespace lists ``<storage>/<fingerprint>/`` and
+  adds complete blocks (every rank's file present) to the index, in batches;
+* the *supervisor* only flags a dead IO worker; the request loop fails the jobs the
+  worker had taken (the ring's FIFO order says which), removes its temporary file
+  and restarts it on the same rings. Queued jobs survive for the replacement.
+
+Write-through: a block that becomes READY is spilled once per rank unless it
+already has files; it stays unevictable while the spill runs. Spilling pauses
+while free space is under ``HPKV_STORAGE_MIN_FREE`` and after ENOSPC (backing off
+1 s → 30 s); meanwhile READY blocks are evictable without files and are remembered
+for a retry when spilling resumes. Reads keep working throughout.
+
+The catalog is an LRU of the blocks whose files are known (spilled here, found by
+a scan or by a stat on a lookup miss), used for ``HPKV_KV_STORAGE_SIZE``. Files
+found by a scan enter at the cold end, in directory order.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import numpy as np
+
+from hpkv.config import Config, filesystem_type
+from hpkv.engine import protocol as P
+from hpkv.engine.index import Block, Index, Namespace, NsCounter, State
+from hpkv.engine.stats import G, StatsSegment
+from hpkv.engine.workers import WorkerProcess
+from hpkv.io_workers import kvfile
+from hpkv.io_workers.probe import DirectIoProbe, probe_o_direct
+from hpkv.io_workers.ratelimit import RateLimitedLog
+from hpkv.ring import Doorbell, Ring, RingError
+
+if TYPE_CHECKING:
+    from hpkv.engine.server import Client
+
+log = logging.getLogger("hpkv.storage")
+
+MAX_INFLIGHT_PER_WORKER = 4       # keeps the request rings shallow so promotes overtake spills
+SCAN_BATCH = 1024                 # blocks added to the index per lock hold
+MAINT_INTERVAL_S = 0.5
+ENOSPC_BACKOFF_S = (1.0, 30.0)
+MAX_SPILL_ATTEMPTS = 3            # for errors other than ENOSPC / a dead worker
+MAX_RETRY_BLOCKS = 100_000
+STALE_TMP_AGE_S = 3600.0          # another host's temporary file older than this is abandoned
+
+
+# ------------------------------------------------------------------ job bookkeeping
+class _BlockOp:
+    """The jobs of all ranks of one block: one spill or one promote."""
+
+    __slots__ = ("kind", "block", "remaining", "status", "written", "waiters")
+
+    def __init__(self, kind: int, block: Block):
+        self.kind = kind
+        self.block = block
+        self.remaining = block.ns.world_size
+        self.status = 0                           # first failure, 0 while all succeeded
+        self.written: list[int] = []              # spill: ranks whose file we wrote
+        self.waiters: list[tuple[PromoteCall, int]] = []  # promote: (call, row)
+
+
+@dataclass
+class _Job:
+    op: _BlockOp
+    rank: int
+
+
+@dataclass
+class PromoteCall:
+    """A client's PROMOTE waiting for IO; answered once, when done or at its deadline."""
+    client: "Client"
+    seq: int
+    ns: Namespace
+    keys: list[bytes]
+    rows: np.ndarray
+    deadline: float
+    outstanding: int = 0
+    done: bool = False
+
+
+@dataclass
+class _Link:
+    """The server's ends of one IO worker's rings and the jobs it holds, in push order."""
+    worker: WorkerProcess
+    req: Ring
+    resp: Ring
+    inflight: "OrderedDict[int, _Job]" = field(default_factory=OrderedDict)
+    dead: bool = False
+
+
+class StorageTier:
+    """Everything the server does for the storage tier (see the module docstring)."""
+
+    def __init__(self, cfg: Config, server_dir: str, stats: StatsSegment, index: Index,
+                 lock: threading.RLock, doorbell: Doorbell, pool_path: str,
+                 answer: Callable[["Client", int, np.ndarray], None]):
+        self.cfg = cfg
+        self.root: str = cfg.storage_path  # type: ignore[assignment]
+        self.dir = server_dir
+        self.stats = stats
+        self.g = stats.glob
+        self.index = index
+        self.lock = lock
+        self.doorbell = doorbell
+        self.pool_path = pool_path
+        self._answer = answer
+        self.capacity = int(cfg["HPKV_KV_STORAGE_SIZE"])
+        self.min_free_pct = float(cfg["HPKV_STORAGE_MIN_FREE"])
+        self.probe: DirectIoProbe | None = None
+        self.o_direct_reason: str | None = None
+        self.links: list[_Link] = []
+        self._seq = 0
+        self._spill_q: deque[_Job] = deque()
+        self._promote_q: deque[_Job] = deque()
+        self._promoting: dict[bytes, _BlockOp] = {}
+        self._calls: list[PromoteCall] = []
+        self._lru: OrderedDict[bytes, Namespace] = OrderedDict()   # known blocks with files, LRU first
+        self._deleting: set[bytes] = set()
+        self._retry: OrderedDict[bytes, int] = OrderedDict()       # key -> failed spill attempts
+        self._ns_raw: dict[int, bytes] = {}
+        self._scans: dict[int, threading.Thread] = {}
+        self.scan_done: dict[int, bool] = {}
+        self.files = 0
+        self.bytes = 0
+        # Spill pause: free space under the minimum, or ENOSPC (with back-off).
+        self._low_space = False
+        self._enospc_until = 0.0
+        self._enospc_backoff = ENOSPC_BACKOFF_S[0]
+        self._enospc_episode = 0       # ENOSPC failures since the last successful spill
+        self._paused = False
+        self._resume = False           # the maintenance thread saw the pause end
+        self.catalog_dirty = False
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._errors = RateLimitedLog(log)
+
+    # ================================================================ life cycle
+    def start(self, slots: list[int]) -> list[WorkerProcess]:
+        """Probe O_DIRECT, start the IO workers (one per stats row in ``slots``, see
+        ``HPKV_NUM_IO_WORKERS``) and the maintenance thread; returns the workers."""
+        os.makedirs(os.path.join(self.root, kvfile.QUARANTINE_DIR), exist_ok=True)
+        self.probe = probe_o_direct(self.root)
+        self.o_direct_reason = self.probe.reason
+        (log.info if self.probe.ok else log.warning)("%s", self.probe.describe(self.root))
+        self.g[G.STORAGE_O_DIRECT] = int(self.probe.ok)
+        self.g[G.STORAGE_CAPACITY] = self.capacity
+        self._check_free_space()
+        spec = {"pool": self.pool_path, "storage": self.root, "o_direct": self.probe.ok,
+                "fsync": bool(self.cfg["HPKV_STORAGE_FSYNC"]), "log_level": self.cfg["HPKV_LOG_LEVEL"]}
+        workers = []
+        for i, slot in enumerate(slots):
+            w, req, resp = WorkerProcess.start_io(self.dir, f"io{i}", slot, spec, self.stats, self.doorbell)
+            self.links.append(_Link(w, req, resp))
+            workers.append(w)
+        threading.Thread(target=self._maintenance_loop, name="storage-maint", daemon=True).start()
+        log.info("storage tier %s: %d IO worker(s), capacity %s, spilling pauses under %g%% free",
+                 self.root, len(workers), self.capacity or "unlimited", self.min_free_pct)
+        return workers
+
+    def shutdown(self) -> None:
+        """Stop the threads and close the rings (after the server stopped the workers)."""
+        self._stop.set()
+        self._wake.set()
+        for t in list(self._scans.values()):
+            t.join(timeout=5.0)
+        for link in self.links:
+            for ring in (link.req, link.resp):
+                try:
+                    ring.close()
+                except RingError:
+                    pass
+
+    def describe(self) -> dict[str, Any]:
+        """The strings of the stats snapshot's ``storage`` section (the numbers are in G)."""
+        return {"path": self.root, "o_direct_reason": self.o_direct_reason,
+                "fs_type": self.probe.fs_type if self.probe else None,
+                "scans_done": sorted(k for k, v in self.scan_done.items() if v)}
+
+    # ================================================================ namespaces
+    def attach_namespace(self, ns: Namespace) -> None:
+        """Start learning the namespace's files: a background scan (stat on miss covers the rest)."""
+        self._ns_raw[ns.ns_id] = kvfile.fingerprint_bytes(ns.fingerprint)
+        if ns.ns_id in self._scans:
+            return
+        self.scan_done[ns.ns_id] = False
+        t = threading.Thread(target=self._scan, args=(ns,), name=f"scan-ns{ns.ns_id}", daemon=True)
+        self._scans[ns.ns_id] = t
+        t.start()
+
+    # ================================================================ hot path (request loop, lock held)
+    def extend_lookup(self, ns: Namespace, keys: list[bytes], hit: int, tiers: list[int]) -> int:
+        """Continue a lookup's prefix past keys the index does not know but whose files exist
+        (scan not there yet, or written by another server on the same storage); extends ``tiers``."""
+        while hit < len(keys) and self._stat_block(ns, keys[hit]):
+            more, more_tiers = self.index.lookup(keys[hit:])
+            tiers.extend(more_tiers)
+            hit += more
+        return hit
+
+    def spill(self, blocks: Iterable[Block]) -> None:
+        """Write-through of blocks that just became READY."""
+        for b in blocks:
+            if b.on_storage:
+                self._touch(b.key)
+                continue
+            if self._paused:
+                self.index.skip_spill(b)
+                self._remember_retry(b.key, 0)
+                continue
+            self._start_spill(b)
+        self._dispatch()
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """The blocks were used (pinned for loading): their files are recent too."""
+        for k in keys:
+            self._touch(k)
+
+    def promote(self, c: "Client", seq: int, ns: Namespace, keys: list[bytes],
+                timeout: float) -> np.ndarray | None:
+        """A PROMOTE hot call: rows of pinned pool offsets, now (no IO needed) or None (parked)."""
+        world = ns.world_size
+        rows = np.full((len(keys), world), -1, np.int64)
+        call = PromoteCall(c, seq, ns, keys, rows, time.monotonic() + timeout)
+        idx = self.index
+        dram = 0
+        for i, k in enumerate(keys):
+            b = idx.blocks.get(k)
+            if b is None and self._stat_block(ns, k):
+                b = idx.blocks.get(k)
+            if b is None or b.ns is not ns:
+                continue
+            if b.state == State.READY:
+                rows[i] = idx.pin([k])[0]
+                c.pins[k] += 1
+                dram += 1
+                self._touch(k)
+            elif b.state == State.PROMOTING:
+                self._promoting[k].waiters.append((call, i))
+                call.outstanding += 1
+            elif b.state == State.STORED:
+                if idx.begin_promote(k) is None:
+                    continue                     # pool full of pinned blocks: this one fails
+                op = _BlockOp(P.PROMOTE, b)
+                op.waiters.append((call, i))
+                self._promoting[k] = op
+                call.outstanding += 1
+                self._promote_q.extend(_Job(op, r) for r in range(world))
+        ns.counters[NsCounter.LOADS_DRAM] += dram
+        if call.outstanding == 0:
+            return rows
+        self._calls.append(call)
+        self._dispatch()
+        return None
+
+    def client_gone(self, c: "Client") -> None:
+        """Forget a dropped client's parked call (its pins are released by the server)."""
+        for call in self._calls:
+            if call.client is c:
+                call.done = True
+        self._calls = [call for call in self._calls if not call.done]
+
+    # ================================================================ request loop: completions
+    def poll(self) -> None:
+        """Consume completions, recover dead workers, issue queued jobs, answer due calls."""
+        with self.lock:
+            for link in self.links:
+                while True:
+                    try:
+                        d = link.resp.try_pop()
+                    except RingError:
+                        break
+                    if d is None:
+                        break
+                    job = link.inflight.pop(d.seq, None)
+                    if job is not None:
+                        self._complete(job, d.status, d.a0, d.flags)
+                if link.dead:
+                    self._recover(link)
+            if self._resume:
+                self._resume = False
+                self._retry_spills()
+            self._dispatch()
+            if self._calls:
+                now = time.monotonic()
+                for call in self._calls:
+                    if not call.done and now >= call.deadline:
+                        self._finish_call(call)   # whatever is not loaded yet stays -1
+                self._calls = [call for call in self._calls if not call.done]
+            self._publish()
+
+    def worker_died(self, w: WorkerProcess) -> None:
+        """Supervisor: an IO worker exited. The request loop recovers its jobs and restarts it."""
+        for link in self.links:
+            if link.worker is w and not link.dead:
+                link.dead = True
+                self.doorbell.ring()
+
+    def _recover(self, link: _Link) -> None:
+        # Completions were drained just before: every job still listed was either taken by
+        # the dead worker (lost) or is still in the request ring, the newest `depth` ones.
+        queued = link.req.depth
+        jobs = list(link.inflight.items())
+        lost = jobs[: max(0, len(jobs) - queued)]
+        dead_pid = link.worker.proc.pid if link.worker.proc else None
+        for seq, job in lost:
+            del link.inflight[seq]
+            if job.op.kind == P.SPILL and dead_pid:
+                b = job.op.block
+                final = kvfile.file_path(self.root, b.ns.fingerprint, b.key, job.rank)
+                try:
+                    os.unlink(kvfile.tmp_path(final, pid=dead_pid))
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    self._io_error("unlink", exc.errno or errno.EIO, final)
+            self._complete(job, P.E_WORKER_DIED, 0, 0)
+        self.g[G.WORKER_RESTARTS] += 1
+        link.dead = False
+        log.error("IO worker %s died with %d job(s) taken: reported failed (spills are retried)",
+                  link.worker.base, len(lost))
+        link.worker.respawn()
+        self.catalog_dirty = True
+
+    def _complete(self, job: _Job, status: int, nbytes: int, flags: int) -> None:
+        op = job.op
+        b = op.block
+        g = self.g
+        if flags & P.IO_DIRECT_FALLBACK and g[G.STORAGE_O_DIRECT]:
+            g[G.STORAGE_O_DIRECT] = 0
+            g[G.STORAGE_IO_ERRORS] += 1
+            self.o_direct_reason = f"EINVAL on {self.probe.fs_type if self.probe else '?'} (at run time)"
+            self.catalog_dirty = True
+            log.warning("O_DIRECT refused at run time on %s: IO workers fall back to buffered IO",
+                        self.root)
+        if status == 0:
+            if op.kind == P.SPILL:
+                if not flags & P.IO_EXISTED:
+                    g[G.STORAGE_BYTES_WRITTEN] += nbytes
+                    g[G.STORAGE_SPILLS] += 1
+                    op.written.append(job.rank)
+            else:
+                g[G.STORAGE_BYTES_READ] += nbytes
+                g[G.STORAGE_PROMOTES] += 1
+        else:
+            op.status = op.status or status
+            self._count_failure(op, job.rank, status)
+        op.remaining -= 1
+        if op.remaining == 0:
+            if op.kind == P.SPILL:
+                self._finish_spill(op)
+            else:
+                self._finish_promote(op)
+
+    def _count_failure(self, op: _BlockOp, rank: int, status: int) -> None:
+        b = op.block
+        path = kvfile.file_path(self.root, b.ns.fingerprint, b.key, rank)
+        g = self.g
+        g[G.STORAGE_IO_ERRORS] += 1
+        if status == P.E_CORRUPT:
+            g[G.STORAGE_QUARANTINED] += 1          # the worker logged why and where it went
+        elif status == -errno.ENOSPC and op.kind == P.SPILL:
+            self._on_enospc(path)
+        elif status == P.E_WORKER_DIED:
+            pass                                  # logged once by _recover
+        else:
+            what = "spill" if op.kind == P.SPILL else "promote"
+            self._io_error(what, -status if status < 0 and -status < 1000 else errno.EIO, path,
+                           P.status_message(status))
+
+    def _io_error(self, what: str, err: int, path: str, text: str | None = None) -> None:
+        name = errno.errorcode.get(err, str(err))
+        self._errors.log(logging.ERROR, f"{what}-{name}", "storage %s failed: %s (%s) on %s", what,
+                         name, text or os.strerror(err), path)
+
+    # ================================================================ spills
+    def _start_spill(self, b: Block) -> None:
+        b.no_spill = False
+        self.index.set_io(b, +1)
+        op = _BlockOp(P.SPILL, b)
+        self._spill_q.extend(_Job(op, r) for r in range(b.ns.world_size))
+
+    def _finish_spill(self, op: _BlockOp) -> None:
+        b = op.block
+        self.index.set_io(b, -1)
+        if op.status == 0:
+            self._retry.pop(b.key, None)
+            self._add_known(b.ns, b.key, recent=True)
+            if self._enospc_episode:
+                log.warning("spilling works again after %d ENOSPC failure(s)", self._enospc_episode)
+                self._enospc_episode = 0
+                self._enospc_backoff = ENOSPC_BACKOFF_S[0]
+            if self.capacity and self.bytes > self.capacity:
+                self._wake.set()
+            return
+        self.index.skip_spill(b)   # evictable without files; retried later if still in DRAM
+        transient = op.status in (-errno.ENOSPC, P.E_WORKER_DIED)
+        attempts = self._retry.get(b.key, 0) + (0 if transient else 1)
+        if attempts < MAX_SPILL_ATTEMPTS:
+            self._remember_retry(b.key, attempts)
+            if op.status == P.E_WORKER_DIED:
+                self._resume = True      # not a storage problem: retry on the next round
+        else:
+            self._retry.pop(b.key, None)
+            # give up: the ranks we did write are orphans nobody will complete
+            for rank in op.written:
+                self._unlink_quietly(kvfile.file_path(self.root, b.ns.fingerprint, b.key, rank))
+
+    def _remember_retry(self, key: bytes, attempts: int) -> None:
+        self._retry[key] = attempts
+        self._retry.move_to_end(key)
+        while len(self._retry) > MAX_RETRY_BLOCKS:
+            self._retry.popitem(last=False)
+
+    def _retry_spills(self) -> None:
+        n = 0
+        for key in list(self._retry):
+            b = self.index.blocks.get(key)
+            if b is None or b.state != State.READY or b.on_storage or b.io:
+                self._retry.pop(key, None)
+                continue
+            if self._paused:
+                break
+            self._start_spill(b)
+            n += 1
+        if n:
+            log.info("retrying the spill of %d block(s)", n)
+
+    def _on_enospc(self, path: str) -> None:
+        now = time.monotonic()
+        if self._enospc_episode == 0:
+            log.warning("storage full (ENOSPC writing %s): spilling paused, the partial file was "
+                        "removed; reads continue; retrying in %.0fs (logged once until a spill "
+                        "succeeds again)", path, self._enospc_backoff)
+        self._enospc_episode += 1
+        if now >= self._enospc_until:
+            self._enospc_until = now + self._enospc_backoff
+            self._enospc_backoff = min(self._enospc_backoff * 2, ENOSPC_BACKOFF_S[1])
+        self._set_paused()
+
+    def _set_paused(self) -> None:
+        paused = self._low_space or time.monotonic() < self._enospc_until
+        if paused and not self._paused:
+            # Queued spills would only fail: they end now as failed (retried on resume). A
+            # block with a rank still in flight finishes when that job completes.
+            queued, self._spill_q = self._spill_q, deque()
+            for job in queued:
+                op = job.op
+                op.status = op.status or -errno.ENOSPC
+                op.remaining -= 1
+                if op.remaining == 0:
+                    self._finish_spill(op)
+        elif self._paused and not paused:
+            self._resume = True
+            self.doorbell.ring()
+        self._paused = paused
+        self.g[G.STORAGE_SPILL_PAUSED] = int(paused)
+
+    # ================================================================ promotes
+    def _finish_promote(self, op: _BlockOp) -> None:
+        b = op.block
+        key = b.key
+        ok = op.status == 0
+        self._promoting.pop(key, None)
+        self.index.finish_promote(key, ok)
+        if ok:
+            self._touch(key)
+        elif op.status in (P.E_CORRUPT, -errno.ENOENT):
+            self._forget(key)            # the file is gone or quarantined: the index forgets it
+        loaded = 0
+        for call, row in op.waiters:
+            if ok and not call.done and call.client.alive:
+                call.rows[row] = self.index.pin([key])[0]
+                call.client.pins[key] += 1
+                loaded += 1
+            call.outstanding -= 1
+            if call.outstanding == 0 and not call.done:
+                self._finish_call(call)
+        b.ns.counters[NsCounter.LOADS_STORAGE] += loaded
+
+    def _finish_call(self, call: PromoteCall) -> None:
+        call.done = True
+        if call.client.alive:
+            self._answer(call.client, call.seq, call.rows)
+
+    # ================================================================ dispatch
+    def _dispatch(self) -> None:
+        live = [link for link in self.links if not link.dead]
+        if not live:
+            return
+        for q in (self._promote_q, self._spill_q):
+            while q:
+                link = min(live, key=lambda lk: len(lk.inflight))
+                if len(link.inflight) >= MAX_INFLIGHT_PER_WORKER:
+                    return
+                job = q[0]
+                b = job.op.block
+                self._seq += 1
+                flags, args = P.io_job(self._ns_raw[b.ns.ns_id], b.key, job.rank, b.ns.world_size,
+                                       b.slots[job.rank], b.ns.shard_bytes)
+                try:
+                    pushed = link.req.try_push(job.op.kind, self._seq, *args, flags=flags)
+                except RingError as exc:
+                    log.error("IO worker %s request ring failed: %s", link.worker.base, exc)
+                    pushed = False
+                if not pushed:
+                    return       # ring full (a stuck worker): try again on the next wake-up
+                q.popleft()
+                link.inflight[self._seq] = job
+
+    # ================================================================ catalog
+    def _touch(self, key: bytes) -> None:
+        if key in self._lru:
+            self._lru.move_to_end(key)
+
+    def _add_known(self, ns: Namespace, key: bytes, recent: bool) -> None:
+        if key in self._lru:
+            if recent:
+                self._lru.move_to_end(key)
+            return
+        self.index.add_stored(ns, key)
+        self._lru[key] = ns
+        if not recent:
+            self._lru.move_to_end(key, last=False)   # found on disk: older than anything used here
+        self.files += ns.world_size
+        self.bytes += ns.world_size * kvfile.file_size(ns.shard_bytes)
+
+    def _forget(self, key: bytes) -> None:
+        ns = self._lru.pop(key, None)
+        if ns is not None:
+            self.files -= ns.world_size
+            self.bytes -= ns.world_size * kvfile.file_size(ns.shard_bytes)
+        self.index.forget_storage(key)
+
+    def _stat_block(self, ns: Namespace, key: bytes) -> bool:
+        """Are all ranks' files of ``key`` on storage? If so the index learns it (STORED)."""
+        if key in self._deleting or key in self.index.blocks:
+            return False
+        want = kvfile.file_size(ns.shard_bytes)
+        for rank in range(ns.world_size):
+            path = kvfile.file_path(self.root, ns.fingerprint, key, rank)
+            try:
+                if os.stat(path).st_size != want:
+                    return False
+            except FileNotFoundError:
+                return False
+            except OSError as exc:
+                self.g[G.STORAGE_IO_ERRORS] += 1
+                self._io_error("stat", exc.errno or errno.EIO, path)
+                return False
+        self._add_known(ns, key, recent=True)
+        return True
+
+    def _publish(self) -> None:
+        self.g[G.STORAGE_FILES] = self.files
+        self.g[G.STORAGE_BYTES] = self.bytes
+
+    # ================================================================ scan (one thread per namespace)
+    def _scan(self, ns: Namespace) -> None:
+        top = os.path.join(self.root, ns.fingerprint)
+        t0 = time.monotonic()
+        found = files = 0
+        host = kvfile.this_host()
+        try:
+            for aa in _subdirs(top):
+                for bb in _subdirs(aa):
+                    if self._stop.is_set():
+                        return
+                    ranks: dict[bytes, int] = {}
+                    for entry in _entries(bb):
+                        parsed = kvfile.parse_name(entry.name)
+                        if parsed is None:
+                            self._maybe_remove_tmp(entry, host)
+                            continue
+                        key, rank = parsed
+                        if rank < ns.world_size:
+                            ranks[key] = ranks.get(key, 0) | 1 << rank
+                            files += 1
+                    full = (1 << ns.world_size) - 1
+                    complete = [k for k, mask in ranks.items() if mask == full]
+                    for i in range(0, len(complete), SCAN_BATCH):
+                        with self.lock:
+                            for k in complete[i: i + SCAN_BATCH]:
+                                if k in self._lru or k in self._deleting:
+                                    continue
+                                b = self.index.blocks.get(k)
+                                if b is not None and b.state == State.PROMOTING:
+                                    continue
+                                self._add_known(ns, k, recent=False)
+                                found += 1
+                            self._publish()
+        except OSError as exc:
+            self.g[G.STORAGE_IO_ERRORS] += 1
+            self._io_error("scan", exc.errno or errno.EIO, top)
+        finally:
+            self.scan_done[ns.ns_id] = True
+            self.catalog_dirty = True
+        log.info("scan of namespace %d (%s): %d complete block(s) from %d file(s) in %.2fs", ns.ns_id,
+                 ns.fingerprint[:12], found, files, time.monotonic() - t0)
+        if self.capacity and self.bytes > self.capacity:
+            self._wake.set()
+
+    def _maybe_remove_tmp(self, entry: os.DirEntry, host: str) -> None:
+        """A temporary file of a writer that died (this host: pid gone; other hosts: old)."""
+        owner = kvfile.parse_tmp_name(entry.name)
+        if owner is None:
+            return
+        w_host, pid = owner
+        try:
+            if w_host == host:
+                if _pid_alive(pid):
+                    return
+            elif time.time() - entry.stat().st_mtime < STALE_TMP_AGE_S:
+                return
+            os.unlink(entry.path)
+            log.info("removed %s, left by a writer that died", entry.path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self.g[G.STORAGE_IO_ERRORS] += 1
+            self._io_error("unlink", exc.errno or errno.EIO, entry.path)
+
+    # ================================================================ maintenance thread
+    def _maintenance_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(MAINT_INTERVAL_S)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self._check_free_space()
+                self._evict_over_capacity()
+            except Exception:  # noqa: BLE001 - maintenance must keep running
+                log.exception("storage maintenance step failed")
+
+    def _check_free_space(self) -> None:
+        try:
+            st = os.statvfs(self.root)
+        except OSError as exc:
+            with self.lock:
+                self.g[G.STORAGE_IO_ERRORS] += 1
+                self._io_error("statvfs", exc.errno or errno.EIO, self.root)
+            return
+        free = st.f_bavail * st.f_frsize
+        pct = 100.0 * st.f_bavail / st.f_blocks if st.f_blocks else 100.0
+        with self.lock:
+            self.g[G.STORAGE_FREE] = free
+            low = pct < self.min_free_pct
+            if low != self._low_space:
+                if low:
+                    log.warning("storage %s has %.1f%% free, under HPKV_STORAGE_MIN_FREE=%g%%: "
+                                "spilling paused (reads continue)", self.root, pct, self.min_free_pct)
+                else:
+                    log.info("storage %s has %.1f%% free again: spilling resumes", self.root, pct)
+            self._low_space = low
+            self._set_paused()
+
+    def _evict_over_capacity(self) -> None:
+        if not self.capacity:
+            return
+        victims: list[tuple[Namespace, bytes]] = []
+        with self.lock:
+            skipped: list[tuple[bytes, Namespace]] = []
+            while self.bytes > self.capacity and self._lru:
+                key, ns = next(iter(self._lru.items()))
+                b = self.index.blocks.get(key)
+                if b is not None and (b.state == State.PROMOTING or b.io):
+                    self._lru.popitem(last=False)       # in use: keep it, look further
+                    skipped.append((key, ns))
+                    continue
+                self._forget(key)
+                self._deleting.add(key)
+                victims.append((ns, key))
+            for key, ns in reversed(skipped):
+                self._lru[key] = ns
+                self._lru.move_to_end(key, last=False)
+            self._publish()
+        if not victims:
+            return
+        removed = 0
+        for ns, key in victims:
+            for rank in range(ns.world_size):
+                if self._unlink_quietly(kvfile.file_path(self.root, ns.fingerprint, key, rank)):
+                    removed += 1
+        with self.lock:
+            self._deleting.difference_update(k for _, k in victims)
+            self.g[G.STORAGE_EVICTED_FILES] += removed
+        log.debug("capacity limit: evicted %d block(s), %d file(s)", len(victims), removed)
+
+    def _unlink_quietly(self, path: str) -> bool:
+        try:
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            self.g[G.STORAGE_IO_ERRORS] += 1
+            self._io_error("unlink", exc.errno or errno.EIO, path)
+            return False
+
+
+def _subdirs(path: str) -> list[str]:
+    try:
+        with os.scandir(path) as it:
+            return [e.path for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+
+
+def _entries(path: str) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except FileNotFoundError:
+        return []
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,183 @@
+"""HpkvConnectorV1 end to end: real vLLM on the CPU, the generated tiny model, real hpkv processes.
+
+One vLLM server is shared by the tests of this module, in file order (the later
+tests restart it and finally kill hpkv under it). Prompts are short; the block
+size is 32 tokens and the load threshold 64 tokens, so every tier is exercised
+in seconds. hpkv's own counters (``hpkv status --json``) prove which tier served.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import random
+import shutil
+import signal
+import tempfile
+import time
+
+import pytest
+import requests
+
+from hpkv.bench.ttft import hpkv_loads
+from hpkv.testing.server import private_env
+from hpkv.testing.vllm_server import VllmServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+BLOCK = 32
+THRESHOLD = 64
+MODULE_PATH_FORM = {"kv_connector": "HpkvConnectorV1", "kv_role": "kv_both",
+                    "kv_connector_module_path": "hpkv.connectors.vllm"}
+SEED_FORM = {"kv_connector": "HpkvConnectorV1", "kv_role": "kv_both"}   # CT-HPKV's own command line
+
+
+def vllm_args(ktc: dict) -> list[str]:
+    return ["--kv-transfer-config", json.dumps(ktc), "--block-size", str(BLOCK), "--max-num-seqs", "16"]
+
+
+@pytest.fixture(scope="module")
+def hpkv_env():
+    storage = tempfile.mkdtemp(prefix="hpkv-e2e-storage-", dir="/var/tmp")
+    env = private_env(pool_size="512m", storage=storage, VLLM_HPKV_TOKEN_THRESHOLD=str(THRESHOLD),
+                      HPKV_SERVER_IDLE_EXIT="30", HPKV_LOG_LEVEL="INFO")
+    try:
+        yield env
+    finally:
+        import subprocess, sys
+        subprocess.run([sys.executable, "-m", "hpkv", "stop"], env=env, capture_output=True, timeout=60)
+        shutil.rmtree(env["HPKV_SHARE_MEM_FILE_PATH"], ignore_errors=True)
+        shutil.rmtree(storage, ignore_errors=True)
+        os.unlink(env["HPKV_CONFIG_FILE_PATH"])
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, hpkv_env):
+    srv = VllmServer(tiny_model, extra_args=vllm_args(MODULE_PATH_FORM), env=hpkv_env, dev_mode=True,
+                     max_model_len=4096)
+    srv.start().wait_ready()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def letters(n: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(n))
+
+
+def complete(srv: VllmServer, prompt: str) -> tuple[str, list]:
+    out = srv.completion(prompt, max_tokens=16, temperature=0, logprobs=5)
+    choice = out["choices"][0]
+    return choice["text"], choice["logprobs"]["top_logprobs"]
+
+
+def reset(srv: VllmServer, external: bool = False) -> None:
+    r = requests.post(f"{srv.url}/reset_prefix_cache", params={"reset_external": str(external).lower()},
+                      timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def loaded(env) -> dict[str, int]:
+    return hpkv_loads(env)
+
+
+def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in before}
+
+
+# 6 full blocks and a partial one: the last, partial block is never stored or loaded.
+PROMPT = letters(200, seed=1)
+HIT_TOKENS = 6 * BLOCK
+
+
+def test_every_tier_gives_the_same_greedy_output_and_logprobs(server, hpkv_env):
+    cold_text, _ = complete(server, PROMPT)                       # recompute; hpkv saves 6 blocks
+    gpu_text, gpu_lp = complete(server, PROMPT)                   # vLLM's own prefix cache
+    assert gpu_text == cold_text
+
+    reset(server)                                                  # vLLM's cache only: hpkv keeps DRAM
+    before = loaded(hpkv_env)
+    dram_text, dram_lp = complete(server, PROMPT)
+    assert delta(before, loaded(hpkv_env)) == {"dram": HIT_TOKENS, "storage": 0}
+    assert dram_text == cold_text
+    assert dram_lp == gpu_lp, "same KV bytes, same computation: logprobs must be identical"
+
+    reset(server, external=True)                                   # drops hpkv's DRAM tier; files stay
+    before = loaded(hpkv_env)
+    storage_text, storage_lp = complete(server, PROMPT)
+    assert delta(before, loaded(hpkv_env)) == {"dram": 0, "storage": HIT_TOKENS}
+    assert storage_text == cold_text
+    assert storage_lp == gpu_lp
+
+
+def test_mixed_dram_and_storage_hit(server, hpkv_env):
+    prompt = letters(232, seed=2)                                  # 7 full blocks + 8 tokens
+    cold_text, _ = complete(server, prompt)
+    gpu_text, gpu_lp = complete(server, prompt)
+    reset(server, external=True)                                   # everything now only on storage
+    head = " ".join(prompt.split()[: 4 * BLOCK])
+    complete(server, head + " " + letters(40, seed=3))            # promotes blocks 0-3 back into DRAM
+    reset(server)
+    before = loaded(hpkv_env)
+    text, lp = complete(server, prompt)
+    assert delta(before, loaded(hpkv_env)) == {"dram": 4 * BLOCK, "storage": 3 * BLOCK}
+    assert text == cold_text == gpu_text
+    assert lp == gpu_lp
+
+
+def test_hit_below_the_threshold_loads_nothing(server, hpkv_env):
+    prompt = letters(100, seed=4)
+    complete(server, prompt)
+    reset(server)
+    before = loaded(hpkv_env)
+    short = " ".join(prompt.split()[:BLOCK]) + " " + letters(60, seed=5)   # shares 1 block = 32 < 64 tokens
+    complete(server, short)
+    assert delta(before, loaded(hpkv_env)) == {"dram": 0, "storage": 0}
+
+
+def test_concurrent_clients_with_overlapping_prefixes_match_recompute(server):
+    shared = letters(96, seed=6)
+    prompts = [shared + " " + letters(20 + 9 * i, seed=100 + i) for i in range(8)]
+    expected = [complete(server, p)[0] for p in prompts]          # recomputed (cold) outputs
+    reset(server)                                                  # now served by hpkv DRAM hits
+    with cf.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda p: complete(server, p)[0], prompts))
+    assert got == expected
+
+
+def test_restarted_vllm_loads_from_storage_with_the_seed_command_line(server, hpkv_env, tiny_model):
+    import subprocess, sys
+    prompt = letters(170, seed=7)
+    cold_text, _ = complete(server, prompt)
+    server.stop()
+    # A restarted engine with a restarted hpkv: the DRAM pool is gone, the files are not.
+    subprocess.run([sys.executable, "-m", "hpkv", "stop"], env=hpkv_env, capture_output=True, timeout=60)
+    server.extra_args = vllm_args(SEED_FORM)                       # no module path: the vLLM plugin
+    server.start().wait_ready()
+    before = loaded(hpkv_env)
+    text, _ = complete(server, prompt)
+    assert delta(before, loaded(hpkv_env)) == {"dram": 0, "storage": 5 * BLOCK}
+    assert text == cold_text
+
+
+def test_killed_hpkv_server_means_recompute_not_errors(server, hpkv_env):
+    import subprocess, sys
+    prompt = letters(150, seed=8)
+    expected, _ = complete(server, prompt)
+    st = json.loads(subprocess.run([sys.executable, "-m", "hpkv", "status", "--json"], env=hpkv_env,
+                                   capture_output=True, text=True, timeout=60).stdout)
+    os.kill(st["server"]["pid"], signal.SIGKILL)
+    for w in st["workers"]:
+        try:
+            os.kill(w["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    reset(server)
+    for i in range(4):
+        t0 = time.monotonic()
+        text, _ = complete(server, prompt)
+        assert text == expected
+        assert time.monotonic() - t0 < 60, "a dead hpkv must not stall vLLM"
+        complete(server, letters(80, seed=200 + i))               # new prompts: saves fail quietly
