@@ -61,6 +61,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <linux/futex.h>
+#include <math.h>
 #include <signal.h>
 #include <stdalign.h>
 #include <stdatomic.h>
@@ -142,7 +143,7 @@ struct hpkv_ring {
     uint64_t my_start;
     uint32_t my_gen;
     int last_err;
-    int64_t deadline; /* of the current blocking call (HPKV_WAIT_RESUME continues it) */
+    int64_t deadline; /* of the current blocking call (a NAN timeout continues it) */
     uint64_t sleeps, wakes;
 };
 
@@ -154,7 +155,7 @@ struct hpkv_doorbell {
     int32_t my_pid;
     uint64_t my_start;
     uint32_t my_gen;
-    int64_t deadline;
+    int64_t deadline; /* of the current wait (a NAN timeout continues it) */
     uint64_t sleeps, wakes;
 };
 
@@ -573,19 +574,19 @@ static int ring_wait(hpkv_ring *r, int64_t deadline) {
     }
 }
 
-/* Absolute deadline for a blocking call (INT64_MAX: none), remembered in *saved for HPKV_WAIT_RESUME. */
-static inline int64_t deadline_of(int64_t *saved, int64_t timeout_ns) {
-    if (timeout_ns == HPKV_WAIT_RESUME) return *saved;
-    if (timeout_ns == HPKV_WAIT_FOREVER) return *saved = INT64_MAX;
-    return *saved = now_ns() + (timeout_ns < 0 ? 0 : timeout_ns);
+/* Absolute deadline (INT64_MAX: none) of a blocking call, remembered in *saved for a NAN retry. */
+static inline int64_t deadline_of(int64_t *saved, double timeout_s) {
+    if (isnan(timeout_s)) return *saved;
+    if (timeout_s > 1e9) return *saved = INT64_MAX; /* +inf, or beyond 31 years: no limit */
+    return *saved = now_ns() + (timeout_s > 0 ? (int64_t)(timeout_s * 1e9) : 0);
 }
 
-int64_t hpkv_ring_push_wait(hpkv_ring *r, const hpkv_desc *src, uint32_t n, int64_t timeout_ns) {
+int64_t hpkv_ring_push_wait(hpkv_ring *r, const hpkv_desc *src, uint32_t n, double timeout_s) {
     r->last_err = 0;
     if (r->role != HPKV_RING_PRODUCER) { r->last_err = -EPERM; return 0; }
     uint32_t done = push_n(r, src, n);
     if (done == n) return done;
-    int64_t deadline = deadline_of(&r->deadline, timeout_ns);
+    int64_t deadline = deadline_of(&r->deadline, timeout_s);
     while (done < n) {
         int rc = ring_wait(r, deadline);
         if (rc <= 0) { r->last_err = rc; break; }
@@ -596,18 +597,18 @@ int64_t hpkv_ring_push_wait(hpkv_ring *r, const hpkv_desc *src, uint32_t n, int6
 
 int64_t hpkv_ring_push1_wait(hpkv_ring *r, uint16_t kind, uint16_t flags, int32_t status, uint64_t seq,
                              uint64_t a0, uint64_t a1, uint64_t a2, uint64_t a3, uint64_t a4, uint64_t a5,
-                             int64_t timeout_ns) {
+                             double timeout_s) {
     hpkv_desc d = {kind, flags, status, seq, {a0, a1, a2, a3, a4, a5}};
-    return hpkv_ring_push_wait(r, &d, 1, timeout_ns);
+    return hpkv_ring_push_wait(r, &d, 1, timeout_s);
 }
 
-int64_t hpkv_ring_pop_wait(hpkv_ring *r, hpkv_desc *dst, uint32_t n, int64_t timeout_ns) {
+int64_t hpkv_ring_pop_wait(hpkv_ring *r, hpkv_desc *dst, uint32_t n, double timeout_s) {
     r->last_err = 0;
     if (r->role != HPKV_RING_CONSUMER) return r->last_err = -EPERM;
     if (n == 0) return 0;
     uint32_t got = pop_n(r, dst, n);
     if (got) return got;
-    int64_t deadline = deadline_of(&r->deadline, timeout_ns);
+    int64_t deadline = deadline_of(&r->deadline, timeout_s);
     for (;;) {
         int rc = ring_wait(r, deadline);
         if (rc <= 0) return r->last_err = rc;
@@ -720,9 +721,9 @@ static inline int bell_ready(hpkv_doorbell *b, hpkv_ring *const *rings, size_t n
     return 0;
 }
 
-int hpkv_doorbell_wait(hpkv_doorbell *b, hpkv_ring *const *rings, size_t n, int64_t timeout_ns) {
+int hpkv_doorbell_wait(hpkv_doorbell *b, hpkv_ring *const *rings, size_t n, double timeout_s) {
     if (bell_ready(b, rings, n)) return 1;
-    int64_t deadline = deadline_of(&b->deadline, timeout_ns);
+    int64_t deadline = deadline_of(&b->deadline, timeout_s);
     int64_t t = now_ns();
     int64_t spin_end = t + b->spin_ns;
     while (t < spin_end && t < deadline) {

@@ -44,10 +44,10 @@ typedef struct hpkv_desc {
 
 _Static_assert(sizeof(hpkv_desc) == 64, "hpkv_desc must be exactly 64 bytes");
 
-/* timeout_ns of the blocking calls: >= 0 relative (ns; 0 = do not wait), or: */
-#define HPKV_WAIT_FOREVER INT64_MIN        /* no limit */
-#define HPKV_WAIT_RESUME (INT64_MIN + 1)   /* keep the deadline of this handle's previous
-                                            * wait (retry after -EINTR without extending it) */
+/* timeout_s of the blocking calls, in seconds (a double: Python passes its float as is):
+ *   finite >= 0: relative (0: do not wait); negative: 0; +INFINITY (or > 1e9): no limit;
+ *   NAN: keep the deadline of this handle's previous wait (a retry after -EINTR that
+ *   does not extend it). */
 
 /* Ring roles (which end a process holds). */
 enum hpkv_ring_role { HPKV_RING_PRODUCER = 0, HPKV_RING_CONSUMER = 1 };
@@ -101,17 +101,17 @@ uint32_t hpkv_ring_try_pop(hpkv_ring *r, hpkv_desc *dst, uint32_t n);
 /* One descriptor from scalars (avoids packing a struct in Python). 1 pushed, 0 full. */
 int hpkv_ring_try_push1(hpkv_ring *r, uint16_t kind, uint16_t flags, int32_t status, uint64_t seq,
                         uint64_t a0, uint64_t a1, uint64_t a2, uint64_t a3, uint64_t a4, uint64_t a5);
-/* Blocking: spin, then sleep in slices until all n are pushed or timeout_ns
- * passes (see HPKV_WAIT_*). Returns the count pushed; when < n, hpkv_ring_last_error
+/* Blocking: spin, then sleep in slices until all n are pushed or timeout_s
+ * passes. Returns the count pushed; when < n, hpkv_ring_last_error
  * says why (0 timeout, HPKV_RING_EPEER_*, -EINTR). */
-int64_t hpkv_ring_push_wait(hpkv_ring *r, const hpkv_desc *src, uint32_t n, int64_t timeout_ns);
+int64_t hpkv_ring_push_wait(hpkv_ring *r, const hpkv_desc *src, uint32_t n, double timeout_s);
 int64_t hpkv_ring_push1_wait(hpkv_ring *r, uint16_t kind, uint16_t flags, int32_t status, uint64_t seq,
                              uint64_t a0, uint64_t a1, uint64_t a2, uint64_t a3, uint64_t a4, uint64_t a5,
-                             int64_t timeout_ns);
+                             double timeout_s);
 /* Blocking: waits for at least one descriptor, then pops up to n. Returns the
  * count (>0), 0 on timeout, or <0 (HPKV_RING_EPEER_*, -EINTR). Descriptors
  * already in the ring are returned before a dead peer is reported. */
-int64_t hpkv_ring_pop_wait(hpkv_ring *r, hpkv_desc *dst, uint32_t n, int64_t timeout_ns);
+int64_t hpkv_ring_pop_wait(hpkv_ring *r, hpkv_desc *dst, uint32_t n, double timeout_s);
 int hpkv_ring_last_error(const hpkv_ring *r);
 
 uint64_t hpkv_ring_depth(const hpkv_ring *r);
@@ -140,8 +140,8 @@ void hpkv_doorbell_unmap(hpkv_doorbell *b);
 /* Wakes the doorbell's consumer; sticky: a ring with no sleeper is seen by the next wait. */
 void hpkv_doorbell_ring(hpkv_doorbell *b);
 /* Consumer: returns 1 as soon as the doorbell was rung or one of rings[0..n) is
- * non-empty, 0 on timeout (timeout_ns: see HPKV_WAIT_*), -EINTR on a signal. */
-int hpkv_doorbell_wait(hpkv_doorbell *b, hpkv_ring *const *rings, size_t n, int64_t timeout_ns);
+ * non-empty, 0 on timeout, -EINTR on a signal. */
+int hpkv_doorbell_wait(hpkv_doorbell *b, hpkv_ring *const *rings, size_t n, double timeout_s);
 void hpkv_doorbell_set_spin(hpkv_doorbell *b, int64_t spin_ns);
 void hpkv_doorbell_owner_info(const hpkv_doorbell *b, int32_t *pid, uint64_t *start_time,
                               uint32_t *generation, uint32_t *state);

@@ -403,3 +403,27 @@ def test_status_without_server_exits_1(tmp_path):
     out = hpkv_cli(env, "status")
     assert out.returncode == 1
     assert f"no server is running for the pool directory {env['HPKV_SHARE_MEM_FILE_PATH']}" in out.stderr
+
+
+def _connect_pinned(env, q):
+    os.sched_setaffinity(0, {0})            # like vLLM's CPU worker, bound to its compute core
+    c = connect(load_config(env), env=env, timeout=60)
+    q.put(c.server_pid)
+    c.close()
+
+
+def test_auto_spawned_server_does_not_inherit_the_spawners_cpu_pinning():
+    if os.cpu_count() < 2:
+        pytest.skip("needs two CPUs")
+    env = private_env(HPKV_SERVER_IDLE_EXIT="1")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_connect_pinned, args=(env, q))
+    p.start()
+    try:
+        pid = q.get(timeout=90)
+        assert psutil.Process(pid).cpu_affinity() == list(range(os.cpu_count()))
+        psutil.Process(pid).wait(timeout=30)   # idle exit
+    finally:
+        p.join(30)
+        ServerProcess(env).cleanup()

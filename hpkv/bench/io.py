@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=_default_dir(),
                    help="storage directory on a real disk (not tmpfs); removed afterwards (default %(default)s)")
     p.add_argument("--mib", type=int, default=256, help="MiB written and read per measurement")
-    p.add_argument("--repeat", type=int, default=5, help="timed repetitions per case (median is reported)")
+    p.add_argument("--repeat", type=int, default=3, help="timed repetitions per case (median is reported)")
     p.add_argument("--workers", default="1,2,4", help="IO worker counts for the read scaling run")
     p.add_argument("--keep", action="store_true", help="keep the files")
 

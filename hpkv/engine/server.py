@@ -147,6 +147,11 @@ class Server:
                         self.dir, ", ".join(sorted(removed)[:8]) + (" ..." if len(removed) > 8 else ""))
 
     def start(self) -> None:
+        if self.auto:
+            # Spawned by an engine process that may be pinned to its compute cores
+            # (vLLM's CPU worker is): don't inherit that, place our workers ourselves.
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, range(os.cpu_count() or 1))
         for w in check_runtime(self.cfg):
             log.warning("%s", w)
         self.acquire_lock()

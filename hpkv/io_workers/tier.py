@@ -304,6 +304,11 @@ class StorageTier:
                 now = time.monotonic()
                 for call in self._calls:
                     if not call.done and now >= call.deadline:
+                        self._errors.log(logging.WARNING, "promote-timeout",
+                                         "promote of %d block(s) for client %d not finished by its "
+                                         "deadline: answered with %d loaded, the rest reported failed",
+                                         len(call.keys), call.client.cid,
+                                         int((call.rows[:, 0] >= 0).sum()))
                         self._finish_call(call)   # whatever is not loaded yet stays -1
                 self._calls = [call for call in self._calls if not call.done]
             self._publish()

@@ -32,9 +32,10 @@ _ROLES = {"producer": lib.HPKV_RING_PRODUCER, "consumer": lib.HPKV_RING_CONSUMER
 _ROLE_NAMES = {v: k for k, v in _ROLES.items()}
 _STATES = {lib.HPKV_END_NONE: "none", lib.HPKV_END_ATTACHED: "attached", lib.HPKV_END_CLOSED: "closed"}
 _EINTR = -errno.EINTR
-_FOREVER = lib.HPKV_WAIT_FOREVER
-_RESUME = lib.HPKV_WAIT_RESUME
-_MAX_TIMEOUT = 1e9  # s; longer counts as no limit (keeps ns within int64)
+# Native timeouts are float seconds: inf means no limit, nan continues the previous
+# wait's deadline (the retry after a signal), negative means do not wait.
+_FOREVER = float("inf")
+_RESUME = float("nan")
 
 _tuple_new = tuple.__new__
 _unpack = DESC_STRUCT.unpack_from
@@ -57,9 +58,8 @@ def _role_id(role: str) -> int:
         raise ValueError(f"role must be 'producer' or 'consumer', not {role!r}") from None
 
 
-def _ns(timeout: float | None) -> int:
-    """Seconds (None: no limit) -> the native timeout_ns (negative means 0 there)."""
-    return _FOREVER if timeout is None or timeout > _MAX_TIMEOUT else int(timeout * 1e9)
+def _native_timeout(timeout: float | None) -> float:
+    return _FOREVER if timeout is None else timeout
 
 
 def _check_wait(spin_us: float, slice_ms: float) -> None:
@@ -317,10 +317,10 @@ class Ring:
         r = self._r
         if self._push1(r, kind, flags, status, seq, a0, a1, a2, a3, a4, a5):
             return
-        ns = _ns(timeout)
-        while not self._push1_wait(r, kind, flags, status, seq, a0, a1, a2, a3, a4, a5, ns):
+        t = _FOREVER if timeout is None else timeout
+        while not self._push1_wait(r, kind, flags, status, seq, a0, a1, a2, a3, a4, a5, t):
             self._wait_failed(self._last_error(r), timeout, "room for a descriptor")
-            ns = _RESUME  # after a signal: same deadline
+            t = _RESUME  # after a signal: same deadline
 
     def push_batch(self, descs: np.ndarray, count: int | None = None, timeout: float | None = 0.0) -> int:
         """Pushes ``descs[:count]`` (a ``DESC_DTYPE`` array) in order; returns how many went in.
@@ -334,10 +334,10 @@ class Ring:
         done = self._push(r, ptr, n)
         if done == n or timeout == 0:
             return done
-        ns = _ns(timeout)
+        t = _native_timeout(timeout)
         while done < n:
-            done += self._push_wait(r, ptr + done, n - done, ns)
-            ns = _RESUME
+            done += self._push_wait(r, ptr + done, n - done, t)
+            t = _RESUME
             if done < n:
                 rc = self._last_error(r)
                 if rc == 0:
@@ -364,8 +364,7 @@ class Ring:
         ring is empty and the producer is gone.
         """
         r = self._r
-        rc = self._pop_wait(r, self._one_ptr, 1,
-                            _FOREVER if timeout is None or timeout > _MAX_TIMEOUT else int(timeout * 1e9))
+        rc = self._pop_wait(r, self._one_ptr, 1, _FOREVER if timeout is None else timeout)
         while rc <= 0:
             self._wait_failed(rc, timeout, "a descriptor")
             rc = self._pop_wait(r, self._one_ptr, 1, _RESUME)  # after a signal: same deadline
@@ -382,7 +381,7 @@ class Ring:
         r = self._r
         if timeout == 0:
             return self._pop(r, ptr, n)
-        got = self._pop_wait(r, ptr, n, _ns(timeout))
+        got = self._pop_wait(r, ptr, n, _native_timeout(timeout))
         while got < 0:
             self._wait_failed(got, timeout, "a descriptor")
             got = self._pop_wait(r, ptr, n, _RESUME)
@@ -576,16 +575,16 @@ class Doorbell:
         if not self.owner_end:
             raise RingError(f"doorbell {self.path}: only its creator waits on it")
         state = self._state
-        ns = _ns(timeout)
+        t = _native_timeout(timeout)
         while True:
             if state.handle is None:
                 _closed()
-            rc = lib.hpkv_doorbell_wait(state.handle, state.array, len(state.array), ns)
+            rc = lib.hpkv_doorbell_wait(state.handle, state.array, len(state.array), t)
             if rc >= 0:
                 return rc > 0
             if rc != _EINTR:
                 raise RingError(describe_error(rc, self.path))
-            ns = _RESUME  # after a signal: same deadline
+            t = _RESUME  # after a signal: same deadline
 
     def set_spin(self, spin_us: float = DEFAULT_SPIN_US) -> None:
         """Busy-poll ``spin_us`` µs in :meth:`wait` before sleeping."""
