@@ -31,6 +31,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from hpkv.engine.keytable import KeyTable
+
 POOL_ALIGN = 4096  # slots start on page boundaries: O_DIRECT and page-granular copies want it
 
 
@@ -184,8 +186,8 @@ class Index:
         self.storage_enabled = storage_enabled
         self.blocks: dict[bytes, Block] = {}
         # key -> Tier of every block a lookup can hit (READY: DRAM, STORED: storage).
-        # Kept beside ``blocks`` so a lookup is a few C-level passes, not a Python loop.
-        self.present: dict[bytes, int] = {}
+        # Kept beside ``blocks`` in a native table, so a lookup runs in C.
+        self.present = KeyTable()
         self.namespaces: dict[int, Namespace] = {}
         self._lru: OrderedDict[bytes, None] = OrderedDict()   # evictable READY blocks, LRU first
         self._on_evict = on_evict
@@ -261,12 +263,7 @@ class Index:
         No side effects (the engine may ask again and again): recency is updated
         when a hit is pinned for loading.
         """
-        codes = list(map(self.present.get, keys))
-        try:
-            n = codes.index(None)
-        except ValueError:
-            n = len(codes)
-        return n, codes[:n]
+        return self.present.lookup(keys)
 
     def count_lookup(self, ns: Namespace, n_keys: int, tiers: list[int]) -> None:
         c = ns.counters
