@@ -1,0 +1,48 @@
+"""The native key table behaves like the dict it replaces, at any size."""
+from __future__ import annotations
+
+import os
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hpkv.engine.keytable import KeyTable
+
+KEYS = [os.urandom(16) for _ in range(64)]
+ops = st.lists(st.tuples(st.sampled_from(["set", "pop", "get"]), st.integers(0, 63), st.integers(1, 2)),
+               max_size=400)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops)
+def test_matches_a_dict(seq):
+    t, ref = KeyTable(16), {}
+    for op, i, v in seq:
+        k = KEYS[i]
+        if op == "set":
+            t[k] = v
+            ref[k] = v
+        elif op == "pop":
+            assert t.pop(k) == ref.pop(k, None)
+        else:
+            assert t.get(k) == ref.get(k)
+        assert len(t) == len(ref)
+    present = [k for k in KEYS if k in ref]
+    assert t.lookup(present) == (len(present), [ref[k] for k in present])
+
+
+def test_prefix_stops_at_the_first_missing_key_and_survives_growth():
+    t = KeyTable(16)
+    keys = [os.urandom(16) for _ in range(50_000)]
+    for i, k in enumerate(keys):
+        t[k] = 1 + i % 2
+    for k in keys[::2]:
+        t.pop(k)
+    for k in keys[::4]:
+        t[k] = 2                      # tombstones reused
+    probe = keys[:8]
+    n, tiers = t.lookup(probe)
+    assert n == 2 and tiers == [2, 2]  # keys[0] set again, keys[1] kept, keys[2] removed
+    buf, out = b"".join(keys[4:12:4] + keys[2:3]), bytearray(3)
+    assert t.prefix(buf, 3, out) == 2 and list(out[:2]) == [2, 2]
+    assert len(t) == 25_000 + 12_500
