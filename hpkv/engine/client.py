@@ -24,6 +24,7 @@ import numpy as np
 
 from hpkv.config import Config, load_config
 from hpkv.engine import protocol as P
+from hpkv.proc import pid_alive
 from hpkv.engine.keys import KEY_BYTES
 from hpkv.ring import PeerDead, Ring, RingError, RingTimeout
 
@@ -312,7 +313,7 @@ class DeviceHandle:
         except PeerDead:
             # The worker died; the server answers its jobs with errors: keep waiting for
             # that, unless the server is gone too.
-            if self.server_pid and not _pid_alive(self.server_pid):
+            if self.server_pid and not pid_alive(self.server_pid):
                 return False
             time.sleep(0.01)
             return time.monotonic() < deadline
@@ -337,16 +338,6 @@ class DeviceHandle:
                     ring.close()
                 except RingError:
                     pass
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 # -------------------------------------------------------------------- connect / auto-spawn

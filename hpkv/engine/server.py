@@ -36,6 +36,7 @@ import numpy as np
 
 from hpkv.config import Config, check_runtime, format_size
 from hpkv.engine import protocol as P
+from hpkv.proc import pid_alive
 from hpkv.engine.index import Index, Namespace, NsCounter, NoSuchNamespace
 from hpkv.engine.keys import KEY_BYTES
 from hpkv.engine.logs import setup_logging
@@ -136,7 +137,7 @@ class Server:
         for name in os.listdir(self.dir):
             engine_pid = P.device_file_pid(name)
             if (name in (P.POOL_FILE, P.SOCKET_FILE, "stats") or name.endswith(P.OWNED_SUFFIXES)
-                    or ".tmp" in name or (engine_pid is not None and not _pid_alive(engine_pid))):
+                    or ".tmp" in name or (engine_pid is not None and not pid_alive(engine_pid))):
                 try:
                     os.unlink(os.path.join(self.dir, name))
                     removed.append(name)
@@ -337,8 +338,9 @@ class Server:
                 out[: rows.nbytes] = rows.reshape(-1).view(np.uint8)
                 return 0, ns.world_size, 0
             if kind == P.UNPIN:
-                idx.unpin(keys)
-                for k in keys:
+                held = [k for k in keys if c.pins.get(k, 0) > 0]   # never another client's pin
+                idx.unpin(held)
+                for k in held:
                     c.pins[k] -= 1
                     if c.pins[k] <= 0:
                         del c.pins[k]
@@ -479,7 +481,7 @@ class Server:
             for region in dev.spec["regions"]:   # an engine's KV cache file, if it died without removing it
                 name = os.path.basename(region["path"])
                 pid = P.device_file_pid(name)
-                if pid is not None and os.path.dirname(region["path"]) == self.dir and not _pid_alive(pid):
+                if pid is not None and os.path.dirname(region["path"]) == self.dir and not pid_alive(pid):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(region["path"])
         # The request loop may be waiting on the doorbell that watches c.req: it
@@ -577,7 +579,7 @@ class Server:
                     w.fail_pending_and_restart()
                     self._catalog_dirty = True
             for c in list(self.clients.values()):
-                if c.alive and not _pid_alive(c.pid):
+                if c.alive and not pid_alive(c.pid):
                     self._drop_client(c, reason=f"process {c.pid} exited")
             if self.storage is not None and self.storage.catalog_dirty:
                 self.storage.catalog_dirty = False
@@ -609,18 +611,6 @@ class Server:
                       for c in self.clients.values() for r in (c.req, c.resp)],
             "storage": self.storage.describe() if self.storage is not None else {"path": None},
         })
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _cpu_list(cpus: list[int]) -> str:
