@@ -6,4 +6,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/hpkv bench ttft --tokens 8192 --requests 2 --top-frame "$@"
+exec .venv/bin/hpkv bench ttft --tokens 8192 --requests 1 --top-frame "$@"
