@@ -16,7 +16,7 @@ from hpkv.engine.keys import block_keys, namespace_fingerprint
 from hpkv.engine.metrics import families, namespace_labels
 from hpkv.testing.server import ServerProcess, private_env
 
-from test_server import make_device
+from hpkv.testing.device import make_device
 
 FP = namespace_fingerprint({"model": "metrics-test"})
 PAGE, LAYERS, BLOCK_TOKENS = 4096, 4, 16

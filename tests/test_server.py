@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import mmap
 import multiprocessing as mp
 import os
 import signal
@@ -20,6 +19,7 @@ from hpkv.engine.client import HpkvUnavailable, connect
 from hpkv.engine.keys import block_keys, namespace_fingerprint
 from hpkv.engine.pool import PoolFile
 from hpkv.engine.stats import StatsSegment, W, WorkerState
+from hpkv.testing.device import make_device
 from hpkv.testing.server import ServerProcess, private_env
 
 FP = namespace_fingerprint({"model": "test", "layers": 4})
@@ -225,56 +225,6 @@ def test_pool_full_evicts_lru_and_never_pinned(server):
 
 
 # ------------------------------------------------------------------ transfer workers
-class Device:
-    """A fake device's KV memory in shared-memory files, laid out like an engine's cache."""
-
-    def __init__(self, directory, layers, blocks, page, layout, pad=0):
-        self.layers, self.blocks, self.page = layers, blocks, page
-        stride = page + pad
-        self.maps, regions, bases = [], [], []
-        if layout == "block_outermost":
-            stride = layers * page
-            regions.append(self._region(directory, "dev-all", blocks * stride))
-            bases = [(0, l * page) for l in range(layers)]
-        else:
-            for l in range(layers):
-                regions.append(self._region(directory, f"dev-l{l}", blocks * stride))
-                bases.append((l, 0))
-        self.stride = stride
-        self.layout = layout
-        self.spec = dict(regions=regions, layer_bases=bases, block_stride=stride, page_bytes=page,
-                         num_blocks=blocks)
-
-    def _region(self, directory, name, size):
-        path = os.path.join(directory, name)
-        with open(path, "wb") as f:
-            f.truncate(size)
-        fd = os.open(path, os.O_RDWR)
-        self.maps.append(np.frombuffer(mmap.mmap(fd, size), np.uint8))
-        os.close(fd)
-        return {"path": path, "size": size}
-
-    def page_view(self, block: int, layer: int) -> np.ndarray:
-        if self.layout == "block_outermost":
-            off = block * self.stride + layer * self.page
-            return self.maps[0][off: off + self.page]
-        off = block * self.stride
-        return self.maps[layer][off: off + self.page]
-
-    def block_bytes(self, block: int) -> bytes:
-        return b"".join(self.page_view(block, l).tobytes() for l in range(self.layers))
-
-    def fill_random(self, rng):
-        for m in self.maps:
-            m[:] = rng.integers(0, 256, m.size, dtype=np.uint8)
-
-
-def make_device(tmp_path, layers=4, blocks=16, page=4096, layout="per_layer", pad=0) -> Device:
-    d = tmp_path / f"dev-{layout}-{pad}"
-    d.mkdir(exist_ok=True)
-    return Device(str(d), layers, blocks, page, layout, pad)
-
-
 @pytest.mark.parametrize("layout,pad", [("per_layer", 0), ("block_outermost", 0), ("per_layer", 512)],
                          ids=["one-region-per-layer", "block-outermost", "padded-pages"])
 def test_copies_through_the_transfer_worker_are_byte_exact(server, tmp_path, layout, pad):

@@ -23,7 +23,7 @@ from hpkv.monitor.sample import View
 from hpkv.ring import Ring
 from hpkv.testing.server import ServerProcess, private_env
 
-from test_server import make_device
+from hpkv.testing.device import make_device
 
 FP = namespace_fingerprint({"model": "top-test"})
 BLOCK_TOKENS = 16
