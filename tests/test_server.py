@@ -278,10 +278,10 @@ def test_killed_transfer_worker_is_restarted_and_its_batch_reported_failed(serve
         old_pid = int(row[W.PID])
         blk = np.arange(blocks)
         victim = None
-        tickets = []
-        for _ in range(200):                    # jobs of 32 MiB each until we catch one running
-            tickets += handle.submit(P.COPY_SAVE, blk, offsets)
-            for _ in range(2000):
+        tickets, results = [], {}
+        for _ in range(50):                     # 8 queued jobs of 32 MiB each, until we catch one running
+            tickets += [t for _ in range(8) for t in handle.submit(P.COPY_SAVE, blk, offsets)]
+            for _ in range(20000):
                 seq = int(row[W.INFLIGHT_SEQ])
                 if seq:
                     victim = seq
@@ -289,10 +289,16 @@ def test_killed_transfer_worker_is_restarted_and_its_batch_reported_failed(serve
                     break
             if victim:
                 break
+            results.update(handle.wait(tickets, timeout=30))
+            tickets = []
         assert victim, "never saw a batch in flight"
-        results = handle.wait(tickets, timeout=30)
-        assert results[(0, victim)] == P.E_WORKER_DIED
-        assert all(s in (0, P.E_WORKER_DIED) for s in results.values())
+        results.update(handle.wait(tickets, timeout=30))
+        assert all(s in (0, P.E_WORKER_DIED) for s in results.values()), results
+        # The batch in flight when SIGKILL landed failed: the one we saw, or, if it finished
+        # in the microseconds before the signal, the next one the worker had taken.
+        assert results[(0, victim)] == P.E_WORKER_DIED or results.get((0, victim + 1)) == P.E_WORKER_DIED
+        assert all(results[t] == P.E_WORKER_DIED for t in tickets if t[1] > victim + 1), \
+            "queued batches of a dead worker fail, never run later"
         deadline = time.monotonic() + 30
         while not (row[W.STATE] == WorkerState.RUNNING and row[W.PID] != old_pid):
             assert time.monotonic() < deadline, "worker not restarted"

@@ -10,12 +10,13 @@ and 4 MiB payloads through the real path:
 * read: the DRAM copies are dropped (``clear``), then one ``promote`` of all the
   blocks, timed until the answer (files read into pool slots and checksummed).
 
-The reference, interleaved with those repetitions, is one thread in this process
+The reference, run right after each of those repetitions, is one thread in this process
 doing ``open(O_DIRECT) + pwritev + close`` of files of the same sizes in the same
 directory layout (fresh names, like hpkv's), and ``open(O_DIRECT) + preadv + close``
 of the very files hpkv wrote. O_DIRECT means reads come from the device; if the
 storage refuses O_DIRECT, the page cache is dropped before every read instead.
-Throughput is file bytes (4 KiB header + payload padded to 4 KiB) per second.
+Throughput is file bytes (4 KiB header + payload padded to 4 KiB) per second; the
+ratios are medians of per-repetition ratios (each hpkv run against the raw run next to it).
 
 Then read throughput of the 1 MiB files with 1, 2 and 4 IO workers (a fresh server
 each, same storage directory: it finds the files by itself), and CRC32C's own speed.
@@ -31,6 +32,7 @@ import time
 
 SIZES = [128 << 10, 1 << 20, 4 << 20]
 HEADLINE = 1 << 20
+MAX_FILES = 1024      # per case: keeps the small-file case (per-file costs dominate) under ~20 s
 
 
 def _default_dir() -> str:
@@ -43,8 +45,9 @@ def _default_dir() -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=_default_dir(),
                    help="storage directory on a real disk (not tmpfs); removed afterwards (default %(default)s)")
-    p.add_argument("--mib", type=int, default=256, help="MiB written and read per measurement")
-    p.add_argument("--repeat", type=int, default=3, help="timed repetitions per case (median is reported)")
+    p.add_argument("--mib", type=int, default=256,
+                   help=f"MiB written and read per measurement (at most {MAX_FILES} files)")
+    p.add_argument("--repeat", type=int, default=4, help="timed repetitions per case (median is reported)")
     p.add_argument("--workers", default="1,2,4", help="IO worker counts for the read scaling run")
     p.add_argument("--keep", action="store_true", help="keep the files")
 
@@ -78,7 +81,12 @@ class _Bench:
         if workers is not None:
             extra["HPKV_NUM_IO_WORKERS"] = str(workers)
         pool = self.args.mib + 64
-        return ServerProcess(private_env(pool_size=f"{pool}m", storage=self.storage, **extra)).start()
+        srv = ServerProcess(private_env(pool_size=f"{pool}m", storage=self.storage, **extra))
+        try:
+            return srv.start()
+        except BaseException:
+            srv.cleanup()    # a server that failed to start leaves its pool directory otherwise
+            raise
 
     # ------------------------------------------------------------ hpkv path
     def hpkv_write(self, client, seg, ns, keys, size, pool, stamp) -> float:
@@ -174,10 +182,11 @@ class _Bench:
             self.o_direct = st["o_direct"]
             self.fs_note = st["o_direct_reason"]
             seg = StatsSegment.attach(srv.pool_dir)
+            self.read_bounce = bool(seg.read_catalog().get("storage", {}).get("read_bounce"))
             pool = PoolFile.attach(os.path.join(srv.pool_dir, P.POOL_FILE))
             rng = np.random.default_rng(0)
             for size in SIZES:
-                n = max(1, (a.mib << 20) // size)
+                n = max(1, min(MAX_FILES, (a.mib << 20) // size))
                 fp = namespace_fingerprint({"bench": "io", "size": size})
                 ns = client.attach_namespace(fp, 1, size, name=f"bench-io-{size >> 10}k")
                 stamp = rng.integers(0, 256, size, dtype=np.uint8)
@@ -191,8 +200,14 @@ class _Bench:
                     raw_keys = block_keys(fp, [f"raw-{rep}-{i}".encode() for i in range(n)])
                     tw = self.hpkv_write(client, seg, ns, keys, size, pool, stamp)
                     trw = self.raw_write(fp, raw_keys, raw_buf)
-                    tr = self.hpkv_read(client, ns, keys, size, pool, stamp)
-                    trr = self.raw_read(fp, keys, raw_buf)
+                    # Both read the same files; whoever reads second may find them in the VM
+                    # host's cache, so the order alternates.
+                    if rep % 2:
+                        tr = self.hpkv_read(client, ns, keys, size, pool, stamp)
+                        trr = self.raw_read(fp, keys, raw_buf)
+                    else:
+                        trr = self.raw_read(fp, keys, raw_buf)
+                        tr = self.hpkv_read(client, ns, keys, size, pool, stamp)
                     client.clear(ns.ns_id)
                     if rep:
                         for name, v in (("write", tw), ("raw_write", trw), ("read", tr), ("raw_read", trr)):
@@ -203,8 +218,10 @@ class _Bench:
                 r = {"payload_kib": size >> 10, "files": n, "mib": nbytes / 2**20}
                 for name, times in t.items():
                     r[f"{name}_gbps"] = _gbps(nbytes, statistics.median(times))
-                r["write_vs_raw"] = r["write_gbps"] / r["raw_write_gbps"]
-                r["read_vs_raw"] = r["read_gbps"] / r["raw_read_gbps"]
+                # Ratios pair each repetition with the raw loop run right next to it, so load
+                # that comes and goes on a shared machine cancels out.
+                r["write_vs_raw"] = statistics.median(rw / w for w, rw in zip(t["write"], t["raw_write"]))
+                r["read_vs_raw"] = statistics.median(rr / x for x, rr in zip(t["read"], t["raw_read"]))
                 results.append(r)
                 raw_buf.release()
                 raw_mm.close()
@@ -294,13 +311,15 @@ def run(args: argparse.Namespace) -> int:
            "write_vs_raw": rnd(head["write_vs_raw"]), "read_vs_raw": rnd(head["read_vs_raw"]),
            "read_gbps_by_workers": {k: rnd(v) for k, v in by_workers.items()},
            "checksum_gbps": rnd(checksum), "o_direct": bench.o_direct, "o_direct_reason": bench.fs_note,
+           "read_bounce": bench.read_bounce,
            "fs_type": fs, "dir": root, "mib_per_case": args.mib, "repeat": args.repeat,
            "seconds": round(time.monotonic() - t_start, 1),
            "cases": [{k: rnd(v) for k, v in r.items()} for r in cases]}
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"hpkv bench io: {args.mib} MiB per case on {fs} ({'O_DIRECT' if bench.o_direct else 'buffered'}), "
+    print(f"hpkv bench io: {args.mib} MiB per case on {fs} ({'O_DIRECT' if bench.o_direct else 'buffered'}"
+          f"{', reads via a private buffer' if bench.read_bounce else ''}), "
           f"median of {args.repeat}; raw = one thread, open+pwritev/preadv+close, same files and sizes")
     print(f"{'payload':>8} {'files':>6} {'write GB/s':>10} {'raw':>6} {'ratio':>6} "
           f"{'read GB/s':>10} {'raw':>6} {'ratio':>6}")

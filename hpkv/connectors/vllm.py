@@ -603,7 +603,8 @@ class HpkvConnectorV1(KVConnectorBase_V1):
                 promote = getattr(client, "promote", None)
                 if promote is not None:
                     got = promote(self.ns_id, [keys[i] for i in missing])
-                    promoted = [keys[i] for i in missing]
+                    # Promoted blocks come back pinned for us; failed rows (-1) are not.
+                    promoted = [keys[i] for i, row in zip(missing, got) if (row >= 0).all()]
                     offsets[missing] = got[:, self.rank]
             ok = offsets >= 0
             dst = np.asarray(blocks, np.int64)

@@ -173,11 +173,15 @@ class KvFileIO:
     One instance per thread.
     """
 
-    def __init__(self, root: str, pool: memoryview, o_direct: bool, fsync: bool = False):
+    def __init__(self, root: str, pool: memoryview, o_direct: bool, fsync: bool = False,
+                 bounce_reads: bool = False):
         self.root = root
         self.pool = pool
         self.o_direct = o_direct
         self.fsync = fsync
+        self.bounce_reads = bounce_reads
+        self._bounce_mm: mmap.mmap | None = None
+        self._bounce: memoryview | None = None
         self._hdr_mm = mmap.mmap(-1, HEADER_BYTES)      # page-aligned, as O_DIRECT wants
         self.hdr = memoryview(self._hdr_mm)
         self.fell_back = False                         # O_DIRECT refused at run time → buffered
@@ -267,11 +271,12 @@ class KvFileIO:
                 raise
             self._fall_back()
             fd = os.open(final, os.O_RDONLY | os.O_CLOEXEC)
+        dest = self._bounce_for(padded) if self.bounce_reads else payload
         try:
             size = os.fstat(fd).st_size
             if size != want:
                 raise CorruptFile(f"file is {size} bytes, expected {want} for a {length}-byte payload")
-            got = _pread_all(fd, [self.hdr, payload])
+            got = _pread_all(fd, [self.hdr, dest])
         finally:
             os.close(fd)
         if got != want:
@@ -281,11 +286,22 @@ class KvFileIO:
             raise CorruptFile(f"header names {h.block}, expected {block}")
         if h.payload_len != length:
             raise CorruptFile(f"payload length {h.payload_len}, expected {length}")
-        if payload[length:] != bytes(padded - length):
+        if dest[length:] != bytes(padded - length):
             raise CorruptFile("non-zero padding after the payload")
-        if crc32c(payload[:length]) != h.payload_crc:
+        if crc32c(dest[:length]) != h.payload_crc:
             raise CorruptFile("payload checksum mismatch")
+        if dest is not payload:
+            payload[:] = dest        # verified bytes only ever reach the pool
         return want
+
+    def _bounce_for(self, n: int) -> memoryview:
+        if self._bounce is None or len(self._bounce) < n:
+            if self._bounce is not None:
+                self._bounce.release()
+                self._bounce_mm.close()
+            self._bounce_mm = mmap.mmap(-1, n)
+            self._bounce = memoryview(self._bounce_mm)
+        return self._bounce[:n]
 
     def quarantine(self, fingerprint: str, block: BlockId) -> str:
         """Move the block's file out of the way; returns where it went."""
@@ -302,6 +318,9 @@ class KvFileIO:
     def close(self) -> None:
         self.hdr.release()
         self._hdr_mm.close()
+        if self._bounce is not None:
+            self._bounce.release()
+            self._bounce_mm.close()
 
 
 def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:

@@ -58,6 +58,8 @@ def probe_o_direct(directory: str) -> DirectIoProbe:
             return DirectIoProbe(False, fs, f"read back differs on {fs} (pread)")
         return DirectIoProbe(True, fs, None)
     except OSError as exc:
+        if step != "open" and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return DirectIoProbe(True, fs, None)   # O_DIRECT opened fine; the disk is just full
         name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
         return DirectIoProbe(False, fs, f"{name} on {fs} ({step})")
     finally:
@@ -69,3 +71,25 @@ def probe_o_direct(directory: str) -> DirectIoProbe:
             pass
         buf.close()
         back.close()
+
+
+def virtio_disk(directory: str) -> str | None:
+    """The virtio-blk disk (e.g. ``vda``) holding ``directory``, or None (NVMe, SCSI, network
+    and RAM file systems).
+
+    Why it matters: on the VM hpkv is developed on (a virtio-blk disk served by the VMM),
+    O_DIRECT reads straight into the shared-memory pool ran at ≈ 0.5–0.9 GB/s against
+    ≈ 1.0–1.5 GB/s into private memory of the reading process, so promotes read into a
+    private buffer there and copy (``HPKV_STORAGE_READ_BOUNCE``). Real NVMe DMA has no
+    such penalty and keeps the zero-copy path.
+    """
+    try:
+        dev = os.stat(directory).st_dev
+        sysfs = os.path.realpath(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    except OSError:
+        return None
+    parts = sysfs.split(os.sep)
+    if not any(p.startswith("virtio") for p in parts):
+        return None
+    i = max(i for i, p in enumerate(parts) if p == "block")
+    return parts[i + 1] if i + 1 < len(parts) else None

@@ -46,7 +46,7 @@ from hpkv.engine.index import Block, Index, Namespace, NsCounter, State
 from hpkv.engine.stats import G, StatsSegment
 from hpkv.engine.workers import WorkerProcess
 from hpkv.io_workers import kvfile
-from hpkv.io_workers.probe import DirectIoProbe, probe_o_direct
+from hpkv.io_workers.probe import DirectIoProbe, probe_o_direct, virtio_disk
 from hpkv.io_workers.ratelimit import RateLimitedLog
 from hpkv.ring import Doorbell, Ring, RingError
 
@@ -55,7 +55,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hpkv.storage")
 
-MAX_INFLIGHT_PER_WORKER = 4       # keeps the request rings shallow so promotes overtake spills
+# Jobs queued per worker. Promotes may queue deep, so a worker keeps reading while the
+# server waits for a CPU; spills stay shallow, so a promote never waits behind many.
+MAX_INFLIGHT_PER_WORKER = 16
+MAX_SPILLS_PER_WORKER = 4
 SCAN_BATCH = 1024                 # blocks added to the index per lock hold
 MAINT_INTERVAL_S = 0.5
 ENOSPC_BACKOFF_S = (1.0, 30.0)
@@ -105,6 +108,7 @@ class _Link:
     req: Ring
     resp: Ring
     inflight: "OrderedDict[int, _Job]" = field(default_factory=OrderedDict)
+    spills: int = 0          # of which spills
     dead: bool = False
 
 
@@ -127,6 +131,7 @@ class StorageTier:
         self.capacity = int(cfg["HPKV_KV_STORAGE_SIZE"])
         self.min_free_pct = float(cfg["HPKV_STORAGE_MIN_FREE"])
         self.probe: DirectIoProbe | None = None
+        self.bounce_reads = False
         self.o_direct_reason: str | None = None
         self.links: list[_Link] = []
         self._seq = 0
@@ -165,8 +170,10 @@ class StorageTier:
         self.g[G.STORAGE_O_DIRECT] = int(self.probe.ok)
         self.g[G.STORAGE_CAPACITY] = self.capacity
         self._check_free_space()
+        self.bounce_reads = self._choose_bounce()
         spec = {"pool": self.pool_path, "storage": self.root, "o_direct": self.probe.ok,
-                "fsync": bool(self.cfg["HPKV_STORAGE_FSYNC"]), "log_level": self.cfg["HPKV_LOG_LEVEL"]}
+                "fsync": bool(self.cfg["HPKV_STORAGE_FSYNC"]), "bounce_reads": self.bounce_reads,
+                "log_level": self.cfg["HPKV_LOG_LEVEL"]}
         workers = []
         for i, slot in enumerate(slots):
             w, req, resp = WorkerProcess.start_io(self.dir, f"io{i}", slot, spec, self.stats, self.doorbell)
@@ -176,6 +183,17 @@ class StorageTier:
         log.info("storage tier %s: %d IO worker(s), capacity %s, spilling pauses under %g%% free",
                  self.root, len(workers), self.capacity or "unlimited", self.min_free_pct)
         return workers
+
+    def _choose_bounce(self) -> bool:
+        setting = self.cfg["HPKV_STORAGE_READ_BOUNCE"]
+        if setting is not None:
+            return bool(setting)
+        disk = virtio_disk(self.root) if self.probe and self.probe.ok else None
+        if disk:
+            log.info("storage is on virtio disk %s: promotes read into a private buffer and copy "
+                     "into the pool, faster there than DMA into the shared pool "
+                     "(HPKV_STORAGE_READ_BOUNCE=0 turns this off)", disk)
+        return disk is not None
 
     def shutdown(self) -> None:
         """Stop the threads and close the rings (after the server stopped the workers)."""
@@ -194,6 +212,7 @@ class StorageTier:
         """The strings of the stats snapshot's ``storage`` section (the numbers are in G)."""
         return {"path": self.root, "o_direct_reason": self.o_direct_reason,
                 "fs_type": self.probe.fs_type if self.probe else None,
+                "read_bounce": self.bounce_reads,
                 "scans_done": sorted(k for k, v in self.scan_done.items() if v)}
 
     # ================================================================ namespaces
@@ -293,6 +312,7 @@ class StorageTier:
                         break
                     job = link.inflight.pop(d.seq, None)
                     if job is not None:
+                        link.spills -= job.op.kind == P.SPILL
                         self._complete(job, d.status, d.a0, d.flags)
                 if link.dead:
                     self._recover(link)
@@ -329,6 +349,7 @@ class StorageTier:
         dead_pid = link.worker.proc.pid if link.worker.proc else None
         for seq, job in lost:
             del link.inflight[seq]
+            link.spills -= job.op.kind == P.SPILL
             if job.op.kind == P.SPILL and dead_pid:
                 b = job.op.block
                 final = kvfile.file_path(self.root, b.ns.fingerprint, b.key, job.rank)
@@ -509,14 +530,17 @@ class StorageTier:
 
     # ================================================================ dispatch
     def _dispatch(self) -> None:
+        """Push queued jobs to the least busy live workers, promotes first."""
         live = [link for link in self.links if not link.dead]
         if not live:
             return
-        for q in (self._promote_q, self._spill_q):
+        for q, spill in ((self._promote_q, False), (self._spill_q, True)):
             while q:
-                link = min(live, key=lambda lk: len(lk.inflight))
-                if len(link.inflight) >= MAX_INFLIGHT_PER_WORKER:
-                    return
+                room = [lk for lk in live if len(lk.inflight) < MAX_INFLIGHT_PER_WORKER
+                        and not (spill and lk.spills >= MAX_SPILLS_PER_WORKER)]
+                if not room:
+                    break
+                link = min(room, key=lambda lk: len(lk.inflight))
                 job = q[0]
                 b = job.op.block
                 self._seq += 1
@@ -531,6 +555,7 @@ class StorageTier:
                     return       # ring full (a stuck worker): try again on the next wake-up
                 q.popleft()
                 link.inflight[self._seq] = job
+                link.spills += spill
 
     # ================================================================ catalog
     def _touch(self, key: bytes) -> None:

@@ -50,14 +50,15 @@ def main(argv: list[str]) -> int:
     row = stats.workers[spec["slot"]]
     pool = PoolFile.attach(spec["pool"])
     io = KvFileIO(spec["storage"], memoryview(pool.mm), o_direct=bool(spec["o_direct"]),
-                  fsync=bool(spec.get("fsync")))
+                  fsync=bool(spec.get("fsync")), bounce_reads=bool(spec.get("bounce_reads")))
     req = Ring.attach(spec["dir"], spec["req"], role="consumer", slice_ms=50)
     resp = Ring.attach(spec["dir"], spec["resp"], role="producer")
     errors = RateLimitedLog(log)
     row[W.PID] = os.getpid()
     row[W.STATE] = WorkerState.RUNNING
-    log.info("IO worker ready: storage %s, %s IO%s", spec["storage"],
-             "O_DIRECT" if io.o_direct else "buffered", ", fsync before rename" if io.fsync else "")
+    log.info("IO worker ready: storage %s, %s IO%s%s", spec["storage"],
+             "O_DIRECT" if io.o_direct else "buffered", ", fsync before rename" if io.fsync else "",
+             ", reads through a private buffer" if io.bounce_reads else "")
 
     while not stopping:
         row[W.HEARTBEAT_NS] = time.time_ns()
