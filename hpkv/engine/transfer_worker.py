@@ -8,23 +8,19 @@ COMPLETION (or an ERROR with the reason) carrying the batch's seq.
 """
 from __future__ import annotations
 
-import json
 import logging
 import mmap
 import os
-import signal
 import sys
-import time
 
 import numpy as np
 
 from hpkv.engine import protocol as P
 from hpkv.engine.copy import BlockCopier, BlockLayout
-from hpkv.engine.logs import setup_logging
 from hpkv.engine.pool import PoolFile
-from hpkv.engine.stats import StatsSegment, W, WorkerState
+from hpkv.engine.stats import W
+from hpkv.engine.worker_process import WorkerRuntime
 from hpkv.engine.workers import set_memory_node
-from hpkv.ring import PeerDead, Ring, RingError, RingTimeout
 
 log = logging.getLogger("hpkv.transfer")
 
@@ -40,18 +36,8 @@ def map_file(path: str, writable: bool = True) -> mmap.mmap:
 
 
 def main(argv: list[str]) -> int:
-    spec = json.loads(argv[0])
-    setup_logging(spec["dir"], spec.get("log_level", "INFO"), to_stderr=True)
-    stopping = False
-
-    def on_term(signum, _frame):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when we stop
-    parent = os.getppid()
-
+    rt = WorkerRuntime(argv, log)
+    spec, row = rt.spec, rt.row
     cpus = spec.get("cpus") or []
     if cpus:
         try:
@@ -60,8 +46,6 @@ def main(argv: list[str]) -> int:
             log.warning("cannot pin to CPUs %s: %s", cpus, exc)
     placement = set_memory_node(int(spec.get("numa_node", 0)))
 
-    stats = StatsSegment.attach(spec["dir"], writable=True)
-    row = stats.workers[spec["slot"]]
     pool = PoolFile.attach(spec["pool"])
     regions = [map_file(r["path"]) for r in spec["regions"]]
     region_addr = [int(np.frombuffer(m, np.uint8).ctypes.data) for m in regions]
@@ -73,35 +57,13 @@ def main(argv: list[str]) -> int:
     copier = BlockCopier(layout, pool.address, slot_stride=slot_bytes, num_slots=pool.size // slot_bytes)
     jobs_mm = map_file(spec["jobs"])
     jobs = np.frombuffer(jobs_mm, dtype=np.int64).reshape(P.JOB_SLOTS, P.JOB_SLOT_BYTES // 8)
-    req = Ring.attach(spec["dir"], spec["req"], role="consumer", slice_ms=50)
-    resp = Ring.attach(spec["dir"], spec["resp"], role="producer")
-    row[W.PID] = os.getpid()
-    row[W.STATE] = WorkerState.RUNNING
     log.info("transfer worker ready: %d layers x %d B pages, %d blocks; CPUs %s; %s",
              layout.num_layers, layout.page_bytes, layout.num_blocks, cpus, placement)
 
-    while not stopping:
-        row[W.HEARTBEAT_NS] = time.time_ns()
-        if os.getppid() != parent:
-            log.warning("the server (pid %d) is gone: exiting", parent)
-            break
-        try:
-            d = req.pop(timeout=0.5)
-        except RingTimeout:
-            continue
-        except PeerDead:
-            time.sleep(0.05)  # the client went away; the server will stop us
-            continue
-        except RingError as exc:
-            log.error("request ring failed: %s", exc)
-            break
-        if d.kind not in (P.COPY_SAVE, P.COPY_LOAD):
-            resp.push(P.ERROR, d.seq, status=P.E_BAD_REQUEST, timeout=5.0)
-            continue
-        row[W.INFLIGHT_SEQ] = d.seq
-        t0 = time.perf_counter_ns()
+    def copy(d) -> tuple[int, int, int]:
         n = int(d.a0)
-        status, nbytes = 0, 0
+        if d.kind not in (P.COPY_SAVE, P.COPY_LOAD):
+            return P.E_BAD_REQUEST, 0, 0
         try:
             if not 0 < n <= P.MAX_PAIRS_PER_JOB:
                 raise ValueError(f"batch of {n} blocks (1..{P.MAX_PAIRS_PER_JOB})")
@@ -114,23 +76,13 @@ def main(argv: list[str]) -> int:
             else:
                 copier.load(blocks, slots)
                 row[W.BYTES_LOADED] += n * layout.slot_bytes
-            nbytes = n * layout.slot_bytes
         except (ValueError, IndexError) as exc:
             log.error("copy batch seq %d rejected: %s", d.seq, exc)
-            status = P.E_BAD_REQUEST
-            row[W.JOBS_FAILED] += 1
-        row[W.BUSY_NS] += time.perf_counter_ns() - t0
-        row[W.JOBS] += 1
-        try:
-            resp.push(P.COMPLETION if status == 0 else P.ERROR, d.seq, nbytes, status=status, timeout=5.0)
-        except RingError as exc:
-            log.warning("cannot post the completion of seq %d: %s", d.seq, exc)
-        row[W.INFLIGHT_SEQ] = 0
+            return P.E_BAD_REQUEST, 0, 0
+        return 0, n * layout.slot_bytes, 0
 
-    row[W.STATE] = WorkerState.STOPPED
-    req.close()
-    resp.close()
-    return 0
+    # A client that went away leaves its ring; the server stops us when it notices.
+    return rt.serve(copy, exit_when_producer_gone=False)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from hpkv.engine.workers import WorkerProcess
 from hpkv.io_workers import kvfile
 from hpkv.io_workers.probe import DirectIoProbe, probe_o_direct, virtio_disk
 from hpkv.io_workers.ratelimit import RateLimitedLog
+from hpkv.proc import pid_alive
 from hpkv.ring import Doorbell, Ring, RingError
 
 if TYPE_CHECKING:
@@ -657,7 +658,7 @@ class StorageTier:
         w_host, pid = owner
         try:
             if w_host == host:
-                if _pid_alive(pid):
+                if pid_alive(pid):
                     return
             elif time.time() - entry.stat().st_mtime < STALE_TMP_AGE_S:
                 return
@@ -762,13 +763,3 @@ def _entries(path: str) -> list[os.DirEntry]:
             return list(it)
     except FileNotFoundError:
         return []
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -1,0 +1,85 @@
+"""What every worker process (transfer or IO) does besides its own job.
+
+Started by the server with one JSON argument (the spec), a worker sets up
+logging, ignores Ctrl-C (the server decides when it stops), stops on SIGTERM or
+when the server is gone, publishes its pid, state, heartbeat and counters in its
+row of the stats segment, and runs one loop: pop a descriptor, mark it in flight
+(so the server can fail it if we die), execute it, push the completion.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from typing import Callable
+
+from hpkv.engine import protocol as P
+from hpkv.engine.logs import setup_logging
+from hpkv.engine.stats import StatsSegment, W, WorkerState
+from hpkv.ring import Desc, PeerDead, Ring, RingError, RingTimeout
+
+#: A job handler: the descriptor → (status, bytes moved, completion flags).
+Handler = Callable[[Desc], "tuple[int, int, int]"]
+
+
+class WorkerRuntime:
+    def __init__(self, argv: list[str], log: logging.Logger):
+        self.spec = json.loads(argv[0])
+        self.log = log
+        setup_logging(self.spec["dir"], self.spec.get("log_level", "INFO"), to_stderr=True)
+        self.stopping = False
+        signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self.parent = os.getppid()
+        self.stats = StatsSegment.attach(self.spec["dir"], writable=True)
+        self.row = self.stats.workers[self.spec["slot"]]
+
+    def _on_term(self, signum, _frame) -> None:
+        self.stopping = True
+
+    def serve(self, handle: Handler, *, exit_when_producer_gone: bool) -> int:
+        """Run the job loop until SIGTERM, the server's exit, or (IO workers) the server closing the ring."""
+        spec, row, log = self.spec, self.row, self.log
+        req = Ring.attach(spec["dir"], spec["req"], role="consumer", slice_ms=50)
+        resp = Ring.attach(spec["dir"], spec["resp"], role="producer")
+        row[W.PID] = os.getpid()
+        row[W.STATE] = WorkerState.RUNNING
+        try:
+            while not self.stopping:
+                row[W.HEARTBEAT_NS] = time.time_ns()
+                if os.getppid() != self.parent:
+                    log.warning("the server (pid %d) is gone: exiting", self.parent)
+                    break
+                try:
+                    d = req.pop(timeout=0.5)
+                except RingTimeout:
+                    continue
+                except PeerDead:
+                    if exit_when_producer_gone:
+                        log.warning("the producer of %s is gone: exiting", spec["req"])
+                        break
+                    time.sleep(0.05)  # the client went away; the server will stop us
+                    continue
+                except RingError as exc:
+                    log.error("request ring failed: %s", exc)
+                    break
+                row[W.INFLIGHT_SEQ] = d.seq
+                t0 = time.perf_counter_ns()
+                status, nbytes, flags = handle(d)
+                row[W.BUSY_NS] += time.perf_counter_ns() - t0
+                row[W.JOBS] += 1
+                if status:
+                    row[W.JOBS_FAILED] += 1
+                try:
+                    resp.push(P.COMPLETION if status == 0 else P.ERROR, d.seq, nbytes, status=status,
+                              flags=flags, timeout=5.0)
+                except RingError as exc:
+                    log.warning("cannot post the completion of seq %d: %s", d.seq, exc)
+                row[W.INFLIGHT_SEQ] = 0
+        finally:
+            row[W.STATE] = WorkerState.STOPPED
+            req.close()
+            resp.close()
+        return 0
