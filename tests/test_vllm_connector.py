@@ -204,3 +204,21 @@ def test_killed_hpkv_server_means_recompute_not_errors(server, hpkv_env):
         assert text == expected
         assert time.monotonic() - t0 < 60, "a dead hpkv must not stall vLLM"
         complete(server, letters(80, seed=200 + i))               # new prompts: saves fail quietly
+
+
+def test_vllm_enable_hpkv_0_makes_the_connector_a_logged_noop(tiny_model):
+    import subprocess, sys
+    env = private_env(storage="", VLLM_ENABLE_HPKV="0")
+    srv = VllmServer(tiny_model, extra_args=vllm_args(SEED_FORM), env=env, max_model_len=4096)
+    try:
+        srv.start().wait_ready()
+        prompt = letters(100, seed=9)
+        assert complete(srv, prompt)[0] == complete(srv, prompt)[0]
+        status = subprocess.run([sys.executable, "-m", "hpkv", "status"], env=env, capture_output=True,
+                                text=True, timeout=60)
+        assert status.returncode == 1, "no hpkv server was started"
+        assert "VLLM_ENABLE_HPKV=0 (from environment): the connector does nothing" in srv.log_tail(10_000)
+    finally:
+        srv.stop()
+        shutil.rmtree(env["HPKV_SHARE_MEM_FILE_PATH"], ignore_errors=True)
+        os.unlink(env["HPKV_CONFIG_FILE_PATH"])

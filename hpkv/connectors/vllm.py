@@ -264,6 +264,10 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.layout: Layout | None = None
         self.ns_id: int | None = None
+        # Worker-side state every step touches, also when hpkv is off.
+        self._device = None
+        self._load_errors: set[int] = set()
+        self._stats = HpkvConnectorStats()
         if not self.enabled:
             log.warning("hpkv: VLLM_ENABLE_HPKV=0 (from %s): the connector does nothing",
                         self.cfg.source("VLLM_ENABLE_HPKV"))
@@ -464,9 +468,6 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         self._kv_mmap: mmap.mmap | None = None
         self._kv_base = 0
         self._device_spec: dict[str, Any] | None = None
-        self._device = None
-        self._load_errors: set[int] = set()
-        self._stats = HpkvConnectorStats()
         self._hpkv = _Reconnecting(f"worker rank {self.rank}", self._connect_worker)
 
     def get_mem_pool_context(self):
@@ -586,11 +587,13 @@ class HpkvConnectorV1(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if not self.enabled or not isinstance(meta, HpkvMetadata) or not meta.loads:
+        if not isinstance(meta, HpkvMetadata) or not meta.loads:
             return
         blocks = [b for op in meta.loads for b in op.block_ids]
-        client = self._hpkv.get()
-        if client is None or self._device is None:
+        # The scheduler promised these blocks; if this worker cannot deliver them (hpkv
+        # disabled here, or unreachable), vLLM must recompute them, never read garbage.
+        client = self._hpkv.get() if self.enabled and self._device is not None else None
+        if client is None:
             self._fail_loads(blocks, "no hpkv server")
             return
         t0 = time.perf_counter()
