@@ -8,7 +8,6 @@ small tmpfs (ENOSPC) or a ramfs (a file system that refuses O_DIRECT).
 from __future__ import annotations
 
 import contextlib
-import errno
 import mmap
 import os
 import signal

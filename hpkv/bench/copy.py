@@ -38,6 +38,14 @@ def _median_time(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
+def _copy_time(src, dst, repeat: int) -> float:
+    """Median seconds of a single-thread np.copyto(dst, src); the buffers die with the call."""
+    import numpy as np
+
+    src[:] = 1
+    return _median_time(lambda: np.copyto(dst, src), repeat)
+
+
 def _shm_buffer(directory: str, name: str, nbytes: int):
     """A populated MAP_SHARED mapping of a fresh file in ``directory``, unlinked at once."""
     import mmap
@@ -104,14 +112,9 @@ def run(args: argparse.Namespace) -> int:
             # The reference copies between the same kind of memory the worker copies
             # between (populated /dev/shm mappings, 4 KiB pages); a private-memory copy
             # (transparent huge pages) is shown beside it.
-            shm_src, shm_dst = (_shm_buffer(srv.pool_dir, f"bench-ref-{i}", nbytes) for i in (0, 1))
-            shm_src[:] = 1
-            t_memcpy = _median_time(lambda: np.copyto(shm_dst, shm_src), args.repeat)
-            del shm_src, shm_dst
-            src = np.ones(nbytes, np.uint8)
-            dst = np.zeros(nbytes, np.uint8)
-            t_private = _median_time(lambda: np.copyto(dst, src), args.repeat)
-            del src, dst
+            t_memcpy = _copy_time(*(_shm_buffer(srv.pool_dir, f"bench-ref-{i}", nbytes) for i in (0, 1)),
+                                  repeat=args.repeat)
+            t_private = _copy_time(np.zeros(nbytes, np.uint8), np.zeros(nbytes, np.uint8), repeat=args.repeat)
             t_save = _median_time(save, args.repeat)
             t_load = _median_time(load, args.repeat)
             results.append({"page_kib": page // 1024, "layers": layers, "blocks": blocks,

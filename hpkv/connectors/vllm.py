@@ -22,8 +22,6 @@ module starts nothing: vLLM's API server imports it too.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import mmap
 import os

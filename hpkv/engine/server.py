@@ -18,14 +18,12 @@ The index is touched under one lock; hot calls hold it for one request.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from collections import Counter
@@ -41,7 +39,7 @@ from hpkv.engine.index import Index, Namespace, NsCounter, NoSuchNamespace
 from hpkv.engine.keys import KEY_BYTES
 from hpkv.engine.logs import setup_logging
 from hpkv.engine.pool import PoolFile
-from hpkv.engine.stats import MAX_NS, MAX_WORKERS, NS_COUNTERS, G, StatsSegment, W, WorkerState
+from hpkv.engine.stats import MAX_NS, MAX_WORKERS, NS_COUNTERS, G, StatsSegment
 from hpkv.engine.workers import WorkerProcess, device_cpus
 from hpkv.io_workers.tier import StorageTier
 from hpkv.ring import Doorbell, Ring, RingError

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
-from hpkv.config import Config, filesystem_type
+from hpkv.config import Config
 from hpkv.engine import protocol as P
 from hpkv.engine.index import Block, Index, Namespace, NsCounter, State
 from hpkv.engine.stats import G, StatsSegment
@@ -370,7 +370,6 @@ class StorageTier:
 
     def _complete(self, job: _Job, status: int, nbytes: int, flags: int) -> None:
         op = job.op
-        b = op.block
         g = self.g
         if flags & P.IO_DIRECT_FALLBACK and g[G.STORAGE_O_DIRECT]:
             g[G.STORAGE_O_DIRECT] = 0
