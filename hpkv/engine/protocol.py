@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 
 from hpkv.engine.keys import KEY_BYTES
 from hpkv.native import lib
@@ -124,7 +123,3 @@ def decode_io_job(flags: int, a: tuple[int, ...]) -> tuple[bytes, bytes, int, in
 
 
 _U64 = (1 << 64) - 1
-
-
-def keys_to_array(keys: list[bytes]) -> np.ndarray:
-    return np.frombuffer(b"".join(keys), dtype=f"V{KEY_BYTES}") if keys else np.empty(0, f"V{KEY_BYTES}")

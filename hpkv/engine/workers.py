@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from typing import Any
 
 from hpkv.engine import protocol as P
@@ -215,12 +214,3 @@ def set_memory_node(node: int) -> str:
     if libc.syscall(SYS_set_mempolicy, MPOL_PREFERRED, ctypes.byref(mask), 64) != 0:
         return f"set_mempolicy(node {node}) failed: {os.strerror(ctypes.get_errno())}"
     return f"memory bound to node {node} (preferred)"
-
-
-def wait_running(stats: StatsSegment, slot: int, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if stats.workers[slot][W.STATE] == WorkerState.RUNNING:
-            return True
-        time.sleep(0.01)
-    return False
