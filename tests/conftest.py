@@ -87,3 +87,15 @@ def vllm_server(
             print(f"\n----- vLLM server log tail ({srv.log_path}) -----\n{srv.log_tail(120)}")
     if errors:
         pytest.fail("could not stop vLLM servers: " + "; ".join(errors))
+
+
+@pytest.fixture
+def server():
+    """A real ``hpkv serve`` with a private 64 MiB pool under /dev/shm, always stopped and removed."""
+    from hpkv.testing.server import ServerProcess, private_env
+
+    srv = ServerProcess(private_env(pool_size="64m")).start()
+    try:
+        yield srv
+    finally:
+        srv.cleanup()

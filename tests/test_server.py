@@ -25,15 +25,6 @@ from hpkv.testing.server import ServerProcess, private_env
 FP = namespace_fingerprint({"model": "test", "layers": 4})
 
 
-@pytest.fixture
-def server():
-    srv = ServerProcess(private_env(pool_size="64m")).start()
-    try:
-        yield srv
-    finally:
-        srv.cleanup()
-
-
 def client_of(srv: ServerProcess, **kw):
     return connect(srv.cfg, spawn=False, **kw)
 

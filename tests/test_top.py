@@ -73,15 +73,6 @@ class Traffic:
 
 
 @pytest.fixture
-def server():
-    srv = ServerProcess(private_env(pool_size="64m")).start()
-    try:
-        yield srv
-    finally:
-        srv.cleanup()
-
-
-@pytest.fixture
 def traffic(server, tmp_path):
     t = Traffic(server, tmp_path)
     try:
