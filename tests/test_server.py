@@ -128,8 +128,11 @@ def test_concurrent_auto_spawn_ends_with_exactly_one_server():
 
 def test_connect_without_spawn_reports_no_server():
     env = private_env()
-    with pytest.raises(HpkvUnavailable, match="no hpkv server is running"):
-        connect(load_config(env), spawn=False)
+    try:
+        with pytest.raises(HpkvUnavailable, match="no hpkv server is running"):
+            connect(load_config(env), spawn=False)
+    finally:
+        ServerProcess(env).cleanup()
 
 
 # ------------------------------------------------------------------ protocol over the rings
@@ -347,9 +350,12 @@ def test_status_json_matches_what_the_test_did(server, tmp_path):
 
 def test_status_without_server_exits_1(tmp_path):
     env = private_env()
-    out = hpkv_cli(env, "status")
-    assert out.returncode == 1
-    assert f"no server is running for the pool directory {env['HPKV_SHARE_MEM_FILE_PATH']}" in out.stderr
+    try:
+        out = hpkv_cli(env, "status")
+        assert out.returncode == 1
+        assert f"no server is running for the pool directory {env['HPKV_SHARE_MEM_FILE_PATH']}" in out.stderr
+    finally:
+        ServerProcess(env).cleanup()
 
 
 def _connect_pinned(env, q):
