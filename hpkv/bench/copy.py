@@ -48,25 +48,20 @@ def _copy_time(src, dst, repeat: int) -> float:
 
 def _shm_buffer(directory: str, name: str, nbytes: int):
     """A populated MAP_SHARED mapping of a fresh file in ``directory``, unlinked at once."""
-    import mmap
-
     import numpy as np
 
+    from hpkv import shm
+
     path = os.path.join(directory, name)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.unlink(path)
-        os.posix_fallocate(fd, 0, nbytes)
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-    finally:
-        os.close(fd)
+    mm = shm.create(path, nbytes, exclusive=False)
+    os.unlink(path)
     return np.frombuffer(mm, np.uint8)
 
 
 def run(args: argparse.Namespace) -> int:
-    import mmap
-
     import numpy as np
+
+    from hpkv import shm
 
     from hpkv.engine.client import connect
     from hpkv.engine.keys import block_keys, namespace_fingerprint
@@ -84,10 +79,7 @@ def run(args: argparse.Namespace) -> int:
             regions, maps = [], []
             for layer in range(layers):
                 path = os.path.join(srv.pool_dir, f"bench-dev-{page}-{layer}")
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-                os.posix_fallocate(fd, 0, region_bytes)
-                m = mmap.mmap(fd, region_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-                os.close(fd)
+                m = shm.create(path, region_bytes, exclusive=False)
                 np.frombuffer(m, np.uint8)[:] = layer + 1
                 maps.append(m)
                 regions.append({"path": path, "size": region_bytes})

@@ -498,17 +498,13 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             torch.zeros = real_zeros
 
     def _alloc_shared_kv(self, nbytes: int) -> torch.Tensor | None:
+        from hpkv import shm
         from hpkv.engine.protocol import device_file_name
         pool_dir = self.cfg.pool_dir
         path = os.path.join(pool_dir, device_file_name(os.getpid(), self.rank))
         try:
             os.makedirs(pool_dir, mode=0o700, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-                mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            finally:
-                os.close(fd)
+            mm = shm.create(path, nbytes, exclusive=False)
         except OSError as exc:
             log.error("hpkv: cannot place the %d-byte KV cache in shared memory at %s (%s): hpkv is "
                       "disabled on this worker; free space in %s or lower --gpu-memory-utilization",

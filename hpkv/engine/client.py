@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from hpkv.config import Config, load_config
+from hpkv import shm
 from hpkv.engine import protocol as P
 from hpkv.proc import pid_alive
 from hpkv.engine.keys import KEY_BYTES
@@ -48,14 +49,7 @@ class HpkvUnavailable(HpkvError):
 
 
 def _map_array(path: str) -> np.ndarray:
-    import mmap
-    fd = os.open(path, os.O_RDWR)
-    try:
-        size = os.fstat(fd).st_size
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    finally:
-        os.close(fd)
-    return np.frombuffer(mm, dtype=np.uint8)
+    return np.frombuffer(shm.map_file(path), dtype=np.uint8)
 
 
 @dataclass(frozen=True)
@@ -225,10 +219,7 @@ class HpkvClient:
         for dev in self.devices:
             dev.close()
         for ring in (self._req, self._resp):
-            try:
-                ring.close()
-            except RingError:
-                pass
+            ring.close()  # never raises; safe twice
         try:
             self._sock_file.close()
             self._sock.close()
@@ -334,10 +325,7 @@ class DeviceHandle:
     def close(self) -> None:
         for link in self.links:
             for ring in (link.req, link.resp):
-                try:
-                    ring.close()
-                except RingError:
-                    pass
+                ring.close()  # never raises; safe twice
 
 
 # -------------------------------------------------------------------- connect / auto-spawn

@@ -14,6 +14,8 @@ import resource
 
 import numpy as np
 
+from hpkv import shm
+
 log = logging.getLogger("hpkv.pool")
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -63,9 +65,7 @@ class PoolFile:
 
     @classmethod
     def _map(cls, path: str, fd: int, size: int) -> "PoolFile":
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        return cls(path, mm, size, locked=False)
+        return cls(path, shm.map_fd(fd, size), size, locked=False)
 
     def _mlock(self) -> bool:
         if _libc.mlock(ctypes.c_void_p(self.address), ctypes.c_size_t(self.size)) == 0:

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from hpkv.config import Config, check_runtime, format_size
+from hpkv import shm
 from hpkv.engine import protocol as P
 from hpkv.proc import pid_alive
 from hpkv.engine.index import Index, Namespace, NsCounter, NoSuchNamespace
@@ -451,7 +452,7 @@ class Server:
                           role="consumer", doorbell=self.doorbell)
         resp = Ring.create(self.dir, f"c{cid}.resp", capacity=P.RING_CAPACITY, role="producer")
         mbox_path = os.path.join(self.dir, f"c{cid}.mbox")
-        mbox = _create_shared_array(mbox_path, P.MAILBOX_BYTES)
+        mbox = np.frombuffer(shm.create(mbox_path, P.MAILBOX_BYTES), dtype=np.uint8)
         c = Client(cid, pid, conn, req, resp, mbox_path, mbox, name=name)
         with self.lock:
             self.clients[cid] = c
@@ -613,17 +614,6 @@ class Server:
 
 def _cpu_list(cpus: list[int]) -> str:
     return ",".join(map(str, cpus))
-
-
-def _create_shared_array(path: str, size: int) -> np.ndarray:
-    import mmap
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, size)
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    finally:
-        os.close(fd)
-    return np.frombuffer(mm, dtype=np.uint8)
 
 
 def serve(cfg: Config, auto: bool = False, log_level: str | None = None) -> int:

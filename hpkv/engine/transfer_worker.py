@@ -9,13 +9,13 @@ COMPLETION (or an ERROR with the reason) carrying the batch's seq.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import sys
 
 import numpy as np
 
 from hpkv.engine import protocol as P
+from hpkv.shm import map_file
 from hpkv.engine.copy import BlockCopier, BlockLayout
 from hpkv.engine.pool import PoolFile
 from hpkv.engine.stats import W
@@ -23,16 +23,6 @@ from hpkv.engine.worker_process import WorkerRuntime
 from hpkv.engine.workers import set_memory_node
 
 log = logging.getLogger("hpkv.transfer")
-
-
-def map_file(path: str, writable: bool = True) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=prot)
-    finally:
-        os.close(fd)
 
 
 def main(argv: list[str]) -> int:
