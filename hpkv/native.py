@@ -1,13 +1,15 @@
-"""Loads the compiled native core (``hpkv._native``) with an actionable error."""
+"""Loads the compiled native core (``hpkv._native``, and ``hpkv._ringcall``, the
+rings' single-descriptor calls) with an actionable error."""
 from __future__ import annotations
 
-EXPECTED_ABI = 1
+EXPECTED_ABI = 2
 
 try:
+    from hpkv import _ringcall as ringcall  # noqa: F401
     from hpkv._native import ffi, lib  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised only on a broken install
     raise ImportError(
-        "hpkv's native core (hpkv._native) is not built or cannot be loaded "
+        "hpkv's native core (hpkv._native, hpkv._ringcall) is not built or cannot be loaded "
         f"({exc}). Build it with `pip install -e .` from the source tree "
         "(or `bash scripts/setup.sh`, which also does the rest of the set-up); "
         "it needs gcc and the Python headers."

@@ -6,7 +6,7 @@
 
 /* Bumped whenever a native struct layout or function signature changes, so a
  * stale build is detected at import instead of corrupting shared memory. */
-#define HPKV_NATIVE_ABI 1
+#define HPKV_NATIVE_ABI 2
 
 int hpkv_native_abi(void);
 

@@ -510,12 +510,6 @@ uint32_t hpkv_ring_try_pop(hpkv_ring *r, hpkv_desc *dst, uint32_t n) {
     return r->role == HPKV_RING_CONSUMER ? pop_n(r, dst, n) : 0;
 }
 
-int hpkv_ring_try_push1(hpkv_ring *r, uint16_t kind, uint16_t flags, int32_t status, uint64_t seq,
-                        uint64_t a0, uint64_t a1, uint64_t a2, uint64_t a3, uint64_t a4, uint64_t a5) {
-    hpkv_desc d = {kind, flags, status, seq, {a0, a1, a2, a3, a4, a5}};
-    return (int)hpkv_ring_try_push(r, &d, 1);
-}
-
 /* Is there something for this side: producer: room; consumer: a descriptor. */
 static inline int ring_ready(hpkv_ring *r) {
     if (r->role == HPKV_RING_PRODUCER) {
@@ -595,13 +589,6 @@ int64_t hpkv_ring_push_wait(hpkv_ring *r, const hpkv_desc *src, uint32_t n, doub
     return done;
 }
 
-int64_t hpkv_ring_push1_wait(hpkv_ring *r, uint16_t kind, uint16_t flags, int32_t status, uint64_t seq,
-                             uint64_t a0, uint64_t a1, uint64_t a2, uint64_t a3, uint64_t a4, uint64_t a5,
-                             double timeout_s) {
-    hpkv_desc d = {kind, flags, status, seq, {a0, a1, a2, a3, a4, a5}};
-    return hpkv_ring_push_wait(r, &d, 1, timeout_s);
-}
-
 int64_t hpkv_ring_pop_wait(hpkv_ring *r, hpkv_desc *dst, uint32_t n, double timeout_s) {
     r->last_err = 0;
     if (r->role != HPKV_RING_CONSUMER) return r->last_err = -EPERM;
@@ -618,6 +605,14 @@ int64_t hpkv_ring_pop_wait(hpkv_ring *r, hpkv_desc *dst, uint32_t n, double time
 }
 
 int hpkv_ring_last_error(const hpkv_ring *r) { return r->last_err; }
+
+const struct hpkv_ring_calls *hpkv_ring_call_table(void) {
+    static const struct hpkv_ring_calls table = {
+        sizeof table, HPKV_RING_CALLS_VERSION, hpkv_ring_try_push, hpkv_ring_push_wait,
+        hpkv_ring_try_pop, hpkv_ring_pop_wait, hpkv_ring_last_error,
+    };
+    return &table;
+}
 
 uint64_t hpkv_ring_depth(const hpkv_ring *r) {
     /* acquire both: a consistent-enough snapshot for monitoring (head read first so depth >= 0). */

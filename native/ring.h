@@ -98,21 +98,28 @@ void hpkv_ring_unmap(hpkv_ring *r);
 /* Non-blocking: move up to n descriptors; return the number moved (0 = full/empty). */
 uint32_t hpkv_ring_try_push(hpkv_ring *r, const hpkv_desc *src, uint32_t n);
 uint32_t hpkv_ring_try_pop(hpkv_ring *r, hpkv_desc *dst, uint32_t n);
-/* One descriptor from scalars (avoids packing a struct in Python). 1 pushed, 0 full. */
-int hpkv_ring_try_push1(hpkv_ring *r, uint16_t kind, uint16_t flags, int32_t status, uint64_t seq,
-                        uint64_t a0, uint64_t a1, uint64_t a2, uint64_t a3, uint64_t a4, uint64_t a5);
 /* Blocking: spin, then sleep in slices until all n are pushed or timeout_s
  * passes. Returns the count pushed; when < n, hpkv_ring_last_error
  * says why (0 timeout, HPKV_RING_EPEER_*, -EINTR). */
 int64_t hpkv_ring_push_wait(hpkv_ring *r, const hpkv_desc *src, uint32_t n, double timeout_s);
-int64_t hpkv_ring_push1_wait(hpkv_ring *r, uint16_t kind, uint16_t flags, int32_t status, uint64_t seq,
-                             uint64_t a0, uint64_t a1, uint64_t a2, uint64_t a3, uint64_t a4, uint64_t a5,
-                             double timeout_s);
 /* Blocking: waits for at least one descriptor, then pops up to n. Returns the
  * count (>0), 0 on timeout, or <0 (HPKV_RING_EPEER_*, -EINTR). Descriptors
  * already in the ring are returned before a dead peer is reported. */
 int64_t hpkv_ring_pop_wait(hpkv_ring *r, hpkv_desc *dst, uint32_t n, double timeout_s);
 int hpkv_ring_last_error(const hpkv_ring *r);
+
+/* The calls hpkv._ringcall (native/python/ringcall.c) makes on the hot path, handed
+ * out as one table so that module needs no copy of this code. */
+#define HPKV_RING_CALLS_VERSION 1
+struct hpkv_ring_calls {
+    uint32_t size, version; /* sizeof, HPKV_RING_CALLS_VERSION: checked when it binds */
+    uint32_t (*try_push)(hpkv_ring *r, const hpkv_desc *src, uint32_t n);
+    int64_t (*push_wait)(hpkv_ring *r, const hpkv_desc *src, uint32_t n, double timeout_s);
+    uint32_t (*try_pop)(hpkv_ring *r, hpkv_desc *dst, uint32_t n);
+    int64_t (*pop_wait)(hpkv_ring *r, hpkv_desc *dst, uint32_t n, double timeout_s);
+    int (*last_error)(const hpkv_ring *r);
+};
+const struct hpkv_ring_calls *hpkv_ring_call_table(void);
 
 uint64_t hpkv_ring_depth(const hpkv_ring *r);
 uint32_t hpkv_ring_capacity(const hpkv_ring *r);

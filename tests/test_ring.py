@@ -220,6 +220,42 @@ def test_all_fields_round_trip(shm_dir):
         assert c.try_pop() == Desc(int(Kind.ERROR), 0xFFFF, -(1 << 31), big, 1, 2, 3, 4, 5, big)
 
 
+def test_single_descriptor_calls_take_python_arguments_and_reject_bad_ones(shm_dir):
+    """push/try_push/pop/try_pop are native methods (hpkv._ringcall): same signature as documented."""
+    with Ring.create(shm_dir, "args", 4) as p, Ring.attach(shm_dir, "args") as c:
+        p.push(Kind.PIN, 5, 1, 2, a3=4, a5=6, status=-7, flags=3, timeout=1.0)
+        p.push(kind=Kind.UNPIN, seq=np.uint64((1 << 64) - 1), a0=np.int32(9))  # numpy ints via __index__
+        assert c.pop(1.0) == Desc(int(Kind.PIN), 3, -7, 5, 1, 2, 0, 4, 0, 6)
+        assert c.pop(timeout=1.0) == (int(Kind.UNPIN), 0, 0, (1 << 64) - 1, 9, 0, 0, 0, 0, 0)
+        bad = [
+            (TypeError, "missing required argument 'seq'", lambda: p.push(1)),
+            (TypeError, "unexpected keyword argument 'bogus'", lambda: p.push(1, 2, bogus=3)),
+            (TypeError, "unexpected keyword argument 'timeout'", lambda: p.try_push(1, 2, timeout=1)),
+            (TypeError, "multiple values for argument 'seq'", lambda: p.push(1, 2, seq=3)),
+            (TypeError, "at most 8 positional", lambda: p.push(*range(9))),
+            (TypeError, "field seq must be an int, not float", lambda: p.push(1, 1.5)),
+            (OverflowError, r"field seq must be in \[0, 2\*\*64\), not -1", lambda: p.push(1, -1)),
+            (OverflowError, r"field kind must be in \[0, 65535\], not 70000", lambda: p.push(70000, 1)),
+            (OverflowError, "field status", lambda: p.push(1, 1, status=1 << 31)),
+            (OverflowError, "field a4", lambda: p.push(1, 1, a4=1 << 64)),
+            (ValueError, "not nan", lambda: c.pop(float("nan"))),
+            (TypeError, "pop\\(\\) takes one argument", lambda: c.pop(1, 2)),
+            (TypeError, "pop\\(\\) takes one argument", lambda: c.pop(wait=1)),
+        ]
+        for exc, match, call in bad:
+            with pytest.raises(exc, match=match):
+                call()
+        assert c.try_pop() is None, "a rejected call must not push anything"
+        for i in range(4):
+            assert p.try_push(Kind.SPILL, i)
+        assert not p.try_push(Kind.SPILL, 4)
+        with pytest.raises(RingTimeout, match="room for a descriptor"):
+            p.push(Kind.SPILL, 4, timeout=0.05)
+        assert [c.try_pop().seq for _ in range(4)] == [0, 1, 2, 3]
+        with pytest.raises(RingTimeout, match="waited 0.05 s for a descriptor"):
+            c.pop(0.05)
+
+
 # ---------------------------------------------------------------- throughput and order
 
 def test_ten_million_descriptors_keep_order_and_checksum(shm_dir, procs):
@@ -644,3 +680,27 @@ class RingModel(RuleBasedStateMachine):
 TestRingModel = RingModel.TestCase
 TestRingModel.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
                                   suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---------------------------------------------------------------- benchmark
+
+def test_bench_ring_json_reports_every_measurement(shm_dir):
+    """A short `hpkv bench ring --json` run: every key the issue names, plus both placements."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "hpkv", "bench", "ring", "--json", "--iters", "400",
+                          "--rounds", "2", "--descs", "20000", "--mpq-descs", "2000", "--dir", shm_dir],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    for key in ("ring_rtt_busy_p50_us", "ring_rtt_sleep_p50_us", "sem_rtt_p50_us", "pipe_rtt_p50_us",
+                "mpq_rtt_p50_us", "ring_dps_batch1", "ring_dps_batch32", "mpq_dps",
+                "ring_rtt_sleep_same_cpu_p50_us", "sem_rtt_same_cpu_p50_us"):
+        assert res[key] > 0, key
+    assert res["ring_rtt_busy_p50_us"] <= res["ring_rtt_busy_p99_us"]
+    assert set(res["targets_met"]) >= {"ring_rtt_busy_p50_us", "ring_rtt_sleep_vs_sem", "ring_dps_batch32",
+                                       "ring_batch32_vs_mpq"}
+    assert "same_cpu" in res["placements"]
+    assert os.listdir(shm_dir) == [], "the benchmark leaves no ring files behind"

@@ -9,7 +9,6 @@ layout at import so a drift fails loudly instead of corrupting rings.
 from __future__ import annotations
 
 import enum
-import struct
 from typing import NamedTuple
 
 import numpy as np
@@ -26,13 +25,10 @@ DESC_DTYPE = np.dtype({
     "itemsize": 64,
 })
 
-#: struct view of one descriptor: the single-descriptor pop unpacks with it.
-DESC_STRUCT = struct.Struct("<HHiQ6Q")
-
 
 def _check_layout() -> None:
     size = ffi.sizeof("hpkv_desc")
-    if DESC_DTYPE.itemsize != size or DESC_STRUCT.size != size:
+    if DESC_DTYPE.itemsize != size:
         raise ImportError(f"hpkv_desc is {size} bytes in the native core, "
                           f"{DESC_DTYPE.itemsize} in hpkv.ring.desc: rebuild native/ (pip install -e .)")
     for name in DESC_DTYPE.names:
@@ -52,7 +48,7 @@ Kind.__doc__ = "Descriptor kinds (``enum hpkv_desc_kind`` in native/ring.h)."
 
 
 class Desc(NamedTuple):
-    """One descriptor popped from a ring (flat, so building it is one tuple)."""
+    """One descriptor popped from a ring (flat: native/python/ringcall.c builds it as one tuple)."""
 
     kind: int
     flags: int

@@ -1,21 +1,25 @@
 """Ring and Doorbell: the Python side of native/ring.c.
 
-Every hot-path method is one call into the native core with pre-built pointer
-cdata and functions bound once per object (≈ 0.1 µs per call); nothing here
-loops per descriptor. A handle is used by one thread at a time: a ring end
-belongs to one thread of one process, like the SPSC contract it implements.
+The single-descriptor calls (push, try_push, pop, try_pop) are methods of the
+CPython base type ``hpkv._ringcall.RingCall`` (native/python/ringcall.c): through
+cffi a round trip cost ≈ 1.5 µs of argument tuples, conversions and namedtuple
+building, several times the busy-polled round trip itself. Everything else is
+one cffi call into the native core with pre-built pointer cdata and functions
+bound once per object; nothing here loops per descriptor. A handle is used by
+one thread at a time: a ring end belongs to one thread of one process, like the
+SPSC contract it implements.
 """
 from __future__ import annotations
 
 import errno
 import os
 import weakref
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from hpkv.native import ffi, lib
-from hpkv.ring.desc import DESC_DTYPE, DESC_STRUCT, Desc
+from hpkv.native import ffi, lib, ringcall
+from hpkv.ring.desc import DESC_DTYPE, Desc
 from hpkv.ring.errors import PeerClosed, PeerDead, RingBusy, RingClosed, RingError, RingTimeout
 from hpkv.ring.shmfile import (FileId, check_name, create_file, describe_error, open_existing,
                                unlink_if_ours)
@@ -37,8 +41,7 @@ _EINTR = -errno.EINTR
 _FOREVER = float("inf")
 _RESUME = float("nan")
 
-_tuple_new = tuple.__new__
-_unpack = DESC_STRUCT.unpack_from
+ringcall.bind(int(ffi.cast("uintptr_t", lib.hpkv_ring_call_table())), Desc)
 
 
 class PeerInfo(NamedTuple):
@@ -114,7 +117,7 @@ def _closed(*_args: Any) -> Any:
     raise RingClosed("the ring was closed in this process; attach it again to use it")
 
 
-class Ring:
+class Ring(ringcall.RingCall):
     """One end (producer or consumer) of a single-producer/single-consumer ring of
     64-byte descriptors (:class:`~hpkv.ring.desc.Desc`, ``DESC_DTYPE``) in shared memory.
 
@@ -122,11 +125,32 @@ class Ring:
     process of the same user with :meth:`attach`. ``try_*`` never block; ``push``
     / ``pop`` spin for ``spin_us`` then sleep on a futex (slices of ``slice_ms``,
     re-checking the peer) and raise :class:`PeerDead` when the other process died.
+
+    Single descriptors (methods of the native base type, signatures as written):
+    ``push(kind, seq, a0=0, ..., a5=0, *, status=0, flags=0, timeout=None)`` waits
+    for room up to ``timeout`` s (None: no limit) and raises :class:`RingTimeout`,
+    :class:`PeerDead` / :class:`PeerClosed`; ``try_push(...)`` (same arguments, no
+    timeout) returns False when the ring is full; ``pop(timeout=None)`` returns a
+    :class:`Desc`, waiting up to ``timeout`` s, and raises :class:`RingTimeout`, or
+    :class:`PeerDead` / :class:`PeerClosed` once the ring is empty and the producer
+    is gone; ``try_pop()`` returns a :class:`Desc` or None when the ring is empty.
     """
 
     __slots__ = ("name", "path", "role", "capacity", "_r", "_key", "_bell", "_own_bell", "_fin",
-                 "_push1", "_push1_wait", "_push", "_push_wait", "_pop", "_pop_wait", "_last_error",
-                 "_one", "_one_ptr", "_arr", "_arr_ptr", "__weakref__")
+                 "_push", "_push_wait", "_pop", "_pop_wait", "_last_error", "_arr", "_arr_ptr",
+                 "__weakref__")
+
+    if TYPE_CHECKING:  # implemented in native/python/ringcall.c
+        def push(self, kind: int, seq: int, a0: int = 0, a1: int = 0, a2: int = 0, a3: int = 0,
+                 a4: int = 0, a5: int = 0, *, status: int = 0, flags: int = 0,
+                 timeout: float | None = None) -> None: ...
+
+        def try_push(self, kind: int, seq: int, a0: int = 0, a1: int = 0, a2: int = 0, a3: int = 0,
+                     a4: int = 0, a5: int = 0, *, status: int = 0, flags: int = 0) -> bool: ...
+
+        def pop(self, timeout: float | None = None) -> Desc: ...
+
+        def try_pop(self) -> Desc | None: ...
 
     def __init__(self, handle: Any, name: str, path: str, role: str, ident: FileId, creator: bool) -> None:
         """Private: use :meth:`create` or :meth:`attach`."""
@@ -138,16 +162,12 @@ class Ring:
         self._key = id(self)
         self._bell: _BellState | None = None
         self._own_bell: Doorbell | None = None
-        # Single pops land in a bytearray: struct unpacks it faster than a cffi buffer.
-        self._one = bytearray(DESC_STRUCT.size)
-        self._one_ptr = ffi.from_buffer("hpkv_desc *", self._one)
         self._arr: np.ndarray | None = None
         self._arr_ptr: Any = None
         self._last_error = lib.hpkv_ring_last_error
         wrong = _wrong_role(name, role)
         producer = role == "producer"
-        self._push1 = lib.hpkv_ring_try_push1 if producer else wrong
-        self._push1_wait = lib.hpkv_ring_push1_wait if producer else wrong
+        self._set_handle(int(ffi.cast("uintptr_t", handle)), _ROLES[role])
         self._push = lib.hpkv_ring_try_push if producer else wrong
         self._push_wait = lib.hpkv_ring_push_wait if producer else wrong
         self._pop = wrong if producer else lib.hpkv_ring_try_pop
@@ -268,6 +288,7 @@ class Ring:
         """
         if self._r is None:
             return
+        self._set_handle(0, _ROLES[self.role])  # first: the native calls must see "closed", not an unmapped ring
         args = self._fin.detach()
         if args is not None:
             _, _, (handle, key, bell, path, ident, unlink_pid), _ = args
@@ -275,7 +296,7 @@ class Ring:
                 unlink_pid = os.getpid() if unlink else -1
             _release_ring(handle, key, bell, path, ident, unlink_pid)
         self._r = None
-        for attr in ("_push1", "_push1_wait", "_push", "_push_wait", "_pop", "_pop_wait"):
+        for attr in ("_push", "_push_wait", "_pop", "_pop_wait"):
             setattr(self, attr, _closed)
         self._arr = self._arr_ptr = None
         if self._own_bell is not None:
@@ -300,27 +321,7 @@ class Ring:
         state = "closed" if self._r is None else f"depth={self.depth}/{self.capacity}"
         return f"<Ring {self.name!r} {self.role} {state}>"
 
-    # ------------------------------------------------------------------ push
-
-    def try_push(self, kind: int, seq: int, a0: int = 0, a1: int = 0, a2: int = 0, a3: int = 0,
-                 a4: int = 0, a5: int = 0, *, status: int = 0, flags: int = 0) -> bool:
-        """Pushes one descriptor if there is room; False when the ring is full."""
-        return self._push1(self._r, kind, flags, status, seq, a0, a1, a2, a3, a4, a5) != 0
-
-    def push(self, kind: int, seq: int, a0: int = 0, a1: int = 0, a2: int = 0, a3: int = 0,
-             a4: int = 0, a5: int = 0, *, status: int = 0, flags: int = 0,
-             timeout: float | None = None) -> None:
-        """Pushes one descriptor, waiting for room up to ``timeout`` s (None: no limit).
-
-        Raises :class:`RingTimeout` (still full), :class:`PeerDead` / :class:`PeerClosed`.
-        """
-        r = self._r
-        if self._push1(r, kind, flags, status, seq, a0, a1, a2, a3, a4, a5):
-            return
-        t = _FOREVER if timeout is None else timeout
-        while not self._push1_wait(r, kind, flags, status, seq, a0, a1, a2, a3, a4, a5, t):
-            self._wait_failed(self._last_error(r), timeout, "room for a descriptor")
-            t = _RESUME  # after a signal: same deadline
+    # ------------------------------------------------------------------ batches (single descriptors: RingCall)
 
     def push_batch(self, descs: np.ndarray, count: int | None = None, timeout: float | None = 0.0) -> int:
         """Pushes ``descs[:count]`` (a ``DESC_DTYPE`` array) in order; returns how many went in.
@@ -348,27 +349,6 @@ class Ring:
                     exc.done = done  # type: ignore[attr-defined]
                     raise
         return done
-
-    # ------------------------------------------------------------------ pop
-
-    def try_pop(self) -> Desc | None:
-        """Pops one descriptor, or None when the ring is empty."""
-        if self._pop(self._r, self._one_ptr, 1):
-            return _tuple_new(Desc, _unpack(self._one))
-        return None
-
-    def pop(self, timeout: float | None = None) -> Desc:
-        """Pops one descriptor, waiting up to ``timeout`` s (None: no limit).
-
-        Raises :class:`RingTimeout`, or :class:`PeerDead` / :class:`PeerClosed` once the
-        ring is empty and the producer is gone.
-        """
-        r = self._r
-        rc = self._pop_wait(r, self._one_ptr, 1, _FOREVER if timeout is None else timeout)
-        while rc <= 0:
-            self._wait_failed(rc, timeout, "a descriptor")
-            rc = self._pop_wait(r, self._one_ptr, 1, _RESUME)  # after a signal: same deadline
-        return _tuple_new(Desc, _unpack(self._one))
 
     def pop_batch(self, out: np.ndarray, max_n: int | None = None, timeout: float | None = 0.0) -> int:
         """Pops up to ``max_n`` (default ``len(out)``) descriptors into ``out[:n]``; returns n.
@@ -465,6 +445,10 @@ class Ring:
             n = count
         return ptr, n
 
+    def _misuse(self, verb: str) -> None:
+        """Called by the native calls on the wrong end (``verb``: 'push to' / 'pop from')."""
+        raise _role_error(self.name, self.role, verb)
+
     def _wait_failed(self, rc: int, timeout: float | None, what: str) -> None:
         """Turns a failed wait into an exception; returns only for a signal (caller retries)."""
         if rc == _EINTR:
@@ -482,10 +466,13 @@ class Ring:
         raise RingError(describe_error(rc, self.path))
 
 
+def _role_error(name: str, role: str, verb: str) -> RingError:
+    return RingError(f"ring {name!r}: this is the {role} end, it cannot {verb} the ring")
+
+
 def _wrong_role(name: str, role: str) -> Any:
     def wrong(*_args: Any) -> Any:
-        verb = "pop from" if role == "producer" else "push to"
-        raise RingError(f"ring {name!r}: this is the {role} end, it cannot {verb} the ring")
+        raise _role_error(name, role, "pop from" if role == "producer" else "push to")
     return wrong
 
 
