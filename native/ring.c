@@ -48,11 +48,49 @@
  *   Each end (producer, consumer; a doorbell's owner) records pid, process start
  *   time (/proc/<pid>/stat field 22, so a reused pid is not mistaken for the
  *   peer) and state (NONE, ATTACHED, CLOSED) under a seqlock generation (odd
- *   while being rewritten, +2 per claim or release). A waiter sleeps at most
- *   slice_ns at a time; when a slice ends without progress it checks the peer:
- *   CLOSED -> HPKV_RING_EPEER_CLOSED, ATTACHED but not running (dead or zombie)
- *   -> HPKV_RING_EPEER_DEAD. Descriptors already in the ring are always
- *   delivered before a dead peer is reported.
+ *   while being rewritten, +2 per claim or release): CLOSED ->
+ *   HPKV_RING_EPEER_CLOSED, ATTACHED but not running (dead or zombie) ->
+ *   HPKV_RING_EPEER_DEAD. Descriptors already in the ring are always delivered
+ *   before a dead or closed peer is reported. A sleeping waiter learns of a
+ *   death in one of two ways:
+ *
+ *   Death notices (the usual way; no timer while sleeping). When a thread exits,
+ *   the kernel marks every futex word on its robust list (set_robust_list(2))
+ *   that holds its TID with FUTEX_OWNER_DIED and wakes a waiter on it if
+ *   FUTEX_WAITERS is set. Each ring end has such a `life` word (prod_life,
+ *   cons_life). A process's held ends are on the robust list of one "keeper"
+ *   thread hpkv starts in it, which only sleeps, every signal blocked, so the
+ *   list is processed when the process dies, not when the thread that attached
+ *   an end exits. Claiming an end stores the keeper's TID in its life word inside
+ *   the end's seqlock window; a clean release unlinks the entry, then zeroes the
+ *   word and wakes its waiter (the end already reads CLOSED). The list entries
+ *   are in the shared file beside their words (the kernel reads word = entry +
+ *   futex_offset); links are written only by the holding process, each a single
+ *   pointer store, with list_op_pending covering the entry being linked or
+ *   unlinked, so a death at any instant leaves a list the kernel can walk; an
+ *   entry is unlinked before its file is unmapped.
+ *   The waiter then sleeps on the PEER'S life word instead of its own sleep word:
+ *   it announces by setting FUTEX_WAITERS there (a CAS, then the SEQ_CST fence),
+ *   re-checks the ring, and calls FUTEX_WAIT(life, TID | FUTEX_WAITERS). The
+ *   publisher, after its fence, sees FUTEX_WAITERS and clears it and wakes in one
+ *   FUTEX_WAKE_OP: the same Dekker argument as above, with the kernel's value
+ *   check covering the race between announcement and sleep, and no window in
+ *   which a killed publisher leaves the bit cleared but the waiter asleep. A
+ *   publication, a release or the peer's death wakes it; the only timer is the
+ *   caller's own deadline (slices cost ≈ 0.5 µs of timer per sleep on this VM, a
+ *   tenth of a same-vCPU round trip, and noticed a death only when one ended).
+ *   Backstop: a notice can still be missed in rare races at the peer's death (a
+ *   thread of it claiming an end while its keeper is already being torn down),
+ *   so a watched sleep registers with its own process's keeper, whose watchdog
+ *   re-checks the peers of registered sleepers once a second and wakes those
+ *   whose peer is gone. Only a process whose keeper runs sleeps this way.
+ *
+ *   Slices (fallback: the peer holds its end without a keeper, i.e. it is not
+ *   attached yet, notices are switched off there, thread creation failed, or it
+ *   holds LIFE_MAX ends, below the kernel's 2048-entry walk limit; or no keeper
+ *   runs in the waiter's process). The waiter sleeps on its own sleep word at
+ *   most slice_ns at a time; when a slice ends without progress it reads the
+ *   peer's state and /proc.
  */
 #define _GNU_SOURCE
 #include "ring.h"
@@ -62,7 +100,9 @@
 #include <limits.h>
 #include <linux/futex.h>
 #include <math.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdalign.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -81,6 +121,8 @@
 #define HPKV_MAX_CAPACITY (1u << 24)
 #define HPKV_DEFAULT_SPIN_NS 50000LL    /* ≈ one cross-vCPU wake-up on this VM: spin no longer than sleeping costs */
 #define HPKV_DEFAULT_SLICE_NS 50000000LL /* 50 ms: bound on how late a dead peer is noticed */
+#define LIFE_MAX 1024 /* ends on one keeper's robust list (the kernel walks at most ROBUST_LIST_LIMIT, 2048) */
+
 
 /* ------------------------------------------------------------------ layout */
 
@@ -91,6 +133,14 @@ struct hpkv_shm_end {
     _Atomic int32_t pid;
     uint32_t _pad;
     _Atomic uint64_t start_time;
+};
+
+/* A robust-list entry in the shared file: the holder's keeper TID (FUTEX_OWNER_DIED once it died),
+ * 0 when nobody holds the end through a keeper. `link` is a pointer of the holding process. */
+struct hpkv_life {
+    struct robust_list link;
+    _Atomic uint32_t word;
+    uint32_t _pad;
 };
 
 /* First bytes of every ring and doorbell file (hpkv_shm_probe reads only these). */
@@ -113,9 +163,16 @@ struct hpkv_ring_hdr {
     alignas(HPKV_LINE) struct hpkv_shm_end end[2]; /* [HPKV_RING_PRODUCER], [HPKV_RING_CONSUMER] */
     alignas(HPKV_LINE) _Atomic uint64_t tail;       /* producer-owned */
     alignas(HPKV_LINE) _Atomic uint64_t head;       /* consumer-owned */
+    /* Each side's two sleep words share a line with what its waker checks after a publication. */
     alignas(HPKV_LINE) _Atomic uint32_t cons_sleep; /* 1: consumer is (about to be) in FUTEX_WAIT */
+    struct hpkv_life prod_life;                     /* the producer's life word: the consumer sleeps on it */
     alignas(HPKV_LINE) _Atomic uint32_t prod_sleep; /* 1: producer is (about to be) in FUTEX_WAIT */
+    struct hpkv_life cons_life;                     /* the consumer's life word: the producer sleeps on it */
 };
+
+static inline struct hpkv_life *life_of(struct hpkv_ring_hdr *h, int role) {
+    return role == HPKV_RING_PRODUCER ? &h->prod_life : &h->cons_life;
+}
 
 struct hpkv_bell_hdr {
     alignas(HPKV_LINE) struct hpkv_shm_prefix pre;
@@ -145,6 +202,7 @@ struct hpkv_ring {
     int last_err;
     int64_t deadline; /* of the current blocking call (a NAN timeout continues it) */
     uint64_t sleeps, wakes;
+    _Atomic int peer_gone; /* set by the keeper's watchdog for a watched sleep: HPKV_RING_EPEER_* */
 };
 
 struct hpkv_doorbell {
@@ -183,9 +241,10 @@ static long futex_wait(_Atomic uint32_t *word, uint32_t val, int64_t ns) {
     return rc == 0 ? 0 : -errno;
 }
 
-static void futex_wake(_Atomic uint32_t *word) {
-    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, 1, NULL, NULL, 0);
+static void futex_wake(_Atomic uint32_t *word, int n) {
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, n, NULL, NULL, 0);
 }
+
 
 /* Publisher side of the protocol: the caller already fenced (SEQ_CST). */
 static inline int wake_if_sleeping(_Atomic uint32_t *word) {
@@ -194,8 +253,267 @@ static inline int wake_if_sleeping(_Atomic uint32_t *word) {
     if (atomic_load_explicit(word, memory_order_relaxed) == 0) return 0;
     /* relaxed: only one publisher may issue the wake; the sleeper re-checks the ring after it. */
     if (atomic_exchange_explicit(word, 0, memory_order_relaxed) == 0) return 0;
-    futex_wake(word);
+    futex_wake(word, 1);
     return 1;
+}
+
+/* ------------------------------------------------------------------ death notices (keeper) */
+
+enum { KEEPER_NONE, KEEPER_RUNNING, KEEPER_UNAVAILABLE };
+
+#define SLEEPERS_MAX 256 /* watched sleeps at once in one process; beyond, a sleep uses slices */
+#define WATCHDOG_NS 1000000000LL /* the keeper re-checks the peers of watched sleepers this often */
+
+/* Watched sleepers of this process (the keeper's watchdog backs up the kernel's death notice:
+ * should a notice be missed, e.g. a holder killed while claiming an end, a watched sleep still ends). */
+static struct {
+    pthread_mutex_t lock;
+    int n;
+    hpkv_ring *ring[SLEEPERS_MAX];
+} sleepers = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static struct {
+    pthread_mutex_t lock;         /* guards everything below and the list links of our entries */
+    int32_t pid;                  /* the process these fields describe (a forked child starts over) */
+    int state;
+    int entries;                  /* ends on the list (at most LIFE_MAX) */
+    _Atomic int32_t tid;          /* the keeper thread's TID; -1 if it could not register its list */
+    struct robust_list_head head; /* the keeper's robust list: our held ends' life words */
+} keeper = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static _Atomic int notices_enabled = 1; /* hpkv_ring_set_death_notices */
+static _Atomic int keeper_running; /* this process's keeper runs (fork_child clears it: no getpid here) */
+
+static void keeper_lock(void) { pthread_mutex_lock(&keeper.lock); }
+static void keeper_unlock(void) { pthread_mutex_unlock(&keeper.lock); }
+static void fork_prepare(void) {
+    keeper_lock();
+    pthread_mutex_lock(&sleepers.lock);
+}
+static void fork_parent(void) {
+    pthread_mutex_unlock(&sleepers.lock);
+    keeper_unlock();
+}
+static void fork_child(void) {
+    /* The child has no keeper thread (threads do not survive fork); it starts its own when it
+     * claims an end. The entries it inherited belong to the parent: never touch them. */
+    pthread_mutex_init(&keeper.lock, NULL);
+    pthread_mutex_init(&sleepers.lock, NULL);
+    keeper.pid = 0;
+    keeper.state = KEEPER_NONE;
+    atomic_store_explicit(&keeper_running, 0, memory_order_relaxed); /* relaxed: single-threaded child */
+    sleepers.n = 0;
+}
+static void keeper_register_atfork(void) { pthread_atfork(fork_prepare, fork_parent, fork_child); }
+
+/* 1 if this process's keeper runs: only then may a sleep rely on the life word (the watchdog). */
+static inline int keeper_here(void) {
+    /* relaxed: a flag set once per process (and cleared in a forked child before it runs anything). */
+    return atomic_load_explicit(&keeper_running, memory_order_relaxed);
+}
+
+static int end_status(const struct hpkv_shm_end *e);
+
+/* The keeper's watchdog: once a second, wakes every watched sleeper whose peer is gone. */
+static void watchdog_scan(void) {
+    pthread_mutex_lock(&sleepers.lock);
+    for (int i = 0; i < sleepers.n; i++) {
+        hpkv_ring *r = sleepers.ring[i];
+        int st = end_status(&r->h->end[r->role ^ 1]);
+        if (st == 0) continue;
+        atomic_store_explicit(&r->peer_gone, st, memory_order_release); /* release: before the wake */
+        futex_wake(&life_of(r->h, r->role ^ 1)->word, INT_MAX);
+    }
+    pthread_mutex_unlock(&sleepers.lock);
+}
+
+/* A watched sleep registers (0 when the registry is full: sleep in slices instead). */
+static int sleeper_add(hpkv_ring *r) {
+    pthread_mutex_lock(&sleepers.lock);
+    int ok = sleepers.n < SLEEPERS_MAX;
+    if (ok) sleepers.ring[sleepers.n++] = r;
+    pthread_mutex_unlock(&sleepers.lock);
+    return ok;
+}
+
+static void sleeper_remove(hpkv_ring *r) {
+    pthread_mutex_lock(&sleepers.lock);
+    for (int i = 0; i < sleepers.n; i++) {
+        if (sleepers.ring[i] == r) {
+            sleepers.ring[i] = sleepers.ring[--sleepers.n];
+            break;
+        }
+    }
+    pthread_mutex_unlock(&sleepers.lock);
+}
+
+static void *keeper_main(void *arg) {
+    (void)arg;
+    int32_t tid = (int32_t)syscall(SYS_gettid);
+    long rc = syscall(SYS_set_robust_list, &keeper.head, sizeof keeper.head);
+    /* release: the starter reads the head we registered after it sees the TID. */
+    atomic_store_explicit(&keeper.tid, rc == 0 ? tid : -1, memory_order_release);
+    if (rc != 0) return NULL;
+    for (;;) { /* every signal is blocked in this thread: it lives until the process dies */
+        struct timespec tick = {WATCHDOG_NS / 1000000000LL, WATCHDOG_NS % 1000000000LL};
+        nanosleep(&tick, NULL);
+        watchdog_scan();
+    }
+    return NULL;
+}
+
+/* Starts this process's keeper once (caller holds keeper.lock). 1 if it is running. */
+static int keeper_running_locked(void) {
+    int32_t pid = (int32_t)getpid();
+    if (keeper.pid == pid) return keeper.state == KEEPER_RUNNING;
+    keeper.pid = pid;
+    keeper.state = KEEPER_UNAVAILABLE;
+    keeper.entries = 0;
+    keeper.head.list.next = &keeper.head.list;
+    keeper.head.futex_offset = offsetof(struct hpkv_life, word) - offsetof(struct hpkv_life, link);
+    keeper.head.list_op_pending = NULL;
+    atomic_store_explicit(&keeper.tid, 0, memory_order_relaxed); /* relaxed: no thread reads it yet */
+    pthread_attr_t attr;
+    if (pthread_attr_init(&attr) != 0) return 0;
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 64 * 1024 > PTHREAD_STACK_MIN ? 64 * 1024 : PTHREAD_STACK_MIN);
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old); /* the keeper inherits "everything blocked" */
+    pthread_t thread;
+    int rc = pthread_create(&thread, &attr, keeper_main, NULL);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&attr);
+    if (rc != 0) return 0;
+    for (int i = 0; i < 20000; i++) { /* ≈ 2 s at most; a new thread registers in microseconds */
+        /* acquire: pairs with the keeper's release store. */
+        int32_t tid = atomic_load_explicit(&keeper.tid, memory_order_acquire);
+        if (tid != 0) {
+            if (tid > 0) {
+                keeper.state = KEEPER_RUNNING;
+                atomic_store_explicit(&keeper_running, 1, memory_order_relaxed); /* relaxed: a flag */
+            }
+            break;
+        }
+        struct timespec pause_100us = {0, 100000};
+        nanosleep(&pause_100us, NULL);
+    }
+    return keeper.state == KEEPER_RUNNING;
+}
+
+/* Makes sure this process has a keeper before an end is claimed (thread start is slow: not
+ * inside the end's seqlock window). */
+static void keeper_start(void) {
+    if (!atomic_load_explicit(&notices_enabled, memory_order_relaxed)) return; /* relaxed: a switch */
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, keeper_register_atfork); /* before any fork can copy a held lock */
+    keeper_lock();
+    keeper_running_locked();
+    keeper_unlock();
+}
+
+/* Inside an end's claim window: the end's life word gets our keeper's TID and the entry joins the
+ * keeper's list; without a keeper (or with LIFE_MAX entries) the word is 0: peers use slices. */
+static void life_claim(struct hpkv_life *l) {
+    keeper_lock();
+    uint32_t word = 0;
+    if (keeper.pid == (int32_t)getpid() && keeper.state == KEEPER_RUNNING && keeper.entries < LIFE_MAX &&
+        atomic_load_explicit(&notices_enabled, memory_order_relaxed)) { /* relaxed: a switch */
+        /* relaxed: the keeper's TID was published to us when it started. */
+        word = (uint32_t)atomic_load_explicit(&keeper.tid, memory_order_relaxed);
+        /* The kernel reads these links only when this process dies, possibly from another CPU while a
+         * thread of ours is mid-update: each is one release store, and list_op_pending covers the entry. */
+        __atomic_store_n(&keeper.head.list_op_pending, &l->link, __ATOMIC_RELEASE);
+        __atomic_store_n(&l->link.next, keeper.head.list.next, __ATOMIC_RELEASE);
+    }
+    /* acq_rel: replaces a dead predecessor's OWNER_DIED, so nobody takes us for it; a waiter still
+     * announced on the old value is woken to look again. */
+    uint32_t old = atomic_exchange_explicit(&l->word, word, memory_order_acq_rel);
+    if (word) {
+        __atomic_store_n(&keeper.head.list.next, &l->link, __ATOMIC_RELEASE);
+        __atomic_store_n(&keeper.head.list_op_pending, NULL, __ATOMIC_RELEASE);
+        keeper.entries++;
+    }
+    keeper_unlock();
+    if (old & FUTEX_WAITERS) futex_wake(&l->word, INT_MAX);
+}
+
+/* First step of a release, before the end is marked CLOSED (after that, another process may claim
+ * the end and rewrite the entry's link): take our entry off the keeper's list. */
+static void life_unlink(struct hpkv_life *l) {
+    keeper_lock();
+    if (keeper.pid == (int32_t)getpid() && keeper.state == KEEPER_RUNNING) {
+        struct robust_list *prev = &keeper.head.list;
+        while (prev->next != &keeper.head.list && prev->next != &l->link) prev = prev->next;
+        if (prev->next == &l->link) {
+            __atomic_store_n(&keeper.head.list_op_pending, &l->link, __ATOMIC_RELEASE);
+            __atomic_store_n(&prev->next, l->link.next, __ATOMIC_RELEASE);
+            __atomic_store_n(&keeper.head.list_op_pending, NULL, __ATOMIC_RELEASE);
+            keeper.entries--;
+        }
+    }
+    keeper_unlock();
+}
+
+/* Second step, once the end reads CLOSED: zero the word if it still holds our keeper's TID (a
+ * successor may already have claimed the end) and wake the peer announced on it. */
+static void life_clear(struct hpkv_life *l) {
+    if (!keeper_here()) return;
+    uint32_t mine = (uint32_t)atomic_load_explicit(&keeper.tid, memory_order_relaxed); /* relaxed: ours */
+    /* acquire: a failed CAS re-reads; acq_rel: the CLOSED state published before stays before it. */
+    uint32_t w = atomic_load_explicit(&l->word, memory_order_acquire);
+    while ((w & FUTEX_TID_MASK) == mine &&
+           !atomic_compare_exchange_weak_explicit(&l->word, &w, 0, memory_order_acq_rel, memory_order_acquire)) {
+    }
+    if ((w & FUTEX_TID_MASK) == mine && (w & FUTEX_WAITERS)) futex_wake(&l->word, INT_MAX);
+}
+
+/* Waiter, on the peer's life word: announce sleep by setting FUTEX_WAITERS (the kernel wakes such a
+ * word's waiter when its holder dies). 1: announced, *val is the value to sleep on; 0: unusable
+ * (no keeper holds the peer's end, or none runs here to back the sleep up: use the sleep word and
+ * slices); -1: the peer died. */
+static int life_announce(struct hpkv_life *l, uint32_t *val) {
+    uint32_t v = atomic_load_explicit(&l->word, memory_order_relaxed); /* relaxed: the CAS decides */
+    int here = keeper_here();
+    for (;;) {
+        if (v & FUTEX_OWNER_DIED) return -1;
+        if ((v & FUTEX_TID_MASK) == 0 || !here) return 0;
+        /* seq_cst: the announcement is ordered before the re-check of the ring (Dekker, see top). */
+        if (atomic_compare_exchange_weak_explicit(&l->word, &v, v | FUTEX_WAITERS, memory_order_seq_cst,
+                                                  memory_order_relaxed)) {
+            *val = v | FUTEX_WAITERS;
+            return 1;
+        }
+    }
+}
+
+/* Waiter, returning without having been woken: withdraw the announcement (saves the holder a wake). */
+static inline void life_withdraw(struct hpkv_life *l) {
+    /* relaxed: only a hint to the holder; its own RMW decides whether it wakes. */
+    atomic_fetch_and_explicit(&l->word, ~(uint32_t)FUTEX_WAITERS, memory_order_relaxed);
+}
+
+/* Holder, after a publication and the caller's SEQ_CST fence: wake a waiter announced on our word.
+ * FUTEX_WAKE_OP clears FUTEX_WAITERS and wakes in one syscall, under the futex bucket lock: a waiter
+ * not yet asleep then fails its value check (no lost wake-up), and a holder killed between the two
+ * halves cannot leave the waiter asleep with the bit cleared (the kernel's death notice wakes only
+ * while the bit is set). */
+static inline int life_wake(struct hpkv_life *l) {
+    /* relaxed: ordering comes from the caller's fence; the load filters the common no-waiter case. */
+    if (!(atomic_load_explicit(&l->word, memory_order_relaxed) & FUTEX_WAITERS)) return 0;
+    /* *word &= ~(1 << 31), i.e. ~FUTEX_WAITERS; then wake 1 waiter on it (nr_wake2 0: no second wake). */
+    syscall(SYS_futex, (uint32_t *)&l->word, FUTEX_WAKE_OP, 1, (void *)0, (uint32_t *)&l->word,
+            FUTEX_OP((FUTEX_OP_ANDN | FUTEX_OP_OPARG_SHIFT), 31, FUTEX_OP_CMP_EQ, 0));
+    return 1;
+}
+
+size_t hpkv_ring_life_offset(int role) {
+    return role == HPKV_RING_PRODUCER ? offsetof(struct hpkv_ring_hdr, prod_life.word)
+                                      : offsetof(struct hpkv_ring_hdr, cons_life.word);
+}
+
+void hpkv_ring_set_death_notices(int enabled) {
+    atomic_store_explicit(&notices_enabled, enabled != 0, memory_order_relaxed); /* relaxed: a switch */
 }
 
 uint64_t hpkv_proc_start_time(int32_t pid) {
@@ -252,8 +570,10 @@ static void end_read(const struct hpkv_shm_end *ce, uint32_t *state, int32_t *pi
     }
 }
 
-/* Takes an end for (pid, start). Fails with HPKV_RING_EBUSY if a live process holds it. */
-static int end_claim(struct hpkv_shm_end *e, int32_t pid, uint64_t start, uint32_t *gen_out) {
+/* Takes an end for (pid, start), and its life word when there is one (rings, not doorbells).
+ * Fails with HPKV_RING_EBUSY if a live process holds it. */
+static int end_claim(struct hpkv_shm_end *e, struct hpkv_life *life, int32_t pid, uint64_t start,
+                     uint32_t *gen_out) {
     for (int tries = 0; tries < 1000; tries++) {
         uint32_t state, g;
         int32_t p;
@@ -268,6 +588,7 @@ static int end_claim(struct hpkv_shm_end *e, int32_t pid, uint64_t start, uint32
         atomic_store_explicit(&e->pid, pid, memory_order_relaxed);
         atomic_store_explicit(&e->start_time, start, memory_order_relaxed);
         atomic_store_explicit(&e->state, HPKV_END_ATTACHED, memory_order_relaxed);
+        if (life) life_claim(life); /* inside the window: no reader pairs our state with a dead TID */
         /* release: readers that see the even generation see the fields above. */
         atomic_store_explicit(&e->gen, g + 2, memory_order_release);
         *gen_out = g + 2;
@@ -416,7 +737,8 @@ hpkv_ring *hpkv_ring_map(int fd, int role, int create, uint32_t capacity, int *e
     }
     hpkv_ring *r = calloc(1, sizeof *r);
     if (!r) { munmap(base, size); *err = -ENOMEM; return NULL; }
-    int rc = end_claim(&h->end[role], pid, start, &r->my_gen);
+    keeper_start();
+    int rc = end_claim(&h->end[role], life_of(h, role), pid, start, &r->my_gen);
     if (rc) { munmap(base, size); free(r); *err = rc; return NULL; }
     r->h = h;
     r->slots = (hpkv_desc *)((char *)base + h->data_offset);
@@ -438,7 +760,9 @@ hpkv_ring *hpkv_ring_map(int fd, int role, int create, uint32_t capacity, int *e
 
 void hpkv_ring_unmap(hpkv_ring *r) {
     if (!r) return;
+    life_unlink(life_of(r->h, r->role)); /* before CLOSED (a successor rewrites it) and the unmap */
     end_release(&r->h->end[r->role], r->my_pid, r->my_start, r->my_gen);
+    life_clear(life_of(r->h, r->role));
     /* The peer may be asleep waiting for us: wake it so it sees CLOSED now, not after a slice. */
     atomic_thread_fence(memory_order_seq_cst); /* seq_cst: same Dekker pairing as a publication */
     wake_if_sleeping(r->role == HPKV_RING_PRODUCER ? &r->h->cons_sleep : &r->h->prod_sleep);
@@ -450,14 +774,14 @@ void hpkv_ring_unmap(hpkv_ring *r) {
 static inline void notify_consumer(hpkv_ring *r) {
     /* seq_cst: orders our tail store before the sleep-word loads (Dekker, see top). */
     atomic_thread_fence(memory_order_seq_cst);
-    r->wakes += wake_if_sleeping(&r->h->cons_sleep);
+    r->wakes += wake_if_sleeping(&r->h->cons_sleep) + life_wake(&r->h->prod_life);
     if (r->bell) r->wakes += wake_if_sleeping(&r->bell->h->sleeping);
 }
 
 static inline void notify_producer(hpkv_ring *r) {
     /* seq_cst: orders our head store before the producer's sleep-word load (Dekker). */
     atomic_thread_fence(memory_order_seq_cst);
-    r->wakes += wake_if_sleeping(&r->h->prod_sleep);
+    r->wakes += wake_if_sleeping(&r->h->prod_sleep) + life_wake(&r->h->cons_life);
 }
 
 static inline uint32_t push_n(hpkv_ring *r, const hpkv_desc *src, uint32_t n) {
@@ -522,6 +846,36 @@ static inline int ring_ready(hpkv_ring *r) {
     return r->theirs != r->mine;
 }
 
+/* One sleep of ring_wait, announced already (watch: on the peer's life word; else on `word`), for at
+ * most `left` ns (INT64_MAX: no limit). 0: look again; else a result for the caller
+ * (HPKV_RING_EPEER_*, -EINTR, another -errno). */
+static int ring_sleep(hpkv_ring *r, int watch, uint32_t life_val, _Atomic uint32_t *word, int64_t left) {
+    struct hpkv_shm_end *peer = &r->h->end[r->role ^ 1];
+    int64_t slice = left < r->slice_ns ? left : r->slice_ns;
+    long w;
+    r->sleeps++;
+    if (watch) {
+        /* relaxed: reset before we register; the keeper sets it only while we are registered. */
+        atomic_store_explicit(&r->peer_gone, 0, memory_order_relaxed);
+        int backed = sleeper_add(r); /* the keeper's watchdog backs the kernel's death notice up */
+        int64_t most = backed ? left : slice;
+        w = futex_wait(&life_of(r->h, r->role ^ 1)->word, life_val, most == INT64_MAX ? -1 : most);
+        if (backed) sleeper_remove(r);
+        /* acquire: pairs with the keeper's release before its wake. */
+        int gone = atomic_exchange_explicit(&r->peer_gone, 0, memory_order_acquire);
+        if (gone && !ring_ready(r)) return gone;
+        if (backed && w == -ETIMEDOUT) return 0; /* the caller's deadline: ring_wait decides */
+    } else {
+        w = futex_wait(word, 1, slice);
+        atomic_store_explicit(word, 0, memory_order_relaxed); /* relaxed: a hint to publishers */
+    }
+    if (w == -ETIMEDOUT) {
+        /* A whole slice without progress: is the peer still there? (/proc read, ≈ µs) */
+        return ring_ready(r) ? 0 : end_status(peer);
+    }
+    return w == 0 || w == -EAGAIN ? 0 : (int)w; /* woken, or the word moved on: look again */
+}
+
 /* Waits until ring_ready or the deadline (INT64_MAX: none). 1 ready, 0 timeout, <0 error. */
 static int ring_wait(hpkv_ring *r, int64_t deadline) {
     if (ring_ready(r)) return 1;
@@ -535,36 +889,33 @@ static int ring_wait(hpkv_ring *r, int64_t deadline) {
         t = now_ns();
     }
     struct hpkv_shm_end *peer = &r->h->end[r->role ^ 1];
+    struct hpkv_life *life = life_of(r->h, r->role ^ 1);
     _Atomic uint32_t *word = r->role == HPKV_RING_PRODUCER ? &r->h->prod_sleep : &r->h->cons_sleep;
     for (;;) {
-        /* relaxed store + seq_cst fence: the announcement is ordered before the re-check (Dekker). */
-        atomic_store_explicit(word, 1, memory_order_relaxed);
+        /* Announce: on the peer's life word when its keeper holds it (woken by its death too), else
+         * on our sleep word (relaxed store + the seq_cst fence below: Dekker, see top). */
+        uint32_t life_val = 0;
+        int watch = life_announce(life, &life_val);
+        if (watch == 0) atomic_store_explicit(word, 1, memory_order_relaxed);
         atomic_thread_fence(memory_order_seq_cst);
+        int rc;
         if (ring_ready(r)) {
-            atomic_store_explicit(word, 0, memory_order_relaxed); /* relaxed: only a hint to publishers */
-            return 1;
+            rc = 1;
+        } else if (watch < 0) {
+            rc = HPKV_RING_EPEER_DEAD; /* the kernel marked the peer's keeper dead */
+        } else if (end_closed(peer)) {
+            rc = HPKV_RING_EPEER_CLOSED;
+        } else {
+            int64_t left = deadline == INT64_MAX ? INT64_MAX : deadline - now_ns();
+            if (left <= 0) {
+                rc = end_status(peer); /* timeout (0), unless the peer is gone: that wins */
+            } else if ((rc = ring_sleep(r, watch, life_val, word, left)) == 0) {
+                continue;
+            }
         }
-        if (end_closed(peer)) {
-            atomic_store_explicit(word, 0, memory_order_relaxed); /* relaxed: hint, as above */
-            return HPKV_RING_EPEER_CLOSED;
-        }
-        int64_t left = deadline == INT64_MAX ? INT64_MAX : deadline - now_ns();
-        if (left <= 0) {
-            atomic_store_explicit(word, 0, memory_order_relaxed); /* relaxed: hint, as above */
-            int st = end_status(peer); /* a dead peer wins over a plain timeout */
-            return st ? st : 0;
-        }
-        int64_t slice = left < r->slice_ns ? left : r->slice_ns;
-        r->sleeps++;
-        long rc = futex_wait(word, 1, slice);
-        /* relaxed: we are awake; the next round re-announces with its own fence. */
-        atomic_store_explicit(word, 0, memory_order_relaxed);
-        if (rc == -EINTR) return -EINTR; /* let Python run its signal handlers */
-        if (rc == -ETIMEDOUT && !ring_ready(r)) {
-            /* A whole slice without progress: is the peer still there? (/proc read, ≈ µs) */
-            int st = end_status(peer);
-            if (st) return st;
-        }
+        if (watch > 0) life_withdraw(life);
+        else if (watch == 0) atomic_store_explicit(word, 0, memory_order_relaxed); /* relaxed: a hint */
+        return rc;
     }
 }
 
@@ -680,7 +1031,7 @@ hpkv_doorbell *hpkv_doorbell_map(int fd, int create, int *err) {
     hpkv_doorbell *b = calloc(1, sizeof *b);
     if (!b) { munmap(base, size); *err = -ENOMEM; return NULL; }
     if (create) {
-        int rc = end_claim(&h->end[0], pid, start, &b->my_gen);
+        int rc = end_claim(&h->end[0], NULL, pid, start, &b->my_gen);
         if (rc) { munmap(base, size); free(b); *err = rc; return NULL; }
     }
     b->h = h;

@@ -77,6 +77,12 @@ uint64_t hpkv_proc_start_time(int32_t pid);
 /* 1 if the process pid with that start time is running (start 0: pid check only). */
 int hpkv_proc_alive(int32_t pid, uint64_t start_time);
 
+/* Process-wide: whether ends claimed from now on are registered for kernel death
+ * notices (see LIVENESS in ring.c; default on). Off, peers wait on them in slices. */
+void hpkv_ring_set_death_notices(int enabled);
+/* Offset in a ring file of an end's life word (its death-notice futex); for tests. */
+size_t hpkv_ring_life_offset(int role);
+
 /* Inspects the first bytes of an existing ring or doorbell file (read by the
  * caller): returns HPKV_PROBE_LIVE if its creator still holds it,
  * HPKV_PROBE_STALE if the creator died or released it, HPKV_RING_EBADFILE if it

@@ -24,7 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from hpkv.native import ffi, lib
 from hpkv.ring import (DESC_DTYPE, Desc, Doorbell, Kind, PeerClosed, PeerDead, Ring, RingBusy, RingError,
-                       RingExists, RingNotFound, RingTimeout, new_descs)
+                       RingExists, RingNotFound, RingTimeout, new_descs, set_death_notices)
 
 CTX = mp.get_context("spawn")
 _MULT = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
@@ -144,6 +144,42 @@ def _child_produce_then_die(directory, name, n_before, delay):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _child_attach_in_a_thread_then_hold(directory, name, attached, release):
+    """Attaches the producer end from a thread that then exits; the process lives on."""
+    import threading
+
+    box = []
+    t = threading.Thread(target=lambda: box.append(Ring.attach(directory, name, role="producer", wait=20)))
+    t.start()
+    t.join()
+    attached.set()
+    release.wait(60)
+    box[0].push(Kind.PIN, 7)
+    time.sleep(60)  # stays alive until the test's teardown kills it
+
+
+def _child_produce_then_die_without_notices(directory, name, n_before, delay):
+    set_death_notices(False)
+    _child_produce_then_die(directory, name, n_before, delay)
+
+
+def _child_produce_hide_from_the_notice_then_die(directory, name):
+    """Rewrites its end's life word to a TID that is not its keeper's, so the kernel's death notice
+    misses it (as in the rare races it exists for), then pushes one descriptor and dies."""
+    import mmap
+
+    ring = Ring.attach(directory, name, role="producer", wait=20)
+    with open(ring.path, "r+b") as f, mmap.mmap(f.fileno(), 4096) as mm:
+        words = np.frombuffer(mm, dtype=np.uint32)
+        i = lib.hpkv_ring_life_offset(lib.HPKV_RING_PRODUCER) // 4
+        assert words[i] & 0x3FFFFFFF, "the producer's end is held through its keeper"
+        words[i] ^= 1
+        del words
+    ring.push(Kind.SPILL, 0)
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _child_consume_then_die(directory, name, n_pop, delay):
     ring = Ring.attach(directory, name, role="consumer", wait=20)
     for _ in range(n_pop):
@@ -225,7 +261,10 @@ def test_single_descriptor_calls_take_python_arguments_and_reject_bad_ones(shm_d
     with Ring.create(shm_dir, "args", 4) as p, Ring.attach(shm_dir, "args") as c:
         p.push(Kind.PIN, 5, 1, 2, a3=4, a5=6, status=-7, flags=3, timeout=1.0)
         p.push(kind=Kind.UNPIN, seq=np.uint64((1 << 64) - 1), a0=np.int32(9))  # numpy ints via __index__
-        assert c.pop(1.0) == Desc(int(Kind.PIN), 3, -7, 5, 1, 2, 0, 4, 0, 6)
+        d = c.pop(1.0)
+        assert d == Desc(int(Kind.PIN), 3, -7, 5, 1, 2, 0, 4, 0, 6)
+        assert type(d) is Desc and d.a3 == 4 and d.args == (1, 2, 0, 4, 0, 6)
+        assert hash(d) == hash(tuple(d)) and {tuple(d): 1}[d] == 1  # a real tuple (hash cache on 3.14)
         assert c.pop(timeout=1.0) == (int(Kind.UNPIN), 0, 0, (1 << 64) - 1, 9, 0, 0, 0, 0, 0)
         bad = [
             (TypeError, "missing required argument 'seq'", lambda: p.push(1)),
@@ -438,6 +477,77 @@ def test_producer_killed_mid_stream_raises_peer_dead(shm_dir, procs):
     with pytest.raises(PeerDead):
         ring.pop_batch(new_descs(4), timeout=0.5)
     assert not ring.peer_alive
+    ring.close()
+
+
+def test_death_wakes_an_untimed_sleeper_at_once_without_slices(shm_dir, procs):
+    """The kernel's death notice (robust futex of the peer's keeper thread) wakes a waiter that sleeps
+    with no timeout and one-minute slices: PeerDead in well under a slice."""
+    ring = Ring.create(shm_dir, "notice", 64, role="consumer", spin_us=0, slice_ms=60_000)
+    child = procs(_child_produce_then_die, shm_dir, "notice", 3, 0.5)
+    assert [ring.pop(timeout=20).seq for _ in range(3)] == [0, 1, 2]
+    t0 = time.monotonic()
+    with pytest.raises(PeerDead, match=f"pid {child.pid}"):
+        ring.pop(timeout=None)
+    assert time.monotonic() - t0 < 5, "woken by the death notice, not by a 60 s slice"
+    assert ring.stats()["sleeps"] >= 1
+    ring.close()
+
+
+def test_a_missed_death_notice_is_caught_by_the_keepers_watchdog(shm_dir, procs):
+    ring = Ring.create(shm_dir, "missed", 16, role="consumer", spin_us=0, slice_ms=60_000)
+    child = procs(_child_produce_hide_from_the_notice_then_die, shm_dir, "missed")
+    assert ring.pop(timeout=20).seq == 0
+    t0 = time.monotonic()
+    with pytest.raises(PeerDead, match=f"pid {child.pid}"):
+        ring.pop(timeout=20)
+    assert time.monotonic() - t0 < 5, "the watchdog (1 s) woke the sleeper, not its 20 s timeout"
+    ring.close()
+
+
+@pytest.mark.parametrize("slice_ms", [100, 60_000])
+def test_death_without_notices_is_found_by_slices(shm_dir, procs, slice_ms):
+    """The fallback: a producer that holds its end without a death notice. The waiter reads the
+    peer's /proc entry after each slice (100 ms), or once its own timeout ends (2 s < a 60 s slice),
+    and raises PeerDead either way; no notice woke it early."""
+    ring = Ring.create(shm_dir, "nonotice", 64, role="consumer", spin_us=0, slice_ms=slice_ms)
+    child = procs(_child_produce_then_die_without_notices, shm_dir, "nonotice", 2, 0.3)
+    assert [ring.pop(timeout=20).seq for _ in range(2)] == [0, 1]
+    child.join(20)
+    t0 = time.monotonic()
+    with pytest.raises(PeerDead, match=f"pid {child.pid}"):
+        ring.pop(timeout=2.0 if slice_ms > 2000 else None)
+    waited = time.monotonic() - t0
+    if slice_ms > 2000:
+        assert 1.5 < waited < 10, "found at the end of the caller's timeout, by the /proc check"
+    else:
+        assert waited < 5
+    ring.close()
+
+
+def test_clean_close_wakes_an_untimed_sleeper_at_once(shm_dir, procs):
+    ring = Ring.create(shm_dir, "bye-now", 16, role="consumer", spin_us=0, slice_ms=60_000)
+    procs(_child_produce_and_close, shm_dir, "bye-now", 2)
+    assert [ring.pop(timeout=20).seq for _ in range(2)] == [0, 1]
+    t0 = time.monotonic()
+    with pytest.raises(PeerClosed):
+        ring.pop(timeout=None)
+    assert time.monotonic() - t0 < 5
+    ring.close()
+
+
+def test_an_end_outlives_the_thread_that_attached_it(shm_dir, procs):
+    """Death notices follow the process, not the attaching thread: after that thread exits the peer
+    is still alive, sleeping waits keep working, and no PeerDead is reported."""
+    ring = Ring.create(shm_dir, "threaded", 16, role="consumer", spin_us=0, slice_ms=60_000)
+    attached, release = CTX.Event(), CTX.Event()
+    procs(_child_attach_in_a_thread_then_hold, shm_dir, "threaded", attached, release)
+    assert attached.wait(30)
+    with pytest.raises(RingTimeout):
+        ring.pop(timeout=0.3)  # quiet, not dead
+    assert ring.peer_alive
+    release.set()
+    assert ring.pop(timeout=20).seq == 7  # sleeps (spin 0) and is woken by the push
     ring.close()
 
 

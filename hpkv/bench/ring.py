@@ -1,17 +1,25 @@
 """``hpkv bench ring``: ring latency and throughput against the usual IPC, in one run.
 
 Round trips (ping-pong with a forked echo process; p50/p99 in µs):
-ring pair busy-polling, ring pair sleeping (spin 0: every wait is a futex sleep),
-a posix_ipc semaphore pair, a pipe pair (1 byte), a multiprocessing.Queue pair,
-and, as the floor of busy-polling from Python, a bare shared-memory flag polled
-through a numpy view (research/limits.md §4: 0.40-0.57 µs on a quiet machine);
-ring_busy / flag_busy is the ring's own overhead, whatever the background load.
+ring pair busy-polling, ring pair sleeping (spin 0: every wait is a futex sleep;
+no timeout, like the semaphore's acquire()), a posix_ipc semaphore pair, a pipe
+pair (1 byte), a multiprocessing.Queue pair, and, as the floor of busy-polling
+from Python, a bare shared-memory flag polled through a numpy view
+(research/limits.md §4: 0.40-0.57 µs on a quiet machine); ring_busy / flag_busy
+is the ring's own overhead, whatever the background load.
 The sleeping mechanisms are measured in interleaved rounds so that background
-load hits them alike. One-way throughput (descriptors/s): the ring with batch 1
-and batch 32, multiprocessing.Queue with one descriptor tuple per put (and 32).
+load hits them alike, and with the placement fixed: the parent pinned to one
+vCPU and every echo to another (the keys without suffix: a waker and a sleeper
+on different vCPUs, ≈ 50-100 µs of halted-vCPU wake-up here), then all on one
+vCPU (``*_same_cpu``: ≈ 5-9 µs, where the mechanism's own cost shows). Left to
+the scheduler, one pair could share a vCPU while another is split, which
+compares placements rather than mechanisms. One-way throughput
+(descriptors/s): the ring with batch 1 and batch 32, multiprocessing.Queue with
+one descriptor tuple per put (and 32).
 
 Targets (2-vCPU dev VM): busy round trip p50 <= 2 µs; sleeping round trip <= 1.2x
-the semaphore's; batch-32 throughput >= 2 M/s and >= 20x multiprocessing.Queue.
+the semaphore's (checked in both placements); batch-32 throughput >= 2 M/s and
+>= 20x multiprocessing.Queue.
 """
 from __future__ import annotations
 
@@ -190,6 +198,10 @@ class _Mechanism:
 
 
 class _RingPingPong(_Mechanism):
+    """Untimed waits, like the semaphore's acquire(): a dead or closed echo still ends them
+    (PeerDead / PeerClosed), and no timer is armed per sleep. The first round trip has a bound,
+    in case the echo never attaches."""
+
     def __init__(self, ctx: Any, workdir: str, tag: str, spin_us: float, count: int) -> None:
         from hpkv.ring import Ring
 
@@ -197,6 +209,8 @@ class _RingPingPong(_Mechanism):
         self.resp = Ring.create(workdir, f"{tag}.resp", 64, role="consumer", spin_us=spin_us)
         self.proc = ctx.Process(target=_ring_echo, args=(workdir, tag, spin_us, count), daemon=True)
         self.proc.start()
+        self.req.push(1, -1 & 0xFFFF_FFFF_FFFF_FFFF)
+        self.resp.pop(30.0)
 
     def run(self, k: int) -> Any:
         import time
@@ -208,7 +222,7 @@ class _RingPingPong(_Mechanism):
         for i in range(k):
             t0 = clock()
             push(1, i)
-            pop(10.0)
+            pop()
             out[i] = clock() - t0
         return out
 
@@ -224,8 +238,8 @@ def _ring_echo(workdir: str, tag: str, spin_us: float, count: int) -> None:
     rin = Ring.attach(workdir, f"{tag}.req", role="consumer", spin_us=spin_us)
     rout = Ring.attach(workdir, f"{tag}.resp", role="producer", spin_us=spin_us)
     pop, push = rin.pop, rout.push
-    for _ in range(count):
-        d = pop(10.0)
+    for _ in range(count + 1):  # + the first, bounded round trip
+        d = pop()
         push(11, d.seq)
     rin.close()
     rout.close()

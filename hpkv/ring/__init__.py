@@ -13,12 +13,15 @@ another attaches the other end, whenever it starts and whoever its parent is::
     n = req.pop_batch(out_array, timeout=0.01)         # one native call for up to len(out) descriptors
 
 Waiting spins briefly (``spin_us``, default 50 µs ≈ the cost of one cross-vCPU
-wake-up on the dev VM) and then sleeps on a shared futex in bounded slices
-(``slice_ms``), re-checking the peer's pid and start time after each slice: a
-wait on a ring whose peer was killed raises :class:`PeerDead` within its timeout
-instead of hanging; a peer that closed cleanly gives :class:`PeerClosed`.
-The lock-free invariants and the no-lost-wake-up argument are written once, at
-the top of ``native/ring.c``.
+wake-up on the dev VM) and then sleeps on a shared futex. A wait on a ring whose
+peer was killed raises :class:`PeerDead` instead of hanging, even with no
+timeout; a peer that closed cleanly gives :class:`PeerClosed`. The kernel itself
+wakes the sleeper when the peer's process dies: each process that holds ring ends
+runs one small native "keeper" thread whose robust-futex list holds them (it
+only sleeps; see ``native/ring.c``, LIVENESS). Where that is unavailable the
+sleep falls back to slices of ``slice_ms``, re-checking the peer's pid and start
+time after each. The lock-free invariants, the no-lost-wake-up argument and the
+liveness protocol are written once, at the top of ``native/ring.c``.
 
 Fan-in: per-client SPSC rings plus a doorbell
 ---------------------------------------------
@@ -51,15 +54,18 @@ creator is alive raises :class:`RingExists` naming the pid.
 
 Limits: both ends must be in the same pid namespace (liveness reads
 ``/proc/<pid>/stat``) and run as the same user (files are 0600). A ring handle is
-used by one thread at a time.
+used by one thread at a time. A process that holds ring ends has one more thread
+(the keeper), so on Python >= 3.12 an ``os.fork()`` after attaching a ring warns
+that the process is multi-threaded; the forked child starts its own keeper when
+it attaches an end.
 """
 from hpkv.ring.desc import DESC_DTYPE, Desc, Kind, new_descs
 from hpkv.ring.errors import (PeerClosed, PeerDead, RingBusy, RingClosed, RingError, RingExists,
                               RingNotFound, RingTimeout)
-from hpkv.ring.ring import DEFAULT_SLICE_MS, DEFAULT_SPIN_US, Doorbell, PeerInfo, Ring
+from hpkv.ring.ring import DEFAULT_SLICE_MS, DEFAULT_SPIN_US, Doorbell, PeerInfo, Ring, set_death_notices
 
 __all__ = [
     "Ring", "Doorbell", "Desc", "Kind", "DESC_DTYPE", "new_descs", "PeerInfo",
     "RingError", "PeerDead", "PeerClosed", "RingTimeout", "RingExists", "RingNotFound", "RingBusy",
-    "RingClosed", "DEFAULT_SPIN_US", "DEFAULT_SLICE_MS",
+    "RingClosed", "DEFAULT_SPIN_US", "DEFAULT_SLICE_MS", "set_death_notices",
 ]

@@ -24,12 +24,13 @@ from hpkv.ring.errors import PeerClosed, PeerDead, RingBusy, RingClosed, RingErr
 from hpkv.ring.shmfile import (FileId, check_name, create_file, describe_error, open_existing,
                                unlink_if_ours)
 
-__all__ = ["Ring", "Doorbell", "PeerInfo", "DEFAULT_SPIN_US", "DEFAULT_SLICE_MS"]
+__all__ = ["Ring", "Doorbell", "PeerInfo", "DEFAULT_SPIN_US", "DEFAULT_SLICE_MS", "set_death_notices"]
 
 #: Busy-poll time before sleeping. A cross-vCPU wake-up costs ≈ 50 µs here, so
 #: spinning up to that long never costs more than twice the best choice.
 DEFAULT_SPIN_US = 50.0
-#: Longest single futex sleep; the peer's liveness is re-checked after each.
+#: Longest single futex sleep when the peer's death cannot be notified by the kernel
+#: (see hpkv.ring); its liveness is re-checked after each.
 DEFAULT_SLICE_MS = 50.0
 
 _ROLES = {"producer": lib.HPKV_RING_PRODUCER, "consumer": lib.HPKV_RING_CONSUMER}
@@ -73,6 +74,14 @@ def _check_wait(spin_us: float, slice_ms: float) -> None:
 def _set_wait(setter: Any, handle: Any, spin_us: float, slice_ms: float) -> None:
     _check_wait(spin_us, slice_ms)
     setter(handle, int(spin_us * 1e3), int(slice_ms * 1e6))
+
+
+def set_death_notices(enabled: bool) -> None:
+    """Process-wide switch (default on): ends this process claims from now on are registered
+    for the kernel's death notice (see :mod:`hpkv.ring`). Off, a peer waiting on them
+    sleeps in slices of ``slice_ms`` and reads /proc after each, as on kernels without
+    robust futexes. For tests of that path, and as a way out should a kernel misbehave."""
+    lib.hpkv_ring_set_death_notices(1 if enabled else 0)
 
 
 class _BellState:
@@ -123,8 +132,10 @@ class Ring(ringcall.RingCall):
 
     Create it in one process with :meth:`create`, attach the other end from any
     process of the same user with :meth:`attach`. ``try_*`` never block; ``push``
-    / ``pop`` spin for ``spin_us`` then sleep on a futex (slices of ``slice_ms``,
-    re-checking the peer) and raise :class:`PeerDead` when the other process died.
+    / ``pop`` spin for ``spin_us`` then sleep on a futex until woken by the peer, by
+    its close or by the kernel's notice of its death (or, where that is unavailable,
+    in slices of ``slice_ms`` re-checking the peer) and raise :class:`PeerDead` when
+    the other process died.
 
     Single descriptors (methods of the native base type, signatures as written):
     ``push(kind, seq, a0=0, ..., a5=0, *, status=0, flags=0, timeout=None)`` waits
@@ -409,7 +420,8 @@ class Ring(ringcall.RingCall):
         return lib.hpkv_ring_peer_status(self._handle()) == 0
 
     def set_wait(self, spin_us: float = DEFAULT_SPIN_US, slice_ms: float = DEFAULT_SLICE_MS) -> None:
-        """Tunes blocking waits: busy-poll ``spin_us`` µs, then futex sleeps of at most ``slice_ms``."""
+        """Tunes blocking waits: busy-poll ``spin_us`` µs, then sleep (in slices of at most
+        ``slice_ms`` when the peer's death cannot be notified)."""
         _set_wait(lib.hpkv_ring_set_wait, self._handle(), spin_us, slice_ms)
 
     def stats(self) -> dict[str, int]:

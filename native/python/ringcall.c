@@ -182,6 +182,9 @@ static PyObject *build_desc(const hpkv_desc *d) {
      * intermediate tuple. The object is not visible to anyone before every item is set. */
     PyObject *t = desc_type->tp_alloc(desc_type, 10);
     if (!t) return NULL;
+#if PY_VERSION_HEX >= 0x030E0000
+    ((PyTupleObject *)t)->ob_hash = -1; /* 3.14 caches a tuple's hash: "not computed", as tuple_subtype_new */
+#endif
     PyObject *items[10] = {
         PyLong_FromLong(d->kind), PyLong_FromLong(d->flags), PyLong_FromLong(d->status),
         PyLong_FromUnsignedLongLong(d->seq),
@@ -200,27 +203,28 @@ static PyObject *build_desc(const hpkv_desc *d) {
 
 /* ------------------------------------------------------------------ methods */
 
+/* Arguments are converted before the handle is fetched: a conversion can run Python code (an
+ * __index__, a signal handler) that closes the ring. */
 static PyObject *RingCall_try_push(RingCall *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     if (not_bound()) return NULL;
+    hpkv_desc d;
+    if (parse_push(args, nargs, kwnames, 0, &d, NULL)) return NULL;
     hpkv_ring *r = ring_of(self);
     if (!r) return NULL;
     if (self->role != HPKV_RING_PRODUCER) return misuse(self, "push to");
-    hpkv_desc d;
-    if (parse_push(args, nargs, kwnames, 0, &d, NULL)) return NULL;
     return PyBool_FromLong(calls->try_push(r, &d, 1));
 }
 
 static PyObject *RingCall_push(RingCall *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     if (not_bound()) return NULL;
+    hpkv_desc d;
+    PyObject *timeout_obj = NULL;
+    double timeout;
+    if (parse_push(args, nargs, kwnames, 1, &d, &timeout_obj) || to_timeout(timeout_obj, &timeout)) return NULL;
     hpkv_ring *r = ring_of(self);
     if (!r) return NULL;
     if (self->role != HPKV_RING_PRODUCER) return misuse(self, "push to");
-    hpkv_desc d;
-    PyObject *timeout_obj = NULL;
-    if (parse_push(args, nargs, kwnames, 1, &d, &timeout_obj)) return NULL;
     if (calls->try_push(r, &d, 1)) Py_RETURN_NONE;
-    double timeout;
-    if (to_timeout(timeout_obj, &timeout)) return NULL;
     for (;;) {
         int64_t done;
         Py_BEGIN_ALLOW_THREADS
@@ -253,13 +257,13 @@ static PyObject *RingCall_pop(RingCall *self, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     if (nkw == 1) timeout_obj = args[0];
+    double timeout;
+    if (to_timeout(timeout_obj, &timeout)) return NULL;
     hpkv_ring *r = ring_of(self);
     if (!r) return NULL;
     if (self->role != HPKV_RING_CONSUMER) return misuse(self, "pop from");
     hpkv_desc d;
     if (calls->try_pop(r, &d, 1)) return build_desc(&d);
-    double timeout;
-    if (to_timeout(timeout_obj, &timeout)) return NULL;
     for (;;) {
         int64_t got;
         Py_BEGIN_ALLOW_THREADS
