@@ -120,7 +120,7 @@
 #define HPKV_LINE 128 /* two cache lines: keeps the adjacent-line prefetcher from pairing them */
 #define HPKV_MAX_CAPACITY (1u << 24)
 #define HPKV_DEFAULT_SPIN_NS 50000LL    /* ≈ one cross-vCPU wake-up on this VM: spin no longer than sleeping costs */
-#define HPKV_DEFAULT_SLICE_NS 50000000LL /* 50 ms: bound on how late a dead peer is noticed */
+#define HPKV_DEFAULT_SLICE_NS 50000000LL /* 50 ms: how late a dead peer is noticed without death notices */
 #define LIFE_MAX 1024 /* ends on one keeper's robust list (the kernel walks at most ROBUST_LIST_LIMIT, 2048) */
 
 

@@ -130,8 +130,8 @@ const struct hpkv_ring_calls *hpkv_ring_call_table(void);
 uint64_t hpkv_ring_depth(const hpkv_ring *r);
 uint32_t hpkv_ring_capacity(const hpkv_ring *r);
 int hpkv_ring_role(const hpkv_ring *r);
-/* spin_ns: busy-poll time before sleeping; slice_ns: longest single futex sleep
- * (the peer is re-checked after each). */
+/* spin_ns: busy-poll time before sleeping; slice_ns: longest single futex sleep when the
+ * peer's death cannot be notified (the peer is re-checked after each; see LIVENESS in ring.c). */
 void hpkv_ring_set_wait(hpkv_ring *r, int64_t spin_ns, int64_t slice_ns);
 /* 0 if the peer is attached and alive or not attached yet, else HPKV_RING_EPEER_*. */
 int hpkv_ring_peer_status(hpkv_ring *r);
