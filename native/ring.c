@@ -274,15 +274,13 @@ static struct {
 
 static struct {
     pthread_mutex_t lock;         /* guards everything below and the list links of our entries */
-    int32_t pid;                  /* the process these fields describe (a forked child starts over) */
-    int state;
+    _Atomic int state;            /* KEEPER_*; fork_child resets it: a forked child starts over */
     int entries;                  /* ends on the list (at most LIFE_MAX) */
     _Atomic int32_t tid;          /* the keeper thread's TID; -1 if it could not register its list */
     struct robust_list_head head; /* the keeper's robust list: our held ends' life words */
 } keeper = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 static _Atomic int notices_enabled = 1; /* hpkv_ring_set_death_notices */
-static _Atomic int keeper_running; /* this process's keeper runs (fork_child clears it: no getpid here) */
 
 static void keeper_lock(void) { pthread_mutex_lock(&keeper.lock); }
 static void keeper_unlock(void) { pthread_mutex_unlock(&keeper.lock); }
@@ -299,17 +297,15 @@ static void fork_child(void) {
      * claims an end. The entries it inherited belong to the parent: never touch them. */
     pthread_mutex_init(&keeper.lock, NULL);
     pthread_mutex_init(&sleepers.lock, NULL);
-    keeper.pid = 0;
-    keeper.state = KEEPER_NONE;
-    atomic_store_explicit(&keeper_running, 0, memory_order_relaxed); /* relaxed: single-threaded child */
+    atomic_store_explicit(&keeper.state, KEEPER_NONE, memory_order_relaxed); /* relaxed: one thread here */
     sleepers.n = 0;
 }
 static void keeper_register_atfork(void) { pthread_atfork(fork_prepare, fork_parent, fork_child); }
 
 /* 1 if this process's keeper runs: only then may a sleep rely on the life word (the watchdog). */
 static inline int keeper_here(void) {
-    /* relaxed: a flag set once per process (and cleared in a forked child before it runs anything). */
-    return atomic_load_explicit(&keeper_running, memory_order_relaxed);
+    /* relaxed: set once per process (and reset in a forked child before it runs anything). */
+    return atomic_load_explicit(&keeper.state, memory_order_relaxed) == KEEPER_RUNNING;
 }
 
 static int end_status(const struct hpkv_shm_end *e);
@@ -364,10 +360,8 @@ static void *keeper_main(void *arg) {
 
 /* Starts this process's keeper once (caller holds keeper.lock). 1 if it is running. */
 static int keeper_running_locked(void) {
-    int32_t pid = (int32_t)getpid();
-    if (keeper.pid == pid) return keeper.state == KEEPER_RUNNING;
-    keeper.pid = pid;
-    keeper.state = KEEPER_UNAVAILABLE;
+    if (keeper.state != KEEPER_NONE) return keeper_here();
+    atomic_store_explicit(&keeper.state, KEEPER_UNAVAILABLE, memory_order_relaxed); /* relaxed: under lock */
     keeper.entries = 0;
     keeper.head.list.next = &keeper.head.list;
     keeper.head.futex_offset = offsetof(struct hpkv_life, word) - offsetof(struct hpkv_life, link);
@@ -389,16 +383,14 @@ static int keeper_running_locked(void) {
         /* acquire: pairs with the keeper's release store. */
         int32_t tid = atomic_load_explicit(&keeper.tid, memory_order_acquire);
         if (tid != 0) {
-            if (tid > 0) {
-                keeper.state = KEEPER_RUNNING;
-                atomic_store_explicit(&keeper_running, 1, memory_order_relaxed); /* relaxed: a flag */
-            }
+            /* relaxed: a flag; the TID and list were published by the acquire above. */
+            if (tid > 0) atomic_store_explicit(&keeper.state, KEEPER_RUNNING, memory_order_relaxed);
             break;
         }
         struct timespec pause_100us = {0, 100000};
         nanosleep(&pause_100us, NULL);
     }
-    return keeper.state == KEEPER_RUNNING;
+    return keeper_here();
 }
 
 /* Makes sure this process has a keeper before an end is claimed (thread start is slow: not
@@ -417,7 +409,7 @@ static void keeper_start(void) {
 static void life_claim(struct hpkv_life *l) {
     keeper_lock();
     uint32_t word = 0;
-    if (keeper.pid == (int32_t)getpid() && keeper.state == KEEPER_RUNNING && keeper.entries < LIFE_MAX &&
+    if (keeper_here() && keeper.entries < LIFE_MAX &&
         atomic_load_explicit(&notices_enabled, memory_order_relaxed)) { /* relaxed: a switch */
         /* relaxed: the keeper's TID was published to us when it started. */
         word = (uint32_t)atomic_load_explicit(&keeper.tid, memory_order_relaxed);
@@ -442,7 +434,7 @@ static void life_claim(struct hpkv_life *l) {
  * the end and rewrite the entry's link): take our entry off the keeper's list. */
 static void life_unlink(struct hpkv_life *l) {
     keeper_lock();
-    if (keeper.pid == (int32_t)getpid() && keeper.state == KEEPER_RUNNING) {
+    if (keeper_here()) {
         struct robust_list *prev = &keeper.head.list;
         while (prev->next != &keeper.head.list && prev->next != &l->link) prev = prev->next;
         if (prev->next == &l->link) {

@@ -21,7 +21,7 @@ import time
 import pytest
 import requests
 
-from hpkv.bench.ttft import hpkv_loads
+from hpkv.bench.ttft import hpkv_loads, hpkv_status
 from hpkv.testing.server import private_env
 from hpkv.testing.vllm_server import VllmServer
 
@@ -89,11 +89,10 @@ def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 
 
 def kv_files(env) -> int:
-    """KV files the storage tier knows (``hpkv status --json``)."""
-    out = subprocess.run([sys.executable, "-m", "hpkv", "status", "--json"], env=env, capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)["storage"]["files"]
+    """KV files the storage tier knows."""
+    status = hpkv_status(env)
+    assert status is not None, "no hpkv server is running"
+    return status["storage"]["files"]
 
 
 def wait_for_files(env, n: int, timeout: float = 60.0) -> None:
@@ -230,8 +229,7 @@ def test_restarted_vllm_loads_from_storage_with_the_seed_command_line(server, hp
 def test_killed_hpkv_server_means_recompute_not_errors(server, hpkv_env):
     prompt = letters(150, seed=8)
     expected, _ = complete(server, prompt)
-    st = json.loads(subprocess.run([sys.executable, "-m", "hpkv", "status", "--json"], env=hpkv_env,
-                                   capture_output=True, text=True, timeout=60).stdout)
+    st = hpkv_status(hpkv_env)
     os.kill(st["server"]["pid"], signal.SIGKILL)
     for w in st["workers"]:
         try:

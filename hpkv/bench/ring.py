@@ -99,11 +99,12 @@ def _measure(workdir: str, args: argparse.Namespace) -> dict[str, Any]:
     # 2. sleeping mechanisms, interleaved in rounds so background load hits them alike, with the
     #    placement fixed: left to the scheduler, one pair may share a vCPU (≈ 5 µs) while another is
     #    split (≈ 50-100 µs: waking a halted vCPU), which compares placements, not mechanisms.
-    for placement, (cpu_a, cpu_b) in _placements().items():
+    placements = _placements()
+    for placement, (cpu_a, cpu_b) in placements.items():
         suffix = "" if placement == "cross_cpu" else "_same_cpu"
         for key, ns in _sleeping_round_trips(ctx, workdir, warm, n, args.rounds, cpu_a, cpu_b).items():
             _put_percentiles(res, key + suffix, ns)
-    res["placements"] = sorted(_placements())
+    res["placements"] = sorted(placements)
 
     # 3. one-way throughput.
     res["ring_dps_batch1"] = _ring_throughput(ctx, workdir, max(32, args.descs // 4), 1)

@@ -66,13 +66,18 @@ def run_phase(url: str, model: str, letters: str, tokens: int) -> list[float]:
     return [ttft(url, model, prompt_for(letter, tokens)) for letter in letters]
 
 
-def hpkv_loads(env: dict[str, str]) -> dict[str, int]:
-    """Tokens hpkv has served per tier so far (from the stats segment; 0 without a server)."""
+def hpkv_status(env: dict[str, str]) -> dict[str, Any] | None:
+    """``hpkv status --json`` of the server ``env`` points at; None when none runs."""
     out = subprocess.run([sys.executable, "-m", "hpkv", "status", "--json"], env=env,
                          capture_output=True, text=True, timeout=60)
-    if out.returncode != 0:
+    return json.loads(out.stdout) if out.returncode == 0 else None
+
+
+def hpkv_loads(env: dict[str, str]) -> dict[str, int]:
+    """Tokens hpkv has served per tier so far (from the stats segment; 0 without a server)."""
+    stats = hpkv_status(env)
+    if stats is None:
         return {"dram": 0, "storage": 0}
-    stats = json.loads(out.stdout)
     dram = storage = 0
     for ns in stats["namespaces"]:
         bt = ns.get("block_tokens") or 0
