@@ -18,6 +18,7 @@ BENCHES = {
     "ring": ("hpkv.bench.ring", "ring round-trip latency and throughput vs. semaphores, pipes, mp.Queue"),
     "copy": ("hpkv.bench.copy", "save/load throughput through a transfer worker vs. memcpy; lookup latency"),
     "io": ("hpkv.bench.io", "KV file write/read throughput through the IO workers vs. raw O_DIRECT"),
+    "pool": ("hpkv.bench.pool", "cost of making pool memory exist vs. mapping it (start-up cost)"),
     "ttft": ("hpkv.bench.ttft", "the CT-HPKV four-tier TTFT experiment against real vLLM"),
 }
 
@@ -53,8 +54,19 @@ def _load_config_or_exit():
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from hpkv.engine.server import serve
-    return serve(_load_config_or_exit(), auto=args.auto, log_level=args.log_level)
+    from hpkv.config import ConfigError, load_config
+    from hpkv.engine.server import ReadyPipe, detach, serve
+
+    if args.detach:
+        detach()
+    ready = ReadyPipe(args.ready_fd)
+    try:
+        cfg = load_config()
+    except ConfigError as exc:
+        print(f"hpkv: configuration error: {exc}", file=sys.stderr)
+        ready.send(f"error configuration error: {exc}")
+        return 1
+    return serve(cfg, auto=args.auto, log_level=args.log_level, ready=ready)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -90,14 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto-spawned mode: exit after HPKV_SERVER_IDLE_EXIT seconds without clients")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper,
                    help="overrides HPKV_LOG_LEVEL")
+    # Used by the auto-spawn (hpkv.engine.client.spawn_server), not meant for people.
+    p.add_argument("--detach", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_serve)
 
     p = verbs.add_parser("status", help="show the running server's pool, namespaces and workers")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_status)
 
-    p = verbs.add_parser("stop", help="ask the running server to shut down cleanly")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for it to exit")
+    p = verbs.add_parser("stop", help="ask the running server to write pending spills and shut down")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds to wait for it to exit (default: HPKV_STOP_DRAIN_TIMEOUT + 30)")
     p.set_defaults(func=_cmd_stop)
 
     p = verbs.add_parser("bench", help="benchmarks that print ratios measured in one run")

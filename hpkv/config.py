@@ -29,6 +29,9 @@ from typing import Any, Callable, Mapping
 CONFIG_FILE_ENV = "HPKV_CONFIG_FILE_PATH"
 DEFAULT_CONFIG_FILE = "~/.config/hpkv/config.ini"
 INI_SECTION = "hpkv"
+# Internal: the configuration a process resolved, handed to a process it starts (JSON, see
+# Config.to_env). Not a user setting; it wins over the file and the environment.
+RESOLVED_ENV = "HPKV_RESOLVED_CONFIG"
 
 
 class ConfigError(ValueError):
@@ -223,6 +226,9 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("HPKV_SERVER_IDLE_EXIT", "600", _float_parser(minimum=0.0),
         "a number of seconds >= 0 (0 = never)",
         "an auto-spawned server exits after this many seconds with no attached client"),
+    Key("HPKV_STOP_DRAIN_TIMEOUT", "60", _float_parser(minimum=0.0), "a number of seconds >= 0",
+        "at a stop (SIGTERM, hpkv stop, idle exit) the server first writes pending write-through "
+        "spills to storage for at most this long, then logs how many blocks were not written"),
     Key("HPKV_STORAGE_FSYNC", "0", parse_bool, BOOL_FORM,
         "fsync every KV file before it is renamed into place"),
     Key("HPKV_KV_STORAGE_SIZE", "0", parse_size, SIZE_FORM + "; 0 = no limit",
@@ -283,10 +289,14 @@ class Config:
                 for name, s in self.settings.items()}
 
     def to_env(self) -> dict[str, str]:
-        """The raw values as environment variables, for processes we start."""
-        env = {name: s.raw for name, s in self.settings.items()}
-        env[CONFIG_FILE_ENV] = self.config_file
-        return env
+        """This configuration, handed to a process we start: every key's raw value with its
+        source. The child resolves exactly this (a default stays a default, a file value keeps
+        its ``file:line``) and reads neither the ini file nor the other variables again."""
+        settings = {name: {"raw": s.raw, "source": [s.source.kind, s.source.path, s.source.line]}
+                    for name, s in self.settings.items()}
+        return {RESOLVED_ENV: json.dumps({"config_file": self.config_file,
+                                          "found": self.config_file_found,
+                                          "settings": settings})}
 
 
 def _strip_inline_comment(value: str) -> str:
@@ -356,9 +366,36 @@ def config_file_path(env: Mapping[str, str] | None = None) -> str:
         raise ConfigError(f"{CONFIG_FILE_ENV}={env.get(CONFIG_FILE_ENV)!r} (from environment): {exc}") from None
 
 
+def _parse_setting(key: Key, raw: str, source: Source, env: Mapping[str, str]) -> Setting:
+    try:
+        value = key.parse(raw, env) if key.is_path else key.parse(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{key.name}={raw!r} (from {source}) is invalid: {exc}. "
+                          f"Expected {key.form}.") from None
+    return Setting(key.name, value, raw, source)
+
+
+def _handed_over(text: str, env: Mapping[str, str]) -> Config:
+    """The configuration a parent process resolved (:meth:`Config.to_env`)."""
+    try:
+        data = json.loads(text)
+        given = {name: (str(s["raw"]), Source(*s["source"])) for name, s in data["settings"].items()}
+        config_file, found = str(data["config_file"]), bool(data["found"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{RESOLVED_ENV} is not a configuration hpkv handed over ({exc}); "
+                          f"unset it") from None
+    settings = {}
+    for key in KEYS.values():
+        raw, source = given.get(key.name, (key.default, Source("default")))
+        settings[key.name] = _parse_setting(key, raw, source, env)
+    return Config(settings, config_file, found)
+
+
 def load_config(env: Mapping[str, str] | None = None) -> Config:
-    """Resolve every key: ini file, then environment, then default."""
+    """Resolve every key: ini file, then environment, then default (or what a parent handed over)."""
     env = os.environ if env is None else env
+    if env.get(RESOLVED_ENV):
+        return _handed_over(env[RESOLVED_ENV], env)
     path = config_file_path(env)
     file_values: dict[str, tuple[str, int]] = {}
     warnings: list[str] = []
@@ -384,12 +421,7 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
             raw, source = env[key.name], Source("env")
         else:
             raw, source = key.default, Source("default")
-        try:
-            value = key.parse(raw, env) if key.is_path else key.parse(raw)
-        except ValueError as exc:
-            raise ConfigError(f"{key.name}={raw!r} (from {source}) is invalid: {exc}. "
-                              f"Expected {key.form}.") from None
-        settings[key.name] = Setting(key.name, value, raw, source)
+        settings[key.name] = _parse_setting(key, raw, source, env)
     return Config(settings, path, found, warnings)
 
 

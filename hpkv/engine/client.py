@@ -12,6 +12,7 @@ import fcntl
 import json
 import logging
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -354,13 +355,67 @@ def _hello(cfg: Config, sock: socket.socket, name: str, call_timeout: float) -> 
     return HpkvClient(cfg.pool_dir, sock, reply, call_timeout)
 
 
-def spawn_server(cfg: Config, env: Mapping[str, str] | None = None) -> subprocess.Popen:
-    """Start ``hpkv serve --auto`` detached: own session, so the caller's Ctrl-C does not reach it."""
+SPAWN_READY_TIMEOUT_S = 60.0
+
+
+def spawn_server(cfg: Config, env: Mapping[str, str] | None = None,
+                 timeout: float = SPAWN_READY_TIMEOUT_S) -> int:
+    """Start ``hpkv serve --auto`` detached from the caller; returns its pid once it serves.
+
+    The server double-forks (``--detach``): it is neither our child nor in our session,
+    so an engine's shutdown, which kills its whole process tree (vLLM's
+    ``kill_process_tree``), or a Ctrl-C in the engine's terminal never reaches it. It
+    gets the configuration we resolved (:meth:`Config.to_env`), writes its output to
+    ``server.log``, and reports ``ready`` or the reason it could not start through a pipe.
+    Raises :class:`HpkvUnavailable` with that reason; exit status 3 (the directory is
+    served by another server) is returned as 0: connect to that one.
+    """
     child_env = dict(os.environ if env is None else env)
     child_env.update(cfg.to_env())
-    return subprocess.Popen([sys.executable, "-m", "hpkv", "serve", "--auto"], env=child_env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    log_path = os.path.join(cfg.pool_dir, P.LOG_FILE)
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    ready_r, ready_w = os.pipe()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "hpkv", "serve", "--auto", "--detach",
+                                 f"--ready-fd={ready_w}"], env=child_env, stdin=subprocess.DEVNULL,
+                                stdout=log_fd, stderr=log_fd, start_new_session=True, close_fds=True,
+                                pass_fds=(ready_w,))
+    finally:
+        os.close(ready_w)
+        os.close(log_fd)
+    try:
+        proc.wait(timeout)   # the first fork exits at once; a config error ends it too
+        message = _read_ready(ready_r, timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        message = f"error hpkv serve did not detach within {timeout:g}s"
+    finally:
+        os.close(ready_r)
+    kind, _, detail = message.partition(" ")
+    if kind == "ready":
+        return int(detail)
+    if kind == "served":     # another server holds the directory
+        return 0
+    reason = detail or f"it exited with status {proc.returncode} before it was ready"
+    raise HpkvUnavailable(f"the hpkv server for {cfg.pool_dir} could not start: {reason} "
+                          f"(log: {log_path})")
+
+
+def _read_ready(fd: int, timeout: float) -> str:
+    """The server's one status line: ``ready PID``, ``served PID`` or ``error REASON``; EOF
+    without one means it died, and the last lines of its log say why."""
+    data = b""
+    deadline = time.monotonic() + timeout
+    while b"\n" not in data:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return f"error it did not become ready within {timeout:g}s"
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return "error " + (data.decode(errors="replace").strip() or "it exited at start-up")
+        data += chunk
+    return data.split(b"\n", 1)[0].decode(errors="replace")
 
 
 def connect(cfg: Config | None = None, *, spawn: bool = True, timeout: float = 60.0,
@@ -388,16 +443,12 @@ def connect(cfg: Config | None = None, *, spawn: bool = True, timeout: float = 6
                 time.sleep(0.05)
         sock = _try_connect(sock_path, 5.0)
         if sock is None:
-            proc = spawn_server(cfg, env)
-            log.info("started hpkv server pid %d for %s", proc.pid, cfg.pool_dir)
-            while sock is None:
-                rc = proc.poll()
-                if rc is not None and rc != 3:  # 3: somebody else serves the directory
-                    raise HpkvUnavailable(
-                        f"the hpkv server exited with status {rc} at start-up; see "
-                        f"{os.path.join(cfg.pool_dir, P.LOG_FILE)}")
+            pid = spawn_server(cfg, env, timeout=max(deadline - time.monotonic(), 1.0))
+            if pid:
+                log.info("started hpkv server pid %d for %s", pid, cfg.pool_dir)
+            while sock is None:   # ready (or served by another server): its socket accepts
                 if time.monotonic() > deadline:
-                    raise HpkvUnavailable(f"the hpkv server for {cfg.pool_dir} did not become ready "
+                    raise HpkvUnavailable(f"the hpkv server for {cfg.pool_dir} did not accept connections "
                                           f"within {timeout:g}s; see {os.path.join(cfg.pool_dir, P.LOG_FILE)}")
                 time.sleep(0.02)
                 sock = _try_connect(sock_path, 5.0)

@@ -47,6 +47,9 @@ from hpkv.ring import Doorbell, Ring, RingError
 
 log = logging.getLogger("hpkv.server")
 
+LOCK_RETRY_S = 0.5
+EXIT_ALREADY_SERVED = 3   # `hpkv serve`: another server holds the pool directory
+
 
 class AlreadyServed(RuntimeError):
     def __init__(self, directory: str, pid: int | None):
@@ -100,7 +103,11 @@ class Server:
         self.auto = auto
         self.idle_exit = cfg["HPKV_SERVER_IDLE_EXIT"] if auto else 0.0
         self.lock = threading.RLock()
-        self.stop_event = threading.Event()
+        self.stop_event = threading.Event()   # a stop was requested: drain spills, then shut down
+        self.down = threading.Event()         # shut down: the control and supervisor threads end
+        self.stopping = False                 # draining: new clients are refused
+        self._stop_waiters: list[socket.socket] = []   # `hpkv stop` connections awaiting the outcome
+        self.stop_outcome: dict[str, Any] = {}
         self.clients: dict[int, Client] = {}
         self.namespaces_by_fp: dict[str, Namespace] = {}
         self.workers: list[WorkerProcess] = []
@@ -117,11 +124,18 @@ class Server:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         path = os.path.join(self.dir, P.LOCK_FILE)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise AlreadyServed(self.dir, read_lock_pid(self.dir)) from None
+        # `hpkv status` and hpkv-top probe the lock with a shared flock for microseconds:
+        # retry briefly, so a monitor never makes a starting server give up.
+        deadline = time.monotonic() + LOCK_RETRY_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise AlreadyServed(self.dir, read_lock_pid(self.dir)) from None
+                time.sleep(0.01)
         previous = read_lock_pid(self.dir)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -158,9 +172,10 @@ class Server:
         size = self.cfg.pool_size
         t0 = time.monotonic()
         self.pool = PoolFile.create(os.path.join(self.dir, P.POOL_FILE), size)
-        log.info("pool %s: %s allocated and mapped in %.2fs", self.pool.path, format_size(size),
-                 time.monotonic() - t0)
+        log.info("pool %s: %s created in %.2fs; its memory is allocated and locked in the background",
+                 self.pool.path, format_size(size), time.monotonic() - t0)
         self.stats = StatsSegment.create(self.dir)
+        self.pool.warm_in_background(lock=True, progress=self._pool_warm_progress)
         self.index = Index(size, storage_enabled=self.cfg.storage_path is not None)
         self.stats.glob[G.POOL_CAPACITY] = size
         self.doorbell = Doorbell.create(self.dir, "server")
@@ -182,8 +197,16 @@ class Server:
                  format_size(size), self.cfg.storage_path or "disabled",
                  f", idle exit after {self.idle_exit:g}s" if self.idle_exit else "")
 
+    def _pool_warm_progress(self, done: int) -> None:
+        self.stats.glob[G.POOL_WARM] = done
+        if done >= self.pool.size:
+            self._catalog_dirty = True    # pool_locked is known now
+
     def shutdown(self) -> None:
         self.stop_event.set()
+        self.down.set()
+        if hasattr(self, "pool"):
+            self.pool.stop_warming()
         for w in list(self.workers):
             w.stop()
         if self.storage is not None:
@@ -192,39 +215,83 @@ class Server:
             for c in list(self.clients.values()):
                 self._drop_client(c, reason="server shutdown")
         self._reap_closed_clients()
-        for obj in ("listener",):
+        # After a failed start some of these were never made.
+        for name in ("listener", "doorbell", "stats", "pool"):
+            obj = getattr(self, name, None)
             try:
-                getattr(self, obj).close()
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                pass
-        self.doorbell.close()
-        try:
-            self.stats.close()
-            self.pool.close()
-        except Exception as exc:  # noqa: BLE001
-            log.debug("unmap: %s", exc)
+                if obj is not None:
+                    obj.close()
+            except Exception as exc:  # noqa: BLE001 - best effort on the way out
+                log.debug("closing the %s: %s", name, exc)
         self._remove_owned_files(startup=False)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.dir, P.SPAWN_LOCK_FILE))
         if self._lock_fd is not None:
-            os.unlink(os.path.join(self.dir, P.LOCK_FILE))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.dir, P.LOCK_FILE))
             os.close(self._lock_fd)
             self._lock_fd = None
         log.info("hpkv server %d stopped; pool, rings and stats removed", os.getpid())
 
     def serve_forever(self) -> None:
-        """Run the request loop until SIGTERM/SIGINT, a shutdown call or idle exit."""
+        """Run the request loop until SIGTERM/SIGINT, a shutdown call or idle exit, then write
+        the pending spills (bounded by HPKV_STOP_DRAIN_TIMEOUT) and tell `hpkv stop` how it went."""
         while not self.stop_event.is_set():
+            self._serve_round(0.2)
+        self.stopping = True
+        self.stop_outcome = self._drain_spills()
+        self._answer_stop_waiters()
+
+    def _serve_round(self, timeout: float) -> None:
+        with self.lock:
+            clients = [c for c in self.clients.values() if c.alive]
+        try:
+            self.doorbell.wait(timeout=timeout)
+        except InterruptedError:
+            return
+        for c in clients:
+            self._drain(c)
+        if self.storage is not None:
+            self.storage.poll()
+        if self._closing:
+            self._reap_closed_clients()
+
+    def _drain_spills(self) -> dict[str, Any]:
+        """Keep serving until every queued or running write-through spill is done, or the
+        drain timeout passes; attached engines keep their hits meanwhile."""
+        if self.storage is None:
+            return {"pending": 0, "written": 0, "dropped": 0, "seconds": 0.0}
+        timeout = float(self.cfg["HPKV_STOP_DRAIN_TIMEOUT"])
+        t0 = time.monotonic()
+        with self.lock:
+            pending = first = self.storage.pending_spills()
+        written0 = int(self.stats.glob[G.STORAGE_SPILLS])
+        if pending:
+            log.info("stopping: writing %d pending block(s) to storage first (at most %gs, "
+                     "HPKV_STOP_DRAIN_TIMEOUT)", pending, timeout)
+        while pending and time.monotonic() - t0 < timeout:
+            self._serve_round(0.05)
             with self.lock:
-                clients = [c for c in self.clients.values() if c.alive]
-            try:
-                self.doorbell.wait(timeout=0.2)
-            except InterruptedError:
-                continue
-            for c in clients:
-                self._drain(c)
-            if self.storage is not None:
-                self.storage.poll()
-            if self._closing:
-                self._reap_closed_clients()
+                pending = self.storage.pending_spills()
+        seconds = time.monotonic() - t0
+        written = int(self.stats.glob[G.STORAGE_SPILLS]) - written0
+        if pending:
+            log.warning("stopping: %d block(s) were not written to storage: HPKV_STOP_DRAIN_TIMEOUT=%gs "
+                        "expired (%d file(s) written meanwhile); they will be recomputed when needed",
+                        pending, timeout, written)
+        elif first:
+            log.info("stopping: %d pending block(s) written to storage in %.2fs (%d file(s))",
+                     first, seconds, written)
+        return {"pending": first, "written": written, "dropped": pending, "seconds": round(seconds, 3)}
+
+    def _answer_stop_waiters(self) -> None:
+        line = json.dumps({"ok": True, "stopped": True, **self.stop_outcome}).encode() + b"\n"
+        with self.lock:
+            waiters, self._stop_waiters = self._stop_waiters, []
+        for conn in waiters:
+            with contextlib.suppress(OSError):
+                conn.settimeout(1.0)
+                conn.sendall(line)
 
     def _reap_closed_clients(self) -> None:
         with self.lock:
@@ -360,7 +427,7 @@ class Server:
         sel = selectors.DefaultSelector()
         sel.register(self.listener, selectors.EVENT_READ, None)
         buffers: dict[socket.socket, bytes] = {}
-        while not self.stop_event.is_set():
+        while not self.down.is_set():
             try:
                 events = sel.select(timeout=0.5)
             except (OSError, ValueError):
@@ -395,6 +462,8 @@ class Server:
                 while b"\n" in buffers[conn]:
                     line, buffers[conn] = buffers[conn].split(b"\n", 1)
                     reply = self._control_call(conn, state, line)
+                    if reply is None:     # answered later (a `hpkv stop` waiting for the outcome)
+                        continue
                     try:
                         conn.setblocking(True)
                         conn.sendall(json.dumps(reply).encode() + b"\n")
@@ -402,10 +471,13 @@ class Server:
                     except OSError:
                         pass
 
-    def _control_call(self, conn: socket.socket, state: dict, line: bytes) -> dict[str, Any]:
+    def _control_call(self, conn: socket.socket, state: dict, line: bytes) -> dict[str, Any] | None:
         try:
             msg = json.loads(line)
             op = msg.get("op")
+            if op == "hello" and self.stopping:
+                return {"ok": False, "error": "the hpkv server is stopping (writing pending spills); "
+                                             "connect again once it has exited"}
             if op == "hello":
                 c = self._add_client(conn, int(msg.get("pid", 0)), str(msg.get("name", "")))
                 state["client"] = c
@@ -419,8 +491,14 @@ class Server:
                 return {"ok": True, "stats": self.stats.snapshot()}
             if op == "shutdown":
                 log.info("shutdown requested by pid %s", msg.get("pid"))
+                if msg.get("wait"):
+                    with self.lock:
+                        if self.stop_outcome:        # already drained: answer now
+                            return {"ok": True, "stopped": True, **self.stop_outcome}
+                        self._stop_waiters.append(conn)
                 self.stop_event.set()
-                return {"ok": True}
+                self.doorbell.ring()
+                return None if msg.get("wait") else {"ok": True}
             c = state["client"]
             if c is None:
                 return {"ok": False, "error": f"call 'hello' before {op!r}"}
@@ -558,7 +636,7 @@ class Server:
 
     # ================================================================ supervision
     def _supervisor_loop(self) -> None:
-        while not self.stop_event.wait(0.2):
+        while not self.down.wait(0.2):
             try:
                 self._supervise_once()
             except Exception:  # noqa: BLE001 - supervision must keep running
@@ -585,7 +663,7 @@ class Server:
                 self._catalog_dirty = True
             if self._catalog_dirty:
                 self._publish_catalog()
-            idle = not self.clients and self.idle_exit > 0 and \
+            idle = not self.clients and self.idle_exit > 0 and not self.stop_event.is_set() and \
                 time.monotonic() - self._last_client_seen > self.idle_exit
         if idle:
             log.info("no client for %.0fs (HPKV_SERVER_IDLE_EXIT): exiting", self.idle_exit)
@@ -616,23 +694,53 @@ def _cpu_list(cpus: list[int]) -> str:
     return ",".join(map(str, cpus))
 
 
-def serve(cfg: Config, auto: bool = False, log_level: str | None = None) -> int:
+class ReadyPipe:
+    """The auto-spawn's status pipe (``--ready-fd``): one line, ``ready PID``, ``served PID``
+    (another server holds the directory) or ``error REASON``; a no-op without a pipe."""
+
+    def __init__(self, fd: int | None):
+        self.fd = fd
+
+    def send(self, line: str) -> None:
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.write(self.fd, line.replace("\n", " ").encode() + b"\n")
+            os.close(self.fd)
+        self.fd = None
+
+
+def detach() -> None:
+    """Leave the caller's process tree: fork, the parent exits at once, the child goes on
+    in a session of its own, re-parented to init. An engine that kills its descendants at
+    shutdown (vLLM does, with SIGKILL) then no longer reaches this server."""
+    if os.fork() > 0:
+        os._exit(0)
+    with contextlib.suppress(OSError):
+        os.setsid()
+
+
+def serve(cfg: Config, auto: bool = False, log_level: str | None = None,
+          ready: ReadyPipe | None = None) -> int:
     """``hpkv serve``: run the server in the foreground until told to stop."""
+    ready = ready or ReadyPipe(None)
     setup_logging(cfg.pool_dir, log_level or cfg["HPKV_LOG_LEVEL"])
     server = Server(cfg, auto=auto)
     try:
         server.start()
     except AlreadyServed as exc:
-        log.error("%s", exc)
-        return 3
-    except OSError as exc:
-        log.error("cannot start: %s", exc)
+        log.info("%s", exc)
+        ready.send(f"served {exc.pid or 0}")
+        return EXIT_ALREADY_SERVED
+    except Exception as exc:  # noqa: BLE001 - every start-up failure is logged and reported
+        log.exception("cannot start: %s", exc)
+        ready.send(f"error {exc}")
         if server._lock_fd is not None:
             server.shutdown()
         return 1
 
     def on_signal(signum, _frame):
-        log.info("received %s: shutting down", signal.Signals(signum).name)
+        log.info("received %s: stopping", signal.Signals(signum).name)
         server.stop_event.set()
         server.doorbell.ring()
 
@@ -640,6 +748,7 @@ def serve(cfg: Config, auto: bool = False, log_level: str | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     if auto:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    ready.send(f"ready {os.getpid()}")
     try:
         server.serve_forever()
     finally:

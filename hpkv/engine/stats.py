@@ -59,6 +59,7 @@ class G(IntEnum):
     ERRORS = 5
     WORKER_RESTARTS = 6
     BLOCKS = 7
+    POOL_WARM = 8                # gauge: pool bytes allocated (and locked) by the background warmer
     # The storage tier (hpkv/io_workers), slots 16.. so other counters can grow below.
     STORAGE_FILES = 16           # gauge: KV files known (all ranks of known blocks)
     STORAGE_BYTES = 17           # gauge: their bytes on disk
@@ -190,7 +191,8 @@ class StatsSegment:
                        "heartbeat_age_s": max(0.0, (time.time_ns() - int(self.header[H.HEARTBEAT_NS])) / 1e9),
                        **cat.get("server", {})},
             "pool": {"capacity_bytes": int(g[G.POOL_CAPACITY]), "used_bytes": int(g[G.POOL_USED]),
-                     "pinned_bytes": int(g[G.POOL_PINNED]), "blocks": int(g[G.BLOCKS])},
+                     "pinned_bytes": int(g[G.POOL_PINNED]), "blocks": int(g[G.BLOCKS]),
+                     "warm_bytes": int(g[G.POOL_WARM])},
             "requests": int(g[G.REQUESTS]), "errors": int(g[G.ERRORS]),
             "worker_restarts": int(g[G.WORKER_RESTARTS]),
             "namespaces": [], "workers": [], "clients": cat.get("clients", []),

@@ -247,6 +247,13 @@ class StorageTier:
             self._start_spill(b)
         self._dispatch()
 
+    def pending_spills(self) -> int:
+        """Blocks whose write-through is queued or running (what a stop drains first)."""
+        ops = {id(job.op) for job in self._spill_q}
+        ops.update(id(job.op) for link in self.links   # a dead worker's jobs are retried
+                   for job in link.inflight.values() if job.op.kind == P.SPILL)
+        return len(ops) + (len(self._retry) if self._resume else 0)
+
     def touch(self, keys: Iterable[bytes]) -> None:
         """The blocks were used (pinned for loading): their files are recent too."""
         for k in keys:
