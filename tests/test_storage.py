@@ -12,6 +12,7 @@ import mmap
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -586,3 +587,57 @@ def test_unpinning_failed_promote_rows_never_releases_another_clients_pin(tmp_pa
         w.c.unpin(w.ns.ns_id, keys[:1])
         assert w.c.stats()["namespaces"][0]["blocks_pinned"] == 0
         w.close()
+
+
+# ------------------------------------------------------------------ stop: pending spills first
+def _hpkv_stop(env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "hpkv", "stop"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_hpkv_stop_writes_pending_spills_before_it_exits(tmp_path):
+    env = private_env(storage=str(tmp_path))
+    with running(env) as srv:
+        w = Writer(srv)
+        pids = io_worker_pids(w)
+        for pid in pids:                      # spills queue up behind stalled IO workers
+            os.kill(pid, signal.SIGSTOP)
+        keys = w.keys(range(6))
+        w.put(keys)
+        w.close()
+        stop = _hpkv_stop(env)
+        time.sleep(0.5)
+        assert stop.poll() is None, "hpkv stop waits while the server drains"
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        out, err = stop.communicate(timeout=60)
+        assert stop.returncode == 0, err
+        assert "6 pending block(s) written to storage first" in out, out
+        assert sorted(os.listdir(srv.pool_dir)) == ["server.log"]
+        assert len(storage_files(tmp_path, ".kv")) == 6
+        for k in keys:
+            assert verify_file(w.path(k), w.fp, k, 0, 1, w.shard) == w.data[k][0]
+        assert "6 pending block(s) written to storage in" in srv.log()
+
+
+def test_a_stop_drain_that_times_out_reports_the_blocks_it_did_not_write(tmp_path):
+    env = private_env(storage=str(tmp_path), HPKV_STOP_DRAIN_TIMEOUT="1")
+    with running(env) as srv:
+        w = Writer(srv)
+        pids = io_worker_pids(w)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            w.put(w.keys(range(5)))
+            w.close()
+            t0 = time.monotonic()
+            out, err = _hpkv_stop(env).communicate(timeout=60)
+            assert time.monotonic() - t0 < 20, "the drain is bounded by HPKV_STOP_DRAIN_TIMEOUT"
+        finally:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        assert "5 of 5 pending block(s) were NOT written to storage" in out, (out, err)
+        assert "5 block(s) were not written to storage: HPKV_STOP_DRAIN_TIMEOUT=1s expired" in srv.log()
+        assert sorted(os.listdir(srv.pool_dir)) == ["server.log"]
+        assert storage_files(tmp_path, ".kv") == []

@@ -193,7 +193,11 @@ def derive_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -
 
 
 class _Reconnecting:
-    """An hpkv client that, once lost, is re-established in the background (never blocking a step)."""
+    """An hpkv client that, once lost, is re-established in the background (never blocking a step).
+
+    The operator hears of an outage twice: once when hpkv goes away (with the reason) and
+    once when it is back; the retries in between log at debug level only.
+    """
 
     def __init__(self, what: str, connect_fn):
         self.what = what
@@ -202,6 +206,7 @@ class _Reconnecting:
         self._lock = threading.Lock()
         self._next_try = 0.0
         self._thread: threading.Thread | None = None
+        self._down_since: float | None = None    # monotonic time hpkv went away, while it is away
 
     def get(self):
         c = self.client
@@ -223,10 +228,21 @@ class _Reconnecting:
 
     def _run(self) -> None:
         try:
-            self.client = self._connect_fn()
+            client = self._connect_fn()
         except Exception as exc:  # noqa: BLE001 - any failure means: recompute, retry later
-            log.warning("hpkv %s: cannot reach the hpkv server (%s); recomputing until it is back "
-                        "(retry in %.0fs)", self.what, exc, RECONNECT_INTERVAL_S)
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                log.warning("hpkv %s: cannot reach the hpkv server (%s); vLLM recomputes until it is "
+                            "back (retrying every %.0fs; logged again when it is back)",
+                            self.what, exc, RECONNECT_INTERVAL_S)
+            else:
+                log.debug("hpkv %s: still no hpkv server (%s)", self.what, exc)
+        else:
+            if self._down_since is not None:
+                log.warning("hpkv %s: the hpkv server is back (pid %d) after %.0fs", self.what,
+                            client.server_pid, time.monotonic() - self._down_since)
+                self._down_since = None
+            self.client = client
         finally:
             with self._lock:
                 self._thread = None
@@ -235,7 +251,10 @@ class _Reconnecting:
         c = self.client
         self.client = None
         if c is not None:
-            log.warning("hpkv %s: lost the hpkv server (%s); vLLM recomputes until it is back", self.what, exc)
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                log.warning("hpkv %s: lost the hpkv server (%s); vLLM recomputes until it is back",
+                            self.what, exc)
             with contextlib.suppress(Exception):
                 c.close()
 

@@ -185,7 +185,15 @@ class VllmServer:
         return set(self._seen)
 
     def _remember(self, procs: Iterable[psutil.Process]) -> None:
+        # Only the server's own session: a process that detached into a session of its own
+        # (hpkv's auto-spawned server) is not vLLM's, and neither Ctrl-C nor stop() reaches it.
+        sid = self.proc.pid if self.proc is not None else None
         for p in procs:
+            try:
+                if sid is not None and os.getsid(p.pid) != sid:
+                    continue
+            except OSError:
+                continue
             self._seen.setdefault(p.pid, p)
 
     def is_running(self) -> bool:
@@ -325,6 +333,19 @@ class VllmServer:
         with _live_lock:
             _live.discard(self)
         return rc
+
+    def interrupt(self, timeout: float = 120.0) -> int | None:
+        """Ctrl-C, as in the terminal vLLM runs in: SIGINT to its whole foreground process group,
+        then wait for vLLM's own shutdown. Returns the exit code, None if it did not exit in
+        time (then :meth:`stop` ends it)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.process_tree()
+        _signal_group(self.proc.pid, signal.SIGINT)
+        others = [p for p in self.leftover_processes() if p.pid != self.proc.pid]
+        if not _wait_gone(self.proc, others, timeout):
+            return None
+        return self.stop()
 
     def leftover_processes(self) -> list[psutil.Process]:
         """Processes seen in the server's tree that still run (zombies count as gone)."""
