@@ -156,6 +156,39 @@ def test_missing_explicit_config_file_is_an_error(tmp_path):
         load_config(env={"HPKV_CONFIG_FILE_PATH": str(tmp_path / "missing.ini")})
 
 
+def test_handed_over_configuration_keeps_every_value_and_source(tmp_path):
+    cfg_file = write(tmp_path / "config.ini", "\n# a comment\nHPKV_KV_MEM_POOL_SIZE=512m\n")
+    parent_env = {"HPKV_CONFIG_FILE_PATH": cfg_file, "HOME": str(tmp_path), "HPKV_LOG_LEVEL": "debug"}
+    parent = load_config(env=parent_env)
+    # The child sees other variables and no config file at all: the hand-over alone decides.
+    child_env = {"HOME": str(tmp_path), "HPKV_LOG_LEVEL": "error", "HPKV_CONFIG_FILE_PATH": "/nonexistent",
+                 **parent.to_env()}
+    child = load_config(env=child_env)
+    assert {k: (s.value, str(s.source)) for k, s in child.settings.items()} == \
+        {k: (s.value, str(s.source)) for k, s in parent.settings.items()}
+    assert str(child.source("HPKV_KV_MEM_POOL_SIZE")) == f"{cfg_file}:3"
+    assert str(child.source("HPKV_LOG_LEVEL")) == "environment"
+    assert str(child.source("HPKV_KV_STORAGE_PATH")) == "default", "a default stays a default"
+    assert (child.config_file, child.config_file_found) == (cfg_file, True)
+
+
+def test_without_a_config_file_the_hand_over_names_no_file_and_is_no_error(tmp_path):
+    parent = load_config(env={"HOME": str(tmp_path)})        # ~/.config/hpkv/config.ini does not exist
+    assert not parent.config_file_found
+    assert C.CONFIG_FILE_ENV not in parent.to_env()
+    child = load_config(env={"HOME": str(tmp_path), **parent.to_env()})
+    assert not child.config_file_found and all(str(s.source) == "default" for s in child.settings.values())
+
+
+def test_a_handed_over_bad_value_names_key_value_and_source(tmp_path):
+    bad = json.dumps({"config_file": "x", "found": False,
+                      "settings": {"HPKV_KV_MEM_POOL_SIZE": {"raw": "lots", "source": ["env", None, None]}}})
+    with pytest.raises(ConfigError, match=r"HPKV_KV_MEM_POOL_SIZE='lots' \(from environment\) is invalid"):
+        load_config(env={C.RESOLVED_ENV: bad, "HOME": str(tmp_path)})
+    with pytest.raises(ConfigError, match="not a configuration hpkv handed over"):
+        load_config(env={C.RESOLVED_ENV: "{", "HOME": str(tmp_path)})
+
+
 def test_unknown_key_warns_with_nearest_known_key(tmp_path, env):
     write(tmp_path / "config.ini", "HPKV_KV_MEM_POOL_SIZ=1g\nHPKV_TOTALLY_NEW=1\n")
     cfg = load_config(env=env)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import numpy as np
 import psutil
@@ -126,6 +127,44 @@ def test_concurrent_auto_spawn_ends_with_exactly_one_server():
                     proc.kill()
             except psutil.Error:
                 pass
+
+
+def _new_user_env(home, **extra: str) -> dict[str, str]:
+    """No config file, no hpkv variables but an isolated pool directory (and ``extra``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPKV_", "VLLM_HPKV", "VLLM_ENABLE_HPKV"))}
+    env.update(HOME=str(home), HPKV_SHARE_MEM_FILE_PATH=f"/dev/shm/hpkv-test-{uuid.uuid4().hex[:12]}", **extra)
+    return env
+
+
+def test_auto_spawn_without_a_config_file_works_and_stop_leaves_only_the_log(tmp_path):
+    env = _new_user_env(tmp_path, HPKV_KV_MEM_POOL_SIZE="64m")
+    try:
+        c = connect(load_config(env), env=env, timeout=60)
+        pid = c.server_pid
+        assert c.pool_size == 64 << 20
+        assert c.storage == str(tmp_path / ".cache/hpkv/storage"), "the default storage path"
+        c.close()
+        stop = subprocess.run([sys.executable, "-m", "hpkv", "stop"], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert stop.returncode == 0 and f"hpkv: server {pid} stopped; nothing was pending" in stop.stdout, stop
+        assert os.listdir(env["HPKV_SHARE_MEM_FILE_PATH"]) == ["server.log"]
+    finally:
+        ServerProcess(env).cleanup()
+
+
+def test_a_spawned_server_that_cannot_start_says_why_in_the_exception_and_its_log(tmp_path):
+    env = _new_user_env(tmp_path, HPKV_KV_MEM_POOL_SIZE="1p")   # more than /dev/shm has
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(HpkvUnavailable, match=r"could not start: .*HPKV_KV_MEM_POOL_SIZE=1p.*lower the "
+                                                  r"pool size or free space.*log: .*server\.log"):
+            connect(load_config(env), env=env, timeout=60)
+        assert time.monotonic() - t0 < 30, "a failed start is reported at once, not after the timeout"
+        with open(os.path.join(env["HPKV_SHARE_MEM_FILE_PATH"], "server.log")) as f:
+            assert "cannot start: HPKV_KV_MEM_POOL_SIZE=1p (from environment)" in f.read()
+        assert sorted(os.listdir(env["HPKV_SHARE_MEM_FILE_PATH"])) == ["server.log"]
+    finally:
+        ServerProcess(env).cleanup()
 
 
 def test_connect_without_spawn_reports_no_server():

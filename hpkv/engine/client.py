@@ -7,6 +7,7 @@ with a bound. Every call is bounded too: a slow or dead server raises
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -443,7 +444,14 @@ def connect(cfg: Config | None = None, *, spawn: bool = True, timeout: float = 6
                 time.sleep(0.05)
         sock = _try_connect(sock_path, 5.0)
         if sock is None:
-            pid = spawn_server(cfg, env, timeout=max(deadline - time.monotonic(), 1.0))
+            try:
+                pid = spawn_server(cfg, env, timeout=max(deadline - time.monotonic(), 1.0))
+            except HpkvUnavailable:
+                # No server runs, so nothing else uses the directory: leave only server.log
+                # (a spawner waiting on this lock meanwhile just spawns once more).
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(cfg.pool_dir, P.SPAWN_LOCK_FILE))
+                raise
             if pid:
                 log.info("started hpkv server pid %d for %s", pid, cfg.pool_dir)
             while sock is None:   # ready (or served by another server): its socket accepts

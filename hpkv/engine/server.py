@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from hpkv.config import Config, check_runtime, format_size
+from hpkv.config import Config, ConfigError, check_runtime, format_size
 from hpkv import shm
 from hpkv.engine import protocol as P
 from hpkv.proc import pid_alive
@@ -733,7 +733,10 @@ def serve(cfg: Config, auto: bool = False, log_level: str | None = None,
         ready.send(f"served {exc.pid or 0}")
         return EXIT_ALREADY_SERVED
     except Exception as exc:  # noqa: BLE001 - every start-up failure is logged and reported
-        log.exception("cannot start: %s", exc)
+        if isinstance(exc, (ConfigError, OSError)):
+            log.error("cannot start: %s", exc)
+        else:
+            log.exception("cannot start: %s", exc)
         ready.send(f"error {exc}")
         if server._lock_fd is not None:
             server.shutdown()

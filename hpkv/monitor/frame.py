@@ -261,6 +261,9 @@ def _pool(s: dict[str, Any], width: int) -> list[Line]:
              f"requests {fmt_count(s.get('requests', 0))}",
              f"errors {s.get('errors', 0)}",
              f"worker restarts {s.get('worker_restarts', 0)}"]
+    warm = p.get("warm_bytes", cap)
+    if cap and warm < cap:     # the pool's memory is still being allocated in the background
+        parts.insert(4, f"warming {100.0 * warm / cap:.0f}%")
     # keep the bar next to its figure only if the pinned and block counts still fit after it
     line = join_fit(parts, width)
     if "blocks" not in line:

@@ -117,10 +117,11 @@ class ServerProcess:
     def cleanup(self) -> None:
         self.stop()
         shutil.rmtree(self.pool_dir, ignore_errors=True)
-        try:
-            os.unlink(self.env["HPKV_CONFIG_FILE_PATH"])
-        except OSError:
-            pass
+        if "HPKV_CONFIG_FILE_PATH" in self.env:    # private_env's empty config file
+            try:
+                os.unlink(self.env["HPKV_CONFIG_FILE_PATH"])
+            except OSError:
+                pass
 
     def __enter__(self) -> "ServerProcess":
         return self.start()
