@@ -243,6 +243,15 @@ def test_killed_hpkv_server_means_recompute_not_errors(server, hpkv_env):
         assert text == expected
         assert time.monotonic() - t0 < 60, "a dead hpkv must not stall vLLM"
         complete(server, letters(80, seed=200 + i))               # new prompts: saves fail quietly
+    # Each role (scheduler, worker) says once that hpkv went away and once that it is back
+    # (the connector auto-spawns a new server), not on every retry.
+    deadline = time.monotonic() + 90
+    while server.log_tail(100_000).count("the hpkv server is back") < 2:
+        assert time.monotonic() < deadline, server.log_tail(60)
+        complete(server, letters(80, seed=300))
+        time.sleep(1.0)
+    log = server.log_tail(100_000)
+    assert log.count("lost the hpkv server") + log.count("cannot reach the hpkv server") == 2, log[-6000:]
 
 
 def test_vllm_enable_hpkv_0_makes_the_connector_a_logged_noop(tiny_model):

@@ -368,8 +368,8 @@ def spawn_server(cfg: Config, env: Mapping[str, str] | None = None,
     ``kill_process_tree``), or a Ctrl-C in the engine's terminal never reaches it. It
     gets the configuration we resolved (:meth:`Config.to_env`), writes its output to
     ``server.log``, and reports ``ready`` or the reason it could not start through a pipe.
-    Raises :class:`HpkvUnavailable` with that reason; exit status 3 (the directory is
-    served by another server) is returned as 0: connect to that one.
+    Raises :class:`HpkvUnavailable` with that reason. Returns 0 when another server
+    already holds the directory (a concurrent spawner won): connect to that one.
     """
     child_env = dict(os.environ if env is None else env)
     child_env.update(cfg.to_env())
@@ -384,9 +384,10 @@ def spawn_server(cfg: Config, env: Mapping[str, str] | None = None,
     finally:
         os.close(ready_w)
         os.close(log_fd)
+    deadline = time.monotonic() + timeout
     try:
-        proc.wait(timeout)   # the first fork exits at once; a config error ends it too
-        message = _read_ready(ready_r, timeout)
+        proc.wait(timeout)   # the first fork exits at once
+        message = _read_ready(ready_r, max(deadline - time.monotonic(), 0.0))
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
@@ -398,9 +399,22 @@ def spawn_server(cfg: Config, env: Mapping[str, str] | None = None,
         return int(detail)
     if kind == "served":     # another server holds the directory
         return 0
-    reason = detail or f"it exited with status {proc.returncode} before it was ready"
+    reason = detail if detail != _DIED else f"{_DIED}; its log ends with: {_log_tail(log_path)}"
     raise HpkvUnavailable(f"the hpkv server for {cfg.pool_dir} could not start: {reason} "
                           f"(log: {log_path})")
+
+
+_DIED = "it exited before it was ready"
+
+
+def _log_tail(path: str, lines: int = 3) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+            tail = f.read().decode(errors="replace").strip().splitlines()
+    except OSError as exc:
+        return f"<cannot read it: {exc.strerror}>"
+    return " | ".join(tail[-lines:]) or "<nothing>"
 
 
 def _read_ready(fd: int, timeout: float) -> str:
@@ -414,7 +428,7 @@ def _read_ready(fd: int, timeout: float) -> str:
             return f"error it did not become ready within {timeout:g}s"
         chunk = os.read(fd, 4096)
         if not chunk:
-            return "error " + (data.decode(errors="replace").strip() or "it exited at start-up")
+            return "error " + (data.decode(errors="replace").strip() or _DIED)
         data += chunk
     return data.split(b"\n", 1)[0].decode(errors="replace")
 
