@@ -21,7 +21,7 @@ from hpkv.engine.keys import block_keys, namespace_fingerprint
 from hpkv.engine.stats import StatsSegment, W
 from hpkv.io_workers import kvfile
 from hpkv.testing.device import make_device
-from hpkv.testing.server import ServerProcess, private_env
+from hpkv.testing.server import ServerProcess, assert_serves_correctly, private_env
 
 FP = namespace_fingerprint({"model": "hardening", "layers": 4})
 NOBODY = 65534
@@ -62,19 +62,7 @@ def wait_for(cond, timeout: float = 10.0, what: str = "condition", step: float =
         time.sleep(step)
 
 
-def serves_correctly(srv: ServerProcess) -> None:
-    """A well-behaved client still gets right answers: reserve, commit, lookup, pin, unpin."""
-    fp = namespace_fingerprint({"model": "well-behaved", "t": time.monotonic_ns()})
-    with client_of(srv) as c:
-        ns = c.attach_namespace(fp, 1, 8192)
-        keys = block_keys(fp, [b"ok-%d" % i for i in range(4)])
-        slots = c.reserve(ns.ns_id, keys)
-        assert (slots >= 0).all() and len(set(slots[:, 0])) == 4
-        assert c.commit(ns.ns_id, keys) == 4
-        assert c.lookup(ns.ns_id, keys) == (4, [1] * 4)
-        assert (c.pin(ns.ns_id, keys) == slots).all()
-        c.unpin(ns.ns_id, keys)
-    assert srv.proc.poll() is None
+serves_correctly = assert_serves_correctly
 
 
 # ------------------------------------------------------------------ 1. one message kills the server
