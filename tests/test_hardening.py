@@ -194,6 +194,37 @@ def test_lock_and_log_files_are_never_opened_through_a_symlink(tmp_path, name):
         srv.cleanup()
 
 
+def _client_as(srv: ServerProcess, uid: int, gid: int) -> dict:
+    """Fork, become uid/gid, and use the server as a real client (hello, namespace, rings)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        out = {}
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            with client_of(srv) as c:
+                fp = namespace_fingerprint({"model": "group-member"})
+                ns = c.attach_namespace(fp, 1, 8192)
+                keys = block_keys(fp, [b"g"])
+                c.reserve(ns.ns_id, keys)
+                out = {"committed": c.commit(ns.ns_id, keys), "lookup": c.lookup(ns.ns_id, keys)[0]}
+        except BaseException as exc:  # noqa: BLE001
+            out = {"child_error": repr(exc)}
+        finally:
+            os.write(w, json.dumps(out).encode())
+            os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
 def _hello_as(srv: ServerProcess, uid: int, gid: int) -> dict:
     """Fork, become uid/gid, connect and say hello; the server's answer (or a closed connection)."""
     r, w = os.pipe()
@@ -237,16 +268,21 @@ def test_socket_peers_of_another_uid_are_refused_unless_in_the_allowed_group(all
     group = 4242
     env = private_env(**({"HPKV_ALLOW_GROUP": str(group)} if allow else {}))
     with ServerProcess(env) as srv:
-        # Let the other user reach the socket at all (as an admin sharing the server would).
-        os.chmod(srv.pool_dir, 0o711)
-        os.chmod(os.path.join(srv.pool_dir, P.SOCKET_FILE), 0o666)
+        if allow:      # the server opened the directory and socket to the group, nothing more
+            assert stat.S_IMODE(os.stat(srv.pool_dir).st_mode) == 0o710
+            assert os.stat(os.path.join(srv.pool_dir, P.SOCKET_FILE)).st_gid == group
+        else:          # let the other user reach the socket at all, so SO_PEERCRED is what refuses
+            os.chmod(srv.pool_dir, 0o711)
+            os.chmod(os.path.join(srv.pool_dir, P.SOCKET_FILE), 0o666)
         answer = _hello_as(srv, NOBODY, group)
         if allow:
             assert answer.get("ok") is True, answer
+            assert _client_as(srv, NOBODY, group) == {"committed": 1, "lookup": 1}
         else:
             assert answer.get("ok") is False and "may not use this hpkv server" in answer["error"], answer
             assert "refused a connection from pid" in srv.log() and f"(uid {NOBODY}" in srv.log()
-        assert _hello_as(srv, NOBODY, group + 1).get("ok") is False
+        if not allow:
+            assert _hello_as(srv, NOBODY, group + 1).get("ok") is False
         serves_correctly(srv)
 
 

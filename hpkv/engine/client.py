@@ -360,7 +360,7 @@ def _check_server(sock: socket.socket, directory: str) -> None:
         problem = f"it is not a directory closed to other writers (mode {_stat.filemode(st.st_mode)})"
     elif st.st_uid != server_uid:
         problem = f"the server runs as uid {server_uid} but the directory belongs to uid {st.st_uid}"
-    elif st.st_uid != me and st.st_gid not in os.getgroups():
+    elif st.st_uid != me and st.st_gid not in (*os.getgroups(), os.getegid()):
         problem = f"it belongs to uid {st.st_uid}, not to us (uid {me}) nor shared with our groups"
     if problem:
         raise HpkvError(f"refusing the hpkv server in {directory}: {problem}. Another user may have "

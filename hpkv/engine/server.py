@@ -230,6 +230,7 @@ class Server:
         dir_fd = open_private_dir(self.dir, "the pool directory (HPKV_SHARE_MEM_FILE_PATH)")
         try:
             fd = open_nofollow(dir_fd, P.LOCK_FILE, os.O_RDWR | os.O_CREAT)
+            self._share_with_group(dir_fd)
         finally:
             os.close(dir_fd)
         try:
@@ -245,6 +246,16 @@ class Server:
             log.warning("took over the pool directory %s from pid %s, which exited without "
                         "cleaning up", self.dir, previous)
         self._remove_owned_files(startup=True)
+
+    def _share_with_group(self, target: int | str) -> None:
+        """HPKV_ALLOW_GROUP: let that group reach the socket (directory 0710, socket 0660, both
+        of that group); nobody but us can still write the directory."""
+        gid = self.cfg["HPKV_ALLOW_GROUP"]
+        if gid is None:
+            return
+        is_dir = isinstance(target, int)
+        os.chown(target, -1, gid)
+        os.chmod(target, 0o710 if is_dir else 0o660)
 
     def _remove_owned_files(self, startup: bool) -> None:
         removed = []
@@ -289,6 +300,7 @@ class Server:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(sock_path)
         os.chmod(sock_path, 0o600)
+        self._share_with_group(sock_path)
         self.listener.listen(64)
         self._publish_catalog()
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()
@@ -740,6 +752,10 @@ class Server:
         mbox_path = os.path.join(self.dir, f"c{cid}.mbox")
         mbox = np.frombuffer(shm.create(mbox_path, P.MAILBOX_BYTES), dtype=np.uint8)
         c = Client(cid, pid, conn, req, resp, mbox_path, mbox, name=name, uid=uid)
+        if uid != os.geteuid():   # a member of HPKV_ALLOW_GROUP: it maps these files too
+            for path in (req.path, resp.path, mbox_path, self.pool.path, self.doorbell.path,
+                         self.stats.path):
+                self._share_with_group(path)
         with self.lock:
             self.clients[cid] = c
             self._last_client_seen = time.monotonic()
@@ -863,6 +879,10 @@ class Server:
             slot = self._free_worker_slot()
             base = f"c{c.cid}.d{dev_id}.w{j}"
             w = WorkerProcess.start_transfer(self.dir, base, slot, spec, device=device, stats=self.stats)
+            if c.uid != os.geteuid():
+                for name in (w.req_name, w.resp_name):
+                    self._share_with_group(os.path.join(self.dir, name + ".ring"))
+                self._share_with_group(w.jobs_path)
             dev.workers.append(w)
             self.workers.append(w)
             answer.append({"req": w.req_name, "resp": w.resp_name, "jobs": w.jobs_path})
