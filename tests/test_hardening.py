@@ -355,12 +355,14 @@ def test_commit_or_abort_of_another_clients_reservation_is_refused(server):
         assert owner.lookup(ns.ns_id, keys)[0] == 2
 
 
-def test_a_dead_owners_reservations_are_kept_until_the_copy_into_them_ended(server, tmp_path):
-    layers, blocks, page = 8, 32, 64 * 1024                     # 512 KiB blocks, 64 MiB pool
+def test_a_dead_owners_reservations_are_kept_until_the_copy_into_them_ended(tmp_path):
+    layers, blocks, page = 8, 32, 256 * 1024                    # 2 MiB blocks, 64 MiB a batch
     dev = make_device(tmp_path, layers, blocks, page)
     dev.fill_random(np.random.default_rng(3))
-    with client_of(server) as worker, client_of(server) as newcomer:
-        sched = client_of(server)
+    jobs = P.JOB_SLOTS                                          # 4 GiB of copies queued at once
+    with ServerProcess(private_env(pool_size="128m")) as srv, \
+            client_of(srv) as worker, client_of(srv) as newcomer:
+        sched = client_of(srv)
         ns = sched.attach_namespace(FP, 1, layers * page)
         worker.attach_namespace(FP, 1, layers * page, rank=0)
         newcomer.attach_namespace(FP, 1, layers * page)
@@ -369,19 +371,20 @@ def test_a_dead_owners_reservations_are_kept_until_the_copy_into_them_ended(serv
         offsets = sched.reserve(ns.ns_id, keys)[:, 0]
         assert (offsets >= 0).all()
         blk = np.arange(blocks)
-        tickets = [t for _ in range(48) for t in handle.submit(P.COPY_SAVE, blk, offsets)]
+        tickets = [t for _ in range(jobs) for t in handle.submit(P.COPY_SAVE, blk, offsets)]
         sched.close()       # the scheduler goes away while its worker still copies (the forced order)
         wait_for(lambda: len(worker.stats()["clients"]) == 2, what="the scheduler's drop")
-        busy = len(handle.links[0].inflight)
         # Its slots must not be handed out while the copy into them may run.
-        mine = newcomer.reserve(ns.ns_id, block_keys(FP, [b"n%d" % i for i in range(128)]))[:, 0]
+        mine = newcomer.reserve(ns.ns_id, block_keys(FP, [b"n%d" % i for i in range(2 * blocks)]))[:, 0]
+        done_then = worker.stats()["workers"][0]["jobs"]
         assert not set(mine[mine >= 0]) & set(offsets), "a slot still being written was reused"
-        res = handle.wait(tickets, timeout=60)
-        assert busy > 0 and all(s == 0 for s in res.values())
+        assert (mine >= 0).sum() == blocks, "the free half of the pool was handed out"
+        res = handle.wait(tickets, timeout=120)
+        assert all(s == 0 for s in res.values())
+        assert done_then < jobs, "the copies ended before the check: the test proved nothing"
         assert worker.commit(ns.ns_id, keys) == 0, "a released reservation is not committed"
         assert worker.lookup(ns.ns_id, keys)[0] == 0
-        used = len(mine[mine >= 0]) * layers * page
-        wait_for(lambda: worker.stats()["pool"]["used_bytes"] == used, timeout=15,
+        wait_for(lambda: worker.stats()["pool"]["used_bytes"] == blocks * layers * page, timeout=15,
                  what="the dead owner's slots freed after the copies ended")
 
 

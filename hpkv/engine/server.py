@@ -419,11 +419,11 @@ class Server:
         except OverflowError:
             return P.E_TOO_MANY_KEYS, 0, 0
         except NotOwner as exc:
-            self._errors.log(logging.WARNING, f"not-owner-{c.cid}", "client %d (pid %d): %s refused: %s",
+            self._errors.log(logging.WARNING, "not-owner", "client %d (pid %d): %s refused: %s",
                              c.cid, c.pid, _kind_name(d.kind), exc)
             return P.E_NOT_OWNER, 0, 0
         except (ValueError, KeyError, TypeError, IndexError, MemoryError) as exc:
-            self._errors.log(logging.WARNING, f"bad-call-{c.cid}", "client %d (pid %d): bad %s call "
+            self._errors.log(logging.WARNING, "bad-call", "client %d (pid %d): bad %s call "
                              "(a0=%d a1=%d a2=%d flags=%d): %s", c.cid, c.pid, _kind_name(d.kind),
                              d.a0, d.a1, d.a2, d.flags, exc)
             return P.E_BAD_REQUEST, 0, 0
@@ -451,7 +451,7 @@ class Server:
             keys = self._keys(c, n)
             if Tier.STORAGE in tiers:              # files deleted from outside are not hits
                 hit = self.storage.verify_lookup(ns, keys, hit, tiers)
-            elif hit < n:                          # files the index has not seen yet
+            if hit < n:                            # files the index has not seen yet
                 hit = self.storage.extend_lookup(ns, keys, hit, tiers)
             out[:hit] = np.frombuffer(bytes(tiers), np.uint8)
         idx.count_lookup(ns, n, tiers)
@@ -841,7 +841,7 @@ class Server:
         for i in range(MAX_NS):
             if i not in used:
                 return i
-        for ns_id, _ in sorted(self._detached.items(), key=lambda kv: kv[1]):
+        for ns_id, since in sorted(self._detached.items(), key=lambda kv: kv[1]):
             ns = self.index.namespaces.get(ns_id)
             if ns is None or any(ns_id in o.namespaces for o in self.clients.values()):
                 self._detached.pop(ns_id, None)
@@ -853,7 +853,7 @@ class Server:
             del self.namespaces_by_fp[ns.fingerprint]
             self._detached.pop(ns_id, None)
             log.info("namespace %d %s (%s) released: no client attached for %.0fs and its id is "
-                     "needed", ns_id, ns.fingerprint[:12], ns.name, time.monotonic() - _)
+                     "needed", ns_id, ns.fingerprint[:12], ns.name, time.monotonic() - since)
             return ns_id
         raise ValueError(f"{MAX_NS} namespaces are attached by live clients (or busy); no id is free")
 

@@ -13,7 +13,7 @@ class RateLimitedLog:
     def __init__(self, logger: logging.Logger, interval: float = 10.0):
         self.logger = logger
         self.interval = interval
-        self._last: dict[str, float] = {}   # kinds are few (per client at most): never pruned
+        self._last: dict[str, float] = {}   # kinds are a fixed set: never pruned
         self._suppressed: dict[str, int] = {}
 
     def log(self, level: int, kind: str, msg: str, *args: object, exc_info: bool = False) -> None:
