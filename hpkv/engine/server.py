@@ -641,6 +641,9 @@ class Server:
             line = bytes(buf[start:end])
             start = scan = end + 1
             reply = self._control_call(conn, line)
+            if not reply.get("ok"):
+                with self.lock:          # counted like a failed hot call
+                    self.stats.glob[G.ERRORS] += 1
             self._send(sel, conn, json.dumps(reply).encode() + b"\n")
         if conn.closed:
             return
