@@ -187,8 +187,7 @@ def test_lock_and_log_files_are_never_opened_through_a_symlink(tmp_path, name):
                 srv.start()
         else:
             srv.start()
-            serves_correctly(srv)
-            assert "not writing server.log" in srv.proc.stderr.read1().decode() or True
+            serves_correctly(srv)                   # no log file, but serving
         assert victim.read_text() == "precious\n", "the symlink's target was written"
     finally:
         srv.cleanup()
