@@ -178,6 +178,20 @@ def _min_size(minimum: int) -> Callable[[str], int]:
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
+def parse_group(text: str) -> int | None:
+    """A group name or numeric gid → gid; empty → None (no group allowed)."""
+    t = text.strip()
+    if not t:
+        return None
+    if t.isdigit():
+        return int(t)
+    import grp
+    try:
+        return grp.getgrnam(t).gr_gid
+    except KeyError:
+        raise ValueError(f"no group named {t!r} on this machine") from None
+
+
 def parse_log_level(text: str) -> str:
     t = text.strip().upper()
     if t not in _LOG_LEVELS:
@@ -242,6 +256,12 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "Prometheus metrics port of the server"),
     Key("HPKV_METRICS_HOST", "127.0.0.1", parse_host, "a host name or address",
         "address the metrics endpoint binds to"),
+    Key("HPKV_ALLOW_GROUP", "", parse_group, "a group name or gid; empty = only the server's own uid",
+        "members of this group may also connect to the server's socket (SO_PEERCRED); by default "
+        "only processes of the user who runs the server"),
+    Key("HPKV_LEASE_S", "600", _float_parser(minimum=0.0), "a number of seconds >= 0 (0 = no lease)",
+        "a pin or reservation not released within this many seconds is released by the server "
+        "(after any copy into or out of its slots finished), so a hung engine cannot hold the pool"),
     Key("HPKV_LOG_LEVEL", "INFO", parse_log_level, "one of " + ", ".join(_LOG_LEVELS),
         "log level of the hpkv server and its workers"),
 )}
@@ -507,7 +527,7 @@ def check_runtime(cfg: Config) -> list[str]:
 
     if cfg.storage_path is not None:
         _ensure_writable_dir("HPKV_KV_STORAGE_PATH", cfg.storage_path,
-                             cfg.source("HPKV_KV_STORAGE_PATH"))
+                             cfg.source("HPKV_KV_STORAGE_PATH"), mode=0o700)
     return warnings
 
 

@@ -18,4 +18,10 @@
  * file; HPKV_RING_EVERSION when it is a ring of another HPKV_RING_VERSION. */
 int hpkv_ring_peek(const char *path, uint64_t *depth, uint32_t *capacity);
 
+/* Lifetime counters of the ring file at `path`: descriptors ever pushed (the
+ * producer's tail) and ever popped (the consumer's head); head is read first.
+ * Same return codes as hpkv_ring_peek. The server uses them to know when every
+ * job queued on a transfer worker before some moment has been executed. */
+int hpkv_ring_peek_counts(const char *path, uint64_t *pushed, uint64_t *popped);
+
 #endif

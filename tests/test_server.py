@@ -268,7 +268,8 @@ def test_copies_through_the_transfer_worker_are_byte_exact(server, tmp_path, lay
     dev = make_device(tmp_path, layers, blocks, page, layout, pad)
     dev.fill_random(rng)
     with client_of(server) as c:
-        ns = c.attach_namespace(FP + layout[:1] + str(pad), 1, layers * page)
+        ns = c.attach_namespace(namespace_fingerprint({"model": "test", "layout": layout, "pad": pad}), 1,
+                                layers * page)
         handle = c.register_device(ns.ns_id, rank=0, **dev.spec)
         src = rng.permutation(blocks)[:12]
         keys = block_keys(FP, [b"b%d" % i for i in range(12)])

@@ -432,7 +432,8 @@ def test_capacity_limit_evicts_least_recently_used_files(tmp_path):
 
 def test_enospc_leaves_no_partial_file_keeps_reads_and_recovers(tmp_path):
     shard = 200_000
-    with mounted("tmpfs", tmp_path / "small", "size=2m") as root, \
+    # mode=0700: a world-writable storage root (tmpfs defaults to 1777) is refused
+    with mounted("tmpfs", tmp_path / "small", "size=2m,mode=0700") as root, \
             running(private_env(storage=str(root), HPKV_STORAGE_MIN_FREE="0")) as srv:
         w = Writer(srv, shard=shard)
         early = w.keys(["early-%d" % i for i in range(2)])

@@ -336,10 +336,38 @@ def _try_connect(sock_path: str, timeout: float) -> socket.socket | None:
     s.settimeout(timeout)
     try:
         s.connect(sock_path)
-        return s
     except (FileNotFoundError, ConnectionRefusedError, socket.timeout):
         s.close()
         return None
+    try:
+        _check_server(s, os.path.dirname(sock_path))
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def _check_server(sock: socket.socket, directory: str) -> None:
+    """Talk only to a server in a directory nobody else can write, run by that directory's
+    owner: the owner is us, or (HPKV_ALLOW_GROUP on the server) its group is one of ours.
+    Another local user's look-alike socket would otherwise receive our hello and keys."""
+    import stat as _stat
+
+    from hpkv.security import peer_credentials
+    st = os.lstat(directory)
+    _, server_uid, _ = peer_credentials(sock)
+    me = os.geteuid()
+    problem = None
+    if not _stat.S_ISDIR(st.st_mode) or st.st_mode & 0o022:
+        problem = f"it is not a directory closed to other writers (mode {_stat.filemode(st.st_mode)})"
+    elif st.st_uid != server_uid:
+        problem = f"the server runs as uid {server_uid} but the directory belongs to uid {st.st_uid}"
+    elif st.st_uid != me and st.st_gid not in (*os.getgroups(), os.getegid()):
+        problem = f"it belongs to uid {st.st_uid}, not to us (uid {me}) nor shared with our groups"
+    if problem:
+        raise HpkvError(f"refusing the hpkv server in {directory}: {problem}. Another user may have "
+                        f"made it; remove it (as its owner or root) or set HPKV_SHARE_MEM_FILE_PATH "
+                        f"to a directory of your own")
 
 
 def _hello(cfg: Config, sock: socket.socket, name: str, call_timeout: float) -> HpkvClient:

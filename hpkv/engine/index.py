@@ -14,6 +14,13 @@ States::
                     └─(owner gone / aborted)─▶ freed  │  └─(evict, no files)─▶ dropped │
                                                    └──(files read)── PROMOTING ◀─(promote)─┘
 
+Ownership. A reservation belongs to the client that made it (``owner``); a pin
+belongs to the client that pinned it (``pins_by_owner``), counted only when a block
+was really pinned. Releasing a reservation that may still be written (aborted, owner
+gone, lease over) first *retires* it: it stays RESERVED, invisible and unwritable by
+commits, and the server frees it (:meth:`Index.free_retired`) once no copy into its
+slots can still be running.
+
 A READY block is *evictable* when it is unpinned, no IO job is reading its slots
 (``io``), and, if the storage tier is on, its files are written or will not be
 (``no_spill``: spilling paused or failed) — a block is never dropped while its
@@ -24,6 +31,7 @@ the storage directory and from a stat on a lookup miss (:meth:`Index.add_stored`
 from __future__ import annotations
 
 import bisect
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -145,6 +153,7 @@ class Namespace:
     world_size: int
     shard_bytes: int          # bytes of one rank's shard of one block
     block_tokens: int = 0     # tokens per block (for token counts in monitors; 0 = unknown)
+    released: bool = False    # dropped by the server (no client, id reused): scans stop
     counters: np.ndarray = field(default_factory=lambda: np.zeros(NS_COUNTERS, np.int64))
 
     @property
@@ -154,7 +163,7 @@ class Namespace:
 
 class Block:
     __slots__ = ("key", "ns", "state", "slots", "committed", "pins", "on_storage", "owner", "io",
-                 "no_spill")
+                 "no_spill", "since", "retired", "verified")
 
     def __init__(self, key: bytes, ns: Namespace, slots: list[int], owner: int):
         self.key = key
@@ -167,6 +176,9 @@ class Block:
         self.owner = owner                      # client that reserved it (RESERVED only)
         self.io = 0                             # IO jobs in flight that read its slots (spills)
         self.no_spill = False                   # storage on, but this block will not get files
+        self.since = time.monotonic()           # when reserved (the reservation's lease starts)
+        self.retired = False                    # RESERVED, released, waiting for its copies to end
+        self.verified = 0.0                     # STORED: when a lookup last saw its files exist
 
     @property
     def in_dram(self) -> bool:
@@ -175,6 +187,10 @@ class Block:
 
 class NoSuchNamespace(KeyError):
     pass
+
+
+class NotOwner(PermissionError):
+    """A commit or abort of a reservation that belongs to another client."""
 
 
 class Index:
@@ -192,6 +208,9 @@ class Index:
         self._lru: OrderedDict[bytes, None] = OrderedDict()   # evictable READY blocks, LRU first
         self._on_evict = on_evict
         self.pinned_bytes = 0
+        self.reserved: dict[bytes, Block] = {}             # RESERVED blocks (retired ones too)
+        # owner -> key -> [pins held, monotonic time of the latest]: who holds which pins
+        self.pins_by_owner: dict[int, dict[bytes, list]] = {}
 
     # ------------------------------------------------------------ namespaces
     def add_namespace(self, ns: Namespace) -> None:
@@ -305,24 +324,40 @@ class Index:
                 self.blocks[k] = b
             else:  # a STORED block written again: keep its storage flag
                 b.slots, b.state, b.owner, b.committed = slots, State.RESERVED, owner, 0
+                b.since, b.retired = time.monotonic(), False
                 self.present.pop(k, None)
+            self.reserved[k] = b
             ns.counters[NsCounter.BLOCKS_RESERVED] += 1
             out[i] = slots
         return out
 
+    def check_owner(self, keys: Iterable[bytes], client: int, writer: bool) -> None:
+        """Raise :class:`NotOwner` if any of these live reservations belongs to another client
+        and ``client`` is not a declared writer of the namespace (a rank's worker)."""
+        if writer:
+            return
+        for k in keys:
+            b = self.reserved.get(k)
+            if b is not None and not b.retired and b.owner != client:
+                raise NotOwner(f"key {k.hex()} is reserved by client {b.owner}, not {client}")
+
     def commit(self, ns_id: int, keys: Iterable[bytes], rank: int) -> list[Block]:
-        """Rank ``rank`` wrote its shard of these keys; returns blocks that became READY."""
+        """Rank ``rank`` wrote its shard of these keys; returns blocks that became READY.
+        Retired reservations (released while the copy ran) are not committed."""
         ns = self.ns(ns_id)
+        if not 0 <= rank < ns.world_size:
+            raise ValueError(f"rank {rank} outside 0..{ns.world_size - 1}")
         full = (1 << ns.world_size) - 1
         ready: list[Block] = []
         for k in keys:
             b = self.blocks.get(k)
-            if b is None or b.state != State.RESERVED:
+            if b is None or b.state != State.RESERVED or b.retired or b.ns is not ns:
                 continue
             b.committed |= 1 << rank
             if b.committed == full:
                 b.state = State.READY
                 b.owner = 0
+                del self.reserved[k]
                 self.present[k] = Tier.DRAM
                 c = ns.counters
                 c[NsCounter.BLOCKS_RESERVED] -= 1
@@ -333,28 +368,60 @@ class Index:
                 ready.append(b)
         return ready
 
-    def abort(self, keys: Iterable[bytes]) -> None:
-        """Drop reservations that will never be committed (failed copy, dead client)."""
+    def retire(self, keys: Iterable[bytes]) -> list[Block]:
+        """Release reservations that will never be committed (failed copy, owner gone, lease
+        over): they become invisible to commits but keep their slots until :meth:`free_retired`,
+        which the server calls once no copy into them can still be running."""
+        out = []
         for k in keys:
-            b = self.blocks.get(k)
-            if b is None or b.state != State.RESERVED:
+            b = self.reserved.get(k)
+            if b is None or b.retired:
                 continue
+            b.retired = True
+            out.append(b)
+        return out
+
+    def free_retired(self, blocks: Iterable[Block]) -> int:
+        """Free the slots of retired reservations (no copy into them is running any more)."""
+        n = 0
+        for b in blocks:
+            if b.state != State.RESERVED or not b.retired or self.reserved.get(b.key) is not b:
+                continue
+            del self.reserved[b.key]
             b.ns.counters[NsCounter.BLOCKS_RESERVED] -= 1
             self._free_slots(b)
             b.committed = 0
+            b.retired = False
             self._drop_from_dram(b)
+            n += 1
+        return n
+
+    def abort(self, keys: Iterable[bytes]) -> None:
+        """Retire and free at once: only when no copy into these reservations can be running."""
+        self.free_retired(self.retire(list(keys)))
 
     def abort_owner(self, owner: int) -> int:
-        stale = [k for k, b in self.blocks.items() if b.state == State.RESERVED and b.owner == owner]
-        self.abort(stale)
-        return len(stale)
+        """Retire and free every live reservation of ``owner`` (no copy may be running)."""
+        keys = self.owned_reservations(owner)
+        self.abort(keys)
+        return len(keys)
 
-    def pin(self, keys: Iterable[bytes]) -> list[list[int] | None]:
-        """Pin present blocks against eviction; returns each block's slots (None if not in DRAM)."""
+    def owned_reservations(self, owner: int) -> list[bytes]:
+        return [k for k, b in self.reserved.items() if b.owner == owner and not b.retired]
+
+    def expired_reservations(self, lease: float, now: float | None = None) -> list[bytes]:
+        now = time.monotonic() if now is None else now
+        return [k for k, b in self.reserved.items() if not b.retired and now - b.since > lease]
+
+    def pin(self, keys: Iterable[bytes], owner: int = 0) -> list[list[int] | None]:
+        """Pin present blocks against eviction for ``owner``; returns each block's slots (None
+        if not in DRAM: then nothing is pinned, and nothing is recorded for the owner)."""
         out: list[list[int] | None] = []
+        held = self.pins_by_owner.setdefault(owner, {})
+        now = time.monotonic()
         for k in keys:
             b = self.blocks.get(k)
-            if b is None or b.state in (State.RESERVED, State.PROMOTING):
+            if b is None or b.state != State.READY or b.slots is None:
                 out.append(None)
                 continue
             if b.pins == 0:
@@ -362,19 +429,77 @@ class Index:
                 self.pinned_bytes += b.ns.slot_bytes * b.ns.world_size
             b.pins += 1
             self._refresh(b)
-            out.append(list(b.slots) if b.slots is not None else None)
+            rec = held.get(k)
+            if rec is None:
+                held[k] = [1, now]
+            else:
+                rec[0] += 1
+                rec[1] = now
+            out.append(list(b.slots))
+        if not held:
+            del self.pins_by_owner[owner]
         return out
 
-    def unpin(self, keys: Iterable[bytes]) -> None:
+    def unpin(self, keys: Iterable[bytes], owner: int = 0) -> int:
+        """Release pins ``owner`` holds (one per occurrence of a key); a key the owner did not
+        pin is ignored, so no client can release another's pin. Returns pins released."""
+        held = self.pins_by_owner.get(owner)
+        if not held:
+            return 0
+        n = 0
         for k in keys:
-            b = self.blocks.get(k)
-            if b is None or b.pins == 0:
+            rec = held.get(k)
+            if rec is None:
                 continue
-            b.pins -= 1
-            if b.pins == 0:
-                b.ns.counters[NsCounter.BLOCKS_PINNED] -= 1
-                self.pinned_bytes -= b.ns.slot_bytes * b.ns.world_size
-            self._refresh(b, touch=True)
+            rec[0] -= 1
+            if rec[0] <= 0:
+                del held[k]
+            self._unpin_one(k)
+            n += 1
+        if not held:
+            self.pins_by_owner.pop(owner, None)
+        return n
+
+    def take_pins(self, owner: int, keys: Iterable[bytes] | None = None) -> list[bytes]:
+        """Detach ``owner``'s pins (all, or of ``keys``) from it without releasing them: one
+        key per pin held. The server releases them with :meth:`drop_pins` once no copy out of
+        the blocks can still be running."""
+        held = self.pins_by_owner.get(owner)
+        if not held:
+            return []
+        which = list(held) if keys is None else [k for k in keys if k in held]
+        out = []
+        for k in which:
+            rec = held.pop(k, None)
+            if rec is not None:
+                out.extend([k] * rec[0])
+        if not held:
+            self.pins_by_owner.pop(owner, None)
+        return out
+
+    def expired_pins(self, lease: float, now: float | None = None) -> dict[int, list[bytes]]:
+        """owner -> keys whose latest pin is older than ``lease`` seconds."""
+        now = time.monotonic() if now is None else now
+        return {o: ks for o, held in self.pins_by_owner.items()
+                if (ks := [k for k, rec in held.items() if now - rec[1] > lease])}
+
+    def drop_pins(self, keys: Iterable[bytes]) -> None:
+        """Release pins detached by :meth:`take_pins`."""
+        for k in keys:
+            self._unpin_one(k)
+
+    def pins_of(self, owner: int) -> int:
+        return sum(rec[0] for rec in self.pins_by_owner.get(owner, {}).values())
+
+    def _unpin_one(self, k: bytes) -> None:
+        b = self.blocks.get(k)
+        if b is None or b.pins == 0:
+            return
+        b.pins -= 1
+        if b.pins == 0:
+            b.ns.counters[NsCounter.BLOCKS_PINNED] -= 1
+            self.pinned_bytes -= b.ns.slot_bytes * b.ns.world_size
+        self._refresh(b, touch=True)
 
     def mark_stored(self, key: bytes) -> None:
         """The block's files are on storage (spill done, or found by a scan)."""
@@ -457,6 +582,26 @@ class Index:
         elif b.state == State.READY:
             b.no_spill = True
             self._refresh(b)
+
+    def drop_namespace(self, ns: Namespace) -> bool:
+        """Forget a namespace no client uses: its DRAM copies are freed, its STORED entries
+        dropped (the files stay). False, and nothing changed, while any of its blocks is
+        reserved, pinned, promoting or in IO."""
+        mine = [b for b in self.blocks.values() if b.ns is ns]
+        if any(b.state in (State.RESERVED, State.PROMOTING) or b.pins or b.io for b in mine):
+            return False
+        for b in mine:
+            if b.state == State.READY:
+                self._lru.pop(b.key, None)
+                self._free_slots(b)
+            del self.blocks[b.key]
+            self.present.pop(b.key, None)
+        for owner in list(self.pins_by_owner):          # no pins left on it (checked above)
+            if not self.pins_by_owner[owner]:
+                del self.pins_by_owner[owner]
+        ns.counters[:] = 0
+        self.namespaces.pop(ns.ns_id, None)
+        return True
 
     def clear_namespace(self, ns_id: int) -> int:
         """Drop the namespace's DRAM copies (pinned and reserved blocks stay); returns blocks dropped."""

@@ -6,6 +6,7 @@ import os
 import sys
 
 from hpkv.engine.protocol import LOG_FILE
+from hpkv.security import InsecurePath, open_nofollow, open_private_dir
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
 
@@ -22,10 +23,18 @@ def setup_logging(directory: str, level: str, to_stderr: bool = True) -> None:
         h.setFormatter(fmt)
         root.addHandler(h)
     try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        fh = logging.FileHandler(path)
+        # Only in a directory that is ours, and never through a symlink: a planted
+        # server.log -> /some/file of ours would otherwise be appended to.
+        dir_fd = open_private_dir(directory, "the pool directory (HPKV_SHARE_MEM_FILE_PATH)")
+        try:
+            fd = open_nofollow(dir_fd, LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        finally:
+            os.close(dir_fd)
+        fh = logging.StreamHandler(os.fdopen(fd, "a", buffering=1, encoding="utf-8"))
         fh.setFormatter(fmt)
         root.addHandler(fh)
+    except InsecurePath as exc:
+        root.error("not writing %s: %s", LOG_FILE, exc)
     except OSError as exc:
         root.warning("cannot write the log file in %s: %s", directory, exc)
 

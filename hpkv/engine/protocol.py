@@ -54,6 +54,8 @@ E_TOO_MANY_KEYS = -2002
 E_BAD_REQUEST = -2003
 E_WORKER_DIED = -2004
 E_CORRUPT = -2005          # a KV file failed its header/length/checksum check; it was quarantined
+E_NOT_OWNER = -2006        # commit/abort of a reservation another client made
+E_INTERNAL = -2007         # the server failed inside the call (logged there); it keeps serving
 
 # Flags of an IO job's completion.
 IO_EXISTED = 1             # spill: a complete file was already in place, nothing written
@@ -89,6 +91,12 @@ MAILBOX_BYTES = 8 << 20
 MAILBOX_HALF = MAILBOX_BYTES // 2
 MAX_KEYS_PER_CALL = MAILBOX_HALF // (KEY_BYTES * 8)  # reserve answers 8-byte slots x world size
 
+
+def max_keys_per_call(world_size: int) -> int:
+    """Keys one reserve/pin/promote may carry at this world size: its answer (8 bytes per rank
+    per key) must fit the mailbox's answer half (MAX_KEYS_PER_CALL assumes world <= 16)."""
+    return min(MAX_KEYS_PER_CALL, MAILBOX_HALF // (8 * max(1, world_size)))
+
 JOB_SLOTS = 64                      # jobs in flight per worker (arena slots)
 JOB_SLOT_BYTES = 128 * 1024         # 8192 (block, slot) pairs per job
 MAX_PAIRS_PER_JOB = JOB_SLOT_BYTES // 16
@@ -100,7 +108,9 @@ SLOT_UNIT = 4096  # pool slots are addressed in 4 KiB units (allocator alignment
 def status_message(status: int) -> str:
     names = {E_NO_NAMESPACE: "namespace not attached", E_TOO_MANY_KEYS: "too many keys in one call",
              E_BAD_REQUEST: "bad request", E_WORKER_DIED: "the worker died during the job",
-             E_CORRUPT: "KV file corrupt (quarantined)"}
+             E_CORRUPT: "KV file corrupt (quarantined)",
+             E_NOT_OWNER: "the reservation belongs to another client",
+             E_INTERNAL: "internal server error (see server.log)"}
     if status in names:
         return names[status]
     return os.strerror(-status) if status < 0 else "ok"

@@ -22,11 +22,12 @@ import fcntl
 import json
 import logging
 import os
+import re
 import signal
 import socket
+import stat
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,20 +36,30 @@ import numpy as np
 from hpkv.config import Config, ConfigError, check_runtime, format_size
 from hpkv import shm
 from hpkv.engine import protocol as P
-from hpkv.proc import pid_alive
-from hpkv.engine.index import Index, Namespace, NsCounter, NoSuchNamespace
+from hpkv.proc import PID_MAX, pid_alive, valid_pid
+from hpkv.engine.index import Index, Namespace, NotOwner, NsCounter, NoSuchNamespace, Tier
 from hpkv.engine.keys import KEY_BYTES
 from hpkv.engine.logs import setup_logging
 from hpkv.engine.pool import PoolFile
 from hpkv.engine.stats import MAX_NS, MAX_WORKERS, NS_COUNTERS, G, StatsSegment
 from hpkv.engine.workers import WorkerProcess, device_cpus
+from hpkv.io_workers.ratelimit import RateLimitedLog
 from hpkv.io_workers.tier import StorageTier
 from hpkv.ring import Doorbell, Ring, RingError
+from hpkv.security import open_nofollow, open_private_dir, peer_allowed, peer_credentials
 
 log = logging.getLogger("hpkv.server")
 
 LOCK_RETRY_S = 0.5
 EXIT_ALREADY_SERVED = 3   # `hpkv serve`: another server holds the pool directory
+MAX_CONTROL_LINE = 1 << 20        # bytes of one control line (a register_device is a few KiB)
+MAX_CONTROL_BACKLOG = 4 << 20     # unread reply bytes before a client that never reads is dropped
+MAX_NAME = 200
+MAX_PROMOTE_MS = 600_000          # a promote's deadline is clamped to 10 minutes
+RETIRE_GRACE_S = 2.0              # a dead owner's slots: time for copies its peers were told to make
+MAX_REGIONS = 4096
+MAX_LAYERS = 4096
+_FINGERPRINT_RE = re.compile(r"[0-9a-f]{%d}" % (2 * KEY_BYTES))
 
 
 class AlreadyServed(RuntimeError):
@@ -61,10 +72,101 @@ class AlreadyServed(RuntimeError):
 
 def read_lock_pid(directory: str) -> int | None:
     try:
-        with open(os.path.join(directory, P.LOCK_FILE)) as f:
-            return int(f.read().strip() or 0) or None
+        fd = os.open(os.path.join(directory, P.LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd) as f:
+            return int(f.read(32).strip() or 0) or None
     except (OSError, ValueError):
         return None
+
+
+def _int_arg(msg: dict[str, Any], key: str, lo: int, hi: int, default: Any = ...) -> Any:
+    """``msg[key]`` as an int in ``lo..hi`` (a JSON bool is not an int); ValueError naming it."""
+    if key not in msg or msg[key] is None:
+        if default is ...:
+            raise ValueError(f"{key!r} is missing")
+        return default
+    v = msg[key]
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise ValueError(f"{key}={str(v)[:40]!r} must be an integer in {lo}..{hi}")
+    return v
+
+
+def validate_device(msg: dict[str, Any], slot_bytes: int, allowed_uids: set[int]) -> dict[str, Any]:
+    """The device layout of a register_device call, checked against the real sizes of its
+    region files, so a transfer worker can never address memory outside them or write past a
+    pool slot. Returns the spec fields (regions with their real sizes); ValueError says what
+    is wrong."""
+    regions = msg.get("regions")
+    if not isinstance(regions, list) or not 1 <= len(regions) <= MAX_REGIONS:
+        raise ValueError(f"regions must be a list of 1..{MAX_REGIONS} {{path, size}} objects")
+    sizes, out_regions = [], []
+    for i, r in enumerate(regions):
+        if not isinstance(r, dict) or not isinstance(r.get("path"), str) or not os.path.isabs(r["path"]):
+            raise ValueError(f"region {i} must be an object with an absolute 'path'")
+        try:
+            st = os.stat(r["path"])
+        except OSError as exc:
+            raise ValueError(f"region {i} {r['path']}: {exc.strerror}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"region {i} {r['path']} is not a regular file")
+        if st.st_uid not in allowed_uids:
+            raise ValueError(f"region {i} {r['path']} belongs to uid {st.st_uid}, not to the client")
+        declared = r.get("size", st.st_size)
+        if not isinstance(declared, int) or isinstance(declared, bool) or not 0 < declared <= st.st_size:
+            raise ValueError(f"region {i} {r['path']}: size {str(declared)[:40]} must be 1..{st.st_size} "
+                             f"(the file's real size)")
+        sizes.append(declared)
+        out_regions.append({"path": r["path"], "size": declared})
+    stride = _int_arg(msg, "block_stride", 1, 1 << 40)
+    page = _int_arg(msg, "page_bytes", 1, stride)
+    num_blocks = _int_arg(msg, "num_blocks", 1, 1 << 31)
+    bases = msg.get("layer_bases")
+    if not isinstance(bases, list) or not 1 <= len(bases) <= MAX_LAYERS:
+        raise ValueError(f"layer_bases must be a list of 1..{MAX_LAYERS} [region, offset] pairs")
+    if len(bases) * page > slot_bytes:
+        raise ValueError(f"{len(bases)} layers x {page} B pages = {len(bases) * page} B do not fit the "
+                         f"namespace's {slot_bytes} B pool slot")
+    span = (num_blocks - 1) * stride + page
+    out_bases = []
+    for j, lb in enumerate(bases):
+        if not (isinstance(lb, (list, tuple)) and len(lb) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in lb)):
+            raise ValueError(f"layer_bases[{j}] must be [region index, byte offset]")
+        r, off = lb
+        if not 0 <= r < len(sizes) or off < 0 or off + span > sizes[r]:
+            raise ValueError(f"layer {j}: region {r} offset {off} + {num_blocks} blocks x {stride} B stride "
+                             f"reaches past the region's {sizes[r] if 0 <= r < len(sizes) else '?'} bytes")
+        out_bases.append([r, off])
+    return {"regions": out_regions, "layer_bases": out_bases, "block_stride": stride,
+            "page_bytes": page, "num_blocks": num_blocks}
+
+
+def _kind_name(kind: int) -> str:
+    names = {P.LOOKUP: "LOOKUP", P.RESERVE: "RESERVE", P.COMMIT: "COMMIT", P.PIN: "PIN",
+             P.UNPIN: "UNPIN", P.PROMOTE: "PROMOTE"}
+    return names.get(kind, f"kind-{kind}")
+
+
+@dataclass
+class _Conn:
+    """One control connection: its peer, its partial input line and its unsent replies."""
+    sock: socket.socket
+    pid: int
+    uid: int
+    inbuf: bytearray = field(default_factory=bytearray)
+    out: bytearray = field(default_factory=bytearray)
+    client: "Client | None" = None
+    events: int = 1          # selectors.EVENT_READ
+    closed: bool = False
+
+
+@dataclass
+class _Release:
+    """Retired reservations and detached pins, freed once the marked copies have ended."""
+    blocks: list
+    pins: list
+    marks: list
+    not_before: float
 
 
 @dataclass
@@ -88,9 +190,10 @@ class Client:
     mbox_path: str
     mbox: np.ndarray
     name: str = ""
+    uid: int = -1
     namespaces: set[int] = field(default_factory=set)
     ranks: set[int] = field(default_factory=set)
-    pins: Counter = field(default_factory=Counter)
+    writer_ranks: set[tuple[int, int]] = field(default_factory=set)   # (ns_id, rank) it writes
     devices: list[Device] = field(default_factory=list)
     alive: bool = True
     busy: bool = False   # a hot call (promote) is parked until its IO completes: no other is taken
@@ -106,7 +209,7 @@ class Server:
         self.stop_event = threading.Event()   # a stop was requested: drain spills, then shut down
         self.down = threading.Event()         # shut down: the control and supervisor threads end
         self.stopping = False                 # draining: new clients are refused
-        self._stop_waiters: list[socket.socket] = []   # `hpkv stop` connections awaiting the outcome
+        self._stop_waiters: list["_Conn"] = []   # `hpkv stop` connections awaiting the outcome
         self.stop_outcome: dict[str, Any] = {}
         self.clients: dict[int, Client] = {}
         self.namespaces_by_fp: dict[str, Namespace] = {}
@@ -118,12 +221,24 @@ class Server:
         self._catalog_dirty = True
         self._last_client_seen = time.monotonic()
         self.storage: StorageTier | None = None
+        self._errors = RateLimitedLog(log)
+        self._releases: list[_Release] = []
+        self._lease_checked = 0.0
+        self._detached: dict[int, float] = {}      # namespace id -> when its last client left
+        self._hot_handlers = {P.LOOKUP: self._hot_lookup, P.RESERVE: self._hot_reserve,
+                              P.COMMIT: self._hot_commit, P.PIN: self._hot_pin,
+                              P.PROMOTE: self._hot_promote, P.UNPIN: self._hot_unpin}
 
     # ================================================================ life cycle
     def acquire_lock(self) -> None:
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        path = os.path.join(self.dir, P.LOCK_FILE)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        # The directory must be ours and closed to others (created 0700), and the lock file is
+        # opened through the verified directory without following a symlink.
+        dir_fd = open_private_dir(self.dir, "the pool directory (HPKV_SHARE_MEM_FILE_PATH)")
+        try:
+            fd = open_nofollow(dir_fd, P.LOCK_FILE, os.O_RDWR | os.O_CREAT)
+            self._share_with_group(dir_fd)
+        finally:
+            os.close(dir_fd)
         # `hpkv status` and hpkv-top probe the lock with a shared flock for microseconds:
         # retry briefly, so a monitor never makes a starting server give up.
         deadline = time.monotonic() + LOCK_RETRY_S
@@ -144,6 +259,16 @@ class Server:
             log.warning("took over the pool directory %s from pid %s, which exited without "
                         "cleaning up", self.dir, previous)
         self._remove_owned_files(startup=True)
+
+    def _share_with_group(self, target: int | str) -> None:
+        """HPKV_ALLOW_GROUP: let that group reach the socket (directory 0710, socket 0660, both
+        of that group); nobody but us can still write the directory."""
+        gid = self.cfg["HPKV_ALLOW_GROUP"]
+        if gid is None:
+            return
+        is_dir = isinstance(target, int)
+        os.chown(target, -1, gid)
+        os.chmod(target, 0o710 if is_dir else 0o660)
 
     def _remove_owned_files(self, startup: bool) -> None:
         removed = []
@@ -189,6 +314,7 @@ class Server:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(sock_path)
         os.chmod(sock_path, 0o600)
+        self._share_with_group(sock_path)
         self.listener.listen(64)
         self._publish_catalog()
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()
@@ -285,13 +411,17 @@ class Server:
         return {"pending": first, "written": written, "dropped": pending, "seconds": round(seconds, 3)}
 
     def _answer_stop_waiters(self) -> None:
+        """Give the control thread a moment to tell `hpkv stop` the outcome before shutting down."""
+        deadline = time.monotonic() + 2.0
+        while self._stop_waiters and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _reply_to_stop_waiters(self, sel) -> None:
         line = json.dumps({"ok": True, "stopped": True, **self.stop_outcome}).encode() + b"\n"
         with self.lock:
             waiters, self._stop_waiters = self._stop_waiters, []
         for conn in waiters:
-            with contextlib.suppress(OSError):
-                conn.settimeout(1.0)
-                conn.sendall(line)
+            self._send(sel, conn, line)
 
     def _reap_closed_clients(self) -> None:
         with self.lock:
@@ -325,8 +455,10 @@ class Server:
             except RingError as exc:
                 log.info("client %d: cannot answer (%s)", c.cid, exc)
 
-    def _keys(self, c: Client, n: int) -> list[bytes]:
-        if n > P.MAX_KEYS_PER_CALL:
+    def _keys(self, c: Client, n: int, answer_bytes_per_key: int = 0) -> list[bytes]:
+        """The call's keys from the mailbox; OverflowError when they, or the answer, would not
+        fit in their half of the mailbox (the answer of a world-W call is 8*W bytes a key)."""
+        if n > P.MAX_KEYS_PER_CALL or n * answer_bytes_per_key > P.MAILBOX_HALF:
             raise OverflowError
         return c.mbox[: n * KEY_BYTES].view(f"V{KEY_BYTES}").tolist()
 
@@ -343,144 +475,316 @@ class Server:
         self.doorbell.ring()  # requests it queued meanwhile are taken on the next round
 
     def _handle(self, c: Client, d) -> tuple[int | None, int, int]:
-        """One hot call; returns (status, a0, a1) for the completion, status None when parked."""
-        kind, ns_id, n = d.kind, d.a0, d.a1
+        """One hot call; returns (status, a0, a1) for the completion, status None when parked.
+
+        Never raises: whatever a descriptor or mailbox holds, the call is answered (an error
+        status, counted by the caller) and the server keeps serving."""
+        handler = self._hot_handlers.get(d.kind)
         try:
-            idx = self.index
-            out = c.mbox[P.MAILBOX_HALF:]
-            if kind == P.LOOKUP:
-                ns = idx.ns(ns_id)
-                if n > P.MAX_KEYS_PER_CALL:
-                    raise OverflowError
-                # The hot path: keys read and tiers written in place, in C.
-                hit = idx.present.prefix(c.mbox[: n * KEY_BYTES], n, out[:n])
-                tiers = out[:hit].tolist()
-                if hit < n and self.storage is not None:   # files the index has not seen yet
-                    hit = self.storage.extend_lookup(ns, self._keys(c, n), hit, tiers)
-                    out[:hit] = np.frombuffer(bytes(tiers), np.uint8)
-                idx.count_lookup(ns, n, tiers)
-                return 0, hit, 0
-            keys = self._keys(c, n)
-            if kind == P.RESERVE:
-                slots = idx.reserve(ns_id, keys, owner=c.cid)
-                flat = slots.reshape(-1)
-                out[: flat.nbytes] = flat.view(np.uint8)
-                return 0, slots.shape[1], 0
-            if kind == P.COMMIT:
-                if d.flags & P.FLAG_ABORT:
-                    idx.abort(keys)
-                    return 0, 0, 0
-                ready = idx.commit(ns_id, keys, rank=d.a2)
-                if ready and self.storage is not None:
-                    self.storage.spill(ready)               # write-through
-                return 0, len(ready), 0
-            if kind == P.PIN:
-                idx.ns(ns_id)
-                slots_per_key = idx.pin(keys)
-                world = idx.ns(ns_id).world_size
-                arr = np.full((n, world), -1, np.int64)
-                for i, s in enumerate(slots_per_key):
-                    if s is not None:
-                        arr[i] = s
-                    c.pins[keys[i]] += 1
-                idx.ns(ns_id).counters[NsCounter.LOADS_DRAM] += sum(s is not None for s in slots_per_key)
-                if self.storage is not None:
-                    self.storage.touch(keys)
-                out[: arr.nbytes] = arr.reshape(-1).view(np.uint8)
-                return 0, world, 0
-            if kind == P.PROMOTE:
-                ns = idx.ns(ns_id)
-                if self.storage is None:
-                    rows = np.full((n, ns.world_size), -1, np.int64)
-                    for i, s in enumerate(idx.pin(keys)):
-                        if s is not None:
-                            rows[i] = s
-                            c.pins[keys[i]] += 1
-                else:
-                    rows = self.storage.promote(c, d.seq, ns, keys, timeout=d.a2 / 1000.0)
-                    if rows is None:
-                        c.busy = True
-                        return None, 0, 0
-                out[: rows.nbytes] = rows.reshape(-1).view(np.uint8)
-                return 0, ns.world_size, 0
-            if kind == P.UNPIN:
-                held = [k for k in keys if c.pins.get(k, 0) > 0]   # never another client's pin
-                idx.unpin(held)
-                for k in held:
-                    c.pins[k] -= 1
-                    if c.pins[k] <= 0:
-                        del c.pins[k]
-                return 0, 0, 0
-            return P.E_BAD_REQUEST, 0, 0
+            if handler is None:
+                raise ValueError(f"unknown call kind {d.kind}")
+            return handler(c, d)
         except NoSuchNamespace:
             return P.E_NO_NAMESPACE, 0, 0
         except OverflowError:
             return P.E_TOO_MANY_KEYS, 0, 0
+        except NotOwner as exc:
+            self._errors.log(logging.WARNING, "not-owner", "client %d (pid %d): %s refused: %s",
+                             c.cid, c.pid, _kind_name(d.kind), exc)
+            return P.E_NOT_OWNER, 0, 0
+        except (ValueError, KeyError, TypeError, IndexError, MemoryError) as exc:
+            self._errors.log(logging.WARNING, "bad-call", "client %d (pid %d): bad %s call "
+                             "(a0=%d a1=%d a2=%d flags=%d): %s", c.cid, c.pid, _kind_name(d.kind),
+                             d.a0, d.a1, d.a2, d.flags, exc)
+            return P.E_BAD_REQUEST, 0, 0
+        except Exception:  # noqa: BLE001 - one call must never end the request loop
+            self._errors.log(logging.ERROR, "hot-internal", "client %d: %s call failed inside the "
+                             "server", c.cid, _kind_name(d.kind), exc_info=True)
+            return P.E_INTERNAL, 0, 0
         finally:
+            idx = self.index
             self.stats.glob[G.POOL_USED] = idx.alloc.used
             self.stats.glob[G.POOL_PINNED] = idx.pinned_bytes
             self.stats.glob[G.BLOCKS] = len(idx.blocks)
 
+    def _hot_lookup(self, c: Client, d) -> tuple[int, int, int]:
+        idx = self.index
+        ns = idx.ns(d.a0)
+        n = d.a1
+        if n > P.MAX_KEYS_PER_CALL:
+            raise OverflowError
+        out = c.mbox[P.MAILBOX_HALF:]
+        # The hot path: keys read and tiers written in place, in C.
+        hit = idx.present.prefix(c.mbox[: n * KEY_BYTES], n, out[:n])
+        tiers = out[:hit].tolist()
+        if self.storage is not None and (hit < n or Tier.STORAGE in tiers):
+            keys = self._keys(c, n)
+            if Tier.STORAGE in tiers:              # files deleted from outside are not hits
+                hit = self.storage.verify_lookup(ns, keys, hit, tiers)
+            if hit < n:                            # files the index has not seen yet
+                hit = self.storage.extend_lookup(ns, keys, hit, tiers)
+            out[:hit] = np.frombuffer(bytes(tiers), np.uint8)
+        idx.count_lookup(ns, n, tiers)
+        return 0, hit, 0
+
+    def _hot_reserve(self, c: Client, d) -> tuple[int, int, int]:
+        ns = self.index.ns(d.a0)
+        slots = self.index.reserve(ns.ns_id, self._keys(c, d.a1, 8 * ns.world_size), owner=c.cid)
+        flat = slots.reshape(-1)
+        c.mbox[P.MAILBOX_HALF: P.MAILBOX_HALF + flat.nbytes] = flat.view(np.uint8)
+        return 0, slots.shape[1], 0
+
+    def _hot_commit(self, c: Client, d) -> tuple[int, int, int]:
+        idx = self.index
+        ns = idx.ns(d.a0)
+        keys = self._keys(c, d.a1)
+        if d.flags & P.FLAG_ABORT:
+            # Only the owner, or a writer of the namespace (its copy failed), may abort; the
+            # slots are freed once no copy into them can still be running.
+            idx.check_owner(keys, c.cid, writer=any(n == ns.ns_id for n, _ in c.writer_ranks))
+            self._release_later(idx.retire(keys), [], grace=0.0)
+            return 0, 0, 0
+        rank = d.a2
+        if not 0 <= rank < ns.world_size:
+            raise ValueError(f"rank {rank} outside 0..{ns.world_size - 1} of namespace {ns.ns_id}")
+        idx.check_owner(keys, c.cid, writer=(ns.ns_id, rank) in c.writer_ranks)
+        ready = idx.commit(ns.ns_id, keys, rank=rank)
+        if ready and self.storage is not None:
+            self.storage.spill(ready)               # write-through
+        return 0, len(ready), 0
+
+    def _hot_pin(self, c: Client, d) -> tuple[int, int, int]:
+        idx = self.index
+        ns = idx.ns(d.a0)
+        world = ns.world_size
+        keys = self._keys(c, d.a1, 8 * world)
+        arr = np.full((len(keys), world), -1, np.int64)
+        pinned = 0
+        for i, s in enumerate(idx.pin(keys, owner=c.cid)):
+            if s is not None:
+                arr[i] = s
+                pinned += 1
+        ns.counters[NsCounter.LOADS_DRAM] += pinned
+        if self.storage is not None:
+            self.storage.touch(keys)
+        c.mbox[P.MAILBOX_HALF: P.MAILBOX_HALF + arr.nbytes] = arr.reshape(-1).view(np.uint8)
+        return 0, world, 0
+
+    def _hot_promote(self, c: Client, d) -> tuple[int | None, int, int]:
+        idx = self.index
+        ns = idx.ns(d.a0)
+        keys = self._keys(c, d.a1, 8 * ns.world_size)
+        if self.storage is None:
+            rows = np.full((len(keys), ns.world_size), -1, np.int64)
+            for i, s in enumerate(idx.pin(keys, owner=c.cid)):
+                if s is not None:
+                    rows[i] = s
+        else:
+            timeout = min(d.a2, MAX_PROMOTE_MS) / 1000.0   # the client waits no longer anyway
+            rows = self.storage.promote(c, d.seq, ns, keys, timeout=timeout)
+            if rows is None:
+                c.busy = True
+                return None, 0, 0
+        c.mbox[P.MAILBOX_HALF: P.MAILBOX_HALF + rows.nbytes] = rows.reshape(-1).view(np.uint8)
+        return 0, ns.world_size, 0
+
+    def _hot_unpin(self, c: Client, d) -> tuple[int, int, int]:
+        self.index.unpin(self._keys(c, d.a1), owner=c.cid)   # only pins this client holds
+        return 0, 0, 0
+
+    # ================================================================ deferred release
+    def _release_later(self, blocks: list, pins: list[bytes], grace: float) -> None:
+        """Free retired reservations and drop detached pins once every copy that could still
+        touch their slots has ended: every job queued on any transfer worker now has run (or
+        failed with its worker), and at least ``grace`` seconds passed (a dead scheduler's
+        worker may still submit the copy it was told to make)."""
+        if not blocks and not pins:
+            return
+        marks = [(w, w.mark()) for w in self.workers if w.kind == "transfer"]
+        rel = _Release(blocks, pins, marks, time.monotonic() + grace)
+        if not self._release_if_done(rel):
+            self._releases.append(rel)
+
+    def _release_if_done(self, rel: "_Release") -> bool:
+        if time.monotonic() < rel.not_before or not all(w.passed(m) for w, m in rel.marks):
+            return False
+        self.index.free_retired(rel.blocks)
+        self.index.drop_pins(rel.pins)
+        self.stats.glob[G.POOL_USED] = self.index.alloc.used
+        self.stats.glob[G.POOL_PINNED] = self.index.pinned_bytes
+        return True
+
+    def _release_due(self) -> None:
+        if self._releases:
+            self._releases = [r for r in self._releases if not self._release_if_done(r)]
+
+    def _expire_leases(self) -> None:
+        """Release pins and reservations older than HPKV_LEASE_S (a hung engine's)."""
+        lease = self.cfg["HPKV_LEASE_S"]
+        now = time.monotonic()
+        if not lease or now - self._lease_checked < min(1.0, lease / 4):
+            return
+        self._lease_checked = now
+        idx = self.index
+        keys = idx.expired_reservations(lease, now)
+        if keys:
+            self._errors.log(logging.WARNING, "lease-reservations", "%d reservation(s) not committed "
+                             "within HPKV_LEASE_S=%gs: released", len(keys), lease)
+            self._release_later(idx.retire(keys), [], grace=RETIRE_GRACE_S)
+        for owner, ks in idx.expired_pins(lease, now).items():
+            self._errors.log(logging.WARNING, "lease-pins", "client %d held %d pin(s) longer than "
+                             "HPKV_LEASE_S=%gs: released", owner, len(ks), lease)
+            self._release_later([], idx.take_pins(owner, ks), grace=RETIRE_GRACE_S)
+
     # ================================================================ control path
     def _control_loop(self) -> None:
+        """Accept, read and answer control connections without ever blocking on one client:
+        replies are buffered per connection and sent as the socket takes them; a client whose
+        line or unread replies grow past their caps is dropped with a log line."""
         import selectors
         sel = selectors.DefaultSelector()
         sel.register(self.listener, selectors.EVENT_READ, None)
-        buffers: dict[socket.socket, bytes] = {}
         while not self.down.is_set():
             try:
-                events = sel.select(timeout=0.5)
+                events = sel.select(timeout=0.1 if self.stopping else 0.5)
             except (OSError, ValueError):
                 return
-            for key, _ in events:
+            if self.stop_outcome and self._stop_waiters:
+                self._reply_to_stop_waiters(sel)
+            for key, mask in events:
                 if key.fileobj is self.listener:
-                    try:
-                        conn, _ = self.listener.accept()
-                    except OSError:
-                        continue
-                    conn.setblocking(False)
-                    buffers[conn] = b""
-                    sel.register(conn, selectors.EVENT_READ, {"client": None})
+                    self._accept(sel)
                     continue
-                conn = key.fileobj
-                state = key.data
+                conn: _Conn = key.data
                 try:
-                    chunk = conn.recv(65536)
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError:
-                    chunk = b""
-                if not chunk:
-                    sel.unregister(conn)
-                    buffers.pop(conn, None)
-                    if state["client"] is not None:
-                        with self.lock:
-                            self._drop_client(state["client"], reason="connection closed")
-                    conn.close()
-                    continue
-                buffers[conn] += chunk
-                while b"\n" in buffers[conn]:
-                    line, buffers[conn] = buffers[conn].split(b"\n", 1)
-                    reply = self._control_call(conn, state, line)
-                    if reply is None:     # answered later (a `hpkv stop` waiting for the outcome)
-                        continue
-                    try:
-                        conn.setblocking(True)
-                        conn.sendall(json.dumps(reply).encode() + b"\n")
-                        conn.setblocking(False)
-                    except OSError:
-                        pass
+                    if mask & selectors.EVENT_WRITE:
+                        self._flush(sel, conn)
+                    if mask & selectors.EVENT_READ and not conn.closed:
+                        self._read(sel, conn)
+                except Exception as exc:  # noqa: BLE001 - one connection must not end the thread
+                    self._errors.log(logging.ERROR, "control-conn", "control connection of pid %d "
+                                     "failed: %s", conn.pid, exc, exc_info=True)
+                    self._close_conn(sel, conn, f"connection error: {exc}")
 
-    def _control_call(self, conn: socket.socket, state: dict, line: bytes) -> dict[str, Any] | None:
+    def _accept(self, sel) -> None:
+        import selectors
+        try:
+            sock, _ = self.listener.accept()
+        except OSError:
+            return
+        try:
+            pid, uid, gid = peer_credentials(sock)
+        except OSError:
+            pid, uid, gid = 0, -1, -1
+        if not peer_allowed(pid, uid, gid, self.cfg["HPKV_ALLOW_GROUP"]):
+            self._errors.log(logging.WARNING, "peer-refused", "refused a connection from pid %d "
+                             "(uid %d, gid %d): only uid %d%s may connect", pid, uid, gid, os.geteuid(),
+                             f" and group {self.cfg['HPKV_ALLOW_GROUP']} (HPKV_ALLOW_GROUP)"
+                             if self.cfg["HPKV_ALLOW_GROUP"] is not None else
+                             " (HPKV_ALLOW_GROUP names a group that may too)")
+            with contextlib.suppress(OSError):
+                sock.setblocking(False)
+                sock.send(json.dumps({"ok": False, "error": f"uid {uid} may not use this hpkv "
+                                      f"server (see HPKV_ALLOW_GROUP)"}).encode() + b"\n")
+            sock.close()
+            return
+        sock.setblocking(False)
+        conn = _Conn(sock, pid, uid)
+        sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _read(self, sel, conn: "_Conn") -> None:
+        try:
+            chunk = conn.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._close_conn(sel, conn, "connection closed")
+            return
+        buf = conn.inbuf
+        start = 0
+        scan = len(buf)          # only the new bytes are searched: linear in what arrives
+        buf += chunk
+        while not conn.closed:
+            end = buf.find(b"\n", scan)
+            if end < 0:
+                break
+            line = bytes(buf[start:end])
+            start = scan = end + 1
+            reply = self._control_call(conn, line)
+            if reply is None:      # answered later: a `hpkv stop` waiting for the drain's outcome
+                continue
+            if not reply.get("ok"):
+                with self.lock:          # counted like a failed hot call
+                    self.stats.glob[G.ERRORS] += 1
+            self._send(sel, conn, json.dumps(reply).encode() + b"\n")
+        if conn.closed:
+            return
+        del buf[:start]
+        if len(buf) > MAX_CONTROL_LINE:
+            log.warning("client %s (pid %d) sent a control line longer than %d bytes: dropped",
+                        conn.client.cid if conn.client else "-", conn.pid, MAX_CONTROL_LINE)
+            self._close_conn(sel, conn, "control line too long")
+
+    def _send(self, sel, conn: "_Conn", data: bytes) -> None:
+        if conn.closed:
+            return
+        conn.out += data
+        if len(conn.out) > MAX_CONTROL_BACKLOG:
+            log.warning("client %s (pid %d) does not read its control replies (%d bytes unread): "
+                        "dropped", conn.client.cid if conn.client else "-", conn.pid, len(conn.out))
+            self._close_conn(sel, conn, "does not read its replies")
+            return
+        self._flush(sel, conn)
+
+    def _flush(self, sel, conn: "_Conn") -> None:
+        import selectors
+        if conn.closed:
+            return
+        while conn.out:
+            try:
+                n = conn.sock.send(conn.out)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self._close_conn(sel, conn, f"send failed: {exc}")
+                return
+            del conn.out[:n]
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
+        if want != conn.events:
+            conn.events = want
+            sel.modify(conn.sock, want, conn)
+
+    def _close_conn(self, sel, conn: "_Conn", reason: str) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            sel.unregister(conn.sock)
+        if conn.client is not None:
+            with self.lock:
+                self._drop_client(conn.client, reason=reason)
+        conn.sock.close()
+
+    def _control_call(self, conn: "_Conn", line: bytes) -> dict[str, Any]:
         try:
             msg = json.loads(line)
+            if not isinstance(msg, dict):
+                raise ValueError("a control call is a JSON object")
             op = msg.get("op")
             if op == "hello" and self.stopping:
                 return {"ok": False, "error": "the hpkv server is stopping (writing pending spills); "
                                              "connect again once it has exited"}
             if op == "hello":
-                c = self._add_client(conn, int(msg.get("pid", 0)), str(msg.get("name", "")))
-                state["client"] = c
+                if conn.client is not None:
+                    raise ValueError(f"this connection is client {conn.client.cid} already; "
+                                     "open a new connection for another client")
+                pid = msg.get("pid", conn.pid)
+                if not valid_pid(pid):
+                    raise ValueError(f"pid {pid!r} is not a process id (1..{PID_MAX})")
+                c = self._add_client(conn.sock, pid, str(msg.get("name", ""))[:MAX_NAME], conn.uid)
+                conn.client = c
                 return {"ok": True, "client_id": c.cid, "req": c.req.name, "resp": c.resp.name,
                         "mailbox": c.mbox_path, "pool": self.pool.path, "pool_size": self.pool.size,
                         "server_pid": os.getpid(), "storage": self.cfg.storage_path}
@@ -499,7 +803,7 @@ class Server:
                 self.stop_event.set()
                 self.doorbell.ring()
                 return None if msg.get("wait") else {"ok": True}
-            c = state["client"]
+            c = conn.client
             if c is None:
                 return {"ok": False, "error": f"call 'hello' before {op!r}"}
             with self.lock:
@@ -508,21 +812,23 @@ class Server:
                 if op == "register_device":
                     return self._register_device(c, msg)
                 if op == "clear":
-                    n = self.index.clear_namespace(int(msg["ns_id"]))
+                    ns_id = _int_arg(msg, "ns_id", 0, MAX_NS - 1)
+                    n = self.index.clear_namespace(ns_id)
                     log.info("client %d cleared namespace %s from the DRAM tier: %d blocks",
-                             c.cid, msg["ns_id"], n)
+                             c.cid, ns_id, n)
                     return {"ok": True, "dropped": n}
             return {"ok": False, "error": f"unknown op {op!r}"}
         except NoSuchNamespace as exc:
             return {"ok": False, "error": str(exc)}
-        except (ValueError, KeyError, TypeError) as exc:
-            log.warning("bad control call %r: %s", line[:200], exc)
+        except (ValueError, KeyError, TypeError, RecursionError, MemoryError) as exc:
+            self._errors.log(logging.WARNING, "bad-control", "bad control call from pid %d %r: %s",
+                             conn.pid, line[:200], exc)
             return {"ok": False, "error": f"bad request: {exc}"}
         except Exception as exc:  # noqa: BLE001 - a bad call must not kill the control thread
-            log.exception("control call failed")
+            self._errors.log(logging.ERROR, "control-internal", "control call failed", exc_info=True)
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
 
-    def _add_client(self, conn: socket.socket, pid: int, name: str) -> Client:
+    def _add_client(self, conn: socket.socket, pid: int, name: str, uid: int = -1) -> Client:
         with self.lock:
             cid = self._next_cid
             self._next_cid += 1
@@ -531,7 +837,11 @@ class Server:
         resp = Ring.create(self.dir, f"c{cid}.resp", capacity=P.RING_CAPACITY, role="producer")
         mbox_path = os.path.join(self.dir, f"c{cid}.mbox")
         mbox = np.frombuffer(shm.create(mbox_path, P.MAILBOX_BYTES), dtype=np.uint8)
-        c = Client(cid, pid, conn, req, resp, mbox_path, mbox, name=name)
+        c = Client(cid, pid, conn, req, resp, mbox_path, mbox, name=name, uid=uid)
+        if uid != os.geteuid():   # a member of HPKV_ALLOW_GROUP: it maps these files too
+            for path in (req.path, resp.path, mbox_path, self.pool.path, self.doorbell.path,
+                         self.stats.path):
+                self._share_with_group(path)
         with self.lock:
             self.clients[cid] = c
             self._last_client_seen = time.monotonic()
@@ -545,12 +855,8 @@ class Server:
         if not c.alive:
             return
         c.alive = False
-        if c.pins:
-            keys = [k for k, n in c.pins.items() for _ in range(n)]
-            self.index.unpin(keys)
-        aborted = self.index.abort_owner(c.cid)
-        if self.storage is not None:
-            self.storage.client_gone(c)
+        # Its devices' workers stop first: then no copy of theirs is running, and the pins and
+        # reservations below wait only for copies other clients' workers may still make.
         for dev in c.devices:
             for w in dev.workers:
                 w.stop()
@@ -561,70 +867,116 @@ class Server:
                 if pid is not None and os.path.dirname(region["path"]) == self.dir and not pid_alive(pid):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(region["path"])
+        pins = self.index.take_pins(c.cid)
+        retired = self.index.retire(self.index.owned_reservations(c.cid))
+        if self.storage is not None:
+            self.storage.client_gone(c)
+        self._release_later(retired, pins, grace=RETIRE_GRACE_S)
         # The request loop may be waiting on the doorbell that watches c.req: it
         # closes the rings itself (_reap_closed_clients), never another thread.
         self._closing.append(c)
         self.doorbell.ring()
         self.clients.pop(c.cid, None)
+        for ns_id in c.namespaces:
+            if not any(ns_id in o.namespaces for o in self.clients.values()):
+                self._detached[ns_id] = time.monotonic()   # reclaimable when an id is needed
         self._last_client_seen = time.monotonic()
         self.stats.glob[G.CLIENTS] = len(self.clients)
         self._catalog_dirty = True
         log.info("client %d (pid %d) detached: %s; released %d pins, %d reservations",
-                 c.cid, c.pid, reason, sum(c.pins.values()), aborted)
+                 c.cid, c.pid, reason, len(pins), len(retired))
 
     def _attach_namespace(self, c: Client, msg: dict[str, Any]) -> dict[str, Any]:
-        fp = str(msg["fingerprint"])
-        world = int(msg["world_size"])
-        shard = int(msg["shard_bytes"])
-        if world < 1 or world > 62 or shard <= 0:
-            raise ValueError(f"world_size {world} must be 1..62 and shard_bytes {shard} > 0")
+        # Everything is checked before anything is registered: a refused call leaves no trace.
+        fp = msg["fingerprint"]
+        if not isinstance(fp, str) or not _FINGERPRINT_RE.fullmatch(fp):
+            raise ValueError(f"namespace fingerprint {str(fp)[:80]!r} is not {2 * KEY_BYTES} lowercase "
+                             f"hex digits; compute it with hpkv.engine.keys.namespace_fingerprint")
+        world = _int_arg(msg, "world_size", 1, 62)
+        shard = _int_arg(msg, "shard_bytes", 1, self.pool.size)
+        block_tokens = _int_arg(msg, "block_tokens", 0, 1 << 31, default=0)
+        rank = _int_arg(msg, "rank", 0, world - 1, default=None)
+        name = str(msg.get("name") or fp[:12])[:MAX_NAME]
         ns = self.namespaces_by_fp.get(fp)
         if ns is None:
-            ns_id = len(self.namespaces_by_fp)
-            if ns_id >= MAX_NS:
-                raise ValueError(f"more than {MAX_NS} namespaces attached")
-            ns = Namespace(ns_id, str(msg.get("name", fp[:12])), fp, world, shard,
-                           block_tokens=int(msg.get("block_tokens", 0)),
+            ns_id = self._free_ns_id()
+            self.stats.ns[ns_id, :] = 0
+            ns = Namespace(ns_id, name, fp, world, shard, block_tokens=block_tokens,
                            counters=self.stats.ns[ns_id, :NS_COUNTERS])
-            self.namespaces_by_fp[fp] = ns
-            self.index.add_namespace(ns)
             if self.storage is not None:
                 self.storage.attach_namespace(ns)
+            self.index.add_namespace(ns)
+            self.namespaces_by_fp[fp] = ns
             log.info("namespace %d %s: %s, %d rank(s), %s per shard", ns_id, fp[:12], ns.name,
                      world, format_size(shard))
         elif (ns.world_size, ns.shard_bytes) != (world, shard):
             raise ValueError(f"namespace {fp} is attached with world_size {ns.world_size} and "
                              f"shard_bytes {ns.shard_bytes}, not {world} and {shard}")
+        self._detached.pop(ns.ns_id, None)
         c.namespaces.add(ns.ns_id)
-        if "rank" in msg:
-            c.ranks.add(int(msg["rank"]))
+        if rank is not None:
+            c.ranks.add(rank)
+            c.writer_ranks.add((ns.ns_id, rank))
         self._catalog_dirty = True
         return {"ok": True, "ns_id": ns.ns_id, "slot_bytes": ns.slot_bytes, "slot_unit": P.SLOT_UNIT}
 
+    def _free_ns_id(self) -> int:
+        """The lowest unused namespace id; when all are taken, the one detached longest ago
+        (no client attached) is released: its DRAM blocks are dropped, its files stay."""
+        used = set(self.index.namespaces)
+        for i in range(MAX_NS):
+            if i not in used:
+                return i
+        for ns_id, since in sorted(self._detached.items(), key=lambda kv: kv[1]):
+            ns = self.index.namespaces.get(ns_id)
+            if ns is None or any(ns_id in o.namespaces for o in self.clients.values()):
+                self._detached.pop(ns_id, None)
+                continue
+            if not self.index.drop_namespace(ns):
+                continue                  # pinned, reserved or in IO: not now
+            if self.storage is not None:
+                self.storage.detach_namespace(ns)
+            del self.namespaces_by_fp[ns.fingerprint]
+            self._detached.pop(ns_id, None)
+            log.info("namespace %d %s (%s) released: no client attached for %.0fs and its id is "
+                     "needed", ns_id, ns.fingerprint[:12], ns.name, time.monotonic() - since)
+            return ns_id
+        raise ValueError(f"{MAX_NS} namespaces are attached by live clients (or busy); no id is free")
+
     def _register_device(self, c: Client, msg: dict[str, Any]) -> dict[str, Any]:
-        ns = self.index.ns(int(msg["ns_id"]))
+        ns = self.index.ns(_int_arg(msg, "ns_id", 0, MAX_NS - 1))
+        rank = _int_arg(msg, "rank", 0, ns.world_size - 1, default=0)
+        layout = validate_device(msg, ns.slot_bytes, allowed_uids={os.geteuid(), c.uid})
         n_workers = self.cfg["HPKV_NUM_TRANSFER_WORKERS"]
+        device = str(msg.get("device", "cpu"))[:MAX_NAME]
+        numa = msg.get("numa_node")
+        numa = numa if isinstance(numa, int) and not isinstance(numa, bool) and -1 <= numa < 4096 else None
+        if MAX_WORKERS - len(self.workers) < n_workers:
+            raise ValueError(f"no room for {n_workers} more workers (at most {MAX_WORKERS})")
         dev_id = self._next_dev
         self._next_dev += 1
-        node, cpus = device_cpus(msg.get("device", "cpu"), msg.get("numa_node"))
-        spec = {k: msg[k] for k in ("regions", "layer_bases", "block_stride", "page_bytes",
-                                    "num_blocks")}
+        node, cpus = device_cpus(device, numa)
+        spec = dict(layout)
         spec.update(pool=self.pool.path, slot_bytes=ns.slot_bytes, numa_node=node, cpus=cpus,
                     stats_dir=self.dir, log_level=self.cfg["HPKV_LOG_LEVEL"])
-        dev = Device(dev_id, c.cid, ns.ns_id, int(msg.get("rank", 0)), spec)
+        dev = Device(dev_id, c.cid, ns.ns_id, rank, spec)
         answer = []
         for j in range(n_workers):
             slot = self._free_worker_slot()
             base = f"c{c.cid}.d{dev_id}.w{j}"
-            w = WorkerProcess.start_transfer(self.dir, base, slot, spec, device=str(msg.get("device", "cpu")),
-                                             stats=self.stats)
+            w = WorkerProcess.start_transfer(self.dir, base, slot, spec, device=device, stats=self.stats)
+            if c.uid != os.geteuid():
+                for name in (w.req_name, w.resp_name):
+                    self._share_with_group(os.path.join(self.dir, name + ".ring"))
+                self._share_with_group(w.jobs_path)
             dev.workers.append(w)
             self.workers.append(w)
             answer.append({"req": w.req_name, "resp": w.resp_name, "jobs": w.jobs_path})
         c.devices.append(dev)
+        c.writer_ranks.add((ns.ns_id, rank))
         self._catalog_dirty = True
         log.info("client %d registered device %s (rank %d, NUMA node %s, CPUs %s): %d transfer worker(s)",
-                 c.cid, msg.get("device", "cpu"), dev.rank, node, _cpu_list(cpus), n_workers)
+                 c.cid, device, dev.rank, node, _cpu_list(cpus), n_workers)
         return {"ok": True, "device_id": dev_id, "workers": answer}
 
     def _free_worker_slot(self) -> int:
@@ -652,12 +1004,15 @@ class Server:
                 if w.kind == "io" and self.storage is not None:
                     self.storage.worker_died(w)    # the request loop recovers and restarts it
                 else:
-                    self.stats.glob[G.WORKER_RESTARTS] += 1
-                    w.fail_pending_and_restart()
+                    before = w.restarts
+                    w.fail_pending_and_restart()   # or a back-off delay, if it keeps failing
+                    self.stats.glob[G.WORKER_RESTARTS] += w.restarts - before
                     self._catalog_dirty = True
             for c in list(self.clients.values()):
                 if c.alive and not pid_alive(c.pid):
                     self._drop_client(c, reason=f"process {c.pid} exited")
+            self._expire_leases()
+            self._release_due()
             if self.storage is not None and self.storage.catalog_dirty:
                 self.storage.catalog_dirty = False
                 self._catalog_dirty = True

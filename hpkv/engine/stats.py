@@ -96,6 +96,7 @@ class WorkerState(IntEnum):
     RUNNING = 2
     DEAD = 3
     STOPPED = 4
+    BACKOFF = 5     # died soon after starting: restarted after a growing delay
 
 
 _OFF_GLOBAL = HEADER_SLOTS

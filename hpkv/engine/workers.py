@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 from hpkv.engine import protocol as P
@@ -23,6 +24,22 @@ from hpkv.engine.stats import StatsSegment, W, WorkerState
 from hpkv.ring import Doorbell, Ring, RingError
 
 log = logging.getLogger("hpkv.workers")
+
+# A worker that dies within STABLE_S of its start is crash-looping (a layout it rejects, a
+# broken installation): its next start waits BACKOFF_S[0], doubling up to BACKOFF_S[1].
+STABLE_S = 10.0
+BACKOFF_S = (0.5, 30.0)
+
+
+def ring_counts(directory: str, name: str) -> tuple[int, int] | None:
+    """(descriptors ever pushed, ever popped) of ring file ``name``; None if unreadable."""
+    from hpkv.native import ffi, lib
+
+    pushed = ffi.new("uint64_t *")
+    popped = ffi.new("uint64_t *")
+    if lib.hpkv_ring_peek_counts(os.path.join(directory, name + ".ring").encode(), pushed, popped) != 0:
+        return None
+    return int(pushed[0]), int(popped[0])
 
 
 def numa_nodes() -> list[int]:
@@ -85,6 +102,12 @@ class WorkerProcess:
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self._stopping = False
+        self.incarnation = 0              # bumped by every (re)start: a barrier mark is per incarnation
+        self._popped_at_spawn = 0         # request-ring pops and JOBS when this incarnation started
+        self._jobs_at_spawn = 0
+        self._started_at = 0.0
+        self._backoff = BACKOFF_S[0]
+        self.restart_at: float | None = None   # in back-off: when the next start is due
 
     # ------------------------------------------------------------ start / stop
     @classmethod
@@ -119,7 +142,15 @@ class WorkerProcess:
 
     def respawn(self) -> None:
         """Start a replacement of a dead worker on the same rings (its jobs are the caller's)."""
+        was_running = self.stats.workers[self.slot][W.STATE] == WorkerState.RUNNING
         self.stats.workers[self.slot][W.STATE] = WorkerState.DEAD
+        if self.restart_at is None and self._crash_looping(was_running):
+            self.stats.workers[self.slot][W.STATE] = WorkerState.BACKOFF
+            log.error("%s worker %s (pid %s) died %.1fs after its start (exit status %s); next start in "
+                      "%.1fs", self.kind, self.base, self.proc.pid if self.proc else "?",
+                      time.monotonic() - self._started_at, self.proc.returncode if self.proc else None,
+                      self.restart_at - time.monotonic())
+            return
         self.restarts += 1
         log.error("%s worker %s (pid %s) died (exit status %s); restarting (restart %d)", self.kind,
                   self.base, self.proc.pid if self.proc else "?",
@@ -130,6 +161,12 @@ class WorkerProcess:
         row = self.stats.workers[self.slot]
         row[W.STATE] = WorkerState.STARTING
         row[W.INFLIGHT_SEQ] = 0
+        self.restart_at = None
+        self.incarnation += 1
+        counts = ring_counts(self.dir, self.req_name)
+        self._popped_at_spawn = counts[1] if counts else 0
+        self._jobs_at_spawn = int(row[W.JOBS])
+        self._started_at = time.monotonic()
         args = {**self.spec, "dir": self.dir, "req": self.req_name, "resp": self.resp_name,
                 "jobs": self.jobs_path, "slot": self.slot}
         self.proc = subprocess.Popen(
@@ -165,11 +202,36 @@ class WorkerProcess:
 
     # ------------------------------------------------------------ supervision
     def poll_dead(self) -> bool:
-        return not self._stopping and self.proc is not None and self.proc.poll() is not None
+        """Dead and due for a restart (not while a back-off delay runs)."""
+        if self._stopping or self.proc is None or self.proc.poll() is None:
+            return False
+        return self.restart_at is None or time.monotonic() >= self.restart_at
+
+    # ------------------------------------------------------------ barriers (transfer workers)
+    def mark(self) -> tuple[int, int] | None:
+        """A point in this worker's job stream: every job pushed so far. None when the worker
+        cannot run anything pushed so far (stopped, or dead: its queue is failed at restart)."""
+        if self._stopping or self.proc is None or self.proc.poll() is not None:
+            return None
+        counts = ring_counts(self.dir, self.req_name)
+        if counts is None:
+            return None
+        return self.incarnation, counts[0] - self._popped_at_spawn
+
+    def passed(self, mark: tuple[int, int] | None) -> bool:
+        """Has every job pushed before ``mark`` finished (executed, or failed by a restart)?
+        The worker counts JOBS after a job's copy ended, so this never says yes early."""
+        if mark is None or self._stopping or self.proc is None or self.proc.poll() is not None:
+            return True
+        incarnation, target = mark
+        if incarnation != self.incarnation:
+            return True
+        return int(self.stats.workers[self.slot][W.JOBS]) - self._jobs_at_spawn >= target
 
     def fail_pending_and_restart(self) -> None:
         row = self.stats.workers[self.slot]
         rc = self.proc.returncode if self.proc else None
+        was_running = row[W.STATE] == WorkerState.RUNNING
         row[W.STATE] = WorkerState.DEAD
         inflight = int(row[W.INFLIGHT_SEQ])
         failed = 0
@@ -190,16 +252,37 @@ class WorkerProcess:
             log.error("worker %s: cannot fail its pending jobs (%s); the client will time them out",
                       self.base, exc)
         row[W.JOBS_FAILED] += failed
+        if self.restart_at is None and self._crash_looping(was_running):
+            row[W.STATE] = WorkerState.BACKOFF
+            log.error("%s worker %s (pid %s) died %.1fs after its start (exit status %s); %d job(s) "
+                      "reported failed; next start in %.1fs (see its log lines above)", self.kind,
+                      self.base, self.proc.pid if self.proc else "?",
+                      time.monotonic() - self._started_at, rc, failed, self.restart_at - time.monotonic())
+            return
         self.restarts += 1
         log.error("%s worker %s (pid %s) died (exit status %s); %d job(s) reported failed; restarting "
                   "(restart %d)", self.kind, self.base, self.proc.pid if self.proc else "?", rc, failed,
                   self.restarts)
         self._spawn()
 
+    def _crash_looping(self, was_running: bool) -> bool:
+        """Died during its start-up, or crashed soon after it (not killed from outside): set
+        ``restart_at`` (a growing delay) and say so."""
+        rc = self.proc.returncode if self.proc else None
+        killed = rc in (-signal.SIGKILL, -signal.SIGTERM)
+        if was_running and (killed or time.monotonic() - self._started_at >= STABLE_S):
+            self._backoff = BACKOFF_S[0]
+            return False
+        self.restart_at = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, BACKOFF_S[1])
+        return True
+
     def describe(self) -> dict[str, Any]:
         return {"slot": self.slot, "kind": self.kind, "name": self.base, "device": self.device,
                 "numa_node": self.spec.get("numa_node"), "cpus": self.spec.get("cpus", []),
-                "restarts": self.restarts, "rings": [self.req_name, self.resp_name]}
+                "restarts": self.restarts, "rings": [self.req_name, self.resp_name],
+                "backoff_s": round(max(0.0, self.restart_at - time.monotonic()), 1)
+                if self.restart_at is not None else 0.0}
 
 
 def set_memory_node(node: int) -> str:

@@ -26,7 +26,9 @@ a few hundred entries per million blocks. A file is written as
 ``.<keyhex>-r<rank>.kv.<host>.<pid>.tmp`` in the same directory and renamed into
 place, so no reader ever sees a partial file; the host and pid in the temporary name
 tell which writer left it behind if one dies. Corrupt files are moved to
-``<storage>/quarantine/``.
+``<storage>/quarantine/`` (the server keeps it bounded). Files are created 0600 and
+directories 0700, whatever the umask: a KV file holds a prompt's KV, readable only by
+the user who runs hpkv.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from typing import NamedTuple
 
 from hpkv.engine.keys import FORMAT_VERSION, KEY_BYTES
 from hpkv.io_workers.checksum import crc32c
+from hpkv.security import PRIVATE_FILE_MODE, makedirs_private
 
 MAGIC = b"HPKVBLK1"
 HEADER_BYTES = 4096
@@ -239,16 +242,16 @@ class KvFileIO:
         for attempt in range(2):
             try:
                 try:
-                    return os.open(tmp, flags | self._flags(), 0o644)
+                    return os.open(tmp, flags | self._flags(), PRIVATE_FILE_MODE)
                 except OSError as exc:
                     if exc.errno != errno.EINVAL or not self.o_direct:
                         raise
                     self._fall_back()
-                    return os.open(tmp, flags | self._flags(), 0o644)
+                    return os.open(tmp, flags | self._flags(), PRIVATE_FILE_MODE)
             except FileNotFoundError:
                 if attempt:
                     raise
-                os.makedirs(os.path.dirname(tmp), exist_ok=True)
+                makedirs_private(os.path.dirname(tmp))   # 0700 whatever the umask
         raise AssertionError("unreachable")
 
     def read(self, fingerprint: str, block: BlockId, offset: int, length: int) -> int:
@@ -307,7 +310,7 @@ class KvFileIO:
         """Move the block's file out of the way; returns where it went."""
         final = file_path(self.root, fingerprint, block.key, block.rank)
         dest = quarantine_path(self.root, final)
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        makedirs_private(os.path.dirname(dest))
         os.rename(final, dest)
         return dest
 

@@ -13,10 +13,10 @@ class RateLimitedLog:
     def __init__(self, logger: logging.Logger, interval: float = 10.0):
         self.logger = logger
         self.interval = interval
-        self._last: dict[str, float] = {}
+        self._last: dict[str, float] = {}   # kinds are a fixed set: never pruned
         self._suppressed: dict[str, int] = {}
 
-    def log(self, level: int, kind: str, msg: str, *args: object) -> None:
+    def log(self, level: int, kind: str, msg: str, *args: object, exc_info: bool = False) -> None:
         now = time.monotonic()
         last = self._last.get(kind)
         if last is not None and now - last < self.interval:
@@ -26,4 +26,4 @@ class RateLimitedLog:
         n = self._suppressed.pop(kind, 0)
         if n:
             msg += f" ({n} more like it in the last {now - last:.0f}s not logged)"
-        self.logger.log(level, msg, *args)
+        self.logger.log(level, msg, *args, exc_info=exc_info)

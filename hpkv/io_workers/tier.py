@@ -50,6 +50,7 @@ from hpkv.io_workers.probe import DirectIoProbe, probe_o_direct, virtio_disk
 from hpkv.io_workers.ratelimit import RateLimitedLog
 from hpkv.proc import pid_alive
 from hpkv.ring import Doorbell, Ring, RingError
+from hpkv.security import ensure_private_dir, makedirs_private
 
 if TYPE_CHECKING:
     from hpkv.engine.server import Client
@@ -66,6 +67,10 @@ ENOSPC_BACKOFF_S = (1.0, 30.0)
 MAX_SPILL_ATTEMPTS = 3            # for errors other than ENOSPC / a dead worker
 MAX_RETRY_BLOCKS = 100_000
 STALE_TMP_AGE_S = 3600.0          # another host's temporary file older than this is abandoned
+VERIFY_TTL_S = 2.0                # a storage hit's files are stat-ed again at most this often
+QUARANTINE_MAX_FILES = 1000       # corrupt files kept for inspection: the newest this many ...
+QUARANTINE_MAX_AGE_S = 7 * 86400  # ... and none older than a week
+QUARANTINE_CHECK_S = 60.0
 
 
 # ------------------------------------------------------------------ job bookkeeping
@@ -164,7 +169,12 @@ class StorageTier:
     def start(self, slots: list[int]) -> list[WorkerProcess]:
         """Probe O_DIRECT, start the IO workers (one per stats row in ``slots``, see
         ``HPKV_NUM_IO_WORKERS``) and the maintenance thread; returns the workers."""
-        os.makedirs(os.path.join(self.root, kvfile.QUARANTINE_DIR), exist_ok=True)
+        # KV files hold prompts: the root must be this user's and closed to writers (0700 when
+        # hpkv creates it); everything under it is created 0700 / 0600.
+        ensure_private_dir(self.root, "the storage directory (HPKV_KV_STORAGE_PATH)")
+        makedirs_private(os.path.join(self.root, kvfile.QUARANTINE_DIR))
+        self._quarantine_checked = 0.0
+        self._clean_quarantine()
         self.probe = probe_o_direct(self.root)
         self.o_direct_reason = self.probe.reason
         (log.info if self.probe.ok else log.warning)("%s", self.probe.describe(self.root))
@@ -217,14 +227,59 @@ class StorageTier:
     def attach_namespace(self, ns: Namespace) -> None:
         """Start learning the namespace's files: a background scan (stat on miss covers the rest)."""
         self._ns_raw[ns.ns_id] = kvfile.fingerprint_bytes(ns.fingerprint)
-        if ns.ns_id in self._scans:
+        old = self._scans.get(ns.ns_id)
+        if old is not None and old.name == f"scan-ns{ns.ns_id}-{id(ns)}":
             return
         self.scan_done[ns.ns_id] = False
-        t = threading.Thread(target=self._scan, args=(ns,), name=f"scan-ns{ns.ns_id}", daemon=True)
+        t = threading.Thread(target=self._scan, args=(ns,), name=f"scan-ns{ns.ns_id}-{id(ns)}", daemon=True)
         self._scans[ns.ns_id] = t
         t.start()
 
+    def detach_namespace(self, ns: Namespace) -> None:
+        """The server released ``ns`` (its id will be reused): stop its scan and forget its
+        catalog entries (the files stay; a later attach scans them again)."""
+        ns.released = True
+        self._ns_raw.pop(ns.ns_id, None)
+        self._scans.pop(ns.ns_id, None)
+        self.scan_done.pop(ns.ns_id, None)
+        for key in [k for k, n in self._lru.items() if n is ns]:
+            del self._lru[key]
+            self.files -= ns.world_size
+            self.bytes -= ns.world_size * kvfile.file_size(ns.shard_bytes)
+        self._publish()
+
     # ================================================================ hot path (request loop, lock held)
+    def verify_lookup(self, ns: Namespace, keys: list[bytes], hit: int, tiers: list[int]) -> int:
+        """Cut a lookup's prefix at the first storage hit whose files are gone (deleted from
+        outside): the index forgets it, so no load is promised that a promote cannot keep.
+        Each block is stat-ed at most every VERIFY_TTL_S."""
+        now = time.monotonic()
+        for i in range(hit):
+            if tiers[i] != 2:
+                continue
+            b = self.index.blocks.get(keys[i])
+            if b is None or b.state != State.STORED or now - b.verified < VERIFY_TTL_S:
+                continue
+            if self._files_exist(ns, keys[i]):
+                b.verified = now
+                continue
+            self._forget(keys[i])
+            del tiers[i:]
+            return i
+        return hit
+
+    def _files_exist(self, ns: Namespace, key: bytes) -> bool:
+        want = kvfile.file_size(ns.shard_bytes)
+        for rank in range(ns.world_size):
+            try:
+                if os.stat(kvfile.file_path(self.root, ns.fingerprint, key, rank)).st_size != want:
+                    return False
+            except FileNotFoundError:
+                return False
+            except OSError:
+                return True          # an IO error is not proof it is gone: the promote will tell
+        return True
+
     def extend_lookup(self, ns: Namespace, keys: list[bytes], hit: int, tiers: list[int]) -> int:
         """Continue a lookup's prefix past keys the index does not know but whose files exist
         (scan not there yet, or written by another server on the same storage); extends ``tiers``."""
@@ -274,8 +329,7 @@ class StorageTier:
             if b is None or b.ns is not ns:
                 continue
             if b.state == State.READY:
-                rows[i] = idx.pin([k])[0]
-                c.pins[k] += 1
+                rows[i] = idx.pin([k], owner=c.cid)[0]
                 dram += 1
                 self._touch(k)
             elif b.state == State.PROMOTING:
@@ -519,8 +573,7 @@ class StorageTier:
         loaded = 0
         for call, row in op.waiters:
             if ok and not call.done and call.client.alive:
-                call.rows[row] = self.index.pin([key])[0]
-                call.client.pins[key] += 1
+                call.rows[row] = self.index.pin([key], owner=call.client.cid)[0]
                 loaded += 1
             call.outstanding -= 1
             if call.outstanding == 0 and not call.done:
@@ -633,6 +686,8 @@ class StorageTier:
                     complete = [k for k, mask in ranks.items() if mask == full]
                     for i in range(0, len(complete), SCAN_BATCH):
                         with self.lock:
+                            if ns.released:
+                                return
                             for k in complete[i: i + SCAN_BATCH]:
                                 if k in self._lru or k in self._deleting:
                                     continue
@@ -683,6 +738,8 @@ class StorageTier:
             try:
                 self._check_free_space()
                 self._evict_over_capacity()
+                if time.monotonic() - self._quarantine_checked > QUARANTINE_CHECK_S:
+                    self._clean_quarantine()
             except Exception:  # noqa: BLE001 - maintenance must keep running
                 log.exception("storage maintenance step failed")
 
@@ -740,6 +797,25 @@ class StorageTier:
             self.g[G.STORAGE_EVICTED_FILES] += removed
         log.debug("capacity limit: evicted %d block(s), %d file(s)", len(victims), removed)
 
+    def _clean_quarantine(self) -> None:
+        """Keep the quarantine bounded: the newest QUARANTINE_MAX_FILES files, none older
+        than QUARANTINE_MAX_AGE_S (maintenance thread, no lock needed)."""
+        self._quarantine_checked = time.monotonic()
+        qdir = os.path.join(self.root, kvfile.QUARANTINE_DIR)
+        entries = []
+        for e in _entries(qdir):
+            with _suppress_os():
+                if e.is_file(follow_symlinks=False) or e.is_symlink():
+                    entries.append((e.stat(follow_symlinks=False).st_mtime, e.path))
+        entries.sort(reverse=True)
+        now = time.time()
+        doomed = [p for i, (mtime, p) in enumerate(entries)
+                  if i >= QUARANTINE_MAX_FILES or now - mtime > QUARANTINE_MAX_AGE_S]
+        removed = sum(self._unlink_quietly(p) for p in doomed)
+        if removed:
+            log.info("quarantine %s: removed %d old corrupt file(s) (keeps the newest %d, none older "
+                     "than %d days)", qdir, removed, QUARANTINE_MAX_FILES, QUARANTINE_MAX_AGE_S // 86400)
+
     def _unlink_quietly(self, path: str) -> bool:
         try:
             os.unlink(path)
@@ -750,6 +826,14 @@ class StorageTier:
             self.g[G.STORAGE_IO_ERRORS] += 1
             self._io_error("unlink", exc.errno or errno.EIO, path)
             return False
+
+
+class _suppress_os:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ, exc, tb) -> bool:
+        return typ is not None and issubclass(typ, OSError)
 
 
 def _subdirs(path: str) -> list[str]:

@@ -406,7 +406,7 @@ def _workers(view: View, width: int) -> Section:
     ]
     workers = s.get("workers", [])
     head, rows = table(cols, workers, width)
-    styled = [(r, "warn" if w.get("state") == "dead" else "text") for r, w in zip(rows, workers)]
+    styled = [(r, "warn" if w.get("state") in ("dead", "backoff") else "text") for r, w in zip(rows, workers)]
     return Section((head, "head"), styled or [("(no worker: no device registered yet)", "dim")], "workers")
 
 

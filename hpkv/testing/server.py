@@ -128,3 +128,24 @@ class ServerProcess:
 
     def __exit__(self, *exc: Any) -> None:
         self.cleanup()
+
+
+def assert_serves_correctly(srv: ServerProcess, timeout: float = 10.0) -> None:
+    """A well-behaved client gets right answers from ``srv``: reserve, commit, lookup, pin,
+    unpin on fresh keys of a fresh namespace (for tests that first throw garbage at it)."""
+    from hpkv.engine.client import connect
+    from hpkv.engine.keys import block_keys, namespace_fingerprint
+
+    assert srv.proc is not None and srv.proc.poll() is None, "the server died"
+    fp = namespace_fingerprint({"model": "well-behaved", "t": time.monotonic_ns()})
+    with connect(srv.cfg, spawn=False, call_timeout=timeout) as c:
+        ns = c.attach_namespace(fp, 1, 8192)
+        keys = block_keys(fp, [b"ok-%d" % i for i in range(4)])
+        slots = c.reserve(ns.ns_id, keys)
+        assert (slots >= 0).all() and len(set(slots[:, 0])) == 4, slots
+        assert c.commit(ns.ns_id, keys) == 4
+        assert c.lookup(ns.ns_id, keys) == (4, [1] * 4)
+        assert (c.pin(ns.ns_id, keys) == slots).all()
+        c.unpin(ns.ns_id, keys)
+    assert srv.proc.poll() is None, "the server died"
+
