@@ -156,11 +156,28 @@ class HpkvClient:
             hit, _ = self._rpc(P.LOOKUP, ns_id, keys)
             return hit, self._mbox[P.MAILBOX_HALF: P.MAILBOX_HALF + hit].tolist()
 
+    def _batches(self, ns_id: int, keys: Sequence[bytes]) -> list[Sequence[bytes]]:
+        """Split a reserve/pin/promote whose answer (8 bytes per rank per key) would not fit
+        the mailbox: at world sizes above 16 fewer than MAX_KEYS_PER_CALL keys fit."""
+        ns = self._namespaces.get(ns_id)
+        per = P.max_keys_per_call(ns.world_size) if ns else P.MAX_KEYS_PER_CALL
+        if len(keys) <= per:
+            return [keys]
+        return [keys[i: i + per] for i in range(0, len(keys), per)]
+
+    def _rows(self, kind: int, ns_id: int, keys: Sequence[bytes], a2: int = 0,
+              timeout: float | None = None) -> np.ndarray:
+        out = []
+        world = 1
+        for batch in self._batches(ns_id, keys):
+            world, _ = self._rpc(kind, ns_id, batch, a2, timeout=timeout)
+            out.append(self._answer(len(batch), world))
+        return np.concatenate(out) if len(out) > 1 else (out[0] if out else np.empty((0, world), np.int64))
+
     def reserve(self, ns_id: int, keys: Sequence[bytes]) -> np.ndarray:
         """Pool byte offsets ``[len(keys), world]``; -1 = already there, -2 = pool full."""
         with self._hot_lock:
-            world, _ = self._rpc(P.RESERVE, ns_id, keys)
-            return self._answer(len(keys), world)
+            return self._rows(P.RESERVE, ns_id, keys)
 
     def commit(self, ns_id: int, keys: Sequence[bytes], rank: int = 0) -> int:
         with self._hot_lock:
@@ -174,8 +191,7 @@ class HpkvClient:
     def pin(self, ns_id: int, keys: Sequence[bytes]) -> np.ndarray:
         """Pin keys; pool offsets ``[len(keys), world]`` (-1 where not in DRAM)."""
         with self._hot_lock:
-            world, _ = self._rpc(P.PIN, ns_id, keys)
-            return self._answer(len(keys), world)
+            return self._rows(P.PIN, ns_id, keys)
 
     def promote(self, ns_id: int, keys: Sequence[bytes], timeout: float | None = None) -> np.ndarray:
         """Load blocks into the pool and pin them, like :meth:`pin`: pool offsets ``[len(keys), world]``.
@@ -192,9 +208,8 @@ class HpkvClient:
             ns = self._namespaces.get(ns_id)
             timeout = promote_timeout(len(keys) * ns.slot_bytes * ns.world_size) if ns else 30.0
         with self._hot_lock:
-            world, _ = self._rpc(P.PROMOTE, ns_id, keys, max(1, int(timeout * 1000)),
-                                 timeout=timeout + PROMOTE_GRACE_S)
-            return self._answer(len(keys), world)
+            return self._rows(P.PROMOTE, ns_id, keys, max(1, int(timeout * 1000)),
+                              timeout=timeout + PROMOTE_GRACE_S)
 
     def unpin(self, ns_id: int, keys: Sequence[bytes]) -> None:
         with self._hot_lock:
