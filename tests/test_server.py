@@ -167,6 +167,19 @@ def test_a_spawned_server_that_cannot_start_says_why_in_the_exception_and_its_lo
         ServerProcess(env).cleanup()
 
 
+def test_the_spawner_refuses_a_pool_directory_others_can_write_and_starts_nothing(tmp_path):
+    env = _new_user_env(tmp_path, HPKV_KV_MEM_POOL_SIZE="64m")
+    pool_dir = env["HPKV_SHARE_MEM_FILE_PATH"]
+    os.mkdir(pool_dir)
+    os.chmod(pool_dir, 0o777)
+    try:
+        with pytest.raises(PermissionError, match=rf"writable by its group or by others .*chmod go-w {pool_dir}"):
+            connect(load_config(env), env=env, timeout=30)
+        assert os.listdir(pool_dir) == [], "no spawn lock, no log, no server"
+    finally:
+        ServerProcess(env).cleanup()
+
+
 def test_connect_without_spawn_reports_no_server():
     env = private_env()
     try:

@@ -30,6 +30,7 @@ from hpkv.engine import protocol as P
 from hpkv.proc import pid_alive
 from hpkv.engine.keys import KEY_BYTES
 from hpkv.ring import PeerDead, Ring, RingError, RingTimeout
+from hpkv.security import open_nofollow, open_private_dir
 
 log = logging.getLogger("hpkv.client")
 
@@ -402,6 +403,16 @@ def _hello(cfg: Config, sock: socket.socket, name: str, call_timeout: float) -> 
 SPAWN_READY_TIMEOUT_S = 60.0
 
 
+def _open_in_pool_dir(cfg: Config, name: str, flags: int) -> int:
+    """Open a file of the pool directory (created 0700 if missing) only if the directory is
+    private to us, and never through a symlink (see hpkv.security)."""
+    dir_fd = open_private_dir(cfg.pool_dir, "the pool directory (HPKV_SHARE_MEM_FILE_PATH)")
+    try:
+        return open_nofollow(dir_fd, name, flags)
+    finally:
+        os.close(dir_fd)
+
+
 def spawn_server(cfg: Config, env: Mapping[str, str] | None = None,
                  timeout: float = SPAWN_READY_TIMEOUT_S) -> int:
     """Start ``hpkv serve --auto`` detached from the caller; returns its pid once it serves.
@@ -417,7 +428,7 @@ def spawn_server(cfg: Config, env: Mapping[str, str] | None = None,
     child_env = dict(os.environ if env is None else env)
     child_env.update(cfg.to_env())
     log_path = os.path.join(cfg.pool_dir, P.LOG_FILE)
-    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    log_fd = _open_in_pool_dir(cfg, P.LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     ready_r, ready_w = os.pipe()
     try:
         proc = subprocess.Popen([sys.executable, "-m", "hpkv", "serve", "--auto", "--detach",
@@ -486,9 +497,8 @@ def connect(cfg: Config | None = None, *, spawn: bool = True, timeout: float = 6
         return _hello(cfg, sock, name, call_timeout)
     if not spawn:
         raise HpkvUnavailable(f"no hpkv server is running for {cfg.pool_dir}")
-    os.makedirs(cfg.pool_dir, mode=0o700, exist_ok=True)
     deadline = time.monotonic() + timeout
-    lock_fd = os.open(os.path.join(cfg.pool_dir, P.SPAWN_LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+    lock_fd = _open_in_pool_dir(cfg, P.SPAWN_LOCK_FILE, os.O_RDWR | os.O_CREAT)
     try:
         while True:  # one spawner at a time; the others find its server
             try:
