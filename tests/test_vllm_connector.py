@@ -142,6 +142,9 @@ def test_every_tier_gives_the_same_greedy_output_and_logprobs(server, hpkv_env):
     assert dram_text == cold_text
     assert dram_lp == gpu_lp, "same KV bytes, same computation: logprobs must be identical"
 
+    # A block whose write-through still runs keeps its DRAM copy at the reset (its slot is being
+    # read); on a loaded machine the IO workers may still be starting, so wait for the files.
+    wait_for_files(hpkv_env, 6)
     reset(server, external=True)                                   # drops hpkv's DRAM tier; files stay
     before = loaded(hpkv_env)
     storage_text, storage_lp = complete(server, PROMPT)
