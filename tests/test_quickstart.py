@@ -11,7 +11,6 @@ survive that. hpkv's own counters (``hpkv status --json``) prove which tier serv
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -24,12 +23,12 @@ import uuid
 import pytest
 import requests
 
-from hpkv.bench.ttft import hpkv_loads, hpkv_status
+from hpkv.bench.ttft import SEED_KV_TRANSFER_CONFIG, hpkv_loads, hpkv_status
+from hpkv.testing.server import env_without_hpkv
 from hpkv.testing.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
-SEED_KTC = json.dumps({"kv_connector": "HpkvConnectorV1", "kv_role": "kv_both"})
 PROMPT_TOKENS = 1400       # > the default threshold (1204 tokens) after whole blocks
 
 
@@ -42,7 +41,7 @@ def seed_prompt(letter: str) -> str:
 def user_env():
     """A new user's environment: pristine HOME, no hpkv settings but an isolated pool directory."""
     home = tempfile.mkdtemp(prefix="hpkv-home-")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPKV_", "VLLM_HPKV", "VLLM_ENABLE_HPKV"))}
+    env = env_without_hpkv()
     env.update(HOME=home, HPKV_SHARE_MEM_FILE_PATH=f"/dev/shm/hpkv-user-{uuid.uuid4().hex[:10]}")
     try:
         yield env
@@ -76,7 +75,7 @@ def hpkv(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
 
 
 def start_vllm(model: str, env: dict[str, str], log_path, *extra: str) -> VllmServer:
-    srv = VllmServer(model, extra_args=["--kv-transfer-config", SEED_KTC, *extra], env=env, dev_mode=True,
+    srv = VllmServer(model, extra_args=["--kv-transfer-config", SEED_KV_TRANSFER_CONFIG, *extra], env=env, dev_mode=True,
                      max_model_len=4096, log_path=log_path)
     srv.start().wait_ready(timeout=600)
     return srv

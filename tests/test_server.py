@@ -21,7 +21,7 @@ from hpkv.engine.keys import block_keys, namespace_fingerprint
 from hpkv.engine.pool import PoolFile
 from hpkv.engine.stats import StatsSegment, W, WorkerState
 from hpkv.testing.device import make_device
-from hpkv.testing.server import ServerProcess, private_env
+from hpkv.testing.server import ServerProcess, env_without_hpkv, private_env
 
 FP = namespace_fingerprint({"model": "test", "layers": 4})
 
@@ -131,7 +131,7 @@ def test_concurrent_auto_spawn_ends_with_exactly_one_server():
 
 def _new_user_env(home, **extra: str) -> dict[str, str]:
     """No config file, no hpkv variables but an isolated pool directory (and ``extra``)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPKV_", "VLLM_HPKV", "VLLM_ENABLE_HPKV"))}
+    env = env_without_hpkv()
     env.update(HOME=str(home), HPKV_SHARE_MEM_FILE_PATH=f"/dev/shm/hpkv-test-{uuid.uuid4().hex[:12]}", **extra)
     return env
 

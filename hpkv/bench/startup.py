@@ -23,7 +23,6 @@ import time
 from datetime import datetime
 from typing import Any
 
-SEED_KTC = json.dumps({"kv_connector": "HpkvConnectorV1", "kv_role": "kv_both"})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,12 +57,14 @@ def _log_times(path: str) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpkv.bench.ttft import SEED_KV_TRANSFER_CONFIG
     from hpkv.testing.model import generate_model
+    from hpkv.testing.server import env_without_hpkv
     from hpkv.testing.vllm_server import VllmServer
 
     model = args.model or generate_model()
     work = tempfile.mkdtemp(prefix="hpkv-bench-startup-", dir=os.environ.get("HPKV_BENCH_DIR", "/var/tmp"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPKV_", "VLLM_HPKV", "VLLM_ENABLE_HPKV"))}
+    env = env_without_hpkv()
     env.update(HPKV_CONFIG_FILE_PATH=os.path.join(work, "none.ini"),
                HPKV_KV_STORAGE_PATH=os.path.join(work, "storage"))
     with open(env["HPKV_CONFIG_FILE_PATH"], "w") as f:
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         e = {**env, "HPKV_SHARE_MEM_FILE_PATH": pool_dir}
         if not hpkv:
             e["VLLM_ENABLE_HPKV"] = "0"
-        srv = VllmServer(model, extra_args=["--kv-transfer-config", SEED_KTC], env=e, dev_mode=True,
+        srv = VllmServer(model, extra_args=["--kv-transfer-config", SEED_KV_TRANSFER_CONFIG], env=e, dev_mode=True,
                          max_model_len=4096, log_path=os.path.join(work, f"vllm-{tag}.log"))
         t0 = time.monotonic()
         try:

@@ -94,12 +94,13 @@ def reset_prefix_cache(url: str) -> None:
                            "VLLM_SERVER_DEV_MODE=1 to expose it")
 
 
-def _kv_transfer_config() -> str:
-    return json.dumps({"kv_connector": "HpkvConnectorV1", "kv_role": "kv_both"})
+# CT-HPKV's own --kv-transfer-config (no module path: hpkv's vLLM plugin registers the name).
+SEED_KV_TRANSFER_CONFIG = json.dumps({"kv_connector": "HpkvConnectorV1", "kv_role": "kv_both"})
 
 
 def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
     from hpkv.testing.model import generate_model
+    from hpkv.testing.server import env_without_hpkv
     from hpkv.testing.vllm_server import VllmServer
 
     model = args.model or generate_model()
@@ -109,7 +110,7 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
     cfg_file = os.path.join(work, "config.ini")
     with open(cfg_file, "w") as f:
         f.write("# hpkv bench ttft: private pool and storage\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPKV_", "VLLM_HPKV", "VLLM_ENABLE_HPKV"))}
+    env = env_without_hpkv()
     pool_bytes = max(1 << 30, int(args.tokens * len(letters) * 4096 * 1.5))  # tiny model: 4 KiB/token
     env.update(HPKV_CONFIG_FILE_PATH=cfg_file, HPKV_SHARE_MEM_FILE_PATH=pool_dir,
                HPKV_KV_STORAGE_PATH=os.path.join(work, "storage"), HPKV_KV_MEM_POOL_SIZE=str(pool_bytes),
@@ -127,7 +128,7 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
         e = dict(env)
         args_ = list(extra)
         if hpkv:
-            args_ += ["--kv-transfer-config", _kv_transfer_config()]
+            args_ += ["--kv-transfer-config", SEED_KV_TRANSFER_CONFIG]
         else:
             e["VLLM_ENABLE_HPKV"] = "0"
         log(f"starting vLLM ({tag}) ...")

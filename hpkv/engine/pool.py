@@ -84,7 +84,8 @@ class PoolFile:
         """Map an existing pool (workers); ``warm`` fills the page tables in the background."""
         fd = os.open(path, os.O_RDWR)
         try:
-            pool = cls(path, mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED), os.fstat(fd).st_size)
+            size = os.fstat(fd).st_size
+            pool = cls(path, mmap.mmap(fd, size, flags=mmap.MAP_SHARED), size)
         finally:
             os.close(fd)
         if warm:

@@ -17,13 +17,18 @@ from hpkv.engine.protocol import LOG_FILE, SOCKET_FILE
 from hpkv.engine.server import read_lock_pid
 
 
+def env_without_hpkv() -> dict[str, str]:
+    """This process's environment less every hpkv setting (HPKV_*, VLLM_HPKV_*, VLLM_ENABLE_HPKV)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("HPKV_", "VLLM_HPKV", "VLLM_ENABLE_HPKV"))}
+
+
 def private_env(pool_size: str = "64m", storage: str | None = None, **extra: str) -> dict[str, str]:
-    """An environment with its own pool directory under /dev/shm and no config file."""
+    """An environment with its own pool directory under /dev/shm and an empty config file."""
     pool_dir = f"/dev/shm/hpkv-test-{uuid.uuid4().hex[:12]}"
     cfg_file = os.path.join(tempfile.gettempdir(), f"hpkv-test-{uuid.uuid4().hex[:8]}.ini")
     with open(cfg_file, "w") as f:
         f.write("# empty: tests configure hpkv through the environment\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPKV_", "VLLM_HPKV"))}
+    env = env_without_hpkv()
     env.update(HPKV_CONFIG_FILE_PATH=cfg_file, HPKV_SHARE_MEM_FILE_PATH=pool_dir,
                HPKV_KV_MEM_POOL_SIZE=pool_size, HPKV_KV_STORAGE_PATH=storage or "",
                HPKV_LOG_LEVEL="DEBUG")
