@@ -142,6 +142,8 @@ def open_files_under(pid: int, root: str) -> list[tuple[str, int]]:
                 continue
             with open(f"/proc/{pid}/fdinfo/{fd}") as f:
                 flags = next(int(line.split()[1], 8) for line in f if line.startswith("flags:"))
+            if flags & os.O_PATH:
+                continue    # glibc's fchmodat(AT_SYMLINK_NOFOLLOW) holds one on a new directory; no IO
             out.append((target, flags))
         except (OSError, StopIteration):
             continue
