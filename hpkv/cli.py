@@ -71,12 +71,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from hpkv.engine.status import print_status
+    from hpkv.monitor.status import print_status
     return print_status(_load_config_or_exit(), as_json=args.json)
 
 
 def _cmd_stop(args: argparse.Namespace) -> int:
-    from hpkv.engine.status import stop_server
+    from hpkv.client.control import stop_server
     return stop_server(_load_config_or_exit(), timeout=args.timeout)
 
 
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto-spawned mode: exit after HPKV_SERVER_IDLE_EXIT seconds without clients")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper,
                    help="overrides HPKV_LOG_LEVEL")
-    # Used by the auto-spawn (hpkv.engine.client.spawn_server), not meant for people.
+    # Used by the auto-spawn (hpkv.client.connection.spawn_server), not meant for people.
     p.add_argument("--detach", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_serve)

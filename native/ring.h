@@ -65,6 +65,19 @@ enum hpkv_ring_err {
     HPKV_RING_ECAPACITY = -1006     /* capacity not a power of two in [2, 2^24] */
 };
 
+/* Status of a request's answer or a job's completion besides 0 and -errno
+ * (hpkv.protocol.errors.Status mirrors it). */
+enum hpkv_status {
+    HPKV_OK = 0,
+    HPKV_E_NO_NAMESPACE = -2001,   /* namespace not attached */
+    HPKV_E_TOO_MANY_KEYS = -2002,  /* the keys or their answer do not fit the mailbox */
+    HPKV_E_BAD_REQUEST = -2003,
+    HPKV_E_WORKER_DIED = -2004,    /* the worker died during the job */
+    HPKV_E_CORRUPT = -2005,        /* a KV file failed its header/length/checksum check (quarantined) */
+    HPKV_E_NOT_OWNER = -2006,      /* commit/abort of a reservation another client made */
+    HPKV_E_INTERNAL = -2007        /* the server failed inside the call (logged there); it keeps serving */
+};
+
 /* Results of hpkv_shm_probe() on an existing file's header bytes. */
 enum hpkv_probe { HPKV_PROBE_STALE = 0, HPKV_PROBE_LIVE = 1 };
 

@@ -24,7 +24,7 @@ stamp=$(stamp_inputs | sha256sum | cut -d' ' -f1)
 stamp_file=$VENV/.hpkv-setup-stamp
 
 if [ -x "$VENV/bin/python" ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ] \
-   && "$VENV/bin/python" -c "import hpkv.native, hpkv.ring" 2>/dev/null; then
+   && "$VENV/bin/python" -c "import hpkv.common.native, hpkv.ring" 2>/dev/null; then
   echo "[setup] .venv is up to date"
   exit 0
 fi
@@ -47,5 +47,5 @@ pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 log "installing hpkv (editable) and its test dependencies; compiling native/"
 pip install -q --no-build-isolation -e ".[test]"
 
-"$VENV/bin/python" -c "import hpkv.native, hpkv.ring, vllm, torch; print('[setup] hpkv native core OK; vllm', vllm.__version__, '; torch', torch.__version__)"
+"$VENV/bin/python" -c "import hpkv.common.native, hpkv.ring, vllm, torch; print('[setup] hpkv native core OK; vllm', vllm.__version__, '; torch', torch.__version__)"
 echo "$stamp" > "$stamp_file"

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpkv.io_workers.checksum import crc32c
-from hpkv.native import ffi, lib
+from hpkv.common.native import ffi, lib
 
 _TABLE = []
 for _n in range(256):

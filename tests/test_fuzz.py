@@ -21,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hpkv.engine import protocol as P
-from hpkv.engine.client import connect
-from hpkv.engine.keys import KEY_BYTES, block_keys, namespace_fingerprint
+from hpkv.protocol import wire as P
+from hpkv.client.connection import connect
+from hpkv.protocol.keys import KEY_BYTES, block_keys, namespace_fingerprint
 from hpkv.testing.server import ServerProcess, assert_serves_correctly, private_env
 
 HOT_CASES = int(os.environ.get("HPKV_FUZZ_HOT_CASES", "3000"))

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpkv.engine import protocol as P
-from hpkv.engine.client import HpkvError, connect
-from hpkv.engine.keys import block_keys, namespace_fingerprint
-from hpkv.engine.stats import StatsSegment, W
+from hpkv.protocol import wire as P
+from hpkv.client.connection import HpkvError, connect
+from hpkv.protocol.keys import block_keys, namespace_fingerprint
+from hpkv.protocol.stats import StatsSegment, W
 from hpkv.io_workers import kvfile
 from hpkv.testing.device import make_device
 from hpkv.testing.server import ServerProcess, assert_serves_correctly, private_env
@@ -197,10 +197,10 @@ def test_lock_and_log_files_are_never_opened_through_a_symlink(tmp_path, name):
 
 _CLIENT_AS = """
 import json, os, stat, sys
-import hpkv.security
+import hpkv.common.security
 from hpkv.config import load_config
-from hpkv.engine.client import connect
-from hpkv.engine.keys import block_keys, namespace_fingerprint
+from hpkv.client.connection import connect
+from hpkv.protocol.keys import block_keys, namespace_fingerprint
 cfg = load_config(json.loads(sys.argv[1]))
 uid, gid = int(sys.argv[2]), int(sys.argv[3])
 os.setgroups([]); os.setgid(gid); os.setuid(uid)      # everything imported: drop to the other user

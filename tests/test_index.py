@@ -5,8 +5,10 @@ import random
 
 import pytest
 
-from hpkv.engine.index import Index, Namespace, NsCounter, PoolAllocator, State, Tier
-from hpkv.engine.keys import block_key, block_keys, namespace_fingerprint
+from hpkv.engine.index import Index, Namespace, PoolAllocator, State
+from hpkv.protocol.stats import NsCounter
+from hpkv.protocol.wire import Tier
+from hpkv.protocol.keys import block_key, block_keys, namespace_fingerprint
 
 FP = namespace_fingerprint({"model": "m"})
 SLOT = 64 * 1024

@@ -11,9 +11,9 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hpkv.engine.client import connect
-from hpkv.engine.keys import block_keys, namespace_fingerprint
-from hpkv.engine.metrics import families, namespace_labels
+from hpkv.client.connection import connect
+from hpkv.protocol.keys import block_keys, namespace_fingerprint
+from hpkv.monitor.metrics import families, namespace_labels
 from hpkv.testing.server import ServerProcess, private_env
 
 from hpkv.testing.device import make_device

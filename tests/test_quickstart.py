@@ -23,7 +23,7 @@ import uuid
 import pytest
 import requests
 
-from hpkv.bench.ttft import SEED_KV_TRANSFER_CONFIG, hpkv_loads, hpkv_status
+from hpkv.testing.vllm_server import SEED_KV_TRANSFER_CONFIG, hpkv_loads, hpkv_status
 from hpkv.testing.server import env_without_hpkv
 from hpkv.testing.vllm_server import VllmServer
 

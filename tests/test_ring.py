@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hpkv.native import ffi, lib
+from hpkv.common.native import ffi, lib
 from hpkv.ring import (DESC_DTYPE, Desc, Doorbell, Kind, PeerClosed, PeerDead, Ring, RingBusy, RingError,
                        RingExists, RingNotFound, RingTimeout, new_descs, set_death_notices)
 

@@ -15,11 +15,12 @@ import psutil
 import pytest
 
 from hpkv.config import load_config
-from hpkv.engine import protocol as P
-from hpkv.engine.client import HpkvUnavailable, connect
-from hpkv.engine.keys import block_keys, namespace_fingerprint
-from hpkv.engine.pool import PoolFile
-from hpkv.engine.stats import StatsSegment, W, WorkerState
+from hpkv.protocol import wire as P
+from hpkv.protocol.errors import Status
+from hpkv.client.connection import HpkvUnavailable, connect
+from hpkv.protocol.keys import block_keys, namespace_fingerprint
+from hpkv.common.pool import PoolFile
+from hpkv.protocol.stats import StatsSegment, W, WorkerState
 from hpkv.testing.device import make_device
 from hpkv.testing.server import ServerProcess, env_without_hpkv, private_env
 
@@ -309,7 +310,7 @@ def test_bad_block_ids_fail_the_batch_without_copying(server, tmp_path):
         handle = c.register_device(ns.ns_id, rank=0, **dev.spec)
         offsets = c.reserve(ns.ns_id, block_keys(FP, [b"a", b"b"]))[:, 0]
         res = handle.wait(handle.submit(P.COPY_SAVE, np.array([1, 99]), offsets))
-        assert list(res.values()) == [P.E_BAD_REQUEST]
+        assert list(res.values()) == [Status.BAD_REQUEST]
         assert c.stats()["workers"][0]["jobs_failed"] == 1
 
 
@@ -342,11 +343,11 @@ def test_killed_transfer_worker_is_restarted_and_its_batch_reported_failed(serve
             tickets = []
         assert victim, "never saw a batch in flight"
         results.update(handle.wait(tickets, timeout=30))
-        assert all(s in (0, P.E_WORKER_DIED) for s in results.values()), results
+        assert all(s in (0, Status.WORKER_DIED) for s in results.values()), results
         # The batch in flight when SIGKILL landed failed: the one we saw, or, if it finished
         # in the microseconds before the signal, the next one the worker had taken.
-        assert results[(0, victim)] == P.E_WORKER_DIED or results.get((0, victim + 1)) == P.E_WORKER_DIED
-        assert all(results[t] == P.E_WORKER_DIED for t in tickets if t[1] > victim + 1), \
+        assert results[(0, victim)] == Status.WORKER_DIED or results.get((0, victim + 1)) == Status.WORKER_DIED
+        assert all(results[t] == Status.WORKER_DIED for t in tickets if t[1] > victim + 1), \
             "queued batches of a dead worker fail, never run later"
         deadline = time.monotonic() + 30
         while not (row[W.STATE] == WorkerState.RUNNING and row[W.PID] != old_pid):
@@ -367,7 +368,7 @@ def test_worker_is_pinned_to_its_nodes_cpus(server, tmp_path):
         (w,) = c.stats()["workers"]
         assert w["numa_node"] == 0
         with open("/sys/devices/system/node/node0/cpulist") as f:
-            from hpkv.engine.workers import parse_cpulist
+            from hpkv.common.numa import parse_cpulist
             node_cpus = set(parse_cpulist(f.read()))
         assert set(w["cpus"]) <= node_cpus
         deadline = time.monotonic() + 10

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpkv.engine.client import HpkvError, connect
-from hpkv.engine.keys import block_keys, namespace_fingerprint
+from hpkv.client.connection import HpkvError, connect
+from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.testing.device import make_device
 from hpkv.testing.server import ServerProcess, assert_serves_correctly, private_env
 

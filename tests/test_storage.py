@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpkv.engine import protocol as P
-from hpkv.engine.client import HpkvClient, connect
-from hpkv.engine.keys import block_keys, namespace_fingerprint
-from hpkv.engine.pool import PoolFile
+from hpkv.protocol import wire as P
+from hpkv.client.connection import HpkvClient, connect
+from hpkv.protocol.keys import block_keys, namespace_fingerprint
+from hpkv.common.pool import PoolFile
 from hpkv.io_workers import kvfile
 from hpkv.io_workers.kvfile import BlockId, CorruptFile, KvFileIO
 from hpkv.io_workers.probe import probe_o_direct

@@ -15,8 +15,8 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from hpkv.engine.client import connect
-from hpkv.engine.keys import block_keys, namespace_fingerprint
+from hpkv.client.connection import connect
+from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.monitor.frame import render, render_text
 from hpkv.monitor.rings import peek
 from hpkv.monitor.sample import View
@@ -38,7 +38,7 @@ needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None,
 def top_command(*args: str) -> list[str]:
     """The installed console script when there is one, else the module it runs."""
     script = os.path.join(os.path.dirname(sys.executable), "hpkv-top")
-    return [script, *args] if os.access(script, os.X_OK) else [sys.executable, "-m", "hpkv.top", *args]
+    return [script, *args] if os.access(script, os.X_OK) else [sys.executable, "-m", "hpkv.monitor.top", *args]
 
 
 # ------------------------------------------------------------------ a server with known traffic

@@ -21,7 +21,7 @@ import time
 import pytest
 import requests
 
-from hpkv.bench.ttft import hpkv_loads, hpkv_status
+from hpkv.testing.vllm_server import hpkv_loads, hpkv_status
 from hpkv.testing.server import private_env
 from hpkv.testing.vllm_server import VllmServer
 

@@ -50,7 +50,7 @@ def _shm_buffer(directory: str, name: str, nbytes: int):
     """A populated MAP_SHARED mapping of a fresh file in ``directory``, unlinked at once."""
     import numpy as np
 
-    from hpkv import shm
+    from hpkv.common import shm
 
     path = os.path.join(directory, name)
     mm = shm.create(path, nbytes, exclusive=False)
@@ -61,10 +61,10 @@ def _shm_buffer(directory: str, name: str, nbytes: int):
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from hpkv import shm
+    from hpkv.common import shm
 
-    from hpkv.engine.client import connect
-    from hpkv.engine.keys import block_keys, namespace_fingerprint
+    from hpkv.client.connection import connect
+    from hpkv.protocol.keys import block_keys, namespace_fingerprint
     from hpkv.testing.server import ServerProcess, private_env
 
     largest = max(p * l * b for p, l, b in CASES)

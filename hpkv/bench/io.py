@@ -92,7 +92,7 @@ class _Bench:
     def hpkv_write(self, client, seg, ns, keys, size, pool, stamp) -> float:
         import numpy as np
 
-        from hpkv.engine.stats import G
+        from hpkv.protocol.stats import G
         slots = client.reserve(ns.ns_id, keys)[:, 0]
         if (slots < 0).any():
             raise RuntimeError("the bench pool is too small")
@@ -165,11 +165,11 @@ class _Bench:
 
         import numpy as np
 
-        from hpkv.engine import protocol as P
-        from hpkv.engine.client import connect
-        from hpkv.engine.keys import block_keys, namespace_fingerprint
-        from hpkv.engine.pool import PoolFile
-        from hpkv.engine.stats import StatsSegment
+        from hpkv.protocol import wire as P
+        from hpkv.client.connection import connect
+        from hpkv.protocol.keys import block_keys, namespace_fingerprint
+        from hpkv.common.pool import PoolFile
+        from hpkv.protocol.stats import StatsSegment
         from hpkv.io_workers import kvfile
 
         a = self.args
@@ -234,9 +234,9 @@ class _Bench:
         return results, headline_keys
 
     def run_workers(self, counts: list[int], headline: dict) -> dict[str, float]:
-        from hpkv.engine import protocol as P
-        from hpkv.engine.client import connect
-        from hpkv.engine.pool import PoolFile
+        from hpkv.protocol import wire as P
+        from hpkv.client.connection import connect
+        from hpkv.common.pool import PoolFile
         from hpkv.io_workers import kvfile
 
         fp, keys = headline["fp"], headline["keys"]

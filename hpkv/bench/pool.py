@@ -10,7 +10,7 @@ One run, one file in the pool directory's file system (``--dir``, default /dev/s
   what each further process pays.
 
 The server's start-up does none of these; its warmer does the first two in the background
-and the workers the populate (hpkv/engine/pool.py).
+and the workers the populate (hpkv/common/pool.py).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from hpkv.config import parse_size
-    from hpkv.engine.pool import MADV_POPULATE_WRITE
+    from hpkv.common.pool import MADV_POPULATE_WRITE
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)

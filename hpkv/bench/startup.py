@@ -57,7 +57,7 @@ def _log_times(path: str) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpkv.bench.ttft import SEED_KV_TRANSFER_CONFIG
+    from hpkv.testing.vllm_server import SEED_KV_TRANSFER_CONFIG
     from hpkv.testing.model import generate_model
     from hpkv.testing.server import env_without_hpkv
     from hpkv.testing.vllm_server import VllmServer

@@ -66,26 +66,6 @@ def run_phase(url: str, model: str, letters: str, tokens: int) -> list[float]:
     return [ttft(url, model, prompt_for(letter, tokens)) for letter in letters]
 
 
-def hpkv_status(env: dict[str, str]) -> dict[str, Any] | None:
-    """``hpkv status --json`` of the server ``env`` points at; None when none runs."""
-    out = subprocess.run([sys.executable, "-m", "hpkv", "status", "--json"], env=env,
-                         capture_output=True, text=True, timeout=60)
-    return json.loads(out.stdout) if out.returncode == 0 else None
-
-
-def hpkv_loads(env: dict[str, str]) -> dict[str, int]:
-    """Tokens hpkv has served per tier so far (from the stats segment; 0 without a server)."""
-    stats = hpkv_status(env)
-    if stats is None:
-        return {"dram": 0, "storage": 0}
-    dram = storage = 0
-    for ns in stats["namespaces"]:
-        bt = ns.get("block_tokens") or 0
-        dram += ns.get("loads_dram", 0) * bt
-        storage += ns.get("loads_storage", 0) * bt
-    return {"dram": dram, "storage": storage}
-
-
 def reset_prefix_cache(url: str) -> None:
     import requests
     r = requests.post(f"{url}/reset_prefix_cache", timeout=120)
@@ -95,13 +75,10 @@ def reset_prefix_cache(url: str) -> None:
 
 
 # CT-HPKV's own --kv-transfer-config (no module path: hpkv's vLLM plugin registers the name).
-SEED_KV_TRANSFER_CONFIG = json.dumps({"kv_connector": "HpkvConnectorV1", "kv_role": "kv_both"})
-
-
 def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
     from hpkv.testing.model import generate_model
     from hpkv.testing.server import env_without_hpkv
-    from hpkv.testing.vllm_server import VllmServer
+    from hpkv.testing.vllm_server import SEED_KV_TRANSFER_CONFIG, VllmServer, hpkv_loads
 
     model = args.model or generate_model()
     letters = LETTERS[: args.requests]
@@ -173,7 +150,7 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
         try:
             phase("storage_hit", srv)
             if args.top_frame:
-                top = subprocess.run([sys.executable, "-m", "hpkv.top", "--once"], env=env,
+                top = subprocess.run([sys.executable, "-m", "hpkv.monitor.top", "--once"], env=env,
                                      capture_output=True, text=True, timeout=60)
                 results["top_frame"] = top.stdout or top.stderr
         finally:

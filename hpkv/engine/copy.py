@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from hpkv.native import ffi, lib
+from hpkv.common.native import ffi, lib
 
 __all__ = [
     "BlockLayout",

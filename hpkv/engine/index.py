@@ -3,7 +3,7 @@
 One process (the server) owns the index; nothing else mutates it. A *block* is
 one engine block of one namespace (a model layout), identified by a 16-byte key
 derived from the namespace fingerprint and the engine's chained block hash
-(:func:`hpkv.engine.keys.block_key`). With tensor parallelism a block has one
+(:func:`hpkv.protocol.keys.block_key`). With tensor parallelism a block has one
 *shard* per rank; each shard has its own pool slot, and the block becomes visible
 to lookups only when every rank has committed its shard.
 
@@ -40,6 +40,9 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from hpkv.engine.keytable import KeyTable
+from hpkv.protocol.errors import NamespaceNotAttached, NotOwner
+from hpkv.protocol.stats import NS_COUNTERS, NsCounter
+from hpkv.protocol.wire import Tier
 
 POOL_ALIGN = 4096  # slots start on page boundaries: O_DIRECT and page-granular copies want it
 
@@ -116,35 +119,6 @@ class State(IntEnum):
     PROMOTING = 4   # files being read into freshly allocated slots; still a storage hit
 
 
-class Tier(IntEnum):
-    """Where a lookup found a block (also the wire code)."""
-    MISS = 0
-    DRAM = 1
-    STORAGE = 2
-
-
-# Per-namespace counters, kept in a numpy int64 vector (a view into the stats
-# segment in the server, so monitors read them live).
-class NsCounter(IntEnum):
-    BLOCKS_DRAM = 0        # gauge: READY blocks with pool slots
-    BYTES_DRAM = 1         # gauge
-    BLOCKS_PINNED = 2      # gauge
-    BLOCKS_STORAGE = 3     # gauge: blocks known to have files
-    HITS_DRAM = 4          # blocks
-    HITS_STORAGE = 5
-    MISSES = 6             # lookups that stopped at a missing key (one per lookup)
-    LOOKUPS = 7
-    EVICTIONS = 8
-    RESERVE_FAILED = 9     # pool full of unevictable blocks
-    COMMITS = 10           # blocks that became READY
-    BLOCKS_RESERVED = 11   # gauge
-    LOADS_DRAM = 12        # blocks pinned for loading from the pool (connector loads)
-    LOADS_STORAGE = 13     # blocks promoted from storage for loading
-
-
-NS_COUNTERS = len(NsCounter)
-
-
 @dataclass
 class Namespace:
     ns_id: int
@@ -185,14 +159,6 @@ class Block:
         return self.state == State.READY
 
 
-class NoSuchNamespace(KeyError):
-    pass
-
-
-class NotOwner(PermissionError):
-    """A commit or abort of a reservation that belongs to another client."""
-
-
 class Index:
     """key → block state, tier, slots, pins and recency; LRU eviction."""
 
@@ -220,7 +186,7 @@ class Index:
         try:
             return self.namespaces[ns_id]
         except KeyError:
-            raise NoSuchNamespace(f"namespace id {ns_id} is not attached") from None
+            raise NamespaceNotAttached(f"namespace id {ns_id} is not attached") from None
 
     # ------------------------------------------------------------ evictability
     def _is_evictable(self, b: Block) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from hpkv.native import ffi, lib
+from hpkv.common.native import ffi, lib
 
 
 class KeyTable:

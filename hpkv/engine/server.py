@@ -18,6 +18,7 @@ The index is touched under one lock; hot calls hold it for one request.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -34,24 +35,28 @@ from typing import Any
 import numpy as np
 
 from hpkv.config import Config, ConfigError, check_runtime, format_size
-from hpkv import shm
-from hpkv.engine import protocol as P
-from hpkv.proc import PID_MAX, pid_alive, valid_pid
-from hpkv.engine.index import Index, Namespace, NotOwner, NsCounter, NoSuchNamespace, Tier
-from hpkv.engine.keys import KEY_BYTES
-from hpkv.engine.logs import setup_logging
-from hpkv.engine.pool import PoolFile
-from hpkv.engine.stats import MAX_NS, MAX_WORKERS, NS_COUNTERS, G, StatsSegment
-from hpkv.engine.workers import WorkerProcess, device_cpus
-from hpkv.io_workers.ratelimit import RateLimitedLog
+from hpkv.common import shm
+from hpkv.protocol import wire as P
+from hpkv.protocol.errors import (CallTooLarge, ExitCode, HpkvError, NamespaceNotAttached, NotOwner, Status,
+                                  refusal)
+from hpkv.common.proc import PID_MAX, pid_alive, valid_pid
+from hpkv.engine.index import Index, Namespace
+from hpkv.protocol.stats import NsCounter
+from hpkv.protocol.wire import Tier
+from hpkv.protocol.keys import KEY_BYTES
+from hpkv.common.logs import setup_logging
+from hpkv.common.pool import PoolFile
+from hpkv.protocol.stats import MAX_NS, MAX_WORKERS, NS_COUNTERS, G, StatsSegment
+from hpkv.common.numa import device_cpus
+from hpkv.engine.workers import WorkerProcess
+from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.io_workers.tier import StorageTier
 from hpkv.ring import Doorbell, Ring, RingError
-from hpkv.security import open_nofollow, open_private_dir, peer_allowed, peer_credentials
+from hpkv.common.security import open_nofollow, open_private_dir, peer_allowed, peer_credentials
 
 log = logging.getLogger("hpkv.server")
 
 LOCK_RETRY_S = 0.5
-EXIT_ALREADY_SERVED = 3   # `hpkv serve`: another server holds the pool directory
 MAX_CONTROL_LINE = 1 << 20        # bytes of one control line (a register_device is a few KiB)
 MAX_CONTROL_BACKLOG = 4 << 20     # unread reply bytes before a client that never reads is dropped
 MAX_NAME = 200
@@ -68,15 +73,6 @@ class AlreadyServed(RuntimeError):
         who = f"pid {pid}" if pid else "another process"
         super().__init__(f"the pool directory {directory} is already served by {who}; "
                          f"stop it first (kill {pid or '<pid>'}) or use another HPKV_SHARE_MEM_FILE_PATH")
-
-
-def read_lock_pid(directory: str) -> int | None:
-    try:
-        fd = os.open(os.path.join(directory, P.LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        with os.fdopen(fd) as f:
-            return int(f.read(32).strip() or 0) or None
-    except (OSError, ValueError):
-        return None
 
 
 def _int_arg(msg: dict[str, Any], key: str, lo: int, hi: int, default: Any = ...) -> Any:
@@ -228,6 +224,9 @@ class Server:
         self._hot_handlers = {P.LOOKUP: self._hot_lookup, P.RESERVE: self._hot_reserve,
                               P.COMMIT: self._hot_commit, P.PIN: self._hot_pin,
                               P.PROMOTE: self._hot_promote, P.UNPIN: self._hot_unpin}
+        self._control_handlers = {"hello": self._ctl_hello, "stats": self._ctl_stats,
+                                  "shutdown": self._ctl_shutdown, "namespace": self._ctl_namespace,
+                                  "register_device": self._ctl_register_device, "clear": self._ctl_clear}
 
     # ================================================================ life cycle
     def acquire_lock(self) -> None:
@@ -249,9 +248,9 @@ class Server:
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     os.close(fd)
-                    raise AlreadyServed(self.dir, read_lock_pid(self.dir)) from None
+                    raise AlreadyServed(self.dir, P.read_lock_pid(self.dir)) from None
                 time.sleep(0.01)
-        previous = read_lock_pid(self.dir)
+        previous = P.read_lock_pid(self.dir)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
@@ -308,7 +307,7 @@ class Server:
             self.storage = StorageTier(self.cfg, self.dir, self.stats, self.index, self.lock,
                                        self.doorbell, self.pool.path, self._answer_parked)
             self.workers += self.storage.start(list(range(self.cfg["HPKV_NUM_IO_WORKERS"])))
-        from hpkv.engine.metrics import start_metrics  # HPKV_METRICS_PORT; up before clients connect
+        from hpkv.monitor.metrics import start_metrics  # HPKV_METRICS_PORT; up before clients connect
         self.metrics = start_metrics(self.cfg)
         sock_path = os.path.join(self.dir, P.SOCKET_FILE)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -456,10 +455,10 @@ class Server:
                 log.info("client %d: cannot answer (%s)", c.cid, exc)
 
     def _keys(self, c: Client, n: int, answer_bytes_per_key: int = 0) -> list[bytes]:
-        """The call's keys from the mailbox; OverflowError when they, or the answer, would not
+        """The call's keys from the mailbox; CallTooLarge when they, or the answer, would not
         fit in their half of the mailbox (the answer of a world-W call is 8*W bytes a key)."""
         if n > P.MAX_KEYS_PER_CALL or n * answer_bytes_per_key > P.MAILBOX_HALF:
-            raise OverflowError
+            raise CallTooLarge("too many keys in one call")
         return c.mbox[: n * KEY_BYTES].view(f"V{KEY_BYTES}").tolist()
 
     def _answer_parked(self, c: Client, seq: int, rows: np.ndarray) -> None:
@@ -484,23 +483,23 @@ class Server:
             if handler is None:
                 raise ValueError(f"unknown call kind {d.kind}")
             return handler(c, d)
-        except NoSuchNamespace:
-            return P.E_NO_NAMESPACE, 0, 0
-        except OverflowError:
-            return P.E_TOO_MANY_KEYS, 0, 0
+        except NamespaceNotAttached:
+            return Status.NO_NAMESPACE, 0, 0
+        except CallTooLarge:
+            return Status.TOO_MANY_KEYS, 0, 0
         except NotOwner as exc:
             self._errors.log(logging.WARNING, "not-owner", "client %d (pid %d): %s refused: %s",
                              c.cid, c.pid, _kind_name(d.kind), exc)
-            return P.E_NOT_OWNER, 0, 0
+            return Status.NOT_OWNER, 0, 0
         except (ValueError, KeyError, TypeError, IndexError, MemoryError) as exc:
             self._errors.log(logging.WARNING, "bad-call", "client %d (pid %d): bad %s call "
                              "(a0=%d a1=%d a2=%d flags=%d): %s", c.cid, c.pid, _kind_name(d.kind),
                              d.a0, d.a1, d.a2, d.flags, exc)
-            return P.E_BAD_REQUEST, 0, 0
+            return Status.BAD_REQUEST, 0, 0
         except Exception:  # noqa: BLE001 - one call must never end the request loop
             self._errors.log(logging.ERROR, "hot-internal", "client %d: %s call failed inside the "
                              "server", c.cid, _kind_name(d.kind), exc_info=True)
-            return P.E_INTERNAL, 0, 0
+            return Status.INTERNAL, 0, 0
         finally:
             idx = self.index
             self.stats.glob[G.POOL_USED] = idx.alloc.used
@@ -512,7 +511,7 @@ class Server:
         ns = idx.ns(d.a0)
         n = d.a1
         if n > P.MAX_KEYS_PER_CALL:
-            raise OverflowError
+            raise CallTooLarge("too many keys in one call")
         out = c.mbox[P.MAILBOX_HALF:]
         # The hot path: keys read and tiers written in place, in C.
         hit = idx.present.prefix(c.mbox[: n * KEY_BYTES], n, out[:n])
@@ -684,8 +683,8 @@ class Server:
                              " (HPKV_ALLOW_GROUP names a group that may too)")
             with contextlib.suppress(OSError):
                 sock.setblocking(False)
-                sock.send(json.dumps({"ok": False, "error": f"uid {uid} may not use this hpkv "
-                                      f"server (see HPKV_ALLOW_GROUP)"}).encode() + b"\n")
+                sock.send(json.dumps(refusal(-errno.EACCES, f"uid {uid} may not use this hpkv "
+                                             f"server (see HPKV_ALLOW_GROUP)")).encode() + b"\n")
             sock.close()
             return
         sock.setblocking(False)
@@ -767,66 +766,82 @@ class Server:
                 self._drop_client(conn.client, reason=reason)
         conn.sock.close()
 
-    def _control_call(self, conn: "_Conn", line: bytes) -> dict[str, Any]:
+    def _control_call(self, conn: "_Conn", line: bytes) -> dict[str, Any] | None:
+        """One control call; its reply (``ok``, or ``status`` and ``error``), None when it is
+        answered later. Never raises: a bad call is refused and the control thread goes on."""
         try:
             msg = json.loads(line)
             if not isinstance(msg, dict):
                 raise ValueError("a control call is a JSON object")
-            op = msg.get("op")
-            if op == "hello" and self.stopping:
-                return {"ok": False, "error": "the hpkv server is stopping (writing pending spills); "
-                                             "connect again once it has exited"}
-            if op == "hello":
-                if conn.client is not None:
-                    raise ValueError(f"this connection is client {conn.client.cid} already; "
-                                     "open a new connection for another client")
-                pid = msg.get("pid", conn.pid)
-                if not valid_pid(pid):
-                    raise ValueError(f"pid {pid!r} is not a process id (1..{PID_MAX})")
-                c = self._add_client(conn.sock, pid, str(msg.get("name", ""))[:MAX_NAME], conn.uid)
-                conn.client = c
-                return {"ok": True, "client_id": c.cid, "req": c.req.name, "resp": c.resp.name,
-                        "mailbox": c.mbox_path, "pool": self.pool.path, "pool_size": self.pool.size,
-                        "server_pid": os.getpid(), "storage": self.cfg.storage_path}
-            if op == "stats":
-                with self.lock:
-                    if self._catalog_dirty:
-                        self._publish_catalog()
-                return {"ok": True, "stats": self.stats.snapshot()}
-            if op == "shutdown":
-                log.info("shutdown requested by pid %s", msg.get("pid"))
-                if msg.get("wait"):
-                    with self.lock:
-                        if self.stop_outcome:        # already drained: answer now
-                            return {"ok": True, "stopped": True, **self.stop_outcome}
-                        self._stop_waiters.append(conn)
-                self.stop_event.set()
-                self.doorbell.ring()
-                return None if msg.get("wait") else {"ok": True}
-            c = conn.client
-            if c is None:
-                return {"ok": False, "error": f"call 'hello' before {op!r}"}
-            with self.lock:
-                if op == "namespace":
-                    return self._attach_namespace(c, msg)
-                if op == "register_device":
-                    return self._register_device(c, msg)
-                if op == "clear":
-                    ns_id = _int_arg(msg, "ns_id", 0, MAX_NS - 1)
-                    n = self.index.clear_namespace(ns_id)
-                    log.info("client %d cleared namespace %s from the DRAM tier: %d blocks",
-                             c.cid, ns_id, n)
-                    return {"ok": True, "dropped": n}
-            return {"ok": False, "error": f"unknown op {op!r}"}
-        except NoSuchNamespace as exc:
-            return {"ok": False, "error": str(exc)}
+            handler = self._control_handlers.get(msg.get("op"))
+            if handler is None:
+                raise ValueError(f"unknown op {msg.get('op')!r}")
+            return handler(conn, msg)
+        except HpkvError as exc:
+            return refusal(exc.status, str(exc))
         except (ValueError, KeyError, TypeError, RecursionError, MemoryError) as exc:
             self._errors.log(logging.WARNING, "bad-control", "bad control call from pid %d %r: %s",
                              conn.pid, line[:200], exc)
-            return {"ok": False, "error": f"bad request: {exc}"}
-        except Exception as exc:  # noqa: BLE001 - a bad call must not kill the control thread
+            return refusal(Status.BAD_REQUEST, f"bad request: {exc}")
+        except Exception as exc:  # a bad call must not kill the control thread
             self._errors.log(logging.ERROR, "control-internal", "control call failed", exc_info=True)
-            return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            return refusal(Status.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    def _ctl_hello(self, conn: "_Conn", msg: dict[str, Any]) -> dict[str, Any]:
+        if self.stopping:
+            raise HpkvError("the hpkv server is stopping (writing pending spills); connect again "
+                            "once it has exited", -errno.ESHUTDOWN)
+        if conn.client is not None:
+            raise ValueError(f"this connection is client {conn.client.cid} already; "
+                             "open a new connection for another client")
+        pid = msg.get("pid", conn.pid)
+        if not valid_pid(pid):
+            raise ValueError(f"pid {pid!r} is not a process id (1..{PID_MAX})")
+        c = self._add_client(conn.sock, pid, str(msg.get("name", ""))[:MAX_NAME], conn.uid)
+        conn.client = c
+        return {"ok": True, "client_id": c.cid, "req": c.req.name, "resp": c.resp.name,
+                "mailbox": c.mbox_path, "pool": self.pool.path, "pool_size": self.pool.size,
+                "server_pid": os.getpid(), "storage": self.cfg.storage_path}
+
+    def _ctl_stats(self, conn: "_Conn", msg: dict[str, Any]) -> dict[str, Any]:
+        with self.lock:
+            if self._catalog_dirty:
+                self._publish_catalog()
+        return {"ok": True, "stats": self.stats.snapshot()}
+
+    def _ctl_shutdown(self, conn: "_Conn", msg: dict[str, Any]) -> dict[str, Any] | None:
+        log.info("shutdown requested by pid %s", msg.get("pid"))
+        if msg.get("wait"):
+            with self.lock:
+                if self.stop_outcome:        # already drained: answer now
+                    return {"ok": True, "stopped": True, **self.stop_outcome}
+                self._stop_waiters.append(conn)
+        self.stop_event.set()
+        self.doorbell.ring()
+        return None if msg.get("wait") else {"ok": True}
+
+    def _client_of(self, conn: "_Conn", msg: dict[str, Any]) -> Client:
+        if conn.client is None:
+            raise HpkvError(f"call 'hello' before {msg.get('op')!r}")
+        return conn.client
+
+    def _ctl_namespace(self, conn: "_Conn", msg: dict[str, Any]) -> dict[str, Any]:
+        c = self._client_of(conn, msg)
+        with self.lock:
+            return self._attach_namespace(c, msg)
+
+    def _ctl_register_device(self, conn: "_Conn", msg: dict[str, Any]) -> dict[str, Any]:
+        c = self._client_of(conn, msg)
+        with self.lock:
+            return self._register_device(c, msg)
+
+    def _ctl_clear(self, conn: "_Conn", msg: dict[str, Any]) -> dict[str, Any]:
+        c = self._client_of(conn, msg)
+        ns_id = _int_arg(msg, "ns_id", 0, MAX_NS - 1)
+        with self.lock:
+            n = self.index.clear_namespace(ns_id)
+        log.info("client %d cleared namespace %s from the DRAM tier: %d blocks", c.cid, ns_id, n)
+        return {"ok": True, "dropped": n}
 
     def _add_client(self, conn: socket.socket, pid: int, name: str, uid: int = -1) -> Client:
         with self.lock:
@@ -891,7 +906,7 @@ class Server:
         fp = msg["fingerprint"]
         if not isinstance(fp, str) or not _FINGERPRINT_RE.fullmatch(fp):
             raise ValueError(f"namespace fingerprint {str(fp)[:80]!r} is not {2 * KEY_BYTES} lowercase "
-                             f"hex digits; compute it with hpkv.engine.keys.namespace_fingerprint")
+                             f"hex digits; compute it with hpkv.protocol.keys.namespace_fingerprint")
         world = _int_arg(msg, "world_size", 1, 62)
         shard = _int_arg(msg, "shard_bytes", 1, self.pool.size)
         block_tokens = _int_arg(msg, "block_tokens", 0, 1 << 31, default=0)
@@ -1086,7 +1101,7 @@ def serve(cfg: Config, auto: bool = False, log_level: str | None = None,
     except AlreadyServed as exc:
         log.info("%s", exc)
         ready.send(f"served {exc.pid or 0}")
-        return EXIT_ALREADY_SERVED
+        return ExitCode.ALREADY_SERVED
     except Exception as exc:  # noqa: BLE001 - every start-up failure is logged and reported
         if isinstance(exc, (ConfigError, OSError)):
             log.error("cannot start: %s", exc)

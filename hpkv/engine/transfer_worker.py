@@ -14,13 +14,14 @@ import sys
 
 import numpy as np
 
-from hpkv.engine import protocol as P
-from hpkv.shm import map_file
+from hpkv.protocol import wire as P
+from hpkv.protocol.errors import Status
+from hpkv.common.shm import map_file
 from hpkv.engine.copy import BlockCopier, BlockLayout
-from hpkv.engine.pool import PoolFile
-from hpkv.engine.stats import W
-from hpkv.engine.worker_process import WorkerRuntime
-from hpkv.engine.workers import set_memory_node
+from hpkv.common.pool import PoolFile
+from hpkv.protocol.stats import W
+from hpkv.common.worker_process import WorkerRuntime
+from hpkv.common.numa import set_memory_node
 
 log = logging.getLogger("hpkv.transfer")
 
@@ -53,7 +54,7 @@ def main(argv: list[str]) -> int:
     def copy(d) -> tuple[int, int, int]:
         n = int(d.a0)
         if d.kind not in (P.COPY_SAVE, P.COPY_LOAD):
-            return P.E_BAD_REQUEST, 0, 0
+            return Status.BAD_REQUEST, 0, 0
         try:
             if not 0 < n <= P.MAX_PAIRS_PER_JOB:
                 raise ValueError(f"batch of {n} blocks (1..{P.MAX_PAIRS_PER_JOB})")
@@ -68,7 +69,7 @@ def main(argv: list[str]) -> int:
                 row[W.BYTES_LOADED] += n * layout.slot_bytes
         except (ValueError, IndexError) as exc:
             log.error("copy batch seq %d rejected: %s", d.seq, exc)
-            return P.E_BAD_REQUEST, 0, 0
+            return Status.BAD_REQUEST, 0, 0
         return 0, n * layout.slot_bytes, 0
 
     # A client that went away leaves its ring; the server stops us when it notices.

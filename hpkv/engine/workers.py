@@ -19,8 +19,9 @@ import sys
 import time
 from typing import Any
 
-from hpkv.engine import protocol as P
-from hpkv.engine.stats import StatsSegment, W, WorkerState
+from hpkv.protocol import wire as P
+from hpkv.protocol.errors import Status
+from hpkv.protocol.stats import StatsSegment, W, WorkerState
 from hpkv.ring import Doorbell, Ring, RingError
 
 log = logging.getLogger("hpkv.workers")
@@ -33,48 +34,13 @@ BACKOFF_S = (0.5, 30.0)
 
 def ring_counts(directory: str, name: str) -> tuple[int, int] | None:
     """(descriptors ever pushed, ever popped) of ring file ``name``; None if unreadable."""
-    from hpkv.native import ffi, lib
+    from hpkv.common.native import ffi, lib
 
     pushed = ffi.new("uint64_t *")
     popped = ffi.new("uint64_t *")
     if lib.hpkv_ring_peek_counts(os.path.join(directory, name + ".ring").encode(), pushed, popped) != 0:
         return None
     return int(pushed[0]), int(popped[0])
-
-
-def numa_nodes() -> list[int]:
-    try:
-        return sorted(int(n[4:]) for n in os.listdir("/sys/devices/system/node") if n.startswith("node")
-                      and n[4:].isdigit())
-    except OSError:
-        return [0]
-
-
-def parse_cpulist(text: str) -> list[int]:
-    cpus: list[int] = []
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        cpus.extend(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
-def device_cpus(device: str, numa_node: int | None) -> tuple[int, list[int]]:
-    """The NUMA node to serve ``device`` from and the CPUs of that node we may run on.
-
-    The connector tells us the node: the GPU's PCI ``numa_node`` on CUDA, the node
-    of the engine worker's CPUs on the CPU backend. Unknown (-1/None) → node 0 or
-    all CPUs we are allowed.
-    """
-    allowed = sorted(os.sched_getaffinity(0))
-    node = numa_node if numa_node is not None and numa_node >= 0 else 0
-    try:
-        with open(f"/sys/devices/system/node/node{node}/cpulist") as f:
-            cpus = [c for c in parse_cpulist(f.read()) if c in allowed]
-    except OSError:
-        cpus = []
-    return node, cpus or allowed
 
 
 #: The process main of each kind of worker.
@@ -240,10 +206,10 @@ class WorkerProcess:
             resp = Ring.attach(self.dir, self.resp_name, role="producer")
             try:
                 if inflight:
-                    resp.push(P.ERROR, inflight, status=P.E_WORKER_DIED, timeout=1.0)
+                    resp.push(P.ERROR, inflight, status=Status.WORKER_DIED, timeout=1.0)
                     failed += 1
                 while (d := req.try_pop()) is not None:
-                    resp.push(P.ERROR, d.seq, status=P.E_WORKER_DIED, timeout=1.0)
+                    resp.push(P.ERROR, d.seq, status=Status.WORKER_DIED, timeout=1.0)
                     failed += 1
             finally:
                 req.close()
@@ -283,17 +249,3 @@ class WorkerProcess:
                 "restarts": self.restarts, "rings": [self.req_name, self.resp_name],
                 "backoff_s": round(max(0.0, self.restart_at - time.monotonic()), 1)
                 if self.restart_at is not None else 0.0}
-
-
-def set_memory_node(node: int) -> str:
-    """Prefer allocations from ``node`` (MPOL_PREFERRED); returns what happened, for the log."""
-    if len(numa_nodes()) <= 1:
-        return "single NUMA node: no memory policy needed"
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    MPOL_PREFERRED = 1
-    SYS_set_mempolicy = 238 if os.uname().machine == "x86_64" else 237
-    mask = ctypes.c_ulong(1 << node)
-    if libc.syscall(SYS_set_mempolicy, MPOL_PREFERRED, ctypes.byref(mask), 64) != 0:
-        return f"set_mempolicy(node {node}) failed: {os.strerror(ctypes.get_errno())}"
-    return f"memory bound to node {node} (preferred)"

@@ -11,7 +11,7 @@ from typing import Union
 
 import numpy as np
 
-from hpkv.native import ffi, lib
+from hpkv.common.native import ffi, lib
 
 __all__ = ["crc32c"]
 

@@ -4,7 +4,7 @@ A KV file holds one rank's shard of one block::
 
     offset 0      header, HEADER_BYTES (4096) bytes, little-endian:
                     0  8s  magic b"HPKVBLK1"
-                    8  u32 format version (hpkv.engine.keys.FORMAT_VERSION)
+                    8  u32 format version (hpkv.protocol.keys.FORMAT_VERSION)
                    12  u32 header bytes (4096)
                    16  16s namespace fingerprint (raw 16 bytes of the 32-hex fingerprint)
                    32  16s block key
@@ -42,9 +42,9 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from hpkv.engine.keys import FORMAT_VERSION, KEY_BYTES
+from hpkv.protocol.keys import FORMAT_VERSION, KEY_BYTES
 from hpkv.io_workers.checksum import crc32c
-from hpkv.security import PRIVATE_FILE_MODE, makedirs_private
+from hpkv.common.security import PRIVATE_FILE_MODE, makedirs_private
 
 MAGIC = b"HPKVBLK1"
 HEADER_BYTES = 4096

@@ -36,24 +36,30 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 import numpy as np
 
 from hpkv.config import Config
-from hpkv.engine import protocol as P
-from hpkv.engine.index import Block, Index, Namespace, NsCounter, State
-from hpkv.engine.stats import G, StatsSegment
+from hpkv.protocol import wire as P
+from hpkv.protocol.errors import Status, status_message
+from hpkv.engine.index import Block, Index, Namespace, State
+from hpkv.protocol.stats import NsCounter
+from hpkv.protocol.stats import G, StatsSegment
 from hpkv.engine.workers import WorkerProcess
 from hpkv.io_workers import kvfile
 from hpkv.io_workers.probe import DirectIoProbe, probe_o_direct, virtio_disk
-from hpkv.io_workers.ratelimit import RateLimitedLog
-from hpkv.proc import pid_alive
+from hpkv.common.ratelimit import RateLimitedLog
+from hpkv.common.proc import pid_alive
 from hpkv.ring import Doorbell, Ring, RingError
-from hpkv.security import ensure_private_dir, makedirs_private
+from hpkv.common.security import ensure_private_dir, makedirs_private
 
-if TYPE_CHECKING:
-    from hpkv.engine.server import Client
+
+class Client(Protocol):
+    """What the storage tier needs of the server's record of a connected client."""
+
+    cid: int
+    alive: bool
 
 log = logging.getLogger("hpkv.storage")
 
@@ -418,7 +424,7 @@ class StorageTier:
                     pass
                 except OSError as exc:
                     self._io_error("unlink", exc.errno or errno.EIO, final)
-            self._complete(job, P.E_WORKER_DIED, 0, 0)
+            self._complete(job, Status.WORKER_DIED, 0, 0)
         self.g[G.WORKER_RESTARTS] += 1
         link.dead = False
         log.error("IO worker %s died with %d job(s) taken: reported failed (spills are retried)",
@@ -460,16 +466,16 @@ class StorageTier:
         path = kvfile.file_path(self.root, b.ns.fingerprint, b.key, rank)
         g = self.g
         g[G.STORAGE_IO_ERRORS] += 1
-        if status == P.E_CORRUPT:
+        if status == Status.CORRUPT:
             g[G.STORAGE_QUARANTINED] += 1          # the worker logged why and where it went
         elif status == -errno.ENOSPC and op.kind == P.SPILL:
             self._on_enospc(path)
-        elif status == P.E_WORKER_DIED:
+        elif status == Status.WORKER_DIED:
             pass                                  # logged once by _recover
         else:
             what = "spill" if op.kind == P.SPILL else "promote"
             self._io_error(what, -status if status < 0 and -status < 1000 else errno.EIO, path,
-                           P.status_message(status))
+                           status_message(status))
 
     def _io_error(self, what: str, err: int, path: str, text: str | None = None) -> None:
         name = errno.errorcode.get(err, str(err))
@@ -497,11 +503,11 @@ class StorageTier:
                 self._wake.set()
             return
         self.index.skip_spill(b)   # evictable without files; retried later if still in DRAM
-        transient = op.status in (-errno.ENOSPC, P.E_WORKER_DIED)
+        transient = op.status in (-errno.ENOSPC, Status.WORKER_DIED)
         attempts = self._retry.get(b.key, 0) + (0 if transient else 1)
         if attempts < MAX_SPILL_ATTEMPTS:
             self._remember_retry(b.key, attempts)
-            if op.status == P.E_WORKER_DIED:
+            if op.status == Status.WORKER_DIED:
                 self._resume = True      # not a storage problem: retry on the next round
         else:
             self._retry.pop(b.key, None)
@@ -568,7 +574,7 @@ class StorageTier:
         self.index.finish_promote(key, ok)
         if ok:
             self._touch(key)
-        elif op.status in (P.E_CORRUPT, -errno.ENOENT):
+        elif op.status in (Status.CORRUPT, -errno.ENOENT):
             self._forget(key)            # the file is gone or quarantined: the index forgets it
         loaded = 0
         for call, row in op.waiters:

@@ -1,7 +1,7 @@
 """An IO worker process: spills pool slots to KV files and promotes KV files into pool slots.
 
 Started and supervised by the server (``python -m hpkv.io_workers.worker SPEC_JSON``).
-It pops SPILL / PROMOTE descriptors (:func:`hpkv.engine.protocol.io_job`) from its
+It pops SPILL / PROMOTE descriptors (:func:`hpkv.protocol.wire.io_job`) from its
 request ring, moves the bytes straight between its mapping of the pool and the file
 (O_DIRECT when the server's probe said so, see :mod:`hpkv.io_workers.kvfile`), and
 pushes a COMPLETION or an ERROR carrying the job's seq, the bytes moved and the
@@ -18,12 +18,13 @@ import errno
 import logging
 import sys
 
-from hpkv.engine import protocol as P
-from hpkv.engine.pool import PoolFile
-from hpkv.engine.stats import W
-from hpkv.engine.worker_process import WorkerRuntime
+from hpkv.protocol import wire as P
+from hpkv.protocol.errors import Status
+from hpkv.common.pool import PoolFile
+from hpkv.protocol.stats import W
+from hpkv.common.worker_process import WorkerRuntime
 from hpkv.io_workers.kvfile import BlockId, CorruptFile, KvFileIO
-from hpkv.io_workers.ratelimit import RateLimitedLog
+from hpkv.common.ratelimit import RateLimitedLog
 
 log = logging.getLogger("hpkv.io")
 
@@ -54,9 +55,9 @@ def main(argv: list[str]) -> int:
                 nbytes = io.read(fp, block, offset, length)
                 row[W.BYTES_LOADED] += nbytes
             else:
-                status = P.E_BAD_REQUEST
+                status = Status.BAD_REQUEST
         except CorruptFile as exc:
-            status = P.E_CORRUPT
+            status = Status.CORRUPT
             try:
                 dest = io.quarantine(fp, block)
                 errors.log(logging.ERROR, "corrupt", "KV file %s-r%d of namespace %s is corrupt (%s): "
@@ -68,7 +69,7 @@ def main(argv: list[str]) -> int:
             status = -(exc.errno or errno.EIO)
         except ValueError as exc:  # a job outside the pool: a server bug, never a file problem
             errors.log(logging.ERROR, "bad-job", "IO job seq %d rejected: %s", d.seq, exc)
-            status = P.E_BAD_REQUEST
+            status = Status.BAD_REQUEST
         if was_direct and not io.o_direct:
             flags |= P.IO_DIRECT_FALLBACK
             log.warning("O_DIRECT was refused with EINVAL on %s although the start-up probe "

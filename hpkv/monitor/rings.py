@@ -14,7 +14,7 @@ class RingLevel(NamedTuple):
 
 def peek(directory: str, name: str) -> RingLevel | None:
     """Depth and capacity of ring ``name`` in ``directory``; None if it is gone or unreadable."""
-    from hpkv.native import ffi, lib
+    from hpkv.common.native import ffi, lib
 
     fn = getattr(lib, "hpkv_ring_peek", None)
     if fn is None:  # a core built before ringpeek.c: depths unknown until it is rebuilt

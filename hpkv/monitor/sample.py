@@ -128,7 +128,7 @@ class Watcher:
             return self._view("none", error=f"reading {self.pool_dir} failed: {exc}")
 
     def _poll(self) -> View:
-        from hpkv.engine.status import server_pid
+        from hpkv.monitor.status import server_pid
 
         now = time.monotonic()
         pid = server_pid(self.cfg)
@@ -154,7 +154,7 @@ class Watcher:
 
     # ------------------------------------------------------------ attach / detach
     def _attach(self, pid: int) -> bool:
-        from hpkv.engine.stats import H, StatsSegment
+        from hpkv.protocol.stats import H, StatsSegment
 
         try:
             seg = StatsSegment.attach(self.pool_dir)

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hpkv.native import ffi
+from hpkv.common.native import ffi
 
 N_ARGS = 6
 

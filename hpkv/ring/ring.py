@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from hpkv.native import ffi, lib, ringcall
+from hpkv.common.native import ffi, lib, ringcall
 from hpkv.ring.desc import DESC_DTYPE, Desc
 from hpkv.ring.errors import PeerClosed, PeerDead, RingBusy, RingClosed, RingError, RingTimeout
 from hpkv.ring.shmfile import (FileId, check_name, create_file, describe_error, open_existing,

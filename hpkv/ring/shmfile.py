@@ -14,7 +14,7 @@ import secrets
 import time
 from typing import Any, Callable
 
-from hpkv.native import ffi, lib
+from hpkv.common.native import ffi, lib
 from hpkv.ring.errors import RingError, RingExists, RingNotFound
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,58}\Z")

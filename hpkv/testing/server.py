@@ -13,8 +13,8 @@ import uuid
 from typing import Any, Mapping
 
 from hpkv.config import Config, load_config
-from hpkv.engine.protocol import LOG_FILE, SOCKET_FILE
-from hpkv.engine.server import read_lock_pid
+from hpkv.protocol.wire import LOG_FILE, SOCKET_FILE
+from hpkv.protocol.wire import read_lock_pid
 
 
 def env_without_hpkv() -> dict[str, str]:
@@ -138,8 +138,8 @@ class ServerProcess:
 def assert_serves_correctly(srv: ServerProcess, timeout: float = 10.0) -> None:
     """A well-behaved client gets right answers from ``srv``: reserve, commit, lookup, pin,
     unpin on fresh keys of a fresh namespace (for tests that first throw garbage at it)."""
-    from hpkv.engine.client import connect
-    from hpkv.engine.keys import block_keys, namespace_fingerprint
+    from hpkv.client.connection import connect
+    from hpkv.protocol.keys import block_keys, namespace_fingerprint
 
     assert srv.proc is not None and srv.proc.poll() is None, "the server died"
     fp = namespace_fingerprint({"model": "well-behaved", "t": time.monotonic_ns()})

@@ -15,6 +15,7 @@ machine: ``VLLM_CPU_KVCACHE_SPACE=2`` and ``--gpu-memory-utilization 0.3``.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import socket
@@ -449,3 +450,27 @@ def _session_members(sid: int) -> list[psutil.Process]:
         except (OSError, psutil.Error):
             continue
     return out
+
+
+#: CT-HPKV's own ``--kv-transfer-config``, verbatim.
+SEED_KV_TRANSFER_CONFIG = json.dumps({"kv_connector": "HpkvConnectorV1", "kv_role": "kv_both"})
+
+
+def hpkv_status(env: dict[str, str]) -> dict[str, Any] | None:
+    """``hpkv status --json`` of the server ``env`` points at; None when none runs."""
+    out = subprocess.run([sys.executable, "-m", "hpkv", "status", "--json"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    return json.loads(out.stdout) if out.returncode == 0 else None
+
+
+def hpkv_loads(env: dict[str, str]) -> dict[str, int]:
+    """Tokens hpkv has served per tier so far (from the stats segment; 0 without a server)."""
+    stats = hpkv_status(env)
+    if stats is None:
+        return {"dram": 0, "storage": 0}
+    dram = storage = 0
+    for ns in stats["namespaces"]:
+        bt = ns.get("block_tokens") or 0
+        dram += ns.get("loads_dram", 0) * bt
+        storage += ns.get("loads_storage", 0) * bt
+    return {"dram": dram, "storage": storage}

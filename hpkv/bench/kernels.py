@@ -1,7 +1,7 @@
 """Native kernel throughput: batched block copy (save/load) vs a single-thread memcpy of
 the same bytes, and CRC32C.
 
-    python benchmarks/kernels.py [--shm] [--reps 9]
+    python hpkv/bench/kernels.py [--shm] [--reps 9]
 
 GB/s counts each copied byte once. Every repetition runs the reference memcpy
 (np.copyto between two contiguous buffers of the batch's size), then save, then load,

@@ -13,4 +13,4 @@ def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, "hpkv.connectors.vllm", CONNECTOR_NAME)
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, "hpkv.connectors.vllm.connector", CONNECTOR_NAME)

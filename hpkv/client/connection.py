@@ -25,14 +25,18 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from hpkv.config import Config, load_config
-from hpkv import shm
-from hpkv.engine import protocol as P
-from hpkv.proc import pid_alive
-from hpkv.engine.keys import KEY_BYTES
+from hpkv.common import shm
+from hpkv.protocol import wire as P
+from hpkv.protocol.errors import HpkvError, HpkvUnavailable, error_for, raise_refusal
+from hpkv.common.proc import pid_alive
+from hpkv.protocol.keys import KEY_BYTES
 from hpkv.ring import PeerDead, Ring, RingError, RingTimeout
-from hpkv.security import open_nofollow, open_private_dir
+from hpkv.client.spawn import open_in_pool_dir, spawn_server
 
 log = logging.getLogger("hpkv.client")
+
+_CALL_NAMES = {P.LOOKUP: "lookup", P.RESERVE: "reserve", P.COMMIT: "commit", P.PIN: "pin", P.UNPIN: "unpin",
+               P.PROMOTE: "promote"}
 
 HOT_CALL_SPIN_US = 300.0
 PROMOTE_GRACE_S = 2.0   # beyond a promote's timeout, for the server's answer to arrive
@@ -41,14 +45,6 @@ PROMOTE_GRACE_S = 2.0   # beyond a promote's timeout, for the server's answer to
 def promote_timeout(nbytes: int) -> float:
     """How long a promote of ``nbytes`` may take: generous, ≥ 5 s at 200 MB/s."""
     return max(5.0, nbytes / 200e6)
-
-
-class HpkvError(RuntimeError):
-    """The server refused a call (bad argument, unknown namespace …)."""
-
-
-class HpkvUnavailable(HpkvError):
-    """No server answered in time, or the connection broke: recompute instead."""
 
 
 def _map_array(path: str) -> np.ndarray:
@@ -97,8 +93,7 @@ class HpkvClient:
         if not line:
             raise HpkvUnavailable(f"the hpkv server closed the connection during {op!r}")
         reply = json.loads(line)
-        if not reply.get("ok"):
-            raise HpkvError(f"hpkv server refused {op!r}: {reply.get('error')}")
+        raise_refusal(reply, f"hpkv {op!r}")
         return reply
 
     def attach_namespace(self, fingerprint: str, world_size: int, shard_bytes: int, name: str = "",
@@ -148,7 +143,7 @@ class HpkvClient:
             self._broken = f"the hpkv server (pid {self.server_pid}) is gone: {exc}"
             raise HpkvUnavailable(self._broken) from None
         if d.status < 0:
-            raise HpkvError(f"hpkv call failed: {P.status_message(d.status)}")
+            raise error_for(d.status, f"hpkv {_CALL_NAMES.get(kind, kind)} call")
         return d.a0, d.a1
 
     def lookup(self, ns_id: int, keys: Sequence[bytes]) -> tuple[int, list[int]]:
@@ -369,7 +364,7 @@ def _check_server(sock: socket.socket, directory: str) -> None:
     Another local user's look-alike socket would otherwise receive our hello and keys."""
     import stat as _stat
 
-    from hpkv.security import peer_credentials
+    from hpkv.common.security import peer_credentials
     st = os.lstat(directory)
     _, server_uid, _ = peer_credentials(sock)
     me = os.geteuid()
@@ -395,96 +390,8 @@ def _hello(cfg: Config, sock: socket.socket, name: str, call_timeout: float) -> 
     if not line:
         raise HpkvUnavailable("the hpkv server closed the connection during hello")
     reply = json.loads(line)
-    if not reply.get("ok"):
-        raise HpkvError(f"hpkv server refused hello: {reply.get('error')}")
+    raise_refusal(reply, "hpkv 'hello'")
     return HpkvClient(cfg.pool_dir, sock, reply, call_timeout)
-
-
-SPAWN_READY_TIMEOUT_S = 60.0
-
-
-def _open_in_pool_dir(cfg: Config, name: str, flags: int) -> int:
-    """Open a file of the pool directory (created 0700 if missing) only if the directory is
-    private to us, and never through a symlink (see hpkv.security)."""
-    dir_fd = open_private_dir(cfg.pool_dir, "the pool directory (HPKV_SHARE_MEM_FILE_PATH)")
-    try:
-        return open_nofollow(dir_fd, name, flags)
-    finally:
-        os.close(dir_fd)
-
-
-def spawn_server(cfg: Config, env: Mapping[str, str] | None = None,
-                 timeout: float = SPAWN_READY_TIMEOUT_S) -> int:
-    """Start ``hpkv serve --auto`` detached from the caller; returns its pid once it serves.
-
-    The server double-forks (``--detach``): it is neither our child nor in our session,
-    so an engine's shutdown, which kills its whole process tree (vLLM's
-    ``kill_process_tree``), or a Ctrl-C in the engine's terminal never reaches it. It
-    gets the configuration we resolved (:meth:`Config.to_env`), writes its output to
-    ``server.log``, and reports ``ready`` or the reason it could not start through a pipe.
-    Raises :class:`HpkvUnavailable` with that reason. Returns 0 when another server
-    already holds the directory (a concurrent spawner won): connect to that one.
-    """
-    child_env = dict(os.environ if env is None else env)
-    child_env.update(cfg.to_env())
-    log_path = os.path.join(cfg.pool_dir, P.LOG_FILE)
-    log_fd = _open_in_pool_dir(cfg, P.LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    ready_r, ready_w = os.pipe()
-    try:
-        proc = subprocess.Popen([sys.executable, "-m", "hpkv", "serve", "--auto", "--detach",
-                                 f"--ready-fd={ready_w}"], env=child_env, stdin=subprocess.DEVNULL,
-                                stdout=log_fd, stderr=log_fd, start_new_session=True, close_fds=True,
-                                pass_fds=(ready_w,))
-    finally:
-        os.close(ready_w)
-        os.close(log_fd)
-    deadline = time.monotonic() + timeout
-    try:
-        proc.wait(timeout)   # the first fork exits at once
-        message = _read_ready(ready_r, max(deadline - time.monotonic(), 0.0))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        message = f"error hpkv serve did not detach within {timeout:g}s"
-    finally:
-        os.close(ready_r)
-    kind, _, detail = message.partition(" ")
-    if kind == "ready":
-        return int(detail)
-    if kind == "served":     # another server holds the directory
-        return 0
-    reason = detail if detail != _DIED else f"{_DIED}; its log ends with: {_log_tail(log_path)}"
-    raise HpkvUnavailable(f"the hpkv server for {cfg.pool_dir} could not start: {reason} "
-                          f"(log: {log_path})")
-
-
-_DIED = "it exited before it was ready"
-
-
-def _log_tail(path: str, lines: int = 3) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
-            tail = f.read().decode(errors="replace").strip().splitlines()
-    except OSError as exc:
-        return f"<cannot read it: {exc.strerror}>"
-    return " | ".join(tail[-lines:]) or "<nothing>"
-
-
-def _read_ready(fd: int, timeout: float) -> str:
-    """The server's one status line: ``ready PID``, ``served PID`` or ``error REASON``; EOF
-    without one means it died, and the last lines of its log say why."""
-    data = b""
-    deadline = time.monotonic() + timeout
-    while b"\n" not in data:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            return f"error it did not become ready within {timeout:g}s"
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            return "error " + (data.decode(errors="replace").strip() or _DIED)
-        data += chunk
-    return data.split(b"\n", 1)[0].decode(errors="replace")
 
 
 def connect(cfg: Config | None = None, *, spawn: bool = True, timeout: float = 60.0,
@@ -498,7 +405,7 @@ def connect(cfg: Config | None = None, *, spawn: bool = True, timeout: float = 6
     if not spawn:
         raise HpkvUnavailable(f"no hpkv server is running for {cfg.pool_dir}")
     deadline = time.monotonic() + timeout
-    lock_fd = _open_in_pool_dir(cfg, P.SPAWN_LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    lock_fd = open_in_pool_dir(cfg, P.SPAWN_LOCK_FILE, os.O_RDWR | os.O_CREAT)
     try:
         while True:  # one spawner at a time; the others find its server
             try:

@@ -26,10 +26,10 @@ server to its IO workers as single descriptors (see :func:`io_job`), no arena.
 from __future__ import annotations
 
 import os
+from enum import IntEnum
 
-
-from hpkv.engine.keys import KEY_BYTES
-from hpkv.native import lib
+from hpkv.protocol.keys import KEY_BYTES
+from hpkv.common.native import lib
 
 # Descriptor kinds: defined once, in native/ring.h.
 LOOKUP = lib.HPKV_DESC_LOOKUP
@@ -45,17 +45,17 @@ COMPLETION = lib.HPKV_DESC_COMPLETION
 ERROR = lib.HPKV_DESC_ERROR
 SHUTDOWN = lib.HPKV_DESC_SHUTDOWN
 
+class Tier(IntEnum):
+    """Where a lookup found a block (also the wire code)."""
+    MISS = 0
+    DRAM = 1
+    STORAGE = 2
+
+
 # Flags of a COMMIT: the shard could not be written; drop the reservation instead.
 FLAG_ABORT = 1
 
-# Status codes carried in descriptors besides -errno.
-E_NO_NAMESPACE = -2001
-E_TOO_MANY_KEYS = -2002
-E_BAD_REQUEST = -2003
-E_WORKER_DIED = -2004
-E_CORRUPT = -2005          # a KV file failed its header/length/checksum check; it was quarantined
-E_NOT_OWNER = -2006        # commit/abort of a reservation another client made
-E_INTERNAL = -2007         # the server failed inside the call (logged there); it keeps serving
+# Status codes carried in descriptors besides -errno: one definition, hpkv.protocol.errors.Status.
 
 # Flags of an IO job's completion.
 IO_EXISTED = 1             # spill: a complete file was already in place, nothing written
@@ -105,17 +105,6 @@ JOB_ARENA_BYTES = JOB_SLOTS * JOB_SLOT_BYTES
 SLOT_UNIT = 4096  # pool slots are addressed in 4 KiB units (allocator alignment)
 
 
-def status_message(status: int) -> str:
-    names = {E_NO_NAMESPACE: "namespace not attached", E_TOO_MANY_KEYS: "too many keys in one call",
-             E_BAD_REQUEST: "bad request", E_WORKER_DIED: "the worker died during the job",
-             E_CORRUPT: "KV file corrupt (quarantined)",
-             E_NOT_OWNER: "the reservation belongs to another client",
-             E_INTERNAL: "internal server error (see server.log)"}
-    if status in names:
-        return names[status]
-    return os.strerror(-status) if status < 0 else "ok"
-
-
 def io_job(namespace: bytes, key: bytes, rank: int, world: int, offset: int,
            length: int) -> tuple[int, tuple[int, int, int, int, int, int]]:
     """An IO job's (flags, a0..a5): flags = rank | world << 8; a0 pool offset, a1 payload
@@ -133,3 +122,30 @@ def decode_io_job(flags: int, a: tuple[int, ...]) -> tuple[bytes, bytes, int, in
 
 
 _U64 = (1 << 64) - 1
+
+
+def read_lock_pid(directory: str) -> int | None:
+    """The pid the server wrote into its lock file in ``directory`` (None: no server or unreadable)."""
+    try:
+        fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd) as f:
+            return int(f.read(32).strip() or 0) or None
+    except (OSError, ValueError):
+        return None
+
+
+def live_server_pid(directory: str) -> int | None:
+    """The pid of the live server of the pool directory ``directory``: the one holding its lock."""
+    import fcntl
+    try:
+        fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None  # nobody holds the lock: no server
+    except BlockingIOError:
+        return read_lock_pid(directory)
+    finally:
+        os.close(fd)

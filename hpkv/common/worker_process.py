@@ -15,9 +15,9 @@ import signal
 import time
 from typing import Callable
 
-from hpkv.engine import protocol as P
-from hpkv.engine.logs import setup_logging
-from hpkv.engine.stats import StatsSegment, W, WorkerState
+from hpkv.protocol import wire as P
+from hpkv.common.logs import setup_logging
+from hpkv.protocol.stats import StatsSegment, W, WorkerState
 from hpkv.ring import Desc, PeerDead, Ring, RingError, RingTimeout
 
 #: A job handler: the descriptor → (status, bytes moved, completion flags).

@@ -5,8 +5,8 @@ import logging
 import os
 import sys
 
-from hpkv.engine.protocol import LOG_FILE
-from hpkv.security import InsecurePath, open_nofollow, open_private_dir
+from hpkv.protocol.wire import LOG_FILE
+from hpkv.common.security import InsecurePath, open_nofollow, open_private_dir
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
 

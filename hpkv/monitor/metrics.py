@@ -184,7 +184,7 @@ class StatsCollector:
         self._attach_lock = threading.Lock()   # scrapes run in the HTTP server's threads, maybe two at once
 
     def collect(self) -> Iterator["Metric"]:
-        from hpkv.engine.stats import StatsSegment
+        from hpkv.protocol.stats import StatsSegment
         from hpkv.monitor.rings import peek_all
         from hpkv.monitor.sample import ring_names
 

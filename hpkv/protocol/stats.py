@@ -5,7 +5,7 @@ Layout of the file ``stats`` in the pool directory (all little-endian int64)::
     header    [16]                 magic, version, server pid, start time (ns), heartbeat (ns),
                                    catalog generation (seqlock), catalog length
     global    [GLOBAL_SLOTS]       server-wide counters (:class:`G`)
-    ns        [MAX_NS][NS_SLOTS]   per-namespace counters (index.NsCounter), row = ns id
+    ns        [MAX_NS][NS_SLOTS]   per-namespace counters (:class:`NsCounter`), row = ns id
     worker    [MAX_WORKERS][W_SLOTS] per-worker counters (:class:`W`), written by the worker itself
     catalog   CATALOG_BYTES        JSON: namespaces, workers, clients, rings (names, pids, CPUs…)
 
@@ -25,7 +25,27 @@ from typing import Any
 
 import numpy as np
 
-from hpkv.engine.index import NS_COUNTERS, NsCounter
+
+# Per-namespace counters, kept in a numpy int64 vector (a view into the stats
+# segment in the server, so monitors read them live).
+class NsCounter(IntEnum):
+    BLOCKS_DRAM = 0        # gauge: READY blocks with pool slots
+    BYTES_DRAM = 1         # gauge
+    BLOCKS_PINNED = 2      # gauge
+    BLOCKS_STORAGE = 3     # gauge: blocks known to have files
+    HITS_DRAM = 4          # blocks
+    HITS_STORAGE = 5
+    MISSES = 6             # lookups that stopped at a missing key (one per lookup)
+    LOOKUPS = 7
+    EVICTIONS = 8
+    RESERVE_FAILED = 9     # pool full of unevictable blocks
+    COMMITS = 10           # blocks that became READY
+    BLOCKS_RESERVED = 11   # gauge
+    LOADS_DRAM = 12        # blocks pinned for loading from the pool (connector loads)
+    LOADS_STORAGE = 13     # blocks promoted from storage for loading
+
+
+NS_COUNTERS = len(NsCounter)
 
 MAGIC = 0x53544154564B5048  # "HPKVTATS"
 VERSION = 1

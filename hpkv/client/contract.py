@@ -1,0 +1,67 @@
+"""The typed contract of the hpkv client's hot calls.
+
+Connectors depend on these protocols, not on :class:`~hpkv.client.connection.HpkvClient`, so
+their bookkeeping can be unit-tested against an in-memory implementation
+(:mod:`hpkv.testing.memory_store`) in milliseconds, beside the end-to-end tests with real
+engines. Every call raises :class:`~hpkv.protocol.errors.HpkvError` on failure
+(:class:`~hpkv.protocol.errors.HpkvUnavailable` when the server is gone or slow): the caller
+recomputes.
+
+Per-row answers are pool byte offsets ``[len(keys), world]`` with the sentinels of
+:mod:`hpkv.protocol.errors` (``ROW_PRESENT``, ``ROW_POOL_FULL``, ``ROW_MISSING``).
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import numpy as np
+
+
+class KvStore(Protocol):
+    """The hot calls of one client of the hpkv server (one namespace id per model layout)."""
+
+    server_pid: int
+
+    def lookup(self, ns_id: int, keys: Sequence[bytes]) -> tuple[int, list[int]]:
+        """(number of leading keys present, the :class:`~hpkv.protocol.wire.Tier` of each)."""
+        ...
+
+    def reserve(self, ns_id: int, keys: Sequence[bytes]) -> np.ndarray:
+        """Pool slots to write new blocks into; ROW_PRESENT / ROW_POOL_FULL rows need no write."""
+        ...
+
+    def commit(self, ns_id: int, keys: Sequence[bytes], rank: int = 0) -> int:
+        """This rank's shards of reserved blocks are written; returns blocks that became ready."""
+        ...
+
+    def abort(self, ns_id: int, keys: Sequence[bytes]) -> None:
+        """Drop reservations whose shards could not be written."""
+        ...
+
+    def pin(self, ns_id: int, keys: Sequence[bytes]) -> np.ndarray:
+        """Keep DRAM blocks from eviction while they are loaded; ROW_MISSING where not in DRAM."""
+        ...
+
+    def promote(self, ns_id: int, keys: Sequence[bytes], timeout: float | None = None) -> np.ndarray:
+        """Read storage blocks into the pool, pinned for the caller; ROW_MISSING where it failed."""
+        ...
+
+    def unpin(self, ns_id: int, keys: Sequence[bytes]) -> None: ...
+
+    def clear(self, ns_id: int) -> int:
+        """Drop the namespace from the DRAM tier (files stay); returns the blocks dropped."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class BlockMover(Protocol):
+    """Copies between an engine's KV cache blocks and pool slots (a device's transfer workers)."""
+
+    def save(self, blocks: np.ndarray, offsets: np.ndarray) -> bool:
+        """KV cache blocks → pool byte offsets; True once every copy completed."""
+        ...
+
+    def load(self, blocks: np.ndarray, offsets: np.ndarray) -> bool:
+        """Pool byte offsets → KV cache blocks; True once every copy completed."""
+        ...

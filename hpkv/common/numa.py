@@ -1,0 +1,53 @@
+"""NUMA placement: which node serves a device, its CPUs, and a memory policy for a worker."""
+from __future__ import annotations
+
+import os
+
+
+def numa_nodes() -> list[int]:
+    try:
+        return sorted(int(n[4:]) for n in os.listdir("/sys/devices/system/node") if n.startswith("node")
+                      and n[4:].isdigit())
+    except OSError:
+        return [0]
+
+
+def parse_cpulist(text: str) -> list[int]:
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def device_cpus(device: str, numa_node: int | None) -> tuple[int, list[int]]:
+    """The NUMA node to serve ``device`` from and the CPUs of that node we may run on.
+
+    The connector tells us the node: the GPU's PCI ``numa_node`` on CUDA, the node
+    of the engine worker's CPUs on the CPU backend. Unknown (-1/None) → node 0 or
+    all CPUs we are allowed.
+    """
+    allowed = sorted(os.sched_getaffinity(0))
+    node = numa_node if numa_node is not None and numa_node >= 0 else 0
+    try:
+        with open(f"/sys/devices/system/node/node{node}/cpulist") as f:
+            cpus = [c for c in parse_cpulist(f.read()) if c in allowed]
+    except OSError:
+        cpus = []
+    return node, cpus or allowed
+
+
+def set_memory_node(node: int) -> str:
+    """Prefer allocations from ``node`` (MPOL_PREFERRED); returns what happened, for the log."""
+    if len(numa_nodes()) <= 1:
+        return "single NUMA node: no memory policy needed"
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    MPOL_PREFERRED = 1
+    SYS_set_mempolicy = 238 if os.uname().machine == "x86_64" else 237
+    mask = ctypes.c_ulong(1 << node)
+    if libc.syscall(SYS_set_mempolicy, MPOL_PREFERRED, ctypes.byref(mask), 64) != 0:
+        return f"set_mempolicy(node {node}) failed: {os.strerror(ctypes.get_errno())}"
+    return f"memory bound to node {node} (preferred)"

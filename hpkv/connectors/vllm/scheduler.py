@@ -1,0 +1,181 @@
+"""The scheduler side of the connector (EngineCore process): bookkeeping only, no copies.
+
+It looks prefixes up in hpkv, pins hits, reserves pool slots for newly full blocks and
+tells the workers what to copy through the step's metadata. It talks to hpkv only through
+:class:`~hpkv.client.contract.KvStore`, so it is unit-tested against an in-memory store.
+Any hpkv failure means fewer hits or fewer saves, never a failed request.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from hpkv.client.contract import KvStore
+from hpkv.connectors.reconnect import Reconnecting
+from hpkv.connectors.vllm.layout import Layout
+from hpkv.connectors.vllm.metadata import HpkvMetadata, LoadOp, SaveOp
+from hpkv.protocol.errors import ROW_MISSING
+from hpkv.protocol.keys import block_keys
+from hpkv.protocol.wire import Tier
+
+log = logging.getLogger("vllm.hpkv")
+
+
+@dataclass
+class _ReqState:
+    request: Any
+    saved_upto: int = 0                       # blocks [0, saved_upto) need no save
+    plan: tuple[int, list[bytes], list[int]] | None = None   # (first block, keys, tiers) of a hit
+    pinned: list[bytes] = field(default_factory=list)
+
+
+class SchedulerSide:
+    """``open_store`` connects and attaches the namespace: (store, namespace id).
+    ``block_ids_of(req_id)`` gives a request's KV cache block ids (None before vLLM binds its
+    KV cache manager)."""
+
+    def __init__(self, layout: Layout, threshold: int, open_store: Callable[[], tuple[KvStore, int]],
+                 block_ids_of: Callable[[str], Sequence[int] | None]):
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.threshold = threshold
+        self.ns_id = -1
+        self._open_store = open_store
+        self._block_ids_of = block_ids_of
+        self._reqs: dict[str, _ReqState] = {}
+        self._pending_loads: list[LoadOp] = []
+        self._hit_tiers: dict[str, tuple[int, int]] = {}   # req -> (dram tokens, storage tokens)
+        self.hpkv: Reconnecting[KvStore] = Reconnecting("scheduler", self._connect, log)
+
+    def _connect(self) -> KvStore:
+        store, self.ns_id = self._open_store()
+        return store
+
+    def _keys(self, hashes: Sequence[bytes]) -> list[bytes]:
+        return block_keys(self.layout.fingerprint, list(hashes))
+
+    def _state(self, request: Any) -> _ReqState:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = self._reqs[request.request_id] = _ReqState(request)
+        return st
+
+    def on_new_request(self, request: Any) -> None:
+        self._reqs[request.request_id] = _ReqState(request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        client = self.hpkv.get()
+        if client is None:
+            return 0, False
+        st = self._state(request)
+        st.plan = None
+        first = num_computed_tokens // self.block_size
+        # A synchronous hit must leave at least one token to compute.
+        last = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
+        if last <= first:
+            return 0, False
+        keys = self._keys(request.block_hashes[first:last])
+        try:
+            n, tiers = client.lookup(self.ns_id, keys)
+        except Exception as exc:  # hpkv trouble means recompute
+            self.hpkv.lost(exc)
+            return 0, False
+        if n == 0 or n * self.block_size < self.threshold:
+            return 0, False
+        st.plan = (first, keys[:n], tiers)
+        return n * self.block_size, False
+
+    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """``block_ids``: the request's KV cache blocks (vLLM's first KV cache group)."""
+        st = self._state(request)
+        plan, st.plan = st.plan, None
+        if num_external_tokens == 0 or plan is None:
+            return
+        first, keys, tiers = plan
+        n = num_external_tokens // self.block_size
+        keys, tiers = keys[:n], tiers[:n]
+        targets = list(block_ids[first:first + n])
+        client = self.hpkv.get()
+        offsets = np.full((n, self.layout.world_size), ROW_MISSING, np.int64)
+        if client is not None:
+            try:
+                offsets = client.pin(self.ns_id, keys)
+                st.pinned.extend(keys)
+            except Exception as exc:  # the worker reports the blocks failed
+                self.hpkv.lost(exc)
+        self._pending_loads.append(LoadOp(request.request_id, keys, targets, offsets))
+        dram = sum(1 for t in tiers if t == Tier.DRAM) * self.block_size
+        self._hit_tiers[request.request_id] = (dram, num_external_tokens - dram)
+        st.saved_upto = max(st.saved_upto, first + n)
+
+    def hit_tiers(self, request_id: str, num_external_tokens: int) -> tuple[int, int]:
+        """(tokens from DRAM, tokens from storage) of the request's hit, once."""
+        return self._hit_tiers.pop(request_id, (num_external_tokens, 0))
+
+    def build_connector_meta(self, scheduler_output: Any) -> HpkvMetadata:
+        meta = HpkvMetadata()
+        meta.loads, self._pending_loads = self._pending_loads, []
+        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            if rid in self._reqs:
+                self._reqs[rid].saved_upto = 0   # its blocks were freed; new ones come on resume
+        client = self.hpkv.get()
+        if client is None:
+            return meta
+        computed: dict[str, int] = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for rid, n_sched in scheduler_output.num_scheduled_tokens.items():
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            req = st.request
+            full = min((computed.get(rid, req.num_computed_tokens) + n_sched) // self.block_size,
+                       len(req.block_hashes))
+            if full <= st.saved_upto:
+                continue
+            block_ids = self._block_ids_of(rid)
+            if block_ids is None:
+                return meta
+            first = st.saved_upto
+            keys = self._keys(req.block_hashes[first:full])
+            try:
+                offsets = client.reserve(self.ns_id, keys)
+            except Exception as exc:
+                self.hpkv.lost(exc)
+                return meta
+            st.saved_upto = full
+            rows = np.flatnonzero((offsets >= 0).all(axis=1))
+            if len(rows) == 0:
+                continue
+            meta.saves.append(SaveOp(rid, [keys[i] for i in rows], [block_ids[first + i] for i in rows],
+                                     offsets[rows]))
+        return meta
+
+    def request_finished(self, request_id: str) -> None:
+        st = self._reqs.pop(request_id, None)
+        self._hit_tiers.pop(request_id, None)
+        if st is None or not st.pinned:
+            return
+        client = self.hpkv.get()
+        if client is not None:
+            try:
+                client.unpin(self.ns_id, st.pinned)
+            except Exception as exc:
+                self.hpkv.lost(exc)
+
+    def reset_cache(self) -> bool:
+        """Drop this namespace from the DRAM tier (files stay); False if hpkv could not be asked."""
+        client = self.hpkv.get()
+        if client is None:
+            return False
+        try:
+            dropped = client.clear(self.ns_id)
+        except Exception as exc:
+            self.hpkv.lost(exc)
+            return False
+        log.info("hpkv: reset_cache dropped %d blocks of namespace %s from the DRAM tier", dropped,
+                 self.layout.fingerprint[:12])
+        return True

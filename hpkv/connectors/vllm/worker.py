@@ -1,0 +1,229 @@
+"""The worker side of the connector (one per rank): exports the rank's KV cache to hpkv and
+has the rank's transfer worker copy blocks pool → KV cache before the forward (loads) and
+KV cache → pool after it (saves), then commits the saved shards.
+
+On the CPU backend the KV cache is allocated in a shared-memory file the transfer worker
+maps (:meth:`WorkerSide.shared_kv_allocation`). Loads are synchronous: a DRAM hit costs
+milliseconds, and a storage hit is promoted into the pool by the IO workers first. Blocks
+that cannot be delivered are reported, and vLLM recomputes them.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import time
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from hpkv.client.contract import BlockMover, KvStore
+from hpkv.common import shm
+from hpkv.connectors.reconnect import Reconnecting
+from hpkv.connectors.vllm.layout import Layout, describe_kv
+from hpkv.connectors.vllm.metadata import HpkvConnectorStats, HpkvMetadata
+from hpkv.protocol.wire import device_file_name
+
+log = logging.getLogger("vllm.hpkv")
+
+#: (store, namespace id, block mover) of a connected worker.
+Opened = tuple[KvStore, int, BlockMover]
+
+
+class WorkerSide:
+    """``open_store(device_spec)`` connects, attaches the namespace and registers the KV cache."""
+
+    def __init__(self, layout: Layout, rank: int, pool_dir: str, device_type: str,
+                 open_store: Callable[[dict[str, Any]], Opened]):
+        self.layout = layout
+        self.rank = rank
+        self.enabled = True
+        self.ns_id = -1
+        self.stats = HpkvConnectorStats()
+        self._pool_dir = pool_dir
+        self._device_type = device_type
+        self._open_store = open_store
+        self._device: BlockMover | None = None
+        self._load_errors: set[int] = set()
+        self._kv_file: str | None = None
+        self._kv_mmap: mmap.mmap | None = None
+        self._kv_base = 0
+        self._device_spec: dict[str, Any] = {}
+        self.hpkv: Reconnecting[KvStore] = Reconnecting(f"worker rank {rank}", self._connect, log)
+
+    def _connect(self) -> KvStore:
+        store, self.ns_id, self._device = self._open_store(self._device_spec)
+        return store
+
+    # ---------------------------------------------------------------- KV cache placement
+    def mem_pool_context(self) -> contextlib.AbstractContextManager[None] | None:
+        """Allocate the KV cache in a shared-memory file the transfer worker maps (CPU backend)."""
+        if not self.enabled or self._device_type != "cpu":
+            return None
+        return self.shared_kv_allocation()
+
+    @contextlib.contextmanager
+    def shared_kv_allocation(self) -> Iterator[None]:
+        # vLLM allocates the whole KV cache as one torch.zeros(int8) buffer inside this
+        # context (vllm/v1/worker/utils.py: allocate_kv_cache). The CPU has no memory-pool
+        # API, so for that one call we hand out a tensor backed by a file in the pool
+        # directory, which the transfer worker maps too. torch.zeros is patched only here.
+        real_zeros = torch.zeros
+
+        def zeros(*size: Any, dtype: torch.dtype | None = None, device: Any = None, **kwargs: Any) -> torch.Tensor:
+            if (self._kv_file is None and dtype == torch.int8 and len(size) == 1
+                    and isinstance(size[0], int) and (device is None or torch.device(device).type == "cpu")):
+                t = self._alloc_shared_kv(size[0])
+                if t is not None:
+                    return t
+            return real_zeros(*size, dtype=dtype, device=device, **kwargs)
+
+        torch.zeros = zeros  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            torch.zeros = real_zeros
+
+    def _alloc_shared_kv(self, nbytes: int) -> torch.Tensor | None:
+        path = os.path.join(self._pool_dir, device_file_name(os.getpid(), self.rank))
+        try:
+            os.makedirs(self._pool_dir, mode=0o700, exist_ok=True)
+            mm = shm.create(path, nbytes, exclusive=False)
+        except OSError as exc:
+            log.error("hpkv: cannot place the %d-byte KV cache in shared memory at %s (%s): hpkv is "
+                      "disabled on this worker; free space in %s or lower --gpu-memory-utilization",
+                      nbytes, path, exc.strerror, self._pool_dir)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            self.enabled = False
+            return None
+        self._kv_file, self._kv_mmap = path, mm
+        t = torch.frombuffer(mm, dtype=torch.int8)
+        self._kv_base = t.data_ptr()
+        log.info("hpkv: KV cache of rank %d (%d bytes) placed in %s", self.rank, nbytes, path)
+        return t
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if not self.enabled:
+            return
+        if self._kv_file is None or self._kv_mmap is None:
+            log.error("hpkv: the KV cache was not allocated through hpkv's shared-memory context "
+                      "(device %s): hpkv is disabled on this worker", self._device_type)
+            self.enabled = False
+            return
+        try:
+            self._device_spec = describe_kv(self.layout, kv_caches, self._kv_file, self._kv_base,
+                                            self._kv_mmap.size())
+        except ValueError as exc:
+            log.error("hpkv disabled on this worker: %s", exc)
+            self.enabled = False
+            return
+        self.hpkv.connect_now(timeout=120.0)
+
+    # ---------------------------------------------------------------- copies
+    def start_load_kv(self, meta: HpkvMetadata) -> None:
+        if not meta.loads:
+            return
+        blocks = [b for op in meta.loads for b in op.block_ids]
+        # The scheduler promised these blocks; if this worker cannot deliver them (hpkv
+        # disabled here, or unreachable), vLLM must recompute them, never read garbage.
+        client = self.hpkv.get() if self.enabled else None
+        device = self._device
+        if client is None or device is None:
+            self._fail_loads(blocks, "no hpkv server")
+            return
+        t0 = time.perf_counter()
+        keys = [k for op in meta.loads for k in op.keys]
+        offsets = np.concatenate([op.offsets[:, self.rank] for op in meta.loads])
+        missing = np.flatnonzero(offsets < 0)
+        promoted: list[bytes] = []
+        try:
+            if len(missing):
+                got = client.promote(self.ns_id, [keys[i] for i in missing])
+                # Promoted blocks come back pinned for us; failed rows are not.
+                promoted = [keys[i] for i, row in zip(missing, got) if (row >= 0).all()]
+                offsets[missing] = got[:, self.rank]
+            ok = offsets >= 0
+            dst = np.asarray(blocks, np.int64)
+            if ok.any() and not device.load(dst[ok], offsets[ok]):
+                ok[:] = False
+        except Exception as exc:  # recompute
+            self.hpkv.lost(exc)
+            self._fail_loads(blocks, str(exc))
+            return
+        finally:
+            if promoted and self.hpkv.client is not None:
+                with contextlib.suppress(Exception):
+                    client.unpin(self.ns_id, promoted)
+        failed = [b for b, good in zip(blocks, ok) if not good]
+        if failed:
+            self._fail_loads(failed, "blocks missing or copy failed")
+        n_ok = int(ok.sum())
+        n_storage = int(ok[missing].sum())
+        s = self.stats.data
+        s["loaded_tokens_dram"] += (n_ok - n_storage) * self.layout.block_size
+        s["loaded_tokens_storage"] += n_storage * self.layout.block_size
+        s["loaded_bytes"] += n_ok * self.layout.shard_bytes
+        s["load_time_s"] += time.perf_counter() - t0
+
+    def _fail_loads(self, block_ids: list[int], why: str) -> None:
+        self._load_errors.update(block_ids)
+        self.stats.data["load_failed_blocks"] += len(block_ids)
+        log.warning("hpkv: %d block(s) could not be loaded (%s); vLLM recomputes them", len(block_ids), why)
+
+    def wait_for_save(self, meta: HpkvMetadata) -> None:
+        if not self.enabled or not meta.saves:
+            return
+        client = self.hpkv.get()
+        device = self._device
+        if client is None or device is None:
+            return
+        keys = [k for op in meta.saves for k in op.keys]
+        blocks = np.asarray([b for op in meta.saves for b in op.block_ids], np.int64)
+        offsets = np.concatenate([op.offsets[:, self.rank] for op in meta.saves])
+        t0 = time.perf_counter()
+        s = self.stats.data
+        try:
+            # On the CPU the forward is synchronous: the step's KV is final here. We wait for
+            # the copy, so vLLM may free or reuse these blocks as soon as we return.
+            if device.save(blocks, offsets):
+                client.commit(self.ns_id, keys, rank=self.rank)
+                s["saved_tokens"] += len(keys) * self.layout.block_size
+                s["saved_bytes"] += len(keys) * self.layout.shard_bytes
+            else:
+                s["save_failed_blocks"] += len(keys)
+                client.abort(self.ns_id, keys)
+        except Exception as exc:  # a lost save is a future miss
+            s["save_failed_blocks"] += len(keys)
+            self.hpkv.lost(exc)
+        s["save_time_s"] += time.perf_counter() - t0
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_stats(self) -> HpkvConnectorStats | None:
+        if not self.enabled or self.stats.is_empty():
+            return None
+        stats, self.stats = self.stats, HpkvConnectorStats()
+        return stats
+
+    def shutdown(self) -> None:
+        self.hpkv.close()
+        if self._kv_file:
+            with contextlib.suppress(OSError):
+                os.unlink(self._kv_file)   # the mapping stays valid while vLLM still uses it
+
+
+def current_numa_node() -> int:
+    """The NUMA node of the CPUs this engine worker runs on (its transfer worker is placed there)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    try:
+        for entry in os.listdir(f"/sys/devices/system/cpu/cpu{cpus[0]}"):
+            if entry.startswith("node") and entry[4:].isdigit():
+                return int(entry[4:])
+    except (OSError, IndexError):
+        pass
+    return 0

@@ -1,0 +1,64 @@
+"""``hpkv status``: reads the stats segment, no RPC needed."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from hpkv.config import Config, format_size
+from hpkv.protocol.wire import live_server_pid
+from hpkv.protocol.stats import StatsSegment
+
+
+def server_pid(cfg: Config) -> int | None:
+    """The pid of the live server of this pool directory, if any."""
+    return live_server_pid(cfg.pool_dir)
+
+
+def read_snapshot(cfg: Config) -> dict | None:
+    if server_pid(cfg) is None:
+        return None
+    try:
+        seg = StatsSegment.attach(cfg.pool_dir)
+    except FileNotFoundError:
+        return None
+    try:
+        return seg.snapshot()
+    finally:
+        seg.close()
+
+
+def format_status(s: dict) -> str:
+    p = s["pool"]
+    lines = [f"hpkv server pid {s['server']['pid']}  pool dir {s['server'].get('pool_dir')}",
+             f"pool      {format_size(p['used_bytes'])} used / {format_size(p['capacity_bytes'])}"
+             f"  pinned {format_size(p['pinned_bytes'])}  blocks {p['blocks']}",
+             f"storage   {s['server'].get('storage') or 'disabled'}",
+             f"requests  {s['requests']}  errors {s['errors']}  worker restarts {s['worker_restarts']}",
+             "", "NAMESPACE            RANKS  DRAM BLOCKS  PINNED  HITS DRAM  HITS STORAGE  MISSES  EVICTIONS"]
+    for ns in s["namespaces"]:
+        lines.append(f"{ns['name'][:20]:20} {ns['world_size']:5}  {ns['blocks_dram']:11}  {ns['blocks_pinned']:6}"
+                     f"  {ns['hits_dram']:9}  {ns['hits_storage']:12}  {ns['misses']:6}  {ns['evictions']:9}")
+    lines += ["", "WORKER  KIND      PID      DEVICE  NODE  CPUS    STATE     JOBS  FAILED  RESTARTS"]
+    for w in s["workers"]:
+        cpus = ",".join(map(str, w["cpus"]))
+        lines.append(f"{w['slot']:6}  {w['kind']:8}  {w['pid']:7}  {w['device']:6}  {w['numa_node']!s:4}  {cpus[:6]:6}"
+                     f"  {w['state']:8}  {w['jobs']:4}  {w['jobs_failed']:6}  {w['restarts']:8}")
+    lines += ["", "CLIENT  PID      NAME"]
+    for c in s["clients"]:
+        lines.append(f"{c['id']:6}  {c['pid']:7}  {c['name']}")
+    return "\n".join(lines)
+
+
+def print_status(cfg: Config, as_json: bool = False) -> int:
+    pid = server_pid(cfg)
+    snap = read_snapshot(cfg) if pid is not None else None
+    if snap is None:
+        if pid is not None:   # holds the lock but has no stats segment yet (or no more)
+            print(f"hpkv: server {pid} holds the pool directory {cfg.pool_dir} but is starting or "
+                  "stopping (no stats yet); try again in a moment", file=sys.stderr)
+            return 1
+        print(f"hpkv: no server is running for the pool directory {cfg.pool_dir}", file=sys.stderr)
+        return 1
+    print(json.dumps(snap, indent=2) if as_json else format_status(snap))
+    return 0
