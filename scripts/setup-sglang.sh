@@ -26,7 +26,7 @@ sg_stamp=$( { cat pyproject.toml setup.py scripts/setup-sglang.sh scripts/requir
 sg_stamp_file=$SG_VENV/.hpkv-setup-stamp
 sg_check() {
   PYTHONPATH=hpkv/testing/sglang_shims SGLANG_USE_CPU_ENGINE=1 "$SG_VENV/bin/python" -W ignore -c \
-    "import hpkv.native, hpkv.connectors.sglang, sglang.srt.managers.scheduler, sglang.srt.entrypoints.http_server"
+    "import hpkv.common.native, hpkv.connectors.sglang.plugin, sglang.srt.managers.scheduler, sglang.srt.entrypoints.http_server"
 }
 if [ -x "$SG_VENV/bin/python" ] && [ -f "$sg_stamp_file" ] && [ "$(cat "$sg_stamp_file")" = "$sg_stamp" ] \
    && sg_check 2>/dev/null; then

@@ -36,9 +36,9 @@ import ctypes
 import logging
 import os
 import threading
-import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,9 +49,15 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
+from hpkv.client import HpkvClient, connect
+from hpkv.common import shm
+from hpkv.connectors.reconnect import Reconnecting
+from hpkv.protocol.keys import block_keys, namespace_fingerprint
+from hpkv.protocol.wire import MAX_KEYS_PER_CALL
+
+# A child of SGLang's logger, so our lines appear in SGLang's log with its format.
 log = logging.getLogger("sglang.hpkv")
 
-RECONNECT_INTERVAL_S = 10.0
 CALL_TIMEOUT_S = 5.0
 PROMOTE_TIMEOUT_S = 5.0       # a storage read that takes longer is a miss (SGLang recomputes)
 CONNECT_AT_START_S = 120.0    # the first connect may spawn the hpkv server
@@ -155,81 +161,6 @@ def _raw_hash(key: str) -> bytes:
         return key.encode()
 
 
-# ---------------------------------------------------------------------------- connection
-class _Connection:
-    """The hpkv client of this backend; once lost, re-established in a background thread
-    (never blocking an SGLang thread). An outage is logged twice: when hpkv goes away (with
-    the reason) and when it is back."""
-
-    def __init__(self, what: str, connect_fn: Callable[[], Any]):
-        self.what = what
-        self._connect_fn = connect_fn
-        self.client: Any = None
-        self._lock = threading.Lock()
-        self._next_try = 0.0
-        self._thread: threading.Thread | None = None
-        self._down_since: float | None = None
-
-    def get(self) -> Any:
-        c = self.client
-        if c is not None:
-            return c
-        now = time.monotonic()
-        with self._lock:
-            if self._thread is None and now >= self._next_try:
-                self._next_try = now + RECONNECT_INTERVAL_S
-                self._thread = threading.Thread(target=self._run, name=f"hpkv-{self.what}-connect",
-                                                daemon=True)
-                self._thread.start()
-        return None
-
-    def connect_now(self, timeout: float) -> None:
-        self.get()
-        t = self._thread
-        if t is not None:
-            t.join(timeout)
-
-    def _run(self) -> None:
-        try:
-            client = self._connect_fn()
-        except Exception as exc:  # noqa: BLE001 - any failure means: miss, retry later
-            if self._down_since is None:
-                self._down_since = time.monotonic()
-                log.warning("hpkv %s: cannot reach the hpkv server (%s); SGLang recomputes until it is "
-                            "back (retrying every %.0fs; logged again when it is back)",
-                            self.what, exc, RECONNECT_INTERVAL_S)
-            else:
-                log.debug("hpkv %s: still no hpkv server (%s)", self.what, exc)
-        else:
-            if self._down_since is not None:
-                log.warning("hpkv %s: the hpkv server is back (pid %d) after %.0fs", self.what,
-                            client.server_pid, time.monotonic() - self._down_since)
-                self._down_since = None
-            self.client = client
-        finally:
-            with self._lock:
-                self._thread = None
-
-    def lost(self, client: Any, exc: BaseException) -> None:
-        with self._lock:
-            if self.client is not client or client is None:
-                return   # another thread already reported it
-            self.client = None
-            if self._down_since is None:
-                self._down_since = time.monotonic()
-                log.warning("hpkv %s: lost the hpkv server (%s); SGLang recomputes until it is back",
-                            self.what, exc)
-        with contextlib.suppress(Exception):
-            client.close()
-
-    def close(self) -> None:
-        with self._lock:
-            c, self.client = self.client, None
-        if c is not None:
-            with contextlib.suppress(Exception):
-                c.close()
-
-
 # ---------------------------------------------------------------------------- backend
 class HpkvHiCacheStorage(HiCacheStorage):
     """SGLang HiCache storage backend over hpkv. Constructed by SGLang's ``dynamic`` factory as
@@ -240,14 +171,16 @@ class HpkvHiCacheStorage(HiCacheStorage):
         self.extra = dict(storage_config.extra_config or {})
         self.enabled = False
         self.ns_id: int | None = None
-        self.fingerprint: str | None = None
+        self.fingerprint = ""
+        self.ns_name = ""        # set once the host pool is known: connecting needs both
         self.page_size = 0
         self.layout: HostLayout | None = None
         self.mem_pool_host: Any = None
         self._device: Any = None
         self._pool_map: np.ndarray | None = None      # this process's view of hpkv's pool (legacy API)
         self._legacy_page: tuple[torch.dtype, tuple[int, ...]] | None = None
-        self._conn: _Connection | None = None
+        self._conn: Reconnecting[HpkvClient] = Reconnecting(
+            f"sglang rank {int(storage_config.tp_rank)}", self._connect, log)
         self._stat_lock = threading.Lock()
         self.stats: dict[str, int] = dict.fromkeys(
             ("exists_calls", "hit_pages", "below_threshold", "loaded_pages", "load_failed_pages",
@@ -274,7 +207,6 @@ class HpkvHiCacheStorage(HiCacheStorage):
         self.mem_pool_host = mem_pool_host
         if not self.enabled:
             return
-        from hpkv.engine.keys import namespace_fingerprint
         self.page_size = int(mem_pool_host.page_size)
         try:
             if self.interface_v1:
@@ -296,7 +228,6 @@ class HpkvHiCacheStorage(HiCacheStorage):
         model = os.path.basename(str(self.config.model_name or "model").split(":", 1)[0].rstrip("/"))
         tp = "" if self.config.is_mla_model else f" tp{self.config.tp_size}r{self.config.tp_rank}"
         self.ns_name = f"{model}{tp} ps{self.page_size} {getattr(mem_pool_host, 'layout', '')}"[:60]
-        self._conn = _Connection(f"sglang rank {self.rank}", self._connect)
         self._conn.connect_now(timeout=CONNECT_AT_START_S)
         log.info("hpkv storage backend: namespace %s (%s), token threshold %d (%s), %s, %s",
                  self.fingerprint[:12], self.ns_name, self.threshold,
@@ -304,9 +235,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
                  "zero-copy host pool" if self.interface_v1 else "legacy flat pages",
                  "writer" if self.writer else "reader (MLA: another rank stores)")
 
-    def _connect(self) -> Any:
-        from hpkv import shm
-        from hpkv.engine.client import connect
+    def _connect(self) -> HpkvClient:
         client = connect(self.cfg, name=f"sglang-r{self.rank}", call_timeout=CALL_TIMEOUT_S)
         try:
             ns = client.attach_namespace(self.fingerprint, 1, self.shard_bytes, name=self.ns_name,
@@ -326,11 +255,10 @@ class HpkvHiCacheStorage(HiCacheStorage):
             raise
         return client
 
-    def _client(self) -> Any:
-        return self._conn.get() if self.enabled and self._conn is not None else None
+    def _client(self) -> HpkvClient | None:
+        return self._conn.get() if self.enabled and self.ns_name else None
 
     def _keys(self, keys: Sequence[str]) -> list[bytes]:
-        from hpkv.engine.keys import block_keys
         return block_keys(self.fingerprint, [_raw_hash(k) for k in keys])
 
     def _count(self, **inc: int) -> None:
@@ -354,7 +282,6 @@ class HpkvHiCacheStorage(HiCacheStorage):
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many leading pages of ``keys`` hpkv has (DRAM or storage); 0 when that is fewer
         tokens than VLLM_HPKV_TOKEN_THRESHOLD (recomputing them is cheaper)."""
-        from hpkv.engine.protocol import MAX_KEYS_PER_CALL
         client = self._client()
         if client is None or not keys:
             return 0
@@ -368,7 +295,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
                 if n < len(chunk):
                     break
         except Exception as exc:  # noqa: BLE001 - hpkv trouble means a miss
-            self._conn.lost(client, exc)
+            self._conn.lost(exc)
             return 0
         self._count(exists_calls=1)
         if hit * self.page_size < self.threshold:
@@ -385,12 +312,12 @@ class HpkvHiCacheStorage(HiCacheStorage):
         try:
             n, _ = client.lookup(self.ns_id, self._keys([key]))
         except Exception as exc:  # noqa: BLE001
-            self._conn.lost(client, exc)
+            self._conn.lost(exc)
             return False
         return n == 1
 
     # ------------------------------------------------------------------ loads
-    def _pin_or_promote(self, client: Any, hkeys: list[bytes]) -> tuple[np.ndarray, list[bytes]]:
+    def _pin_or_promote(self, client: HpkvClient, hkeys: list[bytes]) -> tuple[np.ndarray, list[bytes]]:
         """Pool offsets of the leading keys hpkv can deliver (DRAM ones pinned, storage ones
         promoted and pinned); -1 from the first it cannot. Returns (offsets, keys to unpin)."""
         offs = client.pin(self.ns_id, hkeys)[:, 0].copy()
@@ -426,7 +353,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
             if k and self._device.load(pages[:k], offs[:k]):
                 ok[:k] = True
         except Exception as exc:  # noqa: BLE001 - a miss; SGLang recomputes
-            self._conn.lost(client, exc)
+            self._conn.lost(exc)
         finally:
             if pinned and self._conn.client is client:
                 with contextlib.suppress(Exception):
@@ -454,7 +381,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
                 np.copyto(dst, pool[o: o + self.shard_bytes])
                 out[i] = t
         except Exception as exc:  # noqa: BLE001
-            self._conn.lost(client, exc)
+            self._conn.lost(exc)
             out = [None] * n
         finally:
             if pinned and self._conn.client is client:
@@ -499,7 +426,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
                 else:
                     client.abort(self.ns_id, new_keys)
         except Exception as exc:  # noqa: BLE001 - a lost save is a future miss
-            self._conn.lost(client, exc)
+            self._conn.lost(exc)
             res[:] = False
         self._count(saved_pages=int(res.sum()), save_failed_pages=n - int(res.sum()),
                     already_stored_pages=already)
@@ -533,7 +460,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
             if new:
                 client.commit(self.ns_id, [hkeys[i] for i in new], rank=0)
         except Exception as exc:  # noqa: BLE001
-            self._conn.lost(client, exc)
+            self._conn.lost(exc)
             self._count(save_failed_pages=n)
             return False
         self._count(saved_pages=n)
@@ -552,14 +479,13 @@ class HpkvHiCacheStorage(HiCacheStorage):
         try:
             dropped = client.clear(self.ns_id)
         except Exception as exc:  # noqa: BLE001
-            self._conn.lost(client, exc)
+            self._conn.lost(exc)
             return
         log.info("hpkv: clear dropped %d pages of namespace %s from the DRAM tier", dropped,
                  (self.fingerprint or "")[:12])
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
+        self._conn.close()
 
 
 def _current_numa_node() -> int:
