@@ -155,7 +155,8 @@ def test_hit_below_the_threshold_loads_nothing(server: SglangServer, hpkv_env: d
     assert_same(generate(server, mixed), got)
 
 
-def test_killed_hpkv_server_means_recompute_not_errors(server: SglangServer, hpkv_env: dict[str, str]) -> None:
+def test_killed_hpkv_server_means_recompute_not_errors(server: SglangServer,
+                                                      hpkv_env: dict[str, str]) -> None:
     prompt = letters(150, seed=8)
     expected = generate(server, prompt)
     st = hpkv_status(hpkv_env)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from hpkv.connectors.sglang import BACKEND_EXTRA_CONFIG
 
@@ -46,7 +47,8 @@ def _add_cli_args(original: Callable[..., Any], parser: argparse.ArgumentParser,
     return out
 
 
-def _from_cli_args(original: Callable[..., Any], cls: Any, args: argparse.Namespace, *a: Any, **k: Any) -> Any:
+def _from_cli_args(original: Callable[..., Any], cls: Any, args: argparse.Namespace,
+                   *a: Any, **k: Any) -> Any:
     if getattr(args, "enable_ct_hpkv", False):
         apply_ct_hpkv(args)
     return original(cls, args, *a, **k)
@@ -59,8 +61,8 @@ def _load_extra_config(text: str | None) -> dict[str, Any]:
         path = text[1:]
         if not path.endswith(".json"):
             raise ValueError(f"{FLAG}: --hicache-storage-backend-extra-config {text!r}: hpkv can merge its "
-                             f"settings only into a JSON string or @file.json; put them in that file yourself "
-                             f"(see hpkv's README) or pass JSON")
+                             f"settings only into a JSON string or @file.json; put them in that file "
+                             f"yourself (see hpkv's README) or pass JSON")
         with open(path, encoding="utf-8") as f:
             text = f.read()
     try:

@@ -42,7 +42,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -52,7 +51,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from hpkv.client import HpkvClient, connect
 from hpkv.common import shm
 from hpkv.connectors.reconnect import Reconnecting
-from hpkv.protocol.keys import block_keys, namespace_fingerprint
+from hpkv.protocol.keys import BlockKey, block_keys, namespace_fingerprint
 from hpkv.protocol.wire import MAX_KEYS_PER_CALL
 
 # A child of SGLang's logger, so our lines appear in SGLang's log with its format.
@@ -100,7 +99,7 @@ def describe_host_pool(pool: Any) -> HostLayout:
     if ncomp == 0 or len(ptrs) != 2 * ncomp:
         raise ValueError(f"unexpected page metadata from {type(pool).__name__}: {len(ptrs)} pointers")
     p0, p1 = ptrs[:ncomp], ptrs[ncomp:]
-    strides = {b - a for a, b in zip(p0, p1)}
+    strides = {b - a for a, b in zip(p0, p1, strict=True)}
     page_bytes = set(sizes)
     if len(strides) != 1 or len(page_bytes) != 1:
         raise ValueError(f"{type(pool).__name__} layout {getattr(pool, 'layout', '?')}: pages are not "
@@ -170,7 +169,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
         self.config = storage_config
         self.extra = dict(storage_config.extra_config or {})
         self.enabled = False
-        self.ns_id: int | None = None
+        self.ns_id = -1          # set by _connect
         self.fingerprint = ""
         self.ns_name = ""        # set once the host pool is known: connecting needs both
         self.page_size = 0
@@ -258,7 +257,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
     def _client(self) -> HpkvClient | None:
         return self._conn.get() if self.enabled and self.ns_name else None
 
-    def _keys(self, keys: Sequence[str]) -> list[bytes]:
+    def _keys(self, keys: Sequence[str]) -> list[BlockKey]:
         return block_keys(self.fingerprint, [_raw_hash(k) for k in keys])
 
     def _count(self, **inc: int) -> None:
@@ -317,17 +316,17 @@ class HpkvHiCacheStorage(HiCacheStorage):
         return n == 1
 
     # ------------------------------------------------------------------ loads
-    def _pin_or_promote(self, client: HpkvClient, hkeys: list[bytes]) -> tuple[np.ndarray, list[bytes]]:
+    def _pin_or_promote(self, client: HpkvClient, hkeys: list[BlockKey]) -> tuple[np.ndarray, list[BlockKey]]:
         """Pool offsets of the leading keys hpkv can deliver (DRAM ones pinned, storage ones
         promoted and pinned); -1 from the first it cannot. Returns (offsets, keys to unpin)."""
         offs = client.pin(self.ns_id, hkeys)[:, 0].copy()
-        pinned = [k for k, o in zip(hkeys, offs) if o >= 0]
+        pinned = [k for k, o in zip(hkeys, offs, strict=True) if o >= 0]
         missing = np.flatnonzero(offs < 0)
         if len(missing):
             # Only the prefix up to the first page that is in no tier can be used.
             got = client.promote(self.ns_id, [hkeys[i] for i in missing], timeout=PROMOTE_TIMEOUT_S)[:, 0]
             offs[missing] = got
-            pinned += [hkeys[i] for i, o in zip(missing, got) if o >= 0]
+            pinned += [hkeys[i] for i, o in zip(missing, got, strict=True) if o >= 0]
         bad = np.flatnonzero(offs < 0)
         if len(bad):
             offs[bad[0]:] = -1
@@ -345,7 +344,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
         if pages is None:
             return [False] * n
         hkeys = self._keys(keys)
-        pinned: list[bytes] = []
+        pinned: list[BlockKey] = []
         ok = np.zeros(n, bool)
         try:
             offs, pinned = self._pin_or_promote(client, hkeys)
@@ -371,10 +370,10 @@ class HpkvHiCacheStorage(HiCacheStorage):
         if client is None or pool is None or not n or target_locations is None:
             return out
         hkeys = self._keys(keys)
-        pinned: list[bytes] = []
+        pinned: list[BlockKey] = []
         try:
             offs, pinned = self._pin_or_promote(client, hkeys)
-            for i, (t, o) in enumerate(zip(target_locations, offs)):
+            for i, (t, o) in enumerate(zip(target_locations, offs, strict=False)):
                 if o < 0:
                     break
                 dst = t.view(torch.uint8).reshape(-1).numpy()
@@ -448,7 +447,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
             if (offs == -2).any():
                 good = offs >= 0
                 if good.any():
-                    client.abort(self.ns_id, [k for k, g in zip(hkeys, good) if g])
+                    client.abort(self.ns_id, [k for k, g in zip(hkeys, good, strict=True) if g])
                 return False
             new = [i for i, o in enumerate(offs) if o >= 0]
             for i in new:
