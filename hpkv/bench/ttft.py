@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model directory (default: the generated tiny Qwen2 model)")
     p.add_argument("--tokens", type=int, default=8192, help="prompt length in tokens (default 8192)")
     p.add_argument("--requests", type=int, default=10, help="requests per phase (default 10, at most 26)")
+    p.add_argument("--engine", choices=("vllm", "sglang"), default="vllm",
+                   help="the inference engine the benchmark starts (sglang: from .venv-sglang, with "
+                        "--enable-ct-hpkv; the DRAM phase follows POST /flush_cache)")
     p.add_argument("--url", help="benchmark an already running vLLM server instead of starting one")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for the vLLM servers the benchmark starts (repeatable)")
@@ -74,7 +77,28 @@ def reset_prefix_cache(url: str) -> None:
                            "VLLM_SERVER_DEV_MODE=1 to expose it")
 
 
-# CT-HPKV's own --kv-transfer-config (no module path: hpkv's vLLM plugin registers the name).
+def flush_cache(url: str) -> None:
+    """SGLang's ``POST /flush_cache`` (refused while requests run; the phases are sequential)."""
+    import requests
+    r = requests.post(f"{url}/flush_cache", timeout=120)
+    if r.status_code != 200:
+        raise RuntimeError(f"POST /flush_cache returned HTTP {r.status_code}: {r.text[:200]}")
+
+
+def start_sglang(model: str, env: dict[str, str], hpkv: bool, tokens: int, requests: int,
+                 log_path: str) -> Any:
+    """An SGLang server for the experiment: CT-HPKV's ``--enable-ct-hpkv`` (with hpkv's threshold as
+    HiCache's prefetch threshold) or, for the baseline, plain SGLang with its radix cache only. The
+    device pool holds every prompt of a phase, so the GPU-hit phase is all hits."""
+    from hpkv.testing.sglang_server import SglangServer, hpkv_backend_args
+
+    pool_tokens = (tokens + 64) * (requests + 1) + WARMUP_TOKENS
+    srv = SglangServer(model, extra_args=hpkv_backend_args() if hpkv else [], env=env, hicache=hpkv,
+                       max_total_tokens=pool_tokens, omp_threads=os.cpu_count() or 1, log_path=log_path)
+    srv.start().wait_ready(timeout=600)
+    return srv
+
+
 def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
     from hpkv.testing.model import generate_model
     from hpkv.testing.server import env_without_hpkv
@@ -94,15 +118,25 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
                HPKV_SERVER_IDLE_EXIT="30")
     max_len = max(16384, args.tokens + 64)
     extra = ["--max-model-len", str(max_len), *args.vllm_arg]
-    results: dict[str, Any] = {"model": model, "tokens": args.tokens, "requests": len(letters)}
+    results: dict[str, Any] = {"model": model, "tokens": args.tokens, "requests": len(letters),
+                               "engine": getattr(args, "engine", "vllm")}
     times: dict[str, list[float]] = {}
     served: dict[str, dict[str, int]] = {}
 
     def log(msg: str) -> None:
         print(f"[bench ttft] {msg}", file=sys.stderr, flush=True)
 
+    engine = getattr(args, "engine", "vllm")
+
     def start(hpkv: bool, tag: str) -> VllmServer:
         e = dict(env)
+        if engine == "sglang":
+            srv = start_sglang(model, e, hpkv, args.tokens, len(letters),
+                               os.path.join(work, f"sglang-{tag}.log"))
+            log(f"SGLang ({tag}) ready; warm-up request (letter {WARMUP_LETTER})")
+            for _ in range(2):
+                ttft(srv.url, srv.model_name, prompt_for(WARMUP_LETTER, min(args.tokens, WARMUP_TOKENS)))
+            return srv
         args_ = list(extra)
         if hpkv:
             args_ += ["--kv-transfer-config", SEED_KV_TRANSFER_CONFIG]
@@ -140,7 +174,10 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
         try:
             phase("cold", srv)
             phase("gpu_hit", srv)
-            reset_prefix_cache(srv.url)
+            if engine == "sglang":
+                flush_cache(srv.url)   # SGLang's device and host caches; hpkv keeps its tiers
+            else:
+                reset_prefix_cache(srv.url)
             phase("dram_hit", srv)
         finally:
             srv.stop()
@@ -190,6 +227,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     out["dram_loaded_tokens"] = served.get("dram_hit", {}).get("dram", 0)
     out["storage_loaded_tokens"] = served.get("storage_hit", {}).get("storage", 0)
     out.update(tokens=res["tokens"], requests=res["requests"], model=res["model"],
+               engine=res.get("engine", "vllm"),
                ttft_all=t, served_tokens=served)
     return out
 
@@ -197,10 +235,12 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
 def print_table(s: dict[str, Any]) -> None:
     cold = s.get("cold_s")
     labels = {"cold_no_hpkv": "cold prefill, hpkv off", "cold": "cold prefill (hpkv saves)",
-              "gpu_hit": "GPU prefix-cache hit", "dram_hit": "DRAM hit (after /reset_prefix_cache)",
+              "gpu_hit": "GPU prefix-cache hit",
+              "dram_hit": "DRAM hit (after /flush_cache)" if s.get("engine") == "sglang"
+              else "DRAM hit (after /reset_prefix_cache)",
               "storage_hit": "storage hit (after restart)"}
     print(f"CT-HPKV TTFT experiment: {s['requests']} request(s) per phase, {s['tokens']}-token prompts, "
-          f"max_tokens=1, model {os.path.basename(str(s['model']))}")
+          f"max_tokens=1, model {os.path.basename(str(s['model']))}, engine {s.get('engine', 'vllm')}")
     print(f"{'phase':38} {'mean TTFT':>10} {'speedup':>8} {'hpkv DRAM tok':>14} {'hpkv disk tok':>14}"
           f" {'CT-HPKV':>8}   [each request, s]")
     for p in PHASES:
