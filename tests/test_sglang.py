@@ -2,13 +2,14 @@
 the generated tiny model, real hpkv processes, CT-HPKV's ``--enable-ct-hpkv``.
 
 One SGLang server is shared by the tests of this module, in file order (the first restarts it
-with hpkv, a later one kills hpkv under it). Pages are 16 tokens and the threshold 64 tokens,
+with hpkv, a later one kills hpkv under it, the last adds a vLLM server on the same hpkv server). Pages are 16 tokens and the threshold 64 tokens,
 so every tier is exercised with short prompts. SGLang's ``cached_tokens_details`` says which
 of its tiers served the prefix (``storage`` = L3 = hpkv); hpkv's counters (``hpkv status
 --json``) say which of hpkv's tiers (DRAM pool or KV files) served it.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import shutil
@@ -18,13 +19,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 
 from hpkv.testing.server import private_env
 from hpkv.testing.sglang_server import SglangServer, cached_tokens, hpkv_backend_args, sglang_python
-from hpkv.testing.vllm_server import hpkv_loads, hpkv_status
+from hpkv.testing.vllm_server import SEED_KV_TRANSFER_CONFIG, VllmServer, hpkv_loads, hpkv_status
 
 pytestmark = [
     pytest.mark.sglang,
@@ -194,3 +197,38 @@ def test_killed_hpkv_server_means_recompute_not_errors(server: SglangServer,
     assert got[2]["storage"] >= 6 * PAGE, got[2]
     assert delta(before, hpkv_loads(hpkv_env))["dram"] == got[2]["storage"]
     assert_same(got, first)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed in this venv")
+def test_a_vllm_and_an_sglang_server_share_one_hpkv_server(server: SglangServer, hpkv_env: dict[str, str],
+                                                           tiny_model: str, tmp_path: Path) -> None:
+    vllm = VllmServer(tiny_model, extra_args=["--kv-transfer-config", SEED_KV_TRANSFER_CONFIG,
+                                              "--block-size", "32", "--max-num-seqs", "4"],
+                      env=hpkv_env, dev_mode=True, max_model_len=4096, log_path=tmp_path / "vllm.log")
+    try:
+        vllm.start().wait_ready()
+        prompt = letters(200, seed=11)                            # vLLM: 6 blocks of 32; SGLang: 12 pages
+        v_first = vllm.completion(prompt, max_tokens=16, temperature=0)["choices"][0]["text"]
+        s_first = generate(server, prompt)
+        wait_stored(hpkv_env, sglang_namespace(hpkv_env)["commits"] + 12)
+        st = hpkv_status(hpkv_env)
+        assert st is not None
+        names = [ns["name"] for ns in st["namespaces"]]
+        assert any(" bs32" in n for n in names) and any(f" ps{PAGE} " in n for n in names), names
+        r = requests.post(f"{vllm.url}/reset_prefix_cache", timeout=60)
+        assert r.status_code == 200, r.text
+        server.flush_cache()
+        before = hpkv_loads(hpkv_env)
+        v_again = vllm.completion(prompt, max_tokens=16, temperature=0)["choices"][0]["text"]
+        s_again = generate(server, prompt)
+        loaded = delta(before, hpkv_loads(hpkv_env))
+        assert s_again[2]["storage"] >= 12 * PAGE, s_again[2]
+        assert loaded == {"dram": 6 * 32 + s_again[2]["storage"], "storage": 0}, loaded
+        assert v_again == v_first
+        assert_same(s_again, s_first)
+    except BaseException:
+        print(vllm.log_tail(80))
+        raise
+    finally:
+        vllm.stop()
