@@ -87,14 +87,17 @@ def flush_cache(url: str) -> None:
 
 def start_sglang(model: str, env: dict[str, str], hpkv: bool, tokens: int, requests: int,
                  log_path: str) -> Any:
-    """An SGLang server for the experiment: CT-HPKV's ``--enable-ct-hpkv`` (with hpkv's threshold as
-    HiCache's prefetch threshold) or, for the baseline, plain SGLang with its radix cache only. The
-    device pool holds every prompt of a phase, so the GPU-hit phase is all hits."""
+    """An SGLang server for the experiment, always with CT-HPKV's ``--enable-ct-hpkv`` (hpkv's threshold
+    as HiCache's prefetch threshold); the baseline runs it with ``VLLM_ENABLE_HPKV=0``, so both
+    have SGLang's HiCache (L1 + L2) and differ only by hpkv (on this CPU HiCache's own D→H copies
+    cost more than hpkv). The device pool holds every prompt of a phase: the GPU-hit phase is all hits."""
     from hpkv.testing.sglang_server import SglangServer, hpkv_backend_args
 
     pool_tokens = (tokens + 64) * (requests + 1) + WARMUP_TOKENS
-    srv = SglangServer(model, extra_args=hpkv_backend_args() if hpkv else [], env=env, hicache=hpkv,
-                       max_total_tokens=pool_tokens, omp_threads=os.cpu_count() or 1, log_path=log_path)
+    if not hpkv:
+        env = {**env, "VLLM_ENABLE_HPKV": "0"}
+    srv = SglangServer(model, extra_args=hpkv_backend_args(), env=env, max_total_tokens=pool_tokens,
+                       omp_threads=os.cpu_count() or 1, log_path=log_path)
     srv.start().wait_ready(timeout=600)
     return srv
 

@@ -484,6 +484,11 @@ class HpkvHiCacheStorage(HiCacheStorage):
                  (self.fingerprint or "")[:12])
 
     def close(self) -> None:
+        """SGLang detaches the backend or shuts down: say what hpkv did for it, drop the connection."""
+        if self.enabled:
+            with self._stat_lock:
+                st = dict(self.stats)
+            log.info("hpkv storage backend closing: %s", ", ".join(f"{k} {v}" for k, v in st.items()))
         self._conn.close()
 
 
