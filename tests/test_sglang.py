@@ -2,8 +2,9 @@
 the generated tiny model, real hpkv processes, CT-HPKV's ``--enable-ct-hpkv``.
 
 One SGLang server is shared by the tests of this module, in file order (the first restarts it
-with hpkv, a later one kills hpkv under it, the last adds a vLLM server on the same hpkv server). Pages are 16 tokens and the threshold 64 tokens,
-so every tier is exercised with short prompts. SGLang's ``cached_tokens_details`` says which
+with hpkv, a later one kills hpkv under it, the last adds a vLLM server on the same hpkv
+server). Pages are 16 tokens and the threshold 64 tokens, so every tier is exercised with
+short prompts. SGLang's ``cached_tokens_details`` says which
 of its tiers served the prefix (``storage`` = L3 = hpkv); hpkv's counters (``hpkv status
 --json``) say which of hpkv's tiers (DRAM pool or KV files) served it.
 """
@@ -62,7 +63,10 @@ def hpkv_env() -> Iterator[dict[str, str]]:
 def server(tiny_model: str, hpkv_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[SglangServer]:
     log = tmp_path_factory.mktemp("sglang-logs") / "sglang.log"
-    srv = SglangServer(tiny_model, extra_args=hpkv_backend_args(), env=hpkv_env, page_size=PAGE, log_path=log)
+    # wait_complete: a loaded machine must not turn an L3 hit into a partial one (the default
+    # policy gives up after ~1 s); the tests count exactly which tier served how much.
+    args = [*hpkv_backend_args(), "--hicache-storage-prefetch-policy", "wait_complete"]
+    srv = SglangServer(tiny_model, extra_args=args, env=hpkv_env, page_size=PAGE, log_path=log)
     try:
         srv.start().wait_ready()
         yield srv

@@ -78,9 +78,12 @@ def reset_prefix_cache(url: str) -> None:
 
 
 def flush_cache(url: str) -> None:
-    """SGLang's ``POST /flush_cache`` (refused while requests run; the phases are sequential)."""
+    """SGLang's ``POST /flush_cache`` (refused, HTTP 400, until the scheduler is idle: retried)."""
     import requests
-    r = requests.post(f"{url}/flush_cache", timeout=120)
+    deadline = time.monotonic() + 60
+    while (r := requests.post(f"{url}/flush_cache", timeout=120)).status_code == 400 \
+            and time.monotonic() < deadline:   # refused until the scheduler is idle
+        time.sleep(0.2)
     if r.status_code != 200:
         raise RuntimeError(f"POST /flush_cache returned HTTP {r.status_code}: {r.text[:200]}")
 

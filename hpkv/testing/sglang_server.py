@@ -14,6 +14,7 @@ The defaults are what HiCache needs on the CPU (``layer_first`` host layout with
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -99,10 +100,18 @@ class SglangServer(VllmServer):
         return out
 
     def flush_cache(self, timeout: float = 60.0) -> None:
-        """``POST /flush_cache``: SGLang drops its device (L1) and host (L2) caches; hpkv keeps its tiers."""
-        r = requests.post(self.url + "/flush_cache", timeout=timeout)
-        if r.status_code != 200:
-            raise SglangServerError(f"/flush_cache returned HTTP {r.status_code}: {r.text[:300]}")
+        """``POST /flush_cache``: SGLang drops its device (L1) and host (L2) caches; hpkv keeps its tiers.
+
+        SGLang refuses (HTTP 400) until its scheduler is idle, which it is a moment after the last
+        response (and after its cache controller's queued transfers): retried within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            r = requests.post(self.url + "/flush_cache", timeout=timeout)
+            if r.status_code == 200:
+                return
+            if r.status_code != 400 or time.monotonic() > deadline:
+                raise SglangServerError(f"/flush_cache returned HTTP {r.status_code}: {r.text[:300]}")
+            time.sleep(0.2)
 
     def __repr__(self) -> str:
         return f"SglangServer(pid={self.pid}, url={self.url}, model={self.model!r})"
