@@ -217,8 +217,9 @@ def test_a_vllm_and_an_sglang_server_share_one_hpkv_server(server: SglangServer,
         server.flush_cache()
         prompt = letters(200, seed=11)                            # vLLM: 6 blocks of 32; SGLang: 12 pages
         v_first = vllm.completion(prompt, max_tokens=16, temperature=0)["choices"][0]["text"]
+        stored = sglang_namespace(hpkv_env)["commits"]
         s_first = generate(server, prompt)
-        wait_stored(hpkv_env, sglang_namespace(hpkv_env)["commits"] + 12)
+        wait_stored(hpkv_env, stored + 12)
         st = hpkv_status(hpkv_env)
         assert st is not None
         names = [ns["name"] for ns in st["namespaces"]]
