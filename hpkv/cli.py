@@ -20,6 +20,7 @@ BENCHES = {
     "io": ("hpkv.bench.io", "KV file write/read throughput through the IO workers vs. raw O_DIRECT"),
     "pool": ("hpkv.bench.pool", "cost of making pool memory exist vs. mapping it (start-up cost)"),
     "startup": ("hpkv.bench.startup", "vLLM's start-up time with and without hpkv (default 8 GiB pool)"),
+    "kernels": ("hpkv.bench.kernels", "native block copy and CRC32C throughput vs. a single-thread memcpy"),
     "ttft": ("hpkv.bench.ttft", "the CT-HPKV four-tier TTFT experiment against real vLLM"),
 }
 

@@ -1,6 +1,6 @@
 /* hpkv batched block copy (contract in copy.h).
  *
- * Why it looks like this (measured on the 2-vCPU Zen4 dev VM, see benchmarks/kernels.py):
+ * Why it looks like this (measured on the 2-vCPU Zen4 dev VM, see hpkv/bench/kernels.py):
  *  - The pair loop is outermost and the layer loop innermost, so the pool side is
  *    touched strictly sequentially (one slot after the other).
  *  - For batches beyond L2, streaming (non-temporal) stores beat glibc memcpy by

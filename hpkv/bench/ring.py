@@ -5,7 +5,7 @@ ring pair busy-polling, ring pair sleeping (spin 0: every wait is a futex sleep;
 no timeout, like the semaphore's acquire()), a posix_ipc semaphore pair, a pipe
 pair (1 byte), a multiprocessing.Queue pair, and, as the floor of busy-polling
 from Python, a bare shared-memory flag polled through a numpy view
-(research/limits.md §4: 0.40-0.57 µs on a quiet machine); ring_busy / flag_busy
+(0.40-0.57 µs on a quiet 2-vCPU VM); ring_busy / flag_busy
 is the ring's own overhead, whatever the background load.
 The sleeping mechanisms are measured in interleaved rounds so that background
 load hits them alike, and with the placement fixed: the parent pinned to one
@@ -76,7 +76,7 @@ def _measure(workdir: str, args: argparse.Namespace) -> dict[str, Any]:
     import os
     import time
 
-    ctx = mp.get_context("fork")  # like the IPC measurements in research/limits.md; the CLI holds no threads
+    ctx = mp.get_context("fork")  # the CLI holds no threads
     warm = max(200, args.iters // 10)
     n = args.iters
     res: dict[str, Any] = {"iters": n}

@@ -73,7 +73,7 @@ class HpkvClient:
         self.call_timeout = call_timeout
         self._req = Ring.attach(directory, hello["req"], role="producer")
         # A hot call's answer takes tens of µs; sleeping would add a ≈50 µs
-        # cross-vCPU wake-up (research/limits.md §4), so spin a little longer.
+        # cross-vCPU wake-up on these VMs (`hpkv bench ring`), so spin a little longer.
         self._resp = Ring.attach(directory, hello["resp"], role="consumer", spin_us=HOT_CALL_SPIN_US)
         self._mbox = _map_array(hello["mailbox"])
         self._seq = 0

@@ -44,7 +44,7 @@ from hpkv.engine.index import Index, Namespace
 from hpkv.protocol.stats import NsCounter
 from hpkv.protocol.wire import Tier
 from hpkv.protocol.keys import KEY_BYTES
-from hpkv.common.logs import setup_logging
+from hpkv.engine.logs import setup_logging
 from hpkv.common.pool import PoolFile
 from hpkv.protocol.stats import MAX_NS, MAX_WORKERS, NS_COUNTERS, G, StatsSegment
 from hpkv.common.numa import device_cpus

@@ -20,7 +20,7 @@ from hpkv.common.shm import map_file
 from hpkv.engine.copy import BlockCopier, BlockLayout
 from hpkv.common.pool import PoolFile
 from hpkv.protocol.stats import W
-from hpkv.common.worker_process import WorkerRuntime
+from hpkv.engine.worker_process import WorkerRuntime
 from hpkv.common.numa import set_memory_node
 
 log = logging.getLogger("hpkv.transfer")

@@ -22,7 +22,7 @@ from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status
 from hpkv.common.pool import PoolFile
 from hpkv.protocol.stats import W
-from hpkv.common.worker_process import WorkerRuntime
+from hpkv.engine.worker_process import WorkerRuntime
 from hpkv.io_workers.kvfile import BlockId, CorruptFile, KvFileIO
 from hpkv.common.ratelimit import RateLimitedLog
 

@@ -16,7 +16,7 @@ import time
 from typing import Callable
 
 from hpkv.protocol import wire as P
-from hpkv.common.logs import setup_logging
+from hpkv.engine.logs import setup_logging
 from hpkv.protocol.stats import StatsSegment, W, WorkerState
 from hpkv.ring import Desc, PeerDead, Ring, RingError, RingTimeout
 
