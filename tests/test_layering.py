@@ -1,6 +1,7 @@
 """The import graph keeps the architecture (README, "Architecture"): imports point one way,
 connectors → client → protocol ← server, and worker processes load only protocol, shared
 primitives and their own kernels. Deferred imports (inside functions) count too."""
+
 from __future__ import annotations
 
 import ast
@@ -20,8 +21,8 @@ ALLOWED = {
     "connectors": COMMON | {"protocol", "client"},
     "monitor": COMMON | {"protocol"},
     "io_workers": COMMON | {"protocol", "engine"},
-    "engine": COMMON | {"protocol", "io_workers", "hpkv.monitor.metrics"},   # the server hosts the exporter
-    "top": None,        # cli, bench, testing: may import anything
+    "engine": COMMON | {"protocol", "io_workers", "hpkv.monitor.metrics"},  # the server hosts the exporter
+    "top": None,  # cli, bench, testing: may import anything
 }
 # The processes a worker runs must not load the server (nor clients, monitors, connectors).
 WORKER_MAINS = ("hpkv.engine.transfer_worker", "hpkv.io_workers.worker")
@@ -90,8 +91,13 @@ def test_rooms_import_only_downwards():
 
 
 def test_nothing_below_the_top_imports_cli_bench_or_testing():
-    bad = [f"{m} imports {d}" for m, deps in graph().items() if room(m) != "top"
-           for d in deps if room(d) == "top"]
+    bad = [
+        f"{m} imports {d}"
+        for m, deps in graph().items()
+        if room(m) != "top"
+        for d in deps
+        if room(d) == "top"
+    ]
     assert not bad, bad
 
 
@@ -105,8 +111,9 @@ def test_worker_processes_load_no_server_code(main):
             continue
         seen.add(m)
         todo.extend(g.get(m, ()))
-    loaded = sorted(m for m in seen if m.startswith(SERVER_ONLY) or room(m) in ("client", "connectors",
-                                                                                  "monitor", "top"))
+    loaded = sorted(
+        m for m in seen if m.startswith(SERVER_ONLY) or room(m) in ("client", "connectors", "monitor", "top")
+    )
     assert not loaded, f"{main} loads {loaded}"
 
 
@@ -123,7 +130,7 @@ def test_no_import_cycles():
             if m == d.rpartition(".")[0] or d == m.rpartition(".")[0] and m.startswith(d + "."):
                 continue
             if state.get(d) == 1:
-                cycles.append(stack[stack.index(d):] + [d])
+                cycles.append(stack[stack.index(d) :] + [d])
             elif d not in state:
                 visit(d, stack)
         stack.pop()

@@ -1,5 +1,6 @@
 """The vLLM connector's scheduler-side bookkeeping against an in-memory hpkv store:
 milliseconds, no vLLM server (the end-to-end tests in test_vllm_connector.py run real vLLM)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -37,11 +38,13 @@ def request(rid: str, tokens: int, prefix: str = "p") -> Req:
 def step(*reqs: tuple[Req, int], preempted: tuple[str, ...] = ()) -> SimpleNamespace:
     """A scheduler output scheduling ``n`` new tokens of each request (all new requests)."""
     return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, num_computed_tokens=r.num_computed_tokens)
-                            for r, _ in reqs],
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r.request_id, num_computed_tokens=r.num_computed_tokens) for r, _ in reqs
+        ],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
         num_scheduled_tokens={r.request_id: n for r, n in reqs},
-        preempted_req_ids=set(preempted))
+        preempted_req_ids=set(preempted),
+    )
 
 
 class Engine:
@@ -143,7 +146,7 @@ def test_a_preempted_request_does_not_save_its_blocks_twice():
     r = request("a", 4 * BS + 1)
     e.admit(r)
     e.save_all(e.side.build_connector_meta(step((r, 2 * BS))))
-    r.num_computed_tokens = 0          # preempted: resumes from scratch with new blocks
+    r.num_computed_tokens = 0  # preempted: resumes from scratch with new blocks
     e.tables["a"] = [900 + i for i in range(5)]
     (save,) = e.side.build_connector_meta(step((r, r.num_tokens), preempted=("a",))).saves
     assert save.block_ids == [902, 903], "blocks hpkv has are reserved as present, not rewritten"
@@ -164,11 +167,11 @@ def test_a_failing_hpkv_means_recompute_and_a_reconnect(failing):
     e.admit(r)
     e.save_all(e.side.build_connector_meta(step((r, r.num_tokens))))
     e.store.fail.add(failing)
-    b = request("b", 6 * BS + 1)      # 4 blocks to load, 2 new ones to save
+    b = request("b", 6 * BS + 1)  # 4 blocks to load, 2 new ones to save
     n = e.admit(b)
     b.num_computed_tokens = n
     meta = e.side.build_connector_meta(step((b, b.num_tokens - n)))
-    if failing in ("unpin", "clear"):      # still connected while the step is built
+    if failing in ("unpin", "clear"):  # still connected while the step is built
         assert [op.block_ids for op in meta.saves] == [e.tables["b"][4:6]]
     e.side.request_finished("b")
     e.side.reset_cache()
@@ -188,7 +191,7 @@ def test_reconnect_gets_a_new_store():
     side.hpkv.connect_now(timeout=5)
     first = side.hpkv.client
     side.hpkv.lost(RuntimeError("gone"))
-    side.hpkv._next_try = 0.0          # do not wait RECONNECT_INTERVAL_S in a unit test
+    side.hpkv._next_try = 0.0  # do not wait RECONNECT_INTERVAL_S in a unit test
     side.hpkv.connect_now(timeout=5)
     assert side.hpkv.client is not None and side.hpkv.client is not first
     assert np.array_equal(side.hpkv.client.reserve(NS, [b"k" * 16]), [[0]])

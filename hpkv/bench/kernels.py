@@ -10,6 +10,7 @@ touched first (a fault costs ~2 us per 4 KiB page on these VMs, see `hpkv bench 
 --shm puts the pool in a /dev/shm file, fallocated and mapped with MAP_POPULATE, as the
 engine does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,18 +52,20 @@ def bench_copy(page_kib: int, L: int, n: int, NB: int, reps: int, shm: bool, str
     nbytes = n * layout.slot_bytes
     src, dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
     prev = set_nt_threshold(1 << 20 if streaming else 1 << 63)
-    t = {"memcpy": [], "save": [], "load": []}
+    t: dict[str, list[float]] = {"memcpy": [], "save": [], "load": []}
     try:
         for _ in range(reps):
-            for name, fn in (("memcpy", lambda: np.copyto(dst, src)),
-                             ("save", lambda: copier.save(blocks, slots)),
-                             ("load", lambda: copier.load(blocks, slots))):
+            for name, fn in (
+                ("memcpy", lambda: np.copyto(dst, src)),
+                ("save", lambda: copier.save(blocks, slots)),
+                ("load", lambda: copier.load(blocks, slots)),
+            ):
                 t0 = time.perf_counter()
                 fn()
                 t[name].append(time.perf_counter() - t0)
     finally:
         set_nt_threshold(prev)
-        del copier, pool
+        copier = pool = None  # type: ignore[assignment]  # release the pool view before closing its mapping
         if m is not None:
             m.close()
     gbs = {k: nbytes / statistics.median(v) / 1e9 for k, v in t.items()}

@@ -10,6 +10,7 @@ phase. With ``--url`` only the request phases run, against a server you started
 (as the seed's shell script does): cold, GPU hit, and DRAM hit if the server
 runs with ``VLLM_SERVER_DEV_MODE=1``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,7 @@ import time
 from typing import Any
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXY"
-WARMUP_LETTER = "Z"   # never measured
+WARMUP_LETTER = "Z"  # never measured
 WARMUP_TOKENS = 2304  # > vLLM's default prefill chunk (2048 tokens)
 PHASES = ("cold_no_hpkv", "cold", "gpu_hit", "dram_hit", "storage_hit")
 PUBLISHED = {"cold": 0.701, "gpu_hit": 0.046, "dram_hit": 0.128, "storage_hit": 0.369}
@@ -35,11 +36,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=8192, help="prompt length in tokens (default 8192)")
     p.add_argument("--requests", type=int, default=10, help="requests per phase (default 10, at most 26)")
     p.add_argument("--url", help="benchmark an already running vLLM server instead of starting one")
-    p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
-                   help="extra argument for the vLLM servers the benchmark starts (repeatable)")
+    p.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for the vLLM servers the benchmark starts (repeatable)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the benchmark's pool and storage directories")
-    p.add_argument("--top-frame", action="store_true",
-                   help="print one hpkv-top frame (hpkv-top --once) after the storage phase")
+    p.add_argument(
+        "--top-frame",
+        action="store_true",
+        help="print one hpkv-top frame (hpkv-top --once) after the storage phase",
+    )
 
 
 def prompt_for(letter: str, tokens: int) -> str:
@@ -68,10 +77,13 @@ def run_phase(url: str, model: str, letters: str, tokens: int) -> list[float]:
 
 def reset_prefix_cache(url: str) -> None:
     import requests
+
     r = requests.post(f"{url}/reset_prefix_cache", timeout=120)
     if r.status_code != 200:
-        raise RuntimeError(f"POST /reset_prefix_cache returned HTTP {r.status_code}; start vLLM with "
-                           "VLLM_SERVER_DEV_MODE=1 to expose it")
+        raise RuntimeError(
+            f"POST /reset_prefix_cache returned HTTP {r.status_code}; start vLLM with "
+            "VLLM_SERVER_DEV_MODE=1 to expose it"
+        )
 
 
 # CT-HPKV's own --kv-transfer-config (no module path: hpkv's vLLM plugin registers the name).
@@ -89,9 +101,13 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
         f.write("# hpkv bench ttft: private pool and storage\n")
     env = env_without_hpkv()
     pool_bytes = max(1 << 30, int(args.tokens * len(letters) * 4096 * 1.5))  # tiny model: 4 KiB/token
-    env.update(HPKV_CONFIG_FILE_PATH=cfg_file, HPKV_SHARE_MEM_FILE_PATH=pool_dir,
-               HPKV_KV_STORAGE_PATH=os.path.join(work, "storage"), HPKV_KV_MEM_POOL_SIZE=str(pool_bytes),
-               HPKV_SERVER_IDLE_EXIT="30")
+    env.update(
+        HPKV_CONFIG_FILE_PATH=cfg_file,
+        HPKV_SHARE_MEM_FILE_PATH=pool_dir,
+        HPKV_KV_STORAGE_PATH=os.path.join(work, "storage"),
+        HPKV_KV_MEM_POOL_SIZE=str(pool_bytes),
+        HPKV_SERVER_IDLE_EXIT="30",
+    )
     max_len = max(16384, args.tokens + 64)
     extra = ["--max-model-len", str(max_len), *args.vllm_arg]
     results: dict[str, Any] = {"model": model, "tokens": args.tokens, "requests": len(letters)}
@@ -110,8 +126,14 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
             e["VLLM_ENABLE_HPKV"] = "0"
         log(f"starting vLLM ({tag}) ...")
         t0 = time.monotonic()
-        srv = VllmServer(model, extra_args=args_, env=e, dev_mode=True, max_model_len=max_len,
-                         log_path=os.path.join(work, f"vllm-{tag}.log")).start()
+        srv = VllmServer(
+            model,
+            extra_args=args_,
+            env=e,
+            dev_mode=True,
+            max_model_len=max_len,
+            log_path=os.path.join(work, f"vllm-{tag}.log"),
+        ).start()
         srv.wait_ready()
         log(f"vLLM ready in {time.monotonic() - t0:.0f}s; warm-up request (letter {WARMUP_LETTER})")
         # The first long prompt compiles the prefill-chunk kernels; keep that out of the
@@ -150,8 +172,13 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
         try:
             phase("storage_hit", srv)
             if args.top_frame:
-                top = subprocess.run([sys.executable, "-m", "hpkv.monitor.top", "--once"], env=env,
-                                     capture_output=True, text=True, timeout=60)
+                top = subprocess.run(
+                    [sys.executable, "-m", "hpkv.monitor.top", "--once"],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
                 results["top_frame"] = top.stdout or top.stderr
         finally:
             srv.stop()
@@ -173,14 +200,22 @@ def run_url(args: argparse.Namespace) -> dict[str, Any]:
     url = args.url.rstrip("/")
     model = args.model or requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     letters = LETTERS[: args.requests]
-    times = {"cold": run_phase(url, model, letters, args.tokens),
-             "gpu_hit": run_phase(url, model, letters, args.tokens)}
+    times = {
+        "cold": run_phase(url, model, letters, args.tokens),
+        "gpu_hit": run_phase(url, model, letters, args.tokens),
+    }
     try:
         reset_prefix_cache(url)
         times["dram_hit"] = run_phase(url, model, letters, args.tokens)
     except RuntimeError as exc:
         print(f"[bench ttft] skipping the DRAM phase: {exc}", file=sys.stderr)
-    return {"model": model, "tokens": args.tokens, "requests": len(letters), "ttft": times, "served_tokens": {}}
+    return {
+        "model": model,
+        "tokens": args.tokens,
+        "requests": len(letters),
+        "ttft": times,
+        "served_tokens": {},
+    }
 
 
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
@@ -189,20 +224,29 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     served = res.get("served_tokens", {})
     out["dram_loaded_tokens"] = served.get("dram_hit", {}).get("dram", 0)
     out["storage_loaded_tokens"] = served.get("storage_hit", {}).get("storage", 0)
-    out.update(tokens=res["tokens"], requests=res["requests"], model=res["model"],
-               ttft_all=t, served_tokens=served)
+    out.update(
+        tokens=res["tokens"], requests=res["requests"], model=res["model"], ttft_all=t, served_tokens=served
+    )
     return out
 
 
 def print_table(s: dict[str, Any]) -> None:
     cold = s.get("cold_s")
-    labels = {"cold_no_hpkv": "cold prefill, hpkv off", "cold": "cold prefill (hpkv saves)",
-              "gpu_hit": "GPU prefix-cache hit", "dram_hit": "DRAM hit (after /reset_prefix_cache)",
-              "storage_hit": "storage hit (after restart)"}
-    print(f"CT-HPKV TTFT experiment: {s['requests']} request(s) per phase, {s['tokens']}-token prompts, "
-          f"max_tokens=1, model {os.path.basename(str(s['model']))}")
-    print(f"{'phase':38} {'mean TTFT':>10} {'speedup':>8} {'hpkv DRAM tok':>14} {'hpkv disk tok':>14}"
-          f" {'CT-HPKV':>8}   [each request, s]")
+    labels = {
+        "cold_no_hpkv": "cold prefill, hpkv off",
+        "cold": "cold prefill (hpkv saves)",
+        "gpu_hit": "GPU prefix-cache hit",
+        "dram_hit": "DRAM hit (after /reset_prefix_cache)",
+        "storage_hit": "storage hit (after restart)",
+    }
+    print(
+        f"CT-HPKV TTFT experiment: {s['requests']} request(s) per phase, {s['tokens']}-token prompts, "
+        f"max_tokens=1, model {os.path.basename(str(s['model']))}"
+    )
+    print(
+        f"{'phase':38} {'mean TTFT':>10} {'speedup':>8} {'hpkv DRAM tok':>14} {'hpkv disk tok':>14}"
+        f" {'CT-HPKV':>8}   [each request, s]"
+    )
     for p in PHASES:
         if f"{p}_s" not in s:
             continue
@@ -210,14 +254,21 @@ def print_table(s: dict[str, Any]) -> None:
         speed = f"{cold / v:.2f}x" if cold else "-"
         srv = s["served_tokens"].get(p, {})
         pub = PUBLISHED.get(p)
-        print(f"{labels[p]:38} {v:>9.3f}s {speed:>8} {srv.get('dram', 0):>14} {srv.get('storage', 0):>14}"
-              f" {f'{pub:.3f}s' if pub else '':>8}   [{', '.join(f'{t:.3f}' for t in s['ttft_all'][p])}]")
+        print(
+            f"{labels[p]:38} {v:>9.3f}s {speed:>8} {srv.get('dram', 0):>14} {srv.get('storage', 0):>14}"
+            f" {f'{pub:.3f}s' if pub else '':>8}   [{', '.join(f'{t:.3f}' for t in s['ttft_all'][p])}]"
+        )
     if "gpu_hit_s" in s:
         g = s["gpu_hit_s"]
-        checks = [("dram_hit_s <= 1.25 x gpu_hit_s", s.get("dram_hit_s"), 1.25 * g),
-                  ("storage_hit_s <= 1.6 x gpu_hit_s", s.get("storage_hit_s"), 1.6 * g),
-                  ("cold_s <= 1.05 x cold_no_hpkv_s", s.get("cold_s"),
-                   1.05 * s["cold_no_hpkv_s"] if "cold_no_hpkv_s" in s else None)]
+        checks = [
+            ("dram_hit_s <= 1.25 x gpu_hit_s", s.get("dram_hit_s"), 1.25 * g),
+            ("storage_hit_s <= 1.6 x gpu_hit_s", s.get("storage_hit_s"), 1.6 * g),
+            (
+                "cold_s <= 1.05 x cold_no_hpkv_s",
+                s.get("cold_s"),
+                1.05 * s["cold_no_hpkv_s"] if "cold_no_hpkv_s" in s else None,
+            ),
+        ]
         for label, value, bound in checks:
             if value is not None and bound is not None:
                 print(f"  {label}: {value:.3f} vs {bound:.3f} -> {'met' if value <= bound else 'NOT met'}")

@@ -5,6 +5,7 @@ populated mapping (`hpkv bench pool` shows the cost), so a file is fallocated wh
 and every mapping uses MAP_POPULATE. Standard library only: the connector, which
 runs inside vLLM, uses it too.
 """
+
 from __future__ import annotations
 
 import mmap

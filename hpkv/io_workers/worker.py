@@ -12,19 +12,20 @@ The worker keeps no state the server needs: if it dies, the server fails the job
 it had taken (``INFLIGHT_SEQ`` / the ring's order), removes its temporary file and
 starts a replacement on the same rings.
 """
+
 from __future__ import annotations
 
 import errno
 import logging
 import sys
 
-from hpkv.protocol import wire as P
-from hpkv.protocol.errors import Status
 from hpkv.common.pool import PoolFile
-from hpkv.protocol.stats import W
+from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.engine.worker_process import WorkerRuntime
 from hpkv.io_workers.kvfile import BlockId, CorruptFile, KvFileIO
-from hpkv.common.ratelimit import RateLimitedLog
+from hpkv.protocol import wire as P
+from hpkv.protocol.errors import Status
+from hpkv.protocol.stats import W
 
 log = logging.getLogger("hpkv.io")
 
@@ -33,12 +34,21 @@ def main(argv: list[str]) -> int:
     rt = WorkerRuntime(argv, log)
     spec, row = rt.spec, rt.row
     pool = PoolFile.attach(spec["pool"])
-    io = KvFileIO(spec["storage"], memoryview(pool.mm), o_direct=bool(spec["o_direct"]),
-                  fsync=bool(spec.get("fsync")), bounce_reads=bool(spec.get("bounce_reads")))
+    io = KvFileIO(
+        spec["storage"],
+        memoryview(pool.mm),
+        o_direct=bool(spec["o_direct"]),
+        fsync=bool(spec.get("fsync")),
+        bounce_reads=bool(spec.get("bounce_reads")),
+    )
     errors = RateLimitedLog(log)
-    log.info("IO worker ready: storage %s, %s IO%s%s", spec["storage"],
-             "O_DIRECT" if io.o_direct else "buffered", ", fsync before rename" if io.fsync else "",
-             ", reads through a private buffer" if io.bounce_reads else "")
+    log.info(
+        "IO worker ready: storage %s, %s IO%s%s",
+        spec["storage"],
+        "O_DIRECT" if io.o_direct else "buffered",
+        ", fsync before rename" if io.fsync else "",
+        ", reads through a private buffer" if io.bounce_reads else "",
+    )
 
     def job(d) -> tuple[int, int, int]:
         status, nbytes, flags = 0, 0, 0
@@ -60,11 +70,28 @@ def main(argv: list[str]) -> int:
             status = Status.CORRUPT
             try:
                 dest = io.quarantine(fp, block)
-                errors.log(logging.ERROR, "corrupt", "KV file %s-r%d of namespace %s is corrupt (%s): "
-                           "moved to %s; the block will be recomputed", key.hex(), rank, fp, exc, dest)
+                errors.log(
+                    logging.ERROR,
+                    "corrupt",
+                    "KV file %s-r%d of namespace %s is corrupt (%s): "
+                    "moved to %s; the block will be recomputed",
+                    key.hex(),
+                    rank,
+                    fp,
+                    exc,
+                    dest,
+                )
             except OSError as qexc:
-                errors.log(logging.ERROR, "corrupt", "KV file %s-r%d of namespace %s is corrupt (%s) "
-                           "and could not be quarantined: %s", key.hex(), rank, fp, exc, qexc)
+                errors.log(
+                    logging.ERROR,
+                    "corrupt",
+                    "KV file %s-r%d of namespace %s is corrupt (%s) and could not be quarantined: %s",
+                    key.hex(),
+                    rank,
+                    fp,
+                    exc,
+                    qexc,
+                )
         except OSError as exc:
             status = -(exc.errno or errno.EIO)
         except ValueError as exc:  # a job outside the pool: a server bug, never a file problem
@@ -72,8 +99,11 @@ def main(argv: list[str]) -> int:
             status = Status.BAD_REQUEST
         if was_direct and not io.o_direct:
             flags |= P.IO_DIRECT_FALLBACK
-            log.warning("O_DIRECT was refused with EINVAL on %s although the start-up probe "
-                        "passed: this worker uses buffered IO from now on", spec["storage"])
+            log.warning(
+                "O_DIRECT was refused with EINVAL on %s although the start-up probe "
+                "passed: this worker uses buffered IO from now on",
+                spec["storage"],
+            )
         return status, nbytes, flags
 
     try:

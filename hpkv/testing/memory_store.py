@@ -7,10 +7,11 @@ namespace's DRAM copies and keeps what storage holds; a promote moves a storage 
 into DRAM, pinned for the caller. ``fail`` makes the named calls raise
 :class:`~hpkv.protocol.errors.HpkvUnavailable`, as a dead server would.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -28,13 +29,18 @@ class _Block:
 
 
 class MemoryKvStore:
-    def __init__(self, world_size: int = 1, slot_bytes: int = 4096, capacity_blocks: int = 1 << 20,
-                 write_through: bool = True):
+    def __init__(
+        self,
+        world_size: int = 1,
+        slot_bytes: int = 4096,
+        capacity_blocks: int = 1 << 20,
+        write_through: bool = True,
+    ):
         self.server_pid = 0
         self.world = world_size
         self.slot_bytes = slot_bytes
         self.capacity = capacity_blocks
-        self.write_through = write_through   # committed blocks are also "on storage"
+        self.write_through = write_through  # committed blocks are also "on storage"
         self.blocks: dict[tuple[int, bytes], _Block] = {}
         self.fail: set[str] = set()
         self.calls: list[str] = []

@@ -5,6 +5,7 @@ cache description (:mod:`.layout`), and the plugin that registers the name (:mod
 
 ``kv_connector_module_path: hpkv.connectors.vllm`` keeps working: the class is exported here.
 """
+
 from hpkv.connectors.vllm.connector import HpkvConnectorV1
 
 __all__ = ["HpkvConnectorV1"]

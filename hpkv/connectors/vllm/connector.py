@@ -7,11 +7,13 @@ needs and delegates. Any failure (hpkv slow, dead or wrong) is reported as inval
 and vLLM recomputes them (the connector sets ``kv_load_failure_policy=recompute``).
 Importing this module starts nothing: vLLM's API server imports it too.
 """
+
 from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -57,8 +59,7 @@ class HpkvConnectorV1(KVConnectorBase_V1):
     if CacheHitSource is not None:
         _cache_hit_source = CacheHitSource.HOST
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig | None" = None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = _hpkv_config()
         self.enabled = bool(self.cfg["VLLM_ENABLE_HPKV"])
@@ -68,8 +69,10 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._orphan_load_errors: set[int] = set()
         if not self.enabled:
-            log.warning("hpkv: VLLM_ENABLE_HPKV=0 (from %s): the connector does nothing",
-                        self.cfg.source("VLLM_ENABLE_HPKV"))
+            log.warning(
+                "hpkv: VLLM_ENABLE_HPKV=0 (from %s): the connector does nothing",
+                self.cfg.source("VLLM_ENABLE_HPKV"),
+            )
             return
         try:
             self.layout = derive_layout(vllm_config, kv_cache_config)
@@ -87,30 +90,46 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         return False  # a cache: a dropped save is a future miss, never an error
 
     # ======================================================================== scheduler
-    def _init_scheduler(self, vllm_config: "VllmConfig", layout: Layout) -> SchedulerSide:
+    def _init_scheduler(self, vllm_config: VllmConfig, layout: Layout) -> SchedulerSide:
         ktc = vllm_config.kv_transfer_config
-        if ktc is not None and ktc.kv_load_failure_policy != "recompute" and \
-                not ktc.get_from_extra_config("hpkv_fail_on_load_error", False):
+        if (
+            ktc is not None
+            and ktc.kv_load_failure_policy != "recompute"
+            and not ktc.get_from_extra_config("hpkv_fail_on_load_error", False)
+        ):
             # A cache miss must never fail a request: recompute what hpkv could not deliver.
             ktc.kv_load_failure_policy = "recompute"
             log.info("hpkv: kv_load_failure_policy set to 'recompute' (a failed hpkv load recomputes)")
-        if str(vllm_config.cache_config.prefix_caching_hash_algo).startswith("xxhash") and \
-                "PYTHONHASHSEED" not in os.environ:
-            log.warning("hpkv: prefix_caching_hash_algo=%s without PYTHONHASHSEED gives block hashes "
-                        "that change with every restart: storage hits will not survive restarts",
-                        vllm_config.cache_config.prefix_caching_hash_algo)
+        if (
+            str(vllm_config.cache_config.prefix_caching_hash_algo).startswith("xxhash")
+            and "PYTHONHASHSEED" not in os.environ
+        ):
+            log.warning(
+                "hpkv: prefix_caching_hash_algo=%s without PYTHONHASHSEED gives block hashes "
+                "that change with every restart: storage hits will not survive restarts",
+                vllm_config.cache_config.prefix_caching_hash_algo,
+            )
 
         def open_store() -> tuple[KvStore, int]:
             client = connect(self.cfg, name="vllm-scheduler", call_timeout=2.0)
-            ns = client.attach_namespace(layout.fingerprint, layout.world_size, layout.shard_bytes,
-                                         name=layout.name, block_tokens=layout.block_size)
+            ns = client.attach_namespace(
+                layout.fingerprint,
+                layout.world_size,
+                layout.shard_bytes,
+                name=layout.name,
+                block_tokens=layout.block_size,
+            )
             return client, ns.ns_id
 
         side = SchedulerSide(layout, self.threshold, open_store, self._block_ids_of)
         side.hpkv.connect_now(timeout=120.0)
-        log.info("hpkv scheduler connector: namespace %s (%s), token threshold %d (%s)",
-                 layout.fingerprint[:12], layout.name, self.threshold,
-                 self.cfg.source("VLLM_HPKV_TOKEN_THRESHOLD"))
+        log.info(
+            "hpkv scheduler connector: namespace %s (%s), token threshold %d (%s)",
+            layout.fingerprint[:12],
+            layout.name,
+            self.threshold,
+            self.cfg.source("VLLM_HPKV_TOKEN_THRESHOLD"),
+        )
         return side
 
     def _block_ids_of(self, req_id: str) -> Sequence[int] | None:
@@ -118,23 +137,25 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             return None
         return self._kv_cache_manager.get_block_ids(req_id)[0]
 
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         if self._scheduler is not None:
             self._scheduler.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
-                                   ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         if self._scheduler is None:
             return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         if self._scheduler is not None:
             block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
             self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
 
-    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[Any, int]:
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         if CacheHitSource is None or num_external_tokens == 0 or self._scheduler is None:
             return {}
         dram, storage = self._scheduler.hit_tiers(request.request_id, num_external_tokens)
@@ -145,15 +166,15 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             out[CacheHitSource.DISK] = storage
         return out
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._scheduler is None:
             return HpkvMetadata()
         return self._scheduler.build_connector_meta(scheduler_output)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         if self._scheduler is not None:
             self._scheduler.request_finished(request.request_id)
-        return False, None   # saves were copied synchronously in wait_for_save
+        return False, None  # saves were copied synchronously in wait_for_save
 
     def reset_cache(self) -> bool | None:
         """``/reset_prefix_cache?reset_external=true``: drop this namespace from the DRAM tier (files stay)."""
@@ -162,7 +183,7 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         return self._scheduler.reset_cache()
 
     # ======================================================================== worker
-    def _init_worker(self, vllm_config: "VllmConfig", layout: Layout) -> WorkerSide:
+    def _init_worker(self, vllm_config: VllmConfig, layout: Layout) -> WorkerSide:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank() if layout.world_size > 1 else 0
@@ -170,17 +191,25 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         def open_store(device_spec: dict[str, Any]) -> Opened:
             client = connect(self.cfg, name=f"vllm-worker-r{rank}", call_timeout=5.0)
             try:
-                ns = client.attach_namespace(layout.fingerprint, layout.world_size, layout.shard_bytes,
-                                             name=layout.name, rank=rank, block_tokens=layout.block_size)
-                device = client.register_device(ns.ns_id, rank=rank, device="cpu",
-                                                numa_node=current_numa_node(), **device_spec)
+                ns = client.attach_namespace(
+                    layout.fingerprint,
+                    layout.world_size,
+                    layout.shard_bytes,
+                    name=layout.name,
+                    rank=rank,
+                    block_tokens=layout.block_size,
+                )
+                device = client.register_device(
+                    ns.ns_id, rank=rank, device="cpu", numa_node=current_numa_node(), **device_spec
+                )
             except Exception:
                 client.close()
                 raise
             return client, ns.ns_id, device
 
-        return WorkerSide(layout, rank, self.cfg.pool_dir, str(vllm_config.device_config.device_type),
-                          open_store)
+        return WorkerSide(
+            layout, rank, self.cfg.pool_dir, str(vllm_config.device_config.device_type), open_store
+        )
 
     def get_mem_pool_context(self) -> Any:
         if self._worker is None or self._role != KVConnectorRole.WORKER:
@@ -191,10 +220,10 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.register_kv_caches(kv_caches)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, HpkvMetadata) and meta.loads:
-            if self._worker is None:    # hpkv off here but a load promised: vLLM must recompute
+            if self._worker is None:  # hpkv off here but a load promised: vLLM must recompute
                 self._orphan_load_errors.update(b for op in meta.loads for b in op.block_ids)
                 return
             self._worker.start_load_kv(meta)
@@ -202,7 +231,9 @@ class HpkvConnectorV1(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the forward
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return  # the KV of the whole step is copied in wait_for_save
 
     def wait_for_save(self) -> None:

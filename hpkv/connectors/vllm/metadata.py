@@ -1,4 +1,5 @@
 """What the scheduler tells the workers each step, and the connector's stats."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ class LoadOp:
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
-    offsets: np.ndarray       # [n, world] pool byte offsets; ROW_MISSING: not in DRAM (promote)
+    offsets: np.ndarray  # [n, world] pool byte offsets; ROW_MISSING: not in DRAM (promote)
 
 
 @dataclass
@@ -21,7 +22,7 @@ class SaveOp:
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
-    offsets: np.ndarray       # [n, world] reserved pool byte offsets
+    offsets: np.ndarray  # [n, world] reserved pool byte offsets
 
 
 @dataclass
@@ -30,8 +31,17 @@ class HpkvMetadata(KVConnectorMetadata):
     saves: list[SaveOp] = field(default_factory=list)
 
 
-STAT_KEYS = ("loaded_tokens_dram", "loaded_tokens_storage", "loaded_bytes", "load_time_s",
-             "saved_tokens", "saved_bytes", "save_time_s", "load_failed_blocks", "save_failed_blocks")
+STAT_KEYS = (
+    "loaded_tokens_dram",
+    "loaded_tokens_storage",
+    "loaded_bytes",
+    "load_time_s",
+    "saved_tokens",
+    "saved_bytes",
+    "save_time_s",
+    "load_failed_blocks",
+    "save_failed_blocks",
+)
 
 
 @dataclass
@@ -45,7 +55,7 @@ class HpkvConnectorStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {k: 0 for k in STAT_KEYS}
 
-    def aggregate(self, other: KVConnectorStats) -> "HpkvConnectorStats":
+    def aggregate(self, other: KVConnectorStats) -> HpkvConnectorStats:
         for k in STAT_KEYS:
             self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
         return self

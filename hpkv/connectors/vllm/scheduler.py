@@ -5,11 +5,13 @@ tells the workers what to copy through the step's metadata. It talks to hpkv onl
 :class:`~hpkv.client.contract.KvStore`, so it is unit-tested against an in-memory store.
 Any hpkv failure means fewer hits or fewer saves, never a failed request.
 """
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -27,8 +29,8 @@ log = logging.getLogger("vllm.hpkv")
 @dataclass
 class _ReqState:
     request: Any
-    saved_upto: int = 0                       # blocks [0, saved_upto) need no save
-    plan: tuple[int, list[bytes], list[int]] | None = None   # (first block, keys, tiers) of a hit
+    saved_upto: int = 0  # blocks [0, saved_upto) need no save
+    plan: tuple[int, list[bytes], list[int]] | None = None  # (first block, keys, tiers) of a hit
     pinned: list[bytes] = field(default_factory=list)
 
 
@@ -37,8 +39,13 @@ class SchedulerSide:
     ``block_ids_of(req_id)`` gives a request's KV cache block ids (None before vLLM binds its
     KV cache manager)."""
 
-    def __init__(self, layout: Layout, threshold: int, open_store: Callable[[], tuple[KvStore, int]],
-                 block_ids_of: Callable[[str], Sequence[int] | None]):
+    def __init__(
+        self,
+        layout: Layout,
+        threshold: int,
+        open_store: Callable[[], tuple[KvStore, int]],
+        block_ids_of: Callable[[str], Sequence[int] | None],
+    ):
         self.layout = layout
         self.block_size = layout.block_size
         self.threshold = threshold
@@ -47,7 +54,7 @@ class SchedulerSide:
         self._block_ids_of = block_ids_of
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[LoadOp] = []
-        self._hit_tiers: dict[str, tuple[int, int]] = {}   # req -> (dram tokens, storage tokens)
+        self._hit_tiers: dict[str, tuple[int, int]] = {}  # req -> (dram tokens, storage tokens)
         self.hpkv: Reconnecting[KvStore] = Reconnecting("scheduler", self._connect, log)
 
     def _connect(self) -> KvStore:
@@ -80,7 +87,7 @@ class SchedulerSide:
         keys = self._keys(request.block_hashes[first:last])
         try:
             n, tiers = client.lookup(self.ns_id, keys)
-        except Exception as exc:  # hpkv trouble means recompute
+        except Exception as exc:  # noqa: BLE001 - hpkv trouble means recompute
             self.hpkv.lost(exc)
             return 0, False
         if n == 0 or n * self.block_size < self.threshold:
@@ -88,7 +95,9 @@ class SchedulerSide:
         st.plan = (first, keys[:n], tiers)
         return n * self.block_size, False
 
-    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Any, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
         """``block_ids``: the request's KV cache blocks (vLLM's first KV cache group)."""
         st = self._state(request)
         plan, st.plan = st.plan, None
@@ -97,14 +106,14 @@ class SchedulerSide:
         first, keys, tiers = plan
         n = num_external_tokens // self.block_size
         keys, tiers = keys[:n], tiers[:n]
-        targets = list(block_ids[first:first + n])
+        targets = list(block_ids[first : first + n])
         client = self.hpkv.get()
         offsets = np.full((n, self.layout.world_size), ROW_MISSING, np.int64)
         if client is not None:
             try:
                 offsets = client.pin(self.ns_id, keys)
                 st.pinned.extend(keys)
-            except Exception as exc:  # the worker reports the blocks failed
+            except Exception as exc:  # noqa: BLE001 - the worker reports the blocks failed
                 self.hpkv.lost(exc)
         self._pending_loads.append(LoadOp(request.request_id, keys, targets, offsets))
         dram = sum(1 for t in tiers if t == Tier.DRAM) * self.block_size
@@ -120,20 +129,24 @@ class SchedulerSide:
         meta.loads, self._pending_loads = self._pending_loads, []
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
             if rid in self._reqs:
-                self._reqs[rid].saved_upto = 0   # its blocks were freed; new ones come on resume
+                self._reqs[rid].saved_upto = 0  # its blocks were freed; new ones come on resume
         client = self.hpkv.get()
         if client is None:
             return meta
-        computed: dict[str, int] = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        computed: dict[str, int] = {
+            r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs
+        }
         cached = scheduler_output.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
         for rid, n_sched in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(rid)
             if st is None:
                 continue
             req = st.request
-            full = min((computed.get(rid, req.num_computed_tokens) + n_sched) // self.block_size,
-                       len(req.block_hashes))
+            full = min(
+                (computed.get(rid, req.num_computed_tokens) + n_sched) // self.block_size,
+                len(req.block_hashes),
+            )
             if full <= st.saved_upto:
                 continue
             block_ids = self._block_ids_of(rid)
@@ -143,15 +156,16 @@ class SchedulerSide:
             keys = self._keys(req.block_hashes[first:full])
             try:
                 offsets = client.reserve(self.ns_id, keys)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - hpkv trouble: fewer hits, never a failed request
                 self.hpkv.lost(exc)
                 return meta
             st.saved_upto = full
             rows = np.flatnonzero((offsets >= 0).all(axis=1))
             if len(rows) == 0:
                 continue
-            meta.saves.append(SaveOp(rid, [keys[i] for i in rows], [block_ids[first + i] for i in rows],
-                                     offsets[rows]))
+            meta.saves.append(
+                SaveOp(rid, [keys[i] for i in rows], [block_ids[first + i] for i in rows], offsets[rows])
+            )
         return meta
 
     def request_finished(self, request_id: str) -> None:
@@ -163,7 +177,7 @@ class SchedulerSide:
         if client is not None:
             try:
                 client.unpin(self.ns_id, st.pinned)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - hpkv trouble: fewer hits, never a failed request
                 self.hpkv.lost(exc)
 
     def reset_cache(self) -> bool:
@@ -173,9 +187,12 @@ class SchedulerSide:
             return False
         try:
             dropped = client.clear(self.ns_id)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - hpkv trouble: fewer hits, never a failed request
             self.hpkv.lost(exc)
             return False
-        log.info("hpkv: reset_cache dropped %d blocks of namespace %s from the DRAM tier", dropped,
-                 self.layout.fingerprint[:12])
+        log.info(
+            "hpkv: reset_cache dropped %d blocks of namespace %s from the DRAM tier",
+            dropped,
+            self.layout.fingerprint[:12],
+        )
         return True

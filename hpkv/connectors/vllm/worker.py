@@ -7,6 +7,7 @@ maps (:meth:`WorkerSide.shared_kv_allocation`). Loads are synchronous: a DRAM hi
 milliseconds, and a storage hit is promoted into the pool by the IO workers first. Blocks
 that cannot be delivered are reported, and vLLM recomputes them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +15,8 @@ import logging
 import mmap
 import os
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,8 +37,14 @@ Opened = tuple[KvStore, int, BlockMover]
 class WorkerSide:
     """``open_store(device_spec)`` connects, attaches the namespace and registers the KV cache."""
 
-    def __init__(self, layout: Layout, rank: int, pool_dir: str, device_type: str,
-                 open_store: Callable[[dict[str, Any]], Opened]):
+    def __init__(
+        self,
+        layout: Layout,
+        rank: int,
+        pool_dir: str,
+        device_type: str,
+        open_store: Callable[[dict[str, Any]], Opened],
+    ):
         self.layout = layout
         self.rank = rank
         self.enabled = True
@@ -72,15 +80,22 @@ class WorkerSide:
         # directory, which the transfer worker maps too. torch.zeros is patched only here.
         real_zeros = torch.zeros
 
-        def zeros(*size: Any, dtype: torch.dtype | None = None, device: Any = None, **kwargs: Any) -> torch.Tensor:
-            if (self._kv_file is None and dtype == torch.int8 and len(size) == 1
-                    and isinstance(size[0], int) and (device is None or torch.device(device).type == "cpu")):
+        def zeros(
+            *size: Any, dtype: torch.dtype | None = None, device: Any = None, **kwargs: Any
+        ) -> torch.Tensor:
+            if (
+                self._kv_file is None
+                and dtype == torch.int8
+                and len(size) == 1
+                and isinstance(size[0], int)
+                and (device is None or torch.device(device).type == "cpu")
+            ):
                 t = self._alloc_shared_kv(size[0])
                 if t is not None:
                     return t
             return real_zeros(*size, dtype=dtype, device=device, **kwargs)
 
-        torch.zeros = zeros  # type: ignore[assignment]
+        torch.zeros = zeros
         try:
             yield
         finally:
@@ -92,9 +107,14 @@ class WorkerSide:
             os.makedirs(self._pool_dir, mode=0o700, exist_ok=True)
             mm = shm.create(path, nbytes, exclusive=False)
         except OSError as exc:
-            log.error("hpkv: cannot place the %d-byte KV cache in shared memory at %s (%s): hpkv is "
-                      "disabled on this worker; free space in %s or lower --gpu-memory-utilization",
-                      nbytes, path, exc.strerror, self._pool_dir)
+            log.error(
+                "hpkv: cannot place the %d-byte KV cache in shared memory at %s (%s): hpkv is "
+                "disabled on this worker; free space in %s or lower --gpu-memory-utilization",
+                nbytes,
+                path,
+                exc.strerror,
+                self._pool_dir,
+            )
             with contextlib.suppress(OSError):
                 os.unlink(path)
             self.enabled = False
@@ -109,13 +129,17 @@ class WorkerSide:
         if not self.enabled:
             return
         if self._kv_file is None or self._kv_mmap is None:
-            log.error("hpkv: the KV cache was not allocated through hpkv's shared-memory context "
-                      "(device %s): hpkv is disabled on this worker", self._device_type)
+            log.error(
+                "hpkv: the KV cache was not allocated through hpkv's shared-memory context "
+                "(device %s): hpkv is disabled on this worker",
+                self._device_type,
+            )
             self.enabled = False
             return
         try:
-            self._device_spec = describe_kv(self.layout, kv_caches, self._kv_file, self._kv_base,
-                                            self._kv_mmap.size())
+            self._device_spec = describe_kv(
+                self.layout, kv_caches, self._kv_file, self._kv_base, self._kv_mmap.size()
+            )
         except ValueError as exc:
             log.error("hpkv disabled on this worker: %s", exc)
             self.enabled = False
@@ -143,13 +167,13 @@ class WorkerSide:
             if len(missing):
                 got = client.promote(self.ns_id, [keys[i] for i in missing])
                 # Promoted blocks come back pinned for us; failed rows are not.
-                promoted = [keys[i] for i, row in zip(missing, got) if (row >= 0).all()]
+                promoted = [keys[i] for i, row in zip(missing, got, strict=False) if (row >= 0).all()]
                 offsets[missing] = got[:, self.rank]
             ok = offsets >= 0
             dst = np.asarray(blocks, np.int64)
             if ok.any() and not device.load(dst[ok], offsets[ok]):
                 ok[:] = False
-        except Exception as exc:  # recompute
+        except Exception as exc:  # noqa: BLE001 - whatever failed, vLLM recomputes
             self.hpkv.lost(exc)
             self._fail_loads(blocks, str(exc))
             return
@@ -157,7 +181,7 @@ class WorkerSide:
             if promoted and self.hpkv.client is not None:
                 with contextlib.suppress(Exception):
                     client.unpin(self.ns_id, promoted)
-        failed = [b for b, good in zip(blocks, ok) if not good]
+        failed = [b for b, good in zip(blocks, ok, strict=False) if not good]
         if failed:
             self._fail_loads(failed, "blocks missing or copy failed")
         n_ok = int(ok.sum())
@@ -195,7 +219,7 @@ class WorkerSide:
             else:
                 s["save_failed_blocks"] += len(keys)
                 client.abort(self.ns_id, keys)
-        except Exception as exc:  # a lost save is a future miss
+        except Exception as exc:  # noqa: BLE001 - a lost save is a future miss
             s["save_failed_blocks"] += len(keys)
             self.hpkv.lost(exc)
         s["save_time_s"] += time.perf_counter() - t0
@@ -214,7 +238,7 @@ class WorkerSide:
         self.hpkv.close()
         if self._kv_file:
             with contextlib.suppress(OSError):
-                os.unlink(self._kv_file)   # the mapping stays valid while vLLM still uses it
+                os.unlink(self._kv_file)  # the mapping stays valid while vLLM still uses it
 
 
 def current_numa_node() -> int:
