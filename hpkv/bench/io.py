@@ -31,6 +31,8 @@ import shutil
 import statistics
 import time
 
+from hpkv.bench.floors import drop_caches, read_files
+
 SIZES = [128 << 10, 1 << 20, 4 << 20]
 HEADLINE = 1 << 20
 MAX_FILES = 1024  # per case: keeps the small-file case (per-file costs dominate) under ~20 s
@@ -62,16 +64,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
-
-
-def _drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 class _Bench:
@@ -122,7 +114,7 @@ class _Bench:
     def hpkv_read(self, client, ns, keys, size, pool, stamp) -> float:
         client.clear(ns.ns_id)
         if not self.o_direct:
-            _drop_caches()
+            drop_caches()
         t0 = time.perf_counter()
         rows = client.promote(ns.ns_id, keys)[:, 0]
         dt = time.perf_counter() - t0
@@ -159,17 +151,7 @@ class _Bench:
     def raw_read(self, fp, keys, buf) -> float:
         from hpkv.io_workers import kvfile
 
-        paths = [kvfile.file_path(self.storage, fp, k, 0) for k in keys]
-        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if self.o_direct else 0)
-        if not self.o_direct:
-            _drop_caches()
-        t0 = time.perf_counter()
-        for p in paths:
-            fd = os.open(p, flags)
-            if os.preadv(fd, [buf], 0) != len(buf):
-                raise RuntimeError(f"short read of {p}")
-            os.close(fd)
-        return time.perf_counter() - t0
+        return read_files([kvfile.file_path(self.storage, fp, k, 0) for k in keys], self.o_direct)
 
     # ------------------------------------------------------------ runs
     def run_sizes(self) -> tuple[list[dict], dict]:
@@ -270,7 +252,7 @@ class _Bench:
                 times = []
                 for rep in range(self.args.repeat + 1):
                     if not self.o_direct:
-                        _drop_caches()
+                        drop_caches()
                     t0 = time.perf_counter()
                     rows = client.promote(ns.ns_id, keys)
                     dt = time.perf_counter() - t0

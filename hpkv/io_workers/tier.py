@@ -419,6 +419,7 @@ class StorageTier:
                 self._resume = False
                 self._retry_spills()
             self._dispatch()
+            self.g[G.STORAGE_SPILLS_PENDING] = len(self._spill_q) + sum(lk.spills for lk in self.links)
             if self._calls:
                 now = time.monotonic()
                 for call in self._calls:

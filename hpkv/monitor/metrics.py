@@ -252,6 +252,11 @@ def families(snap: dict[str, Any], rings: dict[str, Any]) -> Iterator[Metric]:
             "KV files evicted to stay under the capacity.",
             st.get("evicted_files", 0),
         )
+        yield gauge(
+            "hpkv_storage_spills_pending",
+            "Spill jobs queued or running: write-through not yet on storage.",
+            st.get("spills_pending", 0),
+        )
 
     # ------------------------------------------------------------ rings
     depth = gauge("hpkv_ring_depth", "Descriptors queued in the ring.", labels=("ring",))

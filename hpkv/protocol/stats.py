@@ -96,6 +96,7 @@ class G(IntEnum):
     STORAGE_SPILLS = 26  # files written
     STORAGE_PROMOTES = 27  # files read into the pool
     STORAGE_EVICTED_FILES = 28  # files removed by the capacity limit
+    STORAGE_SPILLS_PENDING = 29  # gauge: spill jobs queued or running (the write-through still to do)
 
 
 class W(IntEnum):
@@ -273,4 +274,5 @@ def _storage_snapshot(g: np.ndarray, cat: dict[str, Any]) -> dict[str, Any]:
         "spills": int(g[G.STORAGE_SPILLS]),
         "promotes": int(g[G.STORAGE_PROMOTES]),
         "evicted_files": int(g[G.STORAGE_EVICTED_FILES]),
+        "spills_pending": int(g[G.STORAGE_SPILLS_PENDING]),
     }
