@@ -41,6 +41,7 @@ from typing import Any
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXY"
 WARMUP_LETTER = "Z"  # never measured
 WARMUP_TOKENS = 2304  # > vLLM's default prefill chunk (2048 tokens)
+READY_TIMEOUT_S = 1200.0  # the first start at a new model shape compiles (minutes on a busy 2-core machine)
 PHASES = ("cold_no_connector", "cold_no_hpkv", "cold", "gpu_hit", "dram_hit", "storage_hit")
 #: Model shapes ``--shape`` generates (hpkv.testing.model.generate_model arguments).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -230,7 +231,7 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
             kv_cache_space_gib=kv_space_gib,
             log_path=os.path.join(work, f"vllm-{tag}.log"),
         ).start()
-        srv.wait_ready()
+        srv.wait_ready(timeout=READY_TIMEOUT_S)
         log(f"vLLM ready in {time.monotonic() - t0:.0f}s; warm-up request (letter {WARMUP_LETTER})")
         # The first long prompt compiles the prefill-chunk kernels; keep that out of the
         # phases. A bit more than one chunk is enough, and cheap next to a full prompt.
