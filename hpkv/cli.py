@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -85,7 +86,14 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     return stop_server(_load_config_or_exit(), timeout=args.timeout)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
+    # A bench killed with SIGTERM unwinds like Ctrl-C: its finally blocks stop the vLLM and
+    # hpkv servers it started (the default action would leave them running).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     module = importlib.import_module(BENCHES[args.bench][0])
     return int(module.run(args) or 0)
 
