@@ -141,6 +141,13 @@ def parse_auto_bool(text: str) -> bool | None:
     return None if text.strip().lower() == "auto" else parse_bool(text)
 
 
+def parse_threshold(text: str) -> int | None:
+    """``auto`` → None (hpkv measures), else an integer >= 0."""
+    if text.strip().lower() == "auto":
+        return None
+    return _int_parser(minimum=0)(text)
+
+
 def _int_parser(minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text.strip(), 10)
@@ -255,11 +262,20 @@ KEYS: dict[str, Key] = {
         Key(
             "VLLM_HPKV_TOKEN_THRESHOLD",
             "1204",
-            _int_parser(minimum=0),
-            "an integer >= 0",
-            "load a hit only if it covers at least this many tokens",
+            parse_threshold,
+            "an integer >= 0, or auto",
+            "load a hit only if it covers at least this many tokens (auto: only where loading, at each "
+            "tier's measured rate, beats recomputing at the engine's measured prefill rate)",
         ),
         Key("VLLM_ENABLE_HPKV", "1", parse_bool, BOOL_FORM, "0 turns the vLLM connector into a logged no-op"),
+        Key(
+            "HPKV_ASYNC_STORAGE_LOADS",
+            "1",
+            parse_bool,
+            BOOL_FORM,
+            "a hit that needs storage is loaded in the background while the engine steps its other "
+            "requests (0: the step waits for the disk read)",
+        ),
         Key(
             "HPKV_NUM_TRANSFER_WORKERS",
             "1",

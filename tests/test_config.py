@@ -437,3 +437,13 @@ def test_cli_version_and_usage_errors():
         out = run_cli(*bad)
         assert out.returncode == 2, bad
         assert "usage: hpkv" in out.stderr
+
+
+def test_the_token_threshold_takes_auto_and_names_the_form_when_wrong(tmp_path):
+    env = {"HOME": str(tmp_path)}
+    assert load_config(env={**env, "VLLM_HPKV_TOKEN_THRESHOLD": "auto"})["VLLM_HPKV_TOKEN_THRESHOLD"] is None
+    assert (
+        load_config(env={**env, "VLLM_HPKV_TOKEN_THRESHOLD": " AUTO "})["VLLM_HPKV_TOKEN_THRESHOLD"] is None
+    )
+    with pytest.raises(ConfigError, match=r"VLLM_HPKV_TOKEN_THRESHOLD.*'fast'.*an integer >= 0, or auto"):
+        load_config(env={**env, "VLLM_HPKV_TOKEN_THRESHOLD": "fast"})

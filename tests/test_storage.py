@@ -18,10 +18,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from hpkv.client.connection import HpkvClient, connect
 from hpkv.common.pool import PoolFile
+from hpkv.common.priority import BE_LOWEST
 from hpkv.io_workers import kvfile
 from hpkv.io_workers.kvfile import BlockId, CorruptFile, KvFileIO
 from hpkv.io_workers.probe import probe_o_direct
@@ -286,6 +288,19 @@ def test_random_payloads_round_trip_byte_exact_through_the_io_workers(tmp_path, 
         assert len(io_rows) == 2
         assert sum(x["bytes_saved"] for x in io_rows) == s["bytes_written"]
         assert sum(x["bytes_loaded"] for x in io_rows) == s["bytes"]
+        w.close()
+
+
+def test_io_workers_spill_at_the_lowest_io_priority(tmp_path):
+    with running(private_env(pool_size="64m", storage=str(tmp_path))) as srv:
+        w = Writer(srv)
+        pids = io_worker_pids(w)
+        keys = w.keys(range(4))
+        w.put(keys)
+        w.wait_spilled(4)  # the workers are past their start-up now
+        levels = {psutil.Process(p).ionice() for p in pids}
+        # Whichever worker spilled switched to best-effort level 7; one that did not is unchanged.
+        assert (psutil.IOPRIO_CLASS_BE, BE_LOWEST) in levels, levels
         w.close()
 
 

@@ -186,6 +186,38 @@ def test_mixed_dram_and_storage_hit(server, hpkv_env):
     assert lp == gpu_lp
 
 
+def newest_kv_files(env, n: int) -> list[str]:
+    root = env["HPKV_KV_STORAGE_PATH"]
+    paths = [
+        os.path.join(d, f)
+        for d, _, fs in os.walk(root)
+        if "quarantine" not in d
+        for f in fs
+        if f.endswith(".kv")
+    ]
+    return sorted(paths, key=os.path.getmtime)[-n:]
+
+
+def test_a_background_storage_load_that_fails_half_way_recomputes_what_failed(server, hpkv_env):
+    prompt = letters(232, seed=10)  # 7 full blocks + 8 tokens
+    files = kv_files(hpkv_env)
+    cold_text, cold_lp = complete(server, prompt)
+    wait_for_files(hpkv_env, files + 7)
+    victim = newest_kv_files(hpkv_env, 7)[3]
+    with open(victim, "r+b") as f:  # one block's payload no longer matches its checksum
+        f.seek(os.path.getsize(victim) // 2)
+        f.write(b"\xa5" * 512)
+    reset(server, external=True)  # only the files are left: the hit loads in the background
+    quarantined = hpkv_status(hpkv_env)["storage"]["quarantined"]
+    before = loaded(hpkv_env)
+    text, lp = complete(server, prompt)
+    got = delta(before, loaded(hpkv_env))
+    assert got["dram"] == 0 and 0 < got["storage"] < 7 * BLOCK, got
+    assert hpkv_status(hpkv_env)["storage"]["quarantined"] == quarantined + 1
+    assert_same_up_to_noise([(text, lp)], [(cold_text, cold_lp)])
+    assert "could not be loaded" in server.log_tail(50_000)
+
+
 def test_hit_below_the_threshold_loads_nothing(server, hpkv_env):
     prompt = letters(100, seed=4)
     complete(server, prompt)

@@ -12,8 +12,10 @@ import pytest
 
 from hpkv.connectors.vllm.layout import Layout
 from hpkv.connectors.vllm.scheduler import SchedulerSide
+from hpkv.connectors.vllm.worth import LoadPolicy
 from hpkv.protocol.errors import ROW_MISSING
 from hpkv.protocol.keys import block_keys
+from hpkv.protocol.wire import Tier
 from hpkv.testing.memory_store import MemoryKvStore
 
 BS = 16
@@ -51,18 +53,20 @@ class Engine:
     """The scheduler side wired to an in-memory store, with vLLM's block table faked: the
     blocks of request ``r`` are 100*k .. for the k-th request seen."""
 
-    def __init__(self, threshold: int = 0, store: MemoryKvStore | None = None):
+    def __init__(self, threshold: int = 0, store: MemoryKvStore | None = None, background: bool = True):
         self.store = store or MemoryKvStore()
         self.tables: dict[str, list[int]] = {}
-        self.side = SchedulerSide(LAYOUT, threshold, lambda: (self.store, NS), self.tables.get)
+        self.side = SchedulerSide(
+            LAYOUT, threshold, lambda: (self.store, NS), self.tables.get, background_storage_loads=background
+        )
+        self.background: dict[str, bool] = {}
         self.side.hpkv.connect_now(timeout=5)
         assert self.side.hpkv.client is self.store
 
     def admit(self, r: Req) -> int:
         """What vLLM does for a new request: ask for external tokens, allocate, get them."""
         self.side.on_new_request(r)
-        n, load_async = self.side.get_num_new_matched_tokens(r, r.num_computed_tokens)
-        assert load_async is False
+        n, self.background[r.request_id] = self.side.get_num_new_matched_tokens(r, r.num_computed_tokens)
         self.tables[r.request_id] = [100 * len(self.tables) + i for i in range(r.num_tokens // BS + 1)]
         self.side.update_state_after_alloc(r, self.tables[r.request_id], n)
         return n
@@ -90,6 +94,7 @@ def test_a_miss_saves_every_full_block_once_and_the_next_request_hits_them():
 
     b = request("b", 5 * BS + 3)
     assert e.admit(b) == 5 * BS
+    assert e.background["b"] is False, "a DRAM hit loads in the step (milliseconds)"
     meta = e.side.build_connector_meta(step((b, 3)))
     (load,) = meta.loads
     assert load.block_ids == e.tables["b"][:5] and load.keys == save.keys
@@ -129,8 +134,22 @@ def test_storage_hits_are_reported_per_tier_and_load_with_missing_rows():
     b = request("b", 4 * BS + 1)
     assert e.admit(b) == 4 * BS
     assert e.side.hit_tiers("b", 4 * BS) == (0, 4 * BS)
+    assert e.background["b"] is True, "a hit that needs the disk loads in the background"
     (load,) = e.side.build_connector_meta(step((b, 1))).loads
     assert (load.offsets == ROW_MISSING).all(), "not in DRAM: the worker promotes them"
+    assert load.background
+
+
+def test_dram_hits_and_async_off_load_in_the_step():
+    e = Engine(background=False)
+    r = request("a", 4 * BS + 1)
+    e.admit(r)
+    e.save_all(e.side.build_connector_meta(step((r, r.num_tokens))))
+    assert e.admit(request("b", 4 * BS + 1)) == 4 * BS and e.background["b"] is False
+    e.side.reset_cache()
+    assert e.admit(request("c", 4 * BS + 1)) == 4 * BS
+    assert e.background["c"] is False, "HPKV_ASYNC_STORAGE_LOADS=0: storage hits load in the step too"
+    assert not any(op.background for op in e.side.build_connector_meta(step()).loads)
 
 
 def test_a_full_pool_saves_what_fits():
@@ -195,3 +214,64 @@ def test_reconnect_gets_a_new_store():
     side.hpkv.connect_now(timeout=5)
     assert side.hpkv.client is not None and side.hpkv.client is not first
     assert np.array_equal(side.hpkv.client.reserve(NS, [b"k" * 16]), [[0]])
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def measured_policy(prefill_tps: float, dram_tps: float | None, storage_tps: float | None) -> LoadPolicy:
+    """An auto policy that has seen steps at ``prefill_tps`` and loads at the given rates."""
+    clock = Clock()
+    p = LoadPolicy(None, clock=clock)
+    for _ in range(3):
+        p.step_scheduled(1024)
+        clock.t += 1024 / prefill_tps
+        p.step_finished()
+    p.step_scheduled(3)  # a decode step says nothing about the prefill rate
+    clock.t += 10.0
+    p.step_finished()
+    stats = {}
+    if dram_tps:
+        stats.update(loaded_tokens_dram=1024, load_time_dram_s=1024 / dram_tps)
+    if storage_tps:
+        stats.update(loaded_tokens_storage=1024, load_time_storage_s=1024 / storage_tps)
+    p.loads_measured(stats)
+    return p
+
+
+D, S = int(Tier.DRAM), int(Tier.STORAGE)
+
+
+def test_a_fixed_threshold_loads_all_or_nothing():
+    p = LoadPolicy(64)
+    assert p.blocks_to_load([S, S], BS) == 0 and p.blocks_to_load([D] * 4, BS) == 4
+
+
+def test_auto_loads_everything_until_rates_are_measured():
+    assert LoadPolicy(None).blocks_to_load([D, D, S, S], BS) == 4
+
+
+def test_auto_skips_a_storage_tier_slower_than_prefill_but_keeps_the_dram_prefix():
+    slow_disk = measured_policy(prefill_tps=2000, dram_tps=200_000, storage_tps=500)
+    assert slow_disk.prefill.tokens_per_s == pytest.approx(2000)
+    assert slow_disk.blocks_to_load([D, D, S, S, S], BS) == 2
+    assert slow_disk.blocks_to_load([S, S, S], BS) == 0
+    fast_disk = measured_policy(prefill_tps=2000, dram_tps=200_000, storage_tps=20_000)
+    assert fast_disk.blocks_to_load([D, D, S, S, S], BS) == 5
+
+
+def test_the_scheduler_in_auto_mode_loads_only_the_dram_part_of_a_hit_from_a_slow_disk():
+    e = Engine()
+    e.side.policy = measured_policy(prefill_tps=2000, dram_tps=200_000, storage_tps=500)
+    r = request("a", 6 * BS + 1)
+    e.admit(r)
+    e.save_all(e.side.build_connector_meta(step((r, r.num_tokens))))
+    e.side.reset_cache()  # all 6 blocks now only on storage
+    e.store.promote(NS, block_keys(LAYOUT.fingerprint, r.block_hashes[:2]))  # 2 back in DRAM
+    assert e.admit(request("b", 6 * BS + 1)) == 2 * BS
+    assert e.background["b"] is False, "the DRAM part loads in the step"

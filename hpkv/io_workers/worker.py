@@ -20,6 +20,7 @@ import logging
 import sys
 
 from hpkv.common.pool import PoolFile
+from hpkv.common.priority import BE_DEFAULT, BE_LOWEST, set_io_priority
 from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.engine.worker_process import WorkerRuntime
 from hpkv.io_workers.kvfile import BlockId, CorruptFile, KvFileIO
@@ -42,6 +43,16 @@ def main(argv: list[str]) -> int:
         bounce_reads=bool(spec.get("bounce_reads")),
     )
     errors = RateLimitedLog(log)
+    # Spills run at the lowest best-effort IO priority, promotes (a request waits) at the
+    # default. The CPU priority stays the engine's: a niced worker starved promotes on a
+    # loaded machine until they timed out (then vLLM recomputes, which costs more).
+    io_level = BE_DEFAULT
+
+    def io_priority(level: int) -> None:
+        nonlocal io_level
+        if level != io_level and set_io_priority(level) is None:
+            io_level = level
+
     log.info(
         "IO worker ready: storage %s, %s IO%s%s",
         spec["storage"],
@@ -58,10 +69,12 @@ def main(argv: list[str]) -> int:
         was_direct = io.o_direct
         try:
             if d.kind == P.SPILL:
+                io_priority(BE_LOWEST)  # write-through: after everything a request waits for
                 nbytes, existed = io.write(fp, block, offset, length)
                 flags |= P.IO_EXISTED if existed else 0
                 row[W.BYTES_SAVED] += nbytes
             elif d.kind == P.PROMOTE:
+                io_priority(BE_DEFAULT)
                 nbytes = io.read(fp, block, offset, length)
                 row[W.BYTES_LOADED] += nbytes
             else:

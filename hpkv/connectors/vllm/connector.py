@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 # A child of vLLM's logger, so our lines appear in vLLM's log with its format.
@@ -63,11 +64,12 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = _hpkv_config()
         self.enabled = bool(self.cfg["VLLM_ENABLE_HPKV"])
-        self.threshold = int(self.cfg["VLLM_HPKV_TOKEN_THRESHOLD"])
+        self.threshold: int | None = self.cfg["VLLM_HPKV_TOKEN_THRESHOLD"]  # None: auto
         self.layout: Layout | None = None
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._orphan_load_errors: set[int] = set()
+        self._idle_step = False
         if not self.enabled:
             log.warning(
                 "hpkv: VLLM_ENABLE_HPKV=0 (from %s): the connector does nothing",
@@ -121,13 +123,19 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             )
             return client, ns.ns_id
 
-        side = SchedulerSide(layout, self.threshold, open_store, self._block_ids_of)
+        side = SchedulerSide(
+            layout,
+            self.threshold,
+            open_store,
+            self._block_ids_of,
+            background_storage_loads=bool(self.cfg["HPKV_ASYNC_STORAGE_LOADS"]),
+        )
         side.hpkv.connect_now(timeout=120.0)
         log.info(
-            "hpkv scheduler connector: namespace %s (%s), token threshold %d (%s)",
+            "hpkv scheduler connector: namespace %s (%s), token threshold %s (%s)",
             layout.fingerprint[:12],
             layout.name,
-            self.threshold,
+            "auto (load where it beats recompute)" if self.threshold is None else self.threshold,
             self.cfg.source("VLLM_HPKV_TOKEN_THRESHOLD"),
         )
         return side
@@ -171,6 +179,11 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             return HpkvMetadata()
         return self._scheduler.build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._scheduler is not None:
+            stats = connector_output.kv_connector_stats
+            self._scheduler.step_finished(stats.data if stats is not None else None)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         if self._scheduler is not None:
             self._scheduler.request_finished(request.request_id)
@@ -207,9 +220,19 @@ class HpkvConnectorV1(KVConnectorBase_V1):
                 raise
             return client, ns.ns_id, device
 
-        return WorkerSide(
-            layout, rank, self.cfg.pool_dir, str(vllm_config.device_config.device_type), open_store
-        )
+        def open_load_store() -> tuple[KvStore, int]:
+            client = connect(self.cfg, name=f"vllm-worker-r{rank}-loads", call_timeout=5.0)
+            try:
+                ns = client.attach_namespace(
+                    layout.fingerprint, layout.world_size, layout.shard_bytes, name=layout.name
+                )
+            except Exception:
+                client.close()
+                raise
+            return client, ns.ns_id
+
+        device_type = str(vllm_config.device_config.device_type)
+        return WorkerSide(layout, rank, self.cfg.pool_dir, device_type, open_store, open_load_store)
 
     def get_mem_pool_context(self) -> Any:
         if self._worker is None or self._role != KVConnectorRole.WORKER:
@@ -221,6 +244,9 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        # vLLM runs a step without a forward pass (no attention metadata) just to poll
+        # connectors while requests wait for their KV: get_finished may then wait briefly.
+        self._idle_step = getattr(forward_context, "attn_metadata", None) is None
         meta = self._get_connector_metadata()
         if isinstance(meta, HpkvMetadata) and meta.loads:
             if self._worker is None:  # hpkv off here but a load promised: vLLM must recompute
@@ -242,6 +268,12 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if isinstance(meta, HpkvMetadata):
             self._worker.wait_for_save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose background (storage) load ended; saves are synchronous (none)."""
+        if self._worker is None:
+            return None, None
+        return None, self._worker.take_finished_loads(idle_step=self._idle_step) or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._orphan_load_errors = self._orphan_load_errors, set()

@@ -15,6 +15,7 @@ class LoadOp:
     keys: list[bytes]
     block_ids: list[int]
     offsets: np.ndarray  # [n, world] pool byte offsets; ROW_MISSING: not in DRAM (promote)
+    background: bool = False  # loaded while the engine steps (vLLM's async load); get_finished reports it
 
 
 @dataclass
@@ -36,6 +37,8 @@ STAT_KEYS = (
     "loaded_tokens_storage",
     "loaded_bytes",
     "load_time_s",
+    "load_time_dram_s",  # of loads from DRAM only
+    "load_time_storage_s",  # of loads that needed storage (promote + copy)
     "saved_tokens",
     "saved_bytes",
     "save_time_s",

@@ -19,6 +19,7 @@ from hpkv.client.contract import KvStore
 from hpkv.connectors.reconnect import Reconnecting
 from hpkv.connectors.vllm.layout import Layout
 from hpkv.connectors.vllm.metadata import HpkvMetadata, LoadOp, SaveOp
+from hpkv.connectors.vllm.worth import LoadPolicy
 from hpkv.protocol.errors import ROW_MISSING
 from hpkv.protocol.keys import block_keys
 from hpkv.protocol.wire import Tier
@@ -42,13 +43,15 @@ class SchedulerSide:
     def __init__(
         self,
         layout: Layout,
-        threshold: int,
+        threshold: int | None,
         open_store: Callable[[], tuple[KvStore, int]],
         block_ids_of: Callable[[str], Sequence[int] | None],
+        background_storage_loads: bool = True,
     ):
         self.layout = layout
         self.block_size = layout.block_size
-        self.threshold = threshold
+        self.policy = LoadPolicy(threshold)  # threshold None: VLLM_HPKV_TOKEN_THRESHOLD=auto
+        self.background_storage_loads = background_storage_loads
         self.ns_id = -1
         self._open_store = open_store
         self._block_ids_of = block_ids_of
@@ -90,10 +93,14 @@ class SchedulerSide:
         except Exception as exc:  # noqa: BLE001 - hpkv trouble means recompute
             self.hpkv.lost(exc)
             return 0, False
-        if n == 0 or n * self.block_size < self.threshold:
+        n = self.policy.blocks_to_load(tiers[:n], self.block_size) if n else 0
+        if n == 0:
             return 0, False
+        tiers = tiers[:n]
         st.plan = (first, keys[:n], tiers)
-        return n * self.block_size, False
+        # A hit that needs the disk loads in the background (vLLM's async load): the request
+        # waits, the others keep stepping. A DRAM-only hit costs milliseconds: synchronous.
+        return n * self.block_size, self.background_storage_loads and Tier.STORAGE in tiers[:n]
 
     def update_state_after_alloc(
         self, request: Any, block_ids: Sequence[int], num_external_tokens: int
@@ -115,7 +122,8 @@ class SchedulerSide:
                 st.pinned.extend(keys)
             except Exception as exc:  # noqa: BLE001 - the worker reports the blocks failed
                 self.hpkv.lost(exc)
-        self._pending_loads.append(LoadOp(request.request_id, keys, targets, offsets))
+        background = self.background_storage_loads and Tier.STORAGE in tiers
+        self._pending_loads.append(LoadOp(request.request_id, keys, targets, offsets, background))
         dram = sum(1 for t in tiers if t == Tier.DRAM) * self.block_size
         self._hit_tiers[request.request_id] = (dram, num_external_tokens - dram)
         st.saved_upto = max(st.saved_upto, first + n)
@@ -126,6 +134,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> HpkvMetadata:
         meta = HpkvMetadata()
+        self.policy.step_scheduled(sum(scheduler_output.num_scheduled_tokens.values()))
         meta.loads, self._pending_loads = self._pending_loads, []
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
             if rid in self._reqs:
@@ -167,6 +176,12 @@ class SchedulerSide:
                 SaveOp(rid, [keys[i] for i in rows], [block_ids[first + i] for i in rows], offsets[rows])
             )
         return meta
+
+    def step_finished(self, stats: dict[str, float] | None) -> None:
+        """A step's output arrived, with the workers' connector stats (auto threshold)."""
+        self.policy.step_finished()
+        if stats:
+            self.policy.loads_measured(stats)
 
     def request_finished(self, request_id: str) -> None:
         st = self._reqs.pop(request_id, None)
