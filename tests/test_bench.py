@@ -63,3 +63,13 @@ def test_floors_measure_something_real(tmp_path):
         paths.append(str(p))
     r = raw_read_gbps(paths, threads=(1, 2), repeat=1)
     assert r["best"] > 0.01 and set(r) == {"threads_1", "threads_2", "best", "o_direct"}
+
+
+def test_gap_statistics_cover_the_gaps_that_end_inside_the_window():
+    from hpkv.bench.interference import gap_stats
+
+    times = [0.0, 0.05, 0.10, 0.40, 0.45, 0.50]  # one 300 ms stall between 0.10 and 0.40
+    assert gap_stats(times) == {"p50_ms": 50.0, "max_ms": 300.0, "gaps": 5}
+    assert gap_stats(times, window=(0.2, 0.3))["max_ms"] == 300.0, "a stall that spans the window counts"
+    assert gap_stats(times, window=(0.46, 0.5)) == {"p50_ms": 50.0, "max_ms": 50.0, "gaps": 1}
+    assert gap_stats([1.0])["gaps"] == 0

@@ -40,6 +40,7 @@ from typing import Any
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXY"
 WARMUP_LETTER = "Z"  # never measured
+INTERFERENCE_HIT, INTERFERENCE_COLD = "Y", "X"  # --interference: never among the measured letters
 WARMUP_TOKENS = 2304  # > vLLM's default prefill chunk (2048 tokens)
 READY_TIMEOUT_S = 1200.0  # the first start at a new model shape compiles (minutes on a busy 2-core machine)
 PHASES = ("cold_no_connector", "cold_no_hpkv", "cold", "gpu_hit", "dram_hit", "storage_hit")
@@ -67,6 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=sorted(SHAPES),
         default="tiny",
         help="shape of the generated model: tiny (4 KiB/token) or qwen2.5-7b (56 KiB/token)",
+    )
+    p.add_argument(
+        "--interference",
+        action="store_true",
+        help="also measure a streaming client's inter-token gaps during a storage hit and a write-through",
     )
     p.add_argument(
         "--no-connector-too",
@@ -169,8 +175,43 @@ def storage_files(storage: str) -> list[str]:
     ]
 
 
+def _log(msg: str) -> None:
+    print(f"[bench ttft] {msg}", file=sys.stderr, flush=True)
+
+
+def _after_storage_phase(
+    args: argparse.Namespace, srv: Any, env: dict[str, str], storage: str, results: dict[str, Any]
+) -> None:
+    """With the restarted engine still up: hpkv-top's frame, the storage floor, interference."""
+    from hpkv.bench.floors import raw_read_gbps
+
+    if args.top_frame:
+        top = subprocess.run(
+            [sys.executable, "-m", "hpkv.monitor.top", "--once"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        results["top_frame"] = top.stdout or top.stderr
+    _log("floor: raw reads of the KV files written, 1..8 threads")
+    results["storage_floor_gbps"] = raw_read_gbps(storage_files(storage))
+    if args.interference:
+        from hpkv.bench.interference import measure
+        from hpkv.testing.vllm_server import hpkv_status
+
+        _log("interference: a streaming client alone, during a storage hit, during a write-through")
+        results["interference"] = measure(
+            srv.url,
+            srv.model_name,
+            prompt_for(INTERFERENCE_HIT, args.tokens),
+            prompt_for(INTERFERENCE_COLD, args.tokens),
+            lambda: ((hpkv_status(env) or {}).get("storage") or {}).get("spills_pending", 0),
+        )
+
+
 def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
-    from hpkv.bench.floors import memcpy_gbps, raw_read_gbps
+    from hpkv.bench.floors import memcpy_gbps
     from hpkv.testing.model import generate_model
     from hpkv.testing.server import env_without_hpkv
     from hpkv.testing.vllm_server import SEED_KV_TRANSFER_CONFIG, VllmServer, hpkv_loads
@@ -210,8 +251,7 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
     times: dict[str, list[float]] = {}
     served: dict[str, dict[str, int]] = {}
 
-    def log(msg: str) -> None:
-        print(f"[bench ttft] {msg}", file=sys.stderr, flush=True)
+    log = _log
 
     def start(tag: str, connector: bool = True, hpkv: bool = True) -> VllmServer:
         e = dict(env)
@@ -263,6 +303,8 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
         srv = start("hpkv")
         try:
             phase("cold", srv)
+            if args.interference:  # a prompt that the restarted engine finds on storage only
+                ttft(srv.url, srv.model_name, prompt_for(INTERFERENCE_HIT, args.tokens))
             results["write_through_wait_s"] = round(wait_for_write_through(env), 2)
             phase("gpu_hit", srv)
             reset_prefix_cache(srv.url)
@@ -276,17 +318,7 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
         srv = start("hpkv-restarted")
         try:
             phase("storage_hit", srv)
-            if args.top_frame:
-                top = subprocess.run(
-                    [sys.executable, "-m", "hpkv.monitor.top", "--once"],
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    timeout=60,
-                )
-                results["top_frame"] = top.stdout or top.stderr
-            log("floor: raw reads of the KV files written, 1..8 threads")
-            results["storage_floor_gbps"] = raw_read_gbps(storage_files(storage))
+            _after_storage_phase(args, srv, env, storage, results)
         finally:
             srv.stop()
     finally:
@@ -357,7 +389,14 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     if "kv_bytes_per_token" in res:
         _floor_columns(out, res, "dram", "dram_hit")
         _floor_columns(out, res, "storage", "storage_hit")
-    for k in ("shape", "kv_bytes_per_token", "pool_bytes", "baseline", "write_through_wait_s"):
+    for k in (
+        "shape",
+        "kv_bytes_per_token",
+        "pool_bytes",
+        "baseline",
+        "write_through_wait_s",
+        "interference",
+    ):
         if k in res:
             out[k] = res[k]
     out.update(
@@ -406,14 +445,29 @@ def print_table(s: dict[str, Any]) -> None:
                 f"({fl['best']:g} GB/s; {rates}) -> {s[f'{tier}_added_vs_floor']:.2f}x the floor "
                 f"(target <= 1.3x: {'met' if s[f'{tier}_added_vs_floor'] <= 1.3 else 'NOT met'})"
             )
+    for label, key in (
+        ("during a storage hit", "during_storage_hit"),
+        ("during a write-through", "during_write_through"),
+    ):
+        inter = s.get("interference", {})
+        if "max_ms" in inter.get(key, {}):
+            a, d = inter["alone"], inter[key]
+            print(
+                f"  streaming client {label}: gaps p50 {d['p50_ms']:.0f} ms, max {d['max_ms']:.0f} ms; alone "
+                f"p50 {a['p50_ms']:.0f} ms, max {a['max_ms']:.0f} ms -> max {d['max_vs_alone_max']:.2f}x "
+                f"(target <= 1.5x: {'met' if d['max_vs_alone_max'] <= 1.5 else 'NOT met'})"
+            )
+        elif key in inter:
+            print(f"  streaming client {label}: {inter[key].get('skipped')}")
     if "cold_vs_baseline" in s:
         ok = "met" if s["cold_vs_baseline"] <= 1.03 else "NOT met"
         print(f"  cold with hpkv / baseline: {s['cold_vs_baseline']:.3f} (target <= 1.03: {ok})")
 
 
 def run(args: argparse.Namespace) -> int:
-    if not 1 <= args.requests <= len(LETTERS):
-        print(f"hpkv bench ttft: --requests must be 1..{len(LETTERS)}", file=sys.stderr)
+    most = len(LETTERS) - (2 if args.interference else 0)
+    if not 1 <= args.requests <= most:
+        print(f"hpkv bench ttft: --requests must be 1..{most}", file=sys.stderr)
         return 2
     res = run_url(args) if args.url else run_orchestrated(args)
     s = summarize(res)
