@@ -85,6 +85,21 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         else:
             self._worker = self._init_worker(vllm_config, self.layout)
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """On CUDA, BLNHC: a block of all layers is one run, one DMA descriptor (HPKV_CUDA_BLOCK_OUTERMOST)."""
+        from hpkv.connectors.vllm.cuda_layout import REQUESTED_LAYOUT
+
+        if str(vllm_config.device_config.device_type) != "cuda":
+            return None
+        try:
+            cfg = load_config()
+        except ConfigError:
+            return None  # the connector's constructor reports the configuration error
+        if not cfg["VLLM_ENABLE_HPKV"] or not cfg["HPKV_CUDA_BLOCK_OUTERMOST"]:
+            return None
+        return REQUESTED_LAYOUT
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a future miss, never an error
