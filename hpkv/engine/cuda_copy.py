@@ -14,6 +14,7 @@ plan is checked against it before a descriptor is issued.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -183,15 +184,18 @@ class CudaDriver:
 
 class HostDriver:
     """The driver with its device replaced by host memory: descriptors run with memcpy when
-    issued; events are cells of a shared int64 array (0 complete, else pending), so another
-    process can hold one pending the way a GPU stream would until its forward finished."""
+    issued. Imported (engine) events are the cells of a shared int64 array, 0 = complete, so
+    another process can hold one pending, as a GPU stream does until its forward finished;
+    the worker's own events (ids from :meth:`new_event`) complete when recorded, since host
+    work is synchronous."""
 
     name = "host"
+    _OWN = 1 << 32  # own event ids start here; lower ids index the shared array
 
     def __init__(self, events: np.ndarray | None = None, wait_timeout: float = 10.0):
         self.events = events if events is not None else np.zeros(64, np.int64)
         self.wait_timeout = wait_timeout
-        self._next_event = 0
+        self._own: dict[int, bool] = {}
 
     def bind(self) -> None:
         return
@@ -203,25 +207,27 @@ class HostDriver:
         lib.hpkv_desc_memcpy(dst, src, size, k)
 
     def new_event(self) -> int:
-        self._next_event += 1
-        return self._next_event - 1
+        ev = self._OWN + len(self._own)
+        self._own[ev] = True
+        return ev
 
     def record(self, event: int, stream: int) -> None:
-        self.events[event] = 0  # host work is synchronous: complete once recorded
+        if event >= self._OWN:
+            self._own[event] = True
+        else:
+            self.events[event] = 0
 
     def wait_event(self, stream: int, event: int) -> None:
-        import time
-
         deadline = time.monotonic() + self.wait_timeout
-        while self.events[event] != 0:
+        while not self.query(event):
             if time.monotonic() > deadline:
                 raise CudaError(
-                    f"waiting {self.wait_timeout:g}s for host event {event}", 702
-                )  # LAUNCH_TIMEOUT
+                    f"waiting {self.wait_timeout:g}s for event {event}", 702
+                )  # CUDA_ERROR_LAUNCH_TIMEOUT
             time.sleep(0.0005)
 
     def query(self, event: int) -> bool:
-        return bool(self.events[event] == 0)
+        return self._own[event] if event >= self._OWN else bool(self.events[event] == 0)
 
     def sync(self, stream: int) -> None:
         return
