@@ -214,3 +214,18 @@ def test_page_order_names() -> None:
         "HNC",
         "NHC",
     ]
+
+
+@pytest.mark.parametrize("layout_name", [lay.name for lay in KVCacheLayout])
+def test_the_device_checks_view_builder_matches_vllm(layout_name: str) -> None:
+    """The device check (no vLLM there) builds the KV cache with vllm_views: same views as vLLM's."""
+    from hpkv.connectors.vllm.cuda_layout import vllm_views
+
+    spec = SPECS["bf16"]()
+    kv, _, names = _vllm_kv(spec, KVCacheLayout[layout_name])
+    raw = torch.empty(0, dtype=torch.int8).set_(kv[names[0]].untyped_storage())
+    mine = vllm_views(raw, layout_name, LAYERS, BLOCKS, 4, 16, 2 * 16 * 2, torch.bfloat16)
+    base = raw.data_ptr()
+    for ours, theirs in zip(mine, (kv[n] for n in names), strict=True):
+        assert (ours.shape, ours.stride(), ours.dtype) == (theirs.shape, theirs.stride(), theirs.dtype)
+        assert ours.data_ptr() - base == theirs.data_ptr() - base

@@ -260,3 +260,32 @@ def _check_disjoint(desc: CudaKvLayout) -> None:
                         f"pages of layers {i} and {j} overlap (offsets {offs[i]}, {offs[j]}, block stride {s}, "
                         f"page {p} B)"
                     )
+
+
+_PERMUTATION = {  # vLLM's KVCacheLayout values: physical order of the logical [L, B, H, N, C] axes
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+}
+
+
+def vllm_views(
+    buf: torch.Tensor, layout_name: str, num_layers: int, num_blocks: int, heads: int, block_size: int,
+    head_bytes: int, dtype: torch.dtype,
+) -> list[torch.Tensor]:  # fmt: skip
+    """The per-layer ``[B, H, N, C]`` views vLLM 0.32 makes over its int8 buffer (unpadded pages,
+    no kernel split), for machines without vLLM (the device check). ``head_bytes`` is the K+V
+    bytes of one (head, token) cell. tests/test_cuda_layout.py checks it against vLLM's code."""
+    shape = (num_layers, num_blocks, heads, block_size, head_bytes)
+    strides = [0] * 5
+    step = 1
+    for dim in reversed(_PERMUTATION[layout_name]):
+        strides[dim] = step
+        step *= shape[dim]
+    if buf.numel() < step:
+        raise ValueError(f"buffer of {buf.numel()} B, the layout needs {step} B")
+    view = torch.as_strided(buf, shape, strides, buf.storage_offset())
+    return [view[ly].view(dtype) for ly in range(num_layers)]
