@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from hpkv.common.cuda import CudaError, CudaUnavailable, cuda_unavailable_reason
 from hpkv.common.native import ffi, lib
 from hpkv.engine.copy import LOAD, SAVE, BlockIndexError
 
@@ -39,24 +40,6 @@ __all__ = [
 #: Host registration is done in chunks: one call of >= 512 GiB fails on r580+ drivers, and
 #: vLLM bounds its own calls at 64 GiB ("to avoid driver limits").
 HOST_REGISTER_CHUNK = 64 << 30
-
-
-class CudaError(RuntimeError):
-    """A CUDA driver call failed; ``code`` is the CUresult."""
-
-    def __init__(self, what: str, code: int):
-        name = ffi.string(lib.hpkv_cuda_error_name(code)).decode()
-        super().__init__(f"{what} failed: {name} ({code})")
-        self.code = code
-
-
-class CudaUnavailable(RuntimeError):
-    """No usable CUDA driver on this machine (the message says why)."""
-
-
-def cuda_unavailable_reason() -> str:
-    """'' when libcuda loads and cuInit succeeds, else why not (e.g. 'no libcuda ...')."""
-    return str(ffi.string(lib.hpkv_cuda_available()).decode())
 
 
 def _check(rc: int, what: str) -> None:

@@ -68,6 +68,10 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._orphan_load_errors: set[int] = set()
+        # CUDA: saves complete after wait_for_save returns, so finished requests' blocks are
+        # freed only once the workers report them (request_finished -> True, get_finished).
+        self._async_saves = str(vllm_config.device_config.device_type) == "cuda"
+        self._saving: set[str] = set()
         if not self.enabled:
             log.warning(
                 "hpkv: VLLM_ENABLE_HPKV=0 (from %s): the connector does nothing",
@@ -184,12 +188,19 @@ class HpkvConnectorV1(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._scheduler is None:
             return HpkvMetadata()
-        return self._scheduler.build_connector_meta(scheduler_output)
+        meta = self._scheduler.build_connector_meta(scheduler_output)
+        if self._async_saves:
+            self._saving.update(op.req_id for op in meta.saves)
+            meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         if self._scheduler is not None:
             self._scheduler.request_finished(request.request_id)
-        return False, None  # saves were copied synchronously in wait_for_save
+        if request.request_id in self._saving:  # CUDA: saves may still read its blocks (SaveTracker)
+            self._saving.discard(request.request_id)
+            return True, None
+        return False, None  # CPU: saves were copied synchronously in wait_for_save
 
     def reset_cache(self) -> bool | None:
         """``/reset_prefix_cache?reset_external=true``: drop this namespace from the DRAM tier (files stay)."""
@@ -214,17 +225,21 @@ class HpkvConnectorV1(KVConnectorBase_V1):
                     rank=rank,
                     block_tokens=layout.block_size,
                 )
-                device = client.register_device(
-                    ns.ns_id, rank=rank, device="cpu", numa_node=current_numa_node(), **device_spec
-                )
+                spec = {"device": "cpu", "numa_node": current_numa_node(), **device_spec}  # CUDA: its own
+                device = client.register_device(ns.ns_id, rank=rank, **spec)
             except Exception:
                 client.close()
                 raise
             return client, ns.ns_id, device
 
-        return WorkerSide(
-            layout, rank, self.cfg.pool_dir, str(vllm_config.device_config.device_type), open_store
-        )
+        device_type = str(vllm_config.device_config.device_type)
+        if device_type == "cuda":
+            from hpkv.connectors.vllm.cuda_worker import CudaWorkerSide
+
+            return CudaWorkerSide(
+                layout, rank, self.cfg.pool_dir, open_store, kv_cache_config=self._kv_cache_config
+            )
+        return WorkerSide(layout, rank, self.cfg.pool_dir, device_type, open_store)
 
     def get_mem_pool_context(self) -> Any:
         if self._worker is None or self._role != KVConnectorRole.WORKER:
@@ -257,6 +272,20 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if isinstance(meta, HpkvMetadata):
             self._worker.wait_for_save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        from hpkv.connectors.vllm.cuda_worker import CudaWorkerSide
+
+        if isinstance(self._worker, CudaWorkerSide):
+            return self._worker.get_finished(finished_req_ids)
+        return None, None
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        from hpkv.connectors.vllm.cuda_worker import CudaWorkerSide
+
+        meta = kv_connector_metadata
+        if isinstance(self._worker, CudaWorkerSide) and isinstance(meta, HpkvMetadata) and meta.preempted:
+            self._worker.handle_preemptions(meta.preempted)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._orphan_load_errors = self._orphan_load_errors, set()
