@@ -33,7 +33,7 @@ LAYOUT = Layout(FP, "cuda-test", 1, N, L, PAGE)
 class Rank:
     """One CUDA worker side (host backend) and its KV cache, connected to ``server``."""
 
-    def __init__(self, server, tmp_path):
+    def __init__(self, server, tmp_path, ipc: bool = True):
         nbytes = L * BLOCKS * PAGE
         kv_path = str(tmp_path / "kv")
         with open(kv_path, "wb") as f:
@@ -45,13 +45,15 @@ class Rank:
         self.buf.copy_(torch.randint(-128, 128, (nbytes,), dtype=torch.int8))
         views = vllm_views(self.buf, "BLNHC", L, BLOCKS, H, N, 2 * D * 2, torch.bfloat16)
         self.kv = {f"model.layers.{i}.attn": v for i, v in enumerate(views)}
-        self.backend = HostBackend(kv_path, str(tmp_path / "events"), events=8)
+        self.backend = HostBackend(kv_path, str(tmp_path / "events"), events=8, ipc=ipc)
         self.clients = []
 
         def open_store(spec):
             c = connect(server.cfg, spawn=False, call_timeout=5.0)
             self.clients.append(c)
             ns = c.attach_namespace(FP, 1, L * PAGE, rank=0)
+            if spec.get("in_process"):  # as the connector does: no transfer worker
+                return c, ns.ns_id, None
             return c, ns.ns_id, c.register_device(ns.ns_id, rank=0, **spec)
 
         kvc = SimpleNamespace(kv_cache_layout="BLNHC", num_blocks=BLOCKS, kv_cache_tensors=[])
@@ -163,3 +165,24 @@ def test_without_libcuda_the_worker_disables_itself_with_one_line(server, tmp_pa
     r.side.wait_for_save(HpkvMetadata(saves=[r.save_op("z", [1], "z")]))
     assert r.side.get_finished({"z"}) == ({"z"}, None)  # vLLM still gets its blocks back
     r.close()
+
+
+def test_without_cuda_ipc_copies_run_in_process_with_the_same_bytes(server, tmp_path, caplog):
+    r = Rank(server, tmp_path, ipc=False)
+    try:
+        with caplog.at_level(logging.INFO, logger="vllm.hpkv"):
+            r.side.register_kv_caches(r.kv)
+        assert r.side.enabled
+        assert any("copies run in this process" in rec.getMessage() for rec in caplog.records)
+        op = r.save_op("q1", [9, 10, 11], "q")
+        expected = [r.block(b) for b in op.block_ids]
+        r.side.wait_for_save(HpkvMetadata(saves=[op]))
+        assert _until(lambda: r.side.get_finished({"q1"})[0]) == {"q1"}
+        assert r.sched.lookup(r.ns.ns_id, op.keys)[0] == 3
+        assert all(w["kind"] != "transfer" for w in r.sched.stats()["workers"])  # no transfer worker
+        offsets = r.sched.pin(r.ns.ns_id, op.keys)
+        r.side.start_load_kv(HpkvMetadata(loads=[LoadOp("q2", op.keys, [0, 1, 2], offsets)]))
+        assert r.side.take_load_errors() == set()
+        assert [r.block(b) for b in (0, 1, 2)] == expected
+    finally:
+        r.close()

@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpkv.common.native import ffi, lib
-from hpkv.engine.copy import LOAD, SAVE, BlockCopier, BlockIndexError, BlockLayout
-from hpkv.engine.cuda_copy import (
+from hpkv.common.cuda_copy import (
+    LOAD,
+    SAVE,
+    CopyIndexError,
     CudaCopier,
     CudaDriver,
     CudaUnavailable,
@@ -17,6 +18,8 @@ from hpkv.engine.cuda_copy import (
     HostDriver,
     cuda_unavailable_reason,
 )
+from hpkv.common.native import ffi, lib
+from hpkv.engine.copy import BlockCopier, BlockLayout
 
 NO_DRIVER = cuda_unavailable_reason() != ""
 
@@ -125,9 +128,9 @@ def test_a_bad_id_is_named_and_nothing_is_planned() -> None:
         4,
         HostDriver(),
     )
-    with pytest.raises(BlockIndexError, match=r"dev_blocks\[1\] = 8 is out of range 0..7"):
+    with pytest.raises(CopyIndexError, match=r"dev_blocks\[1\] = 8 is out of range 0..7"):
         c.copy([0, 8], [0, 1], SAVE, 1)
-    with pytest.raises(BlockIndexError, match=r"slots\[0\] = -1"):
+    with pytest.raises(CopyIndexError, match=r"slots\[0\] = -1"):
         c.copy([0, 1], [-1, 1], SAVE, 1)
     assert not pool.any()
 

@@ -168,8 +168,8 @@ class _KvcStandIn:
 
 # ------------------------------------------------------------------------------------ stages
 def stage_probe(host: bool) -> dict[str, Any]:
+    from hpkv.common.cuda_copy import cuda_unavailable_reason
     from hpkv.common.native import lib
-    from hpkv.engine.cuda_copy import cuda_unavailable_reason
 
     out: dict[str, Any] = {"kernel": platform.release(), "python": platform.python_version()}
     out["driver_unavailable"] = cuda_unavailable_reason()
@@ -313,13 +313,16 @@ def stage_inprocess(
     eng: Engine, pool_addr: int, slot_stride: int, num_slots: int, repeat: int
 ) -> dict[str, Any]:
     """The in-process mode: the same copier in the engine's process, on a low-priority side stream."""
+    from hpkv.common.cuda_copy import CudaCopier, CudaDriver, DeviceLayout
     from hpkv.common.native import lib
-    from hpkv.engine.cuda_copy import CudaCopier, CudaDriver, DeviceLayout
 
     torch = eng.torch
     d = eng.desc
-    uuid = bytes(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid.bytes)
-    drv = CudaDriver(uuid)
+    from hpkv.common.native import ffi
+
+    uuid = ffi.new("uint8_t[16]")
+    lib.hpkv_cuda_device_uuid(torch.cuda.current_device(), uuid)
+    drv = CudaDriver(bytes(ffi.buffer(uuid)))
     lay = DeviceLayout(
         eng.buf.data_ptr(), eng.buf.numel(), d.layer_offsets, d.block_stride, d.page_bytes, d.num_blocks
     )

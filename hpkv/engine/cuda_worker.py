@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from hpkv.common.cuda_copy import CudaCopier, CudaDriver, CudaError, DeviceLayout, Driver, HostDriver
 from hpkv.common.native import ffi, lib
 from hpkv.common.pool import PoolFile
 from hpkv.common.shm import map_file
-from hpkv.engine.cuda_copy import CudaCopier, CudaDriver, CudaError, DeviceLayout, Driver, HostDriver
 from hpkv.engine.worker_process import WorkerRuntime
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status

@@ -225,6 +225,8 @@ class HpkvConnectorV1(KVConnectorBase_V1):
                     rank=rank,
                     block_tokens=layout.block_size,
                 )
+                if device_spec.get("in_process"):  # CUDA without IPC: copies run in this process
+                    return client, ns.ns_id, None  # type: ignore[return-value]
                 spec = {"device": "cpu", "numa_node": current_numa_node(), **device_spec}  # CUDA: its own
                 device = client.register_device(ns.ns_id, rank=rank, **spec)
             except Exception:

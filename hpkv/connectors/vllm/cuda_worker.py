@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from hpkv.common.cuda_copy import Driver, HostDriver
 from hpkv.connectors.vllm.cuda_layout import CudaKvLayout, UnsupportedKvLayout, describe_cuda_kv
 from hpkv.connectors.vllm.metadata import HpkvMetadata
 from hpkv.connectors.vllm.worker import Opened, WorkerSide
@@ -87,14 +88,22 @@ class SaveTracker:
         return ready
 
 
+class IpcUnavailable(RuntimeError):
+    """The KV cache cannot be exported to another process; copies run in this one."""
+
+
 class Backend(Protocol):
-    """How this worker's KV cache and events reach the transfer worker."""
+    """How this worker's KV cache and events reach the copy engine."""
 
     def device_spec(self, desc: CudaKvLayout) -> dict[str, Any]:
-        """The ``register_device`` arguments; RuntimeError (with why) if the cache cannot be exported."""
+        """The ``register_device`` arguments; IpcUnavailable when the cache cannot be exported,
+        RuntimeError (with why) when hpkv cannot run here at all."""
 
     def record(self, k: int) -> None:
         """Record event ``k`` on vLLM's current stream (after the queued forward)."""
+
+    def in_process(self, desc: CudaKvLayout) -> tuple[Driver, list[int]]:
+        """The driver and the event ids it waits on, for copies in this process."""
 
 
 class CudaBackend:
@@ -103,6 +112,7 @@ class CudaBackend:
     def __init__(self, events: int = EVENTS):
         self.n = events
         self.events: list[Any] = []
+        self.local: list[int] = []  # in-process mode: driver events, recorded natively
 
     def device_spec(self, desc: CudaKvLayout) -> dict[str, Any]:
         from hpkv.common.cuda import CudaError, cuda_unavailable_reason
@@ -118,7 +128,7 @@ class CudaBackend:
         if rc:
             raise RuntimeError(str(CudaError("exporting the KV cache (cuIpcGetMemHandle)", rc)))
         if not capable[0]:
-            raise RuntimeError(
+            raise IpcUnavailable(
                 "the KV cache is not legacy-IPC capable (cuMem/VMM memory: vLLM sleep mode or "
                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments); CUDA IPC cannot export it"
             )
@@ -146,7 +156,22 @@ class CudaBackend:
         )
 
     def record(self, k: int) -> None:
-        self.events[k].record(torch.cuda.current_stream())
+        if self.local:
+            from hpkv.common.native import lib
+
+            lib.hpkv_cuda_event_record(self.local[k], torch.cuda.current_stream().cuda_stream)
+        else:
+            self.events[k].record(torch.cuda.current_stream())
+
+    def in_process(self, desc: CudaKvLayout) -> tuple[Driver, list[int]]:
+        from hpkv.common.cuda_copy import CudaDriver
+        from hpkv.common.native import ffi, lib
+
+        uuid = ffi.new("uint8_t[16]")
+        lib.hpkv_cuda_device_uuid(desc.device_index, uuid)
+        drv = CudaDriver(bytes(ffi.buffer(uuid)))
+        self.local = [drv.new_event() for _ in range(self.n)]  # plain events are enough in one process
+        return drv, self.local
 
 
 class HostBackend:
@@ -154,7 +179,7 @@ class HostBackend:
     events are int64 cells of ``events_path`` (0 = complete). ``hold`` leaves recorded events
     pending, as a GPU forward that is still running would."""
 
-    def __init__(self, kv_path: str, events_path: str, events: int = EVENTS):
+    def __init__(self, kv_path: str, events_path: str, events: int = EVENTS, ipc: bool = True):
         import mmap
 
         self.kv_path, self.events_path, self.n = kv_path, events_path, events
@@ -164,8 +189,11 @@ class HostBackend:
         self.cells = np.frombuffer(mmap.mmap(fd, 8 * events), np.int64)
         os.close(fd)
         self.hold = False
+        self.ipc = ipc  # False: behave like a cache CUDA IPC cannot export (in-process mode)
 
     def device_spec(self, desc: CudaKvLayout) -> dict[str, Any]:
+        if not self.ipc:
+            raise IpcUnavailable("the host stand-in was told CUDA IPC is unavailable")
         return dict(
             regions=[{"path": self.kv_path, "size": desc.alloc_bytes}],
             layer_bases=[(0, o) for o in desc.layer_offsets],
@@ -178,6 +206,9 @@ class HostBackend:
 
     def record(self, k: int) -> None:
         self.cells[k] = 1 if self.hold else 0
+
+    def in_process(self, desc: CudaKvLayout) -> tuple[Driver, list[int]]:
+        return HostDriver(self.cells, wait_timeout=LOAD_TIMEOUT_S), list(range(self.n))
 
 
 def gpu_numa_node(index: int) -> int:
@@ -220,6 +251,8 @@ class CudaWorkerSide(WorkerSide):
         self._pending: list[_Save] = []
         self._next_event = 0
         self._event_busy: dict[int, _Save] = {}
+        self._mover: InProcessMover | None = None
+        self.desc: CudaKvLayout | None = None
 
     def mem_pool_context(self) -> None:
         return None  # vLLM allocates the KV cache on the GPU itself
@@ -231,13 +264,18 @@ class CudaWorkerSide(WorkerSide):
             desc = describe_cuda_kv(
                 kv_caches, self._kv_cache_config, self.layout.page_bytes, self.layout.num_layers
             )
-            self._device_spec = self.backend.device_spec(desc)
+            self.desc = desc
+            try:
+                self._device_spec = self.backend.device_spec(desc)
+            except IpcUnavailable as exc:
+                log.warning("hpkv: %s; copies run in this process on a low-priority side stream", exc)
+                self._device_spec = {"in_process": True}
         except (UnsupportedKvLayout, RuntimeError) as exc:
             log.error("hpkv disabled on this worker (rank %d): %s", self.rank, exc)
             self.enabled = False
             return
         log.info(
-            "hpkv: KV cache of rank %d exported: layout %s, %d layers x %d B pages, %d blocks%s",
+            "hpkv: KV cache of rank %d described: layout %s, %d layers x %d B pages, %d blocks%s",
             self.rank,
             desc.name,
             desc.num_layers,
@@ -249,9 +287,18 @@ class CudaWorkerSide(WorkerSide):
 
     def _connect(self) -> Any:
         store = super()._connect()
-        if self._device is not None:
+        if self._device_spec.get("in_process"):
+            self._device = _EventMover(self._in_process_mover(), self)
+        elif self._device is not None:
             self._device = _EventMover(self._device, self)
         return store
+
+    def _in_process_mover(self) -> InProcessMover:
+        if self._mover is None:
+            assert self.desc is not None  # set by register_kv_caches before any connect
+            driver, events = self.backend.in_process(self.desc)
+            self._mover = InProcessMover(driver, events, self.desc, self._pool_dir, self.layout.shard_bytes)
+        return self._mover
 
     def take_event(self) -> int:
         """The next event slot, once the save that used it last has completed (bounded wait)."""
@@ -369,3 +416,84 @@ class _EventMover:
             self.inner.submit(P.COPY_SAVE, blocks, offsets, event=k), timeout=SAVE_TIMEOUT_S
         )
         return all(s == 0 for s in res.values())
+
+
+class InProcessMover:
+    """The transfer worker's job, done in this process (when CUDA IPC cannot export the cache):
+    the pool mapped here, one low-priority side stream, the same batched native copy; a
+    ticket's completion is the event recorded after its copy. Pool registration (page-locking)
+    runs in the background, so keep this mode for small pools."""
+
+    def __init__(self, driver: Driver, events: list[int], desc: Any, pool_dir: str, shard_bytes: int):
+        import threading
+
+        from hpkv.common.cuda_copy import CudaCopier, CudaDriver, DeviceLayout
+        from hpkv.common.pool import PoolFile
+
+        self.driver, self.events = driver, events
+        self.pool = PoolFile.attach(os.path.join(pool_dir, P.POOL_FILE))
+        self.slot_bytes = -(-shard_bytes // P.SLOT_UNIT) * P.SLOT_UNIT  # the server's slot size
+        layout = DeviceLayout(
+            desc.alloc_base,
+            desc.alloc_bytes,
+            desc.layer_offsets,
+            desc.block_stride,
+            desc.page_bytes,
+            desc.num_blocks,
+        )
+        self.copier = CudaCopier(
+            layout, self.pool.address, self.slot_bytes, self.pool.size // self.slot_bytes, driver
+        )
+        self.stream = driver.new_stream()
+        self._spare = [driver.new_event() for _ in range(8)]
+        self._done: dict[int, int] = {}
+        self._seq = 0
+        if isinstance(driver, CudaDriver):
+            threading.Thread(target=self._pin, args=(driver,), daemon=True, name="hpkv-pin").start()
+
+    def _pin(self, driver: Any) -> None:
+        from hpkv.common.cuda import CudaError
+
+        try:
+            driver.bind()
+            driver.register_host(self.pool.address, self.pool.size)
+            log.info("hpkv: pool page-locked in this process (%d bytes)", self.pool.size)
+        except CudaError as exc:
+            log.warning("hpkv: cannot page-lock the pool here (%s): copies from pageable memory", exc)
+
+    def submit(
+        self, kind: int, blocks: np.ndarray, offsets: np.ndarray, event: int = -1
+    ) -> list[tuple[int, int]]:
+        d = self.driver
+        if event >= 0:
+            d.wait_event(self.stream, self.events[event])
+        slots = np.asarray(offsets, np.int64) // self.slot_bytes
+        direction = 0 if kind == P.COPY_SAVE else 1  # HPKV_SAVE / HPKV_LOAD
+        self.copier.copy(blocks, slots, direction, self.stream)
+        ev = self._spare.pop() if self._spare else d.new_event()
+        d.record(ev, self.stream)
+        self._seq += 1
+        self._done[self._seq] = ev
+        return [(0, self._seq)]
+
+    def poll(self, tickets: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
+        out = {}
+        for t in tickets:
+            ev = self._done.get(t[1])
+            if ev is None:
+                out[t] = -110  # unknown ticket: never answered
+            elif self.driver.query(ev):
+                out[t] = 0
+                self._spare.append(self._done.pop(t[1]))
+        return out
+
+    def wait(
+        self, tickets: list[tuple[int, int]], timeout: float | None = None
+    ) -> dict[tuple[int, int], int]:
+        deadline = time.monotonic() + (SAVE_TIMEOUT_S if timeout is None else timeout)
+        out: dict[tuple[int, int], int] = {}
+        while True:
+            out.update(self.poll([t for t in tickets if t not in out]))
+            if len(out) == len(tickets) or time.monotonic() > deadline:
+                return {t: out.get(t, -110) for t in tickets}
+            time.sleep(0.0002)

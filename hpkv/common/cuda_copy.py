@@ -1,7 +1,8 @@
-"""Block copies between a CUDA KV cache and the pinned DRAM pool (native/cuda_copy.c).
+"""Block copies between a CUDA KV cache and the pinned DRAM pool (native/cuda_copy.c), shared by
+the transfer worker and the connector's in-process mode.
 
 The copy of a batch is planned on the host (:meth:`CudaCopier.plan`: validated, one descriptor
-per contiguous run, the same bytes :class:`~hpkv.engine.copy.BlockCopier` moves) and executed by
+per contiguous run, the same bytes the CPU path's ``hpkv_copy_blocks`` moves) and executed by
 a :class:`Driver`: :class:`CudaDriver` issues one ``cuMemcpyBatchAsync`` on a stream (a loop of
 ``cuMemcpyAsync`` on drivers before 12.8); :class:`HostDriver` runs the same descriptors with
 memcpy, so the whole path runs in CI on host memory. The driver is the only thing the host
@@ -22,9 +23,9 @@ import numpy as np
 
 from hpkv.common.cuda import CudaError, CudaUnavailable, cuda_unavailable_reason
 from hpkv.common.native import ffi, lib
-from hpkv.engine.copy import LOAD, SAVE, BlockIndexError
 
 __all__ = [
+    "CopyIndexError",
     "CudaError",
     "CudaUnavailable",
     "Driver",
@@ -36,6 +37,18 @@ __all__ = [
     "SAVE",
     "LOAD",
 ]
+
+SAVE: int = lib.HPKV_SAVE  # device -> pool
+LOAD: int = lib.HPKV_LOAD  # pool -> device
+
+
+class CopyIndexError(IndexError):
+    """A block or slot id of a batch is out of range; nothing of the batch was issued."""
+
+    def __init__(self, message: str, *, which: str, position: int, value: int, limit: int):
+        super().__init__(message)
+        self.which, self.position, self.value, self.limit = which, position, value, limit
+
 
 #: Host registration is done in chunks: one call of >= 512 GiB fails on r580+ drivers, and
 #: vLLM bounds its own calls at 64 GiB ("to avoid driver limits").
@@ -308,7 +321,7 @@ class CudaCopier:
             which, value, limit = "dev_blocks", int(b[pos]), self.layout.num_blocks
         else:
             which, value, limit = "slots", int(s[pos]), self.num_slots
-        raise BlockIndexError(
+        raise CopyIndexError(
             f"{which}[{pos}] = {value} is out of range 0..{limit - 1}; nothing of this batch was copied",
             which=which,
             position=pos,
