@@ -251,8 +251,9 @@ def _median(fn: Callable[[], None], repeat: int) -> float:
     return statistics.median(times)
 
 
-def _baseline(eng: Engine, nbytes: int, repeat: int) -> float:
-    """Seconds for one plain pinned copy of ``nbytes`` (device -> host), the reference."""
+def _baseline(eng: Engine, nbytes: int, repeat: int, to_host: bool) -> float:
+    """Seconds for one plain pinned copy of ``nbytes`` (device -> host for saves, host -> device
+    for loads): the reference."""
     torch = eng.torch
     if eng.host:
         a, b = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
@@ -261,7 +262,10 @@ def _baseline(eng: Engine, nbytes: int, repeat: int) -> float:
     dev = eng.buf[:nbytes]
 
     def run() -> None:
-        host.copy_(dev, non_blocking=True)
+        if to_host:
+            host.copy_(dev, non_blocking=True)
+        else:
+            dev.copy_(host, non_blocking=True)
         torch.cuda.synchronize()
 
     return _median(run, repeat)
@@ -297,13 +301,16 @@ def stage_bandwidth(eng: Engine, handle: Any, offsets: np.ndarray, repeat: int) 
         if 2 * n > min(eng.desc.num_blocks, len(offsets)):
             continue
         nbytes = n * eng.desc.slot_bytes
-        base = _baseline(eng, nbytes, repeat)
+        d2h, h2d = _baseline(eng, nbytes, repeat, True), _baseline(eng, nbytes, repeat, False)
         row: dict[str, Any] = {"layout": eng.layout_name, "blocks": n, "bytes": nbytes}
-        row["baseline_GBps"] = nbytes / base / 1e9
+        row["baseline_d2h_GBps"] = nbytes / d2h / 1e9
+        row["baseline_h2d_GBps"] = nbytes / h2d / 1e9
+        # both: against the two plain copies one after the other (> 1: the link's duplex helped)
+        ref = {"save": d2h, "load": h2d, "both": d2h + h2d}
         for name, fn, mult in _cases(eng, handle, offsets, n):
             t = _median(fn, repeat)
             row[f"{name}_GBps"] = mult * nbytes / t / 1e9
-            row[f"{name}_vs_baseline"] = row[f"{name}_GBps"] / row["baseline_GBps"]
+            row[f"{name}_vs_baseline"] = ref[name] / t
         rows.append(row)
         log.info("bandwidth %s", json.dumps(row))
     return rows
@@ -329,6 +336,7 @@ def stage_inprocess(
     cp = CudaCopier(lay, pool_addr, slot_stride, num_slots, drv)
     stream = drv.new_stream()
     n = min(512, d.num_blocks, num_slots)
+    pinned = lib.hpkv_cuda_host_register(pool_addr, n * slot_stride) == 0  # this process's own registration
     blocks, slots = np.arange(n), np.arange(n)
 
     def run() -> None:
@@ -336,7 +344,9 @@ def stage_inprocess(
         drv.sync(stream)
 
     t = _median(run, repeat)
-    return {"layout": eng.layout_name, "blocks": n, "descriptors": cp.plan(blocks, slots, lib.HPKV_SAVE),
+    if pinned:
+        lib.hpkv_cuda_host_unregister(pool_addr)
+    return {"layout": eng.layout_name, "blocks": n, "pool_pinned": pinned, "descriptors": cp.plan(blocks, slots, lib.HPKV_SAVE),
             "save_GBps": n * d.slot_bytes / t / 1e9}  # fmt: skip
 
 
