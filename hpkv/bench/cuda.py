@@ -346,7 +346,8 @@ def stage_inprocess(
     t = _median(run, repeat)
     if pinned:
         lib.hpkv_cuda_host_unregister(pool_addr)
-    return {"layout": eng.layout_name, "blocks": n, "pool_pinned": pinned, "descriptors": cp.plan(blocks, slots, lib.HPKV_SAVE),
+    k = cp.plan(blocks, slots, lib.HPKV_SAVE)
+    return {"layout": eng.layout_name, "blocks": n, "pool_pinned": pinned, "descriptors": k,
             "save_GBps": n * d.slot_bytes / t / 1e9}  # fmt: skip
 
 
