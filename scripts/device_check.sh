@@ -17,10 +17,16 @@ if ! python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1; then
     echo "device_check: building the native modules failed"
     exit 4
 fi
+# Pools live on tmpfs; a container's /dev/shm may be small (64 MiB in Docker): then mount our own.
+SHM=/dev/shm
+if [ "$(df -k --output=avail /dev/shm 2>/dev/null | tail -1)" -lt $((12 * 1024 * 1024)) ] 2>/dev/null; then
+    mkdir -p /tmp/hpkv-shm && mount -t tmpfs -o size=16g tmpfs /tmp/hpkv-shm && SHM=/tmp/hpkv-shm
+fi
+df -h "$SHM"
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current,memory.used \
     --format=csv >"$OUT/nvidia-smi.csv" 2>&1
 cat "$OUT/nvidia-smi.csv"
-timeout -k 10 420 python3 -m hpkv.bench.cuda --out "$OUT"
+timeout -k 10 420 python3 -m hpkv.bench.cuda --out "$OUT" --shm "$SHM"
 rc=$?
 echo "device_check: hpkv.bench.cuda exited with $rc"
 head -c 6000 "$OUT/summary.json" 2>/dev/null

@@ -52,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", action="store_true", help="no GPU: run the plumbing with the host driver")
     p.add_argument("--blocks", type=int, default=0, help="KV blocks to allocate (default 4096 GPU, 96 host)")
     p.add_argument("--repeat", type=int, default=5, help="timed repetitions per case (median)")
+    p.add_argument("--shm", default="/dev/shm", help="tmpfs directory for the pools and the probe's mapping")
 
 
 class Engine:
@@ -167,7 +168,7 @@ class _KvcStandIn:
 
 
 # ------------------------------------------------------------------------------------ stages
-def stage_probe(host: bool) -> dict[str, Any]:
+def stage_probe(host: bool, shm: str = "/dev/shm") -> dict[str, Any]:
     from hpkv.common.cuda_copy import cuda_unavailable_reason
     from hpkv.common.native import lib
 
@@ -184,7 +185,7 @@ def stage_probe(host: bool) -> dict[str, Any]:
     out["gpu"] = torch.cuda.get_device_name(0)
     torch.cuda.init()
     nbytes = 4 << 30
-    path = f"/dev/shm/hpkv-probe-{os.getpid()}"
+    path = os.path.join(shm, f"hpkv-probe-{os.getpid()}")
     with open(path, "wb") as f:
         f.truncate(nbytes)
     fd = os.open(path, os.O_RDWR)
@@ -518,10 +519,13 @@ def run(args: argparse.Namespace) -> int:
         ],
     )
     summary: dict[str, Any] = {"mode": "host" if args.host else "cuda", "started": time.time()}
-    _stage(summary, "probe", lambda: stage_probe(args.host))
+    _stage(summary, "probe", lambda: stage_probe(args.host, args.shm))
     pool = "256m" if args.host else "3g"
     for name in LAYOUTS:
         env = private_env(pool_size=pool, HPKV_LOG_LEVEL="INFO")
+        env["HPKV_SHARE_MEM_FILE_PATH"] = os.path.join(
+            args.shm, os.path.basename(env["HPKV_SHARE_MEM_FILE_PATH"])
+        )
         _stage(summary, f"run_{name}", functools.partial(_run_layout, name, args, summary, env))
     summary["verdict"] = verdict(summary)
     summary["seconds"] = time.time() - summary["started"]
