@@ -16,13 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from hpkv.client.connection import connect
-from hpkv.connectors.vllm.cuda_layout import vllm_views
-from hpkv.connectors.vllm.cuda_worker import CudaBackend, CudaWorkerSide, HostBackend, SaveTracker
-from hpkv.connectors.vllm.layout import Layout
-from hpkv.connectors.vllm.metadata import HpkvMetadata, LoadOp, SaveOp
-from hpkv.protocol.keys import block_keys, namespace_fingerprint
-from hpkv.protocol.stats import StatsSegment, W
+pytest.importorskip("vllm")  # the connector's metadata types come from vLLM
+
+from hpkv.client.connection import connect  # noqa: E402
+from hpkv.connectors.vllm.cuda_layout import vllm_views  # noqa: E402
+from hpkv.connectors.vllm.cuda_worker import CudaBackend, CudaWorkerSide, HostBackend, SaveTracker  # noqa: E402
+from hpkv.connectors.vllm.layout import Layout  # noqa: E402
+from hpkv.connectors.vllm.metadata import HpkvMetadata, LoadOp, SaveOp  # noqa: E402
+from hpkv.protocol.keys import block_keys, namespace_fingerprint  # noqa: E402
+from hpkv.protocol.stats import StatsSegment, W  # noqa: E402
 
 L, H, N, D, BLOCKS = 4, 4, 16, 16, 32
 PAGE = H * N * 2 * D * 2  # 4 KiB
