@@ -284,6 +284,14 @@ KEYS: dict[str, Key] = {
             "transfer worker processes per device",
         ),
         Key(
+            "HPKV_CUDA_BLOCK_OUTERMOST",
+            "1",
+            parse_bool,
+            BOOL_FORM,
+            "on CUDA, ask vLLM for the block-outermost KV cache layout BLNHC (one copy per block "
+            "instead of one per block and layer); 0 leaves vLLM's choice (LBNHC on Hopper)",
+        ),
+        Key(
             "HPKV_NUM_IO_WORKERS",
             "2",
             _int_parser(minimum=1, maximum=64),

@@ -74,24 +74,28 @@ def while_streaming(
 
 
 def measure(
-    url: str, model: str, hit_prompt: str, cold_prompt: str, spills_pending: Callable[[], int]
+    url: str,
+    model: str,
+    hit_prompt: str,
+    cold_prompt: str,
+    spills_pending: Callable[[], int],
+    ttft: Callable[[str], float],
 ) -> dict[str, Any]:
     """Gaps alone, during a storage hit of ``hit_prompt``, and during the write-through of
-    ``cold_prompt`` (computed first; only the spills overlap the stream)."""
-    from hpkv.bench.ttft import ttft
-
+    ``cold_prompt`` (computed first; only the spills overlap the stream). ``ttft(prompt)``
+    sends one request and returns its time to first byte."""
     stream_prompt = "W " * STREAM_PROMPT_TOKENS
     alone = stream_token_times(url, model, stream_prompt, STREAM_TOKENS)
     out: dict[str, Any] = {"alone": gap_stats(alone[4:])}
 
     def storage_hit() -> tuple[float, float]:
         t0 = time.perf_counter()
-        out["storage_hit_ttft_s"] = round(ttft(url, model, hit_prompt), 3)
+        out["storage_hit_ttft_s"] = round(ttft(hit_prompt), 3)
         return t0, time.perf_counter()
 
     out["during_storage_hit"] = while_streaming(url, model, stream_prompt, storage_hit)
 
-    ttft(url, model, cold_prompt)  # its prefill is compute, not hpkv: done before the stream starts
+    ttft(cold_prompt)  # its prefill is compute, not hpkv: done before the stream starts
 
     def write_through() -> tuple[float, float]:
         t0 = time.perf_counter()

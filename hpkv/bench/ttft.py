@@ -207,6 +207,7 @@ def _after_storage_phase(
             prompt_for(INTERFERENCE_HIT, args.tokens),
             prompt_for(INTERFERENCE_COLD, args.tokens),
             lambda: ((hpkv_status(env) or {}).get("storage") or {}).get("spills_pending", 0),
+            lambda prompt: ttft(srv.url, srv.model_name, prompt),
         )
 
 

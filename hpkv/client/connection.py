@@ -256,10 +256,14 @@ class HpkvClient:
         num_blocks: int,
         device: str = "cpu",
         numa_node: int | None = None,
+        cuda: dict[str, Any] | None = None,
     ) -> DeviceHandle:
-        """Export a device's KV memory (shared-memory files) to new transfer workers."""
+        """Export a device's KV memory to new transfer workers: shared-memory files (CPU), or a
+        GPU allocation over CUDA IPC with the engine's events (``cuda``, see hpkv.engine.cuda_worker)."""
+        extra = {} if cuda is None else {"cuda": cuda}
         r = self.call(
             "register_device",
+            **extra,
             ns_id=ns_id,
             rank=rank,
             regions=regions,
@@ -315,8 +319,11 @@ class DeviceHandle:
         self._lock = threading.Lock()
         self._rr = 0
 
-    def submit(self, kind: int, blocks: np.ndarray, offsets: np.ndarray) -> list[tuple[int, int]]:
-        """Post a batch (split across workers); returns (worker, seq) tickets."""
+    def submit(
+        self, kind: int, blocks: np.ndarray, offsets: np.ndarray, event: int = -1
+    ) -> list[tuple[int, int]]:
+        """Post a batch (split across workers); returns (worker, seq) tickets. On a CUDA device,
+        ``event`` >= 0 makes the copies wait for the engine's event of that index."""
         blocks = np.ascontiguousarray(blocks, np.int64)
         offsets = np.ascontiguousarray(offsets, np.int64)
         tickets = []
@@ -337,7 +344,7 @@ class DeviceHandle:
                 job = link.jobs[seq % P.JOB_SLOTS]
                 job[:m] = blocks[start : start + m]
                 job[m : 2 * m] = offsets[start : start + m]
-                link.req.push(kind, seq, m, timeout=self.timeout)
+                link.req.push(kind, seq, m, event + 1, timeout=self.timeout)
                 link.inflight.add(seq)
                 tickets.append((w, seq))
         return tickets
@@ -356,6 +363,21 @@ class DeviceHandle:
                         break
                 results[(w, seq)] = link.done.pop(seq, -errno.ETIMEDOUT)
         return results
+
+    def poll(self, tickets: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
+        """The status of each ticket that has completed by now (never waits)."""
+        out: dict[tuple[int, int], int] = {}
+        with self._lock:
+            for link in self.links:
+                while link.inflight and self._collect(link, 0.0):
+                    pass
+            for w, seq in tickets:
+                link = self.links[w]
+                if seq in link.done:
+                    out[(w, seq)] = link.done.pop(seq)
+                elif seq not in link.inflight:
+                    out[(w, seq)] = -errno.ETIMEDOUT  # dropped: never answered
+        return out
 
     def _collect(self, link: _WorkerLink, deadline: float) -> bool:
         """Receive one completion of ``link``; False when the deadline passed."""

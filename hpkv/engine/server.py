@@ -42,6 +42,7 @@ from hpkv.common.proc import PID_MAX, pid_alive, valid_pid
 from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.common.security import open_nofollow, open_private_dir, peer_allowed, peer_credentials
 from hpkv.config import Config, ConfigError, check_runtime, format_size
+from hpkv.engine.cuda_worker import validate_cuda
 from hpkv.engine.index import Index, Namespace
 from hpkv.engine.logs import setup_logging
 from hpkv.engine.workers import WorkerProcess
@@ -1160,7 +1161,10 @@ class Server:
     def _register_device(self, c: Client, msg: dict[str, Any]) -> dict[str, Any]:
         ns = self.index.ns(_int_arg(msg, "ns_id", 0, MAX_NS - 1))
         rank = _int_arg(msg, "rank", 0, ns.world_size - 1, default=0)
-        layout = validate_device(msg, ns.slot_bytes, allowed_uids={os.geteuid(), c.uid})
+        if "cuda" in msg:  # a GPU's KV cache (CUDA IPC), or its host stand-in
+            layout = validate_cuda(msg, ns.slot_bytes, {os.geteuid(), c.uid}, validate_device)
+        else:
+            layout = validate_device(msg, ns.slot_bytes, allowed_uids={os.geteuid(), c.uid})
         n_workers = self.cfg["HPKV_NUM_TRANSFER_WORKERS"]
         device = str(msg.get("device", "cpu"))[:MAX_NAME]
         numa = msg.get("numa_node")

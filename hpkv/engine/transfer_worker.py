@@ -39,6 +39,10 @@ def main(argv: list[str]) -> int:
     placement = set_memory_node(int(spec.get("numa_node", 0)))
 
     pool = PoolFile.attach(spec["pool"])
+    if "cuda" in spec:  # the engine's KV cache is on a GPU (or the host stand-in of one)
+        from hpkv.engine.cuda_worker import serve_cuda
+
+        return serve_cuda(rt, pool)
     regions = [map_file(r["path"]) for r in spec["regions"]]
     region_addr = [int(np.frombuffer(m, np.uint8).ctypes.data) for m in regions]
     layout = BlockLayout(

@@ -70,6 +70,10 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._orphan_load_errors: set[int] = set()
         self._idle_step = False
+        # CUDA: saves complete after wait_for_save returns, so finished requests' blocks are
+        # freed only once the workers report them (request_finished -> True, get_finished).
+        self._async_saves = str(vllm_config.device_config.device_type) == "cuda"
+        self._saving: set[str] = set()
         if not self.enabled:
             log.warning(
                 "hpkv: VLLM_ENABLE_HPKV=0 (from %s): the connector does nothing",
@@ -86,6 +90,21 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             self._scheduler = self._init_scheduler(vllm_config, self.layout)
         else:
             self._worker = self._init_worker(vllm_config, self.layout)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """On CUDA, BLNHC: a block of all layers is one run, one DMA descriptor (HPKV_CUDA_BLOCK_OUTERMOST)."""
+        from hpkv.connectors.vllm.cuda_layout import REQUESTED_LAYOUT
+
+        if str(vllm_config.device_config.device_type) != "cuda":
+            return None
+        try:
+            cfg = load_config()
+        except ConfigError:
+            return None  # the connector's constructor reports the configuration error
+        if not cfg["VLLM_ENABLE_HPKV"] or not cfg["HPKV_CUDA_BLOCK_OUTERMOST"]:
+            return None
+        return REQUESTED_LAYOUT
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -128,7 +147,9 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             self.threshold,
             open_store,
             self._block_ids_of,
-            background_storage_loads=bool(self.cfg["HPKV_ASYNC_STORAGE_LOADS"]),
+            # The CUDA path loads synchronously for now (its saves are the asynchronous part).
+            background_storage_loads=bool(self.cfg["HPKV_ASYNC_STORAGE_LOADS"])
+            and str(vllm_config.device_config.device_type) != "cuda",
         )
         side.hpkv.connect_now(timeout=120.0)
         log.info(
@@ -177,7 +198,11 @@ class HpkvConnectorV1(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._scheduler is None:
             return HpkvMetadata()
-        return self._scheduler.build_connector_meta(scheduler_output)
+        meta = self._scheduler.build_connector_meta(scheduler_output)
+        if self._async_saves:
+            self._saving.update(op.req_id for op in meta.saves)
+            meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
@@ -187,7 +212,10 @@ class HpkvConnectorV1(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         if self._scheduler is not None:
             self._scheduler.request_finished(request.request_id)
-        return False, None  # saves were copied synchronously in wait_for_save
+        if request.request_id in self._saving:  # CUDA: saves may still read its blocks (SaveTracker)
+            self._saving.discard(request.request_id)
+            return True, None
+        return False, None  # CPU: saves were copied synchronously in wait_for_save
 
     def reset_cache(self) -> bool | None:
         """``/reset_prefix_cache?reset_external=true``: drop this namespace from the DRAM tier (files stay)."""
@@ -212,9 +240,10 @@ class HpkvConnectorV1(KVConnectorBase_V1):
                     rank=rank,
                     block_tokens=layout.block_size,
                 )
-                device = client.register_device(
-                    ns.ns_id, rank=rank, device="cpu", numa_node=current_numa_node(), **device_spec
-                )
+                if device_spec.get("in_process"):  # CUDA without IPC: copies run in this process
+                    return client, ns.ns_id, None  # type: ignore[return-value]
+                spec = {"device": "cpu", "numa_node": current_numa_node(), **device_spec}  # CUDA: its own
+                device = client.register_device(ns.ns_id, rank=rank, **spec)
             except Exception:
                 client.close()
                 raise
@@ -232,6 +261,12 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             return client, ns.ns_id
 
         device_type = str(vllm_config.device_config.device_type)
+        if device_type == "cuda":
+            from hpkv.connectors.vllm.cuda_worker import CudaWorkerSide
+
+            return CudaWorkerSide(
+                layout, rank, self.cfg.pool_dir, open_store, kv_cache_config=self._kv_cache_config
+            )
         return WorkerSide(layout, rank, self.cfg.pool_dir, device_type, open_store, open_load_store)
 
     def get_mem_pool_context(self) -> Any:
@@ -270,10 +305,22 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             self._worker.wait_for_save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose background (storage) load ended; saves are synchronous (none)."""
+        """CUDA: requests whose saves completed. CPU: requests whose background (storage) load
+        ended (CPU saves are synchronous)."""
+        from hpkv.connectors.vllm.cuda_worker import CudaWorkerSide
+
+        if isinstance(self._worker, CudaWorkerSide):
+            return self._worker.get_finished(finished_req_ids)
         if self._worker is None:
             return None, None
         return None, self._worker.take_finished_loads(idle_step=self._idle_step) or None
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        from hpkv.connectors.vllm.cuda_worker import CudaWorkerSide
+
+        meta = kv_connector_metadata
+        if isinstance(self._worker, CudaWorkerSide) and isinstance(meta, HpkvMetadata) and meta.preempted:
+            self._worker.handle_preemptions(meta.preempted)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._orphan_load_errors = self._orphan_load_errors, set()

@@ -64,6 +64,19 @@ def model_identity(model: str) -> dict[str, Any]:
     return {"model": os.path.abspath(model), "files": files}
 
 
+def _page_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, device: str) -> str:
+    """What the bytes of one pool page mean. The CPU backend keeps its historical tag (existing
+    namespaces stay valid). On other devices the in-page order (NHC or HNC) of vLLM's resolved
+    ``KVCacheLayout``: LBNHC and BLNHC pages are the same bytes, so a restart that changes only
+    the block/layer nesting keeps its hits, while NHC and HNC never mix."""
+    if device == "cpu":
+        return "per-layer-blocks"
+    from hpkv.connectors.vllm.cuda_layout import page_order_of
+
+    name = getattr(kv_cache_config, "kv_cache_layout", None) or vllm_config.cache_config.kv_cache_layout
+    return f"pages-{page_order_of(name)}"
+
+
 def derive_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> Layout:
     """The namespace of this engine's KV; NotImplementedError for set-ups hpkv cannot serve."""
     import vllm
@@ -94,7 +107,7 @@ def derive_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
         "page_bytes": page_bytes,
         "tp": pc.tensor_parallel_size,
         "pp": pc.pipeline_parallel_size,
-        "layout": "per-layer-blocks",
+        "layout": _page_format(vllm_config, kv_cache_config, device),
         "device": device,
         "isa": _cpu_isa(vllm_config) if device == "cpu" else "",
         "engine": "vllm",

@@ -30,6 +30,7 @@ class SaveOp:
 class HpkvMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)  # CUDA: finish these requests' saves before reuse
 
 
 STAT_KEYS = (
