@@ -4,12 +4,14 @@ Verbs are thin: each parses its flags and calls into the layer that does the wor
 Benchmarks live in :mod:`hpkv.bench`, one module per ``hpkv bench NAME``, each
 with ``add_arguments(parser)`` and ``run(args) -> int``.
 """
+
 from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from hpkv import __version__
 
@@ -20,6 +22,7 @@ BENCHES = {
     "io": ("hpkv.bench.io", "KV file write/read throughput through the IO workers vs. raw O_DIRECT"),
     "pool": ("hpkv.bench.pool", "cost of making pool memory exist vs. mapping it (start-up cost)"),
     "startup": ("hpkv.bench.startup", "vLLM's start-up time with and without hpkv (default 8 GiB pool)"),
+    "kernels": ("hpkv.bench.kernels", "native block copy and CRC32C throughput vs. a single-thread memcpy"),
     "ttft": ("hpkv.bench.ttft", "the CT-HPKV four-tier TTFT experiment against real vLLM"),
 }
 
@@ -47,6 +50,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 def _load_config_or_exit():
     from hpkv.config import ConfigError, load_config
+
     try:
         return load_config()
     except ConfigError as exc:
@@ -72,37 +76,57 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from hpkv.monitor.status import print_status
+
     return print_status(_load_config_or_exit(), as_json=args.json)
 
 
 def _cmd_stop(args: argparse.Namespace) -> int:
     from hpkv.client.control import stop_server
+
     return stop_server(_load_config_or_exit(), timeout=args.timeout)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
+    # A bench killed with SIGTERM unwinds like Ctrl-C: its finally blocks stop the vLLM and
+    # hpkv servers it started (the default action would leave them running).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     module = importlib.import_module(BENCHES[args.bench][0])
     return int(module.run(args) or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="hpkv", description="hpkv: tiered KV-cache offload engine for vLLM and SGLang")
+        prog="hpkv", description="hpkv: tiered KV-cache offload engine for vLLM and SGLang"
+    )
     parser.add_argument("--version", action="version", version=f"hpkv {__version__}")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB")
     verbs.required = True
 
     p = verbs.add_parser("config", help="print every configuration key, its value and its source")
     p.add_argument("--json", action="store_true", help="print one JSON object {KEY: {value, source}}")
-    p.add_argument("--check", action="store_true",
-                   help="also check the machine (pool on tmpfs, storage writable, pool fits)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="also check the machine (pool on tmpfs, storage writable, pool fits)",
+    )
     p.set_defaults(func=_cmd_config)
 
     p = verbs.add_parser("serve", help="run the hpkv server in the foreground")
-    p.add_argument("--auto", action="store_true",
-                   help="auto-spawned mode: exit after HPKV_SERVER_IDLE_EXIT seconds without clients")
-    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper,
-                   help="overrides HPKV_LOG_LEVEL")
+    p.add_argument(
+        "--auto",
+        action="store_true",
+        help="auto-spawned mode: exit after HPKV_SERVER_IDLE_EXIT seconds without clients",
+    )
+    p.add_argument(
+        "--log-level",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper,
+        help="overrides HPKV_LOG_LEVEL",
+    )
     # Used by the auto-spawn (hpkv.client.connection.spawn_server), not meant for people.
     p.add_argument("--detach", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
@@ -113,8 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_status)
 
     p = verbs.add_parser("stop", help="ask the running server to write pending spills and shut down")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="seconds to wait for it to exit (default: HPKV_STOP_DRAIN_TIMEOUT + 30)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for it to exit (default: HPKV_STOP_DRAIN_TIMEOUT + 30)",
+    )
     p.set_defaults(func=_cmd_stop)
 
     p = verbs.add_parser("bench", help="benchmarks that print ratios measured in one run")

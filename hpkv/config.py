@@ -14,6 +14,7 @@ came from (``file:line`` or ``environment``) and the accepted form. Loading has 
 side effects; :func:`check_runtime` does the file-system checks (and creates the
 storage and pool directories).
 """
+
 from __future__ import annotations
 
 import difflib
@@ -22,9 +23,10 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
-from typing import Any, Callable, Mapping
+from typing import Any
 
 CONFIG_FILE_ENV = "HPKV_CONFIG_FILE_PATH"
 DEFAULT_CONFIG_FILE = "~/.config/hpkv/config.ini"
@@ -58,8 +60,10 @@ class Source:
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
-SIZE_FORM = ("a byte count with an optional binary unit k, m, g, t (also kb, kib, ...; "
-             "case-insensitive), e.g. 4096, 512m, 8g, 16G, 1.5GiB")
+SIZE_FORM = (
+    "a byte count with an optional binary unit k, m, g, t (also kb, kib, ...; "
+    "case-insensitive), e.g. 4096, 512m, 8g, 16G, 1.5GiB"
+)
 
 
 def parse_size(text: str) -> int:
@@ -137,6 +141,13 @@ def parse_auto_bool(text: str) -> bool | None:
     return None if text.strip().lower() == "auto" else parse_bool(text)
 
 
+def parse_threshold(text: str) -> int | None:
+    """``auto`` → None (hpkv measures), else an integer >= 0."""
+    if text.strip().lower() == "auto":
+        return None
+    return _int_parser(minimum=0)(text)
+
+
 def _int_parser(minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text.strip(), 10)
@@ -145,6 +156,7 @@ def _int_parser(minimum: int | None = None, maximum: int | None = None) -> Calla
         if maximum is not None and value > maximum:
             raise ValueError(f"{value} > {maximum}")
         return value
+
     return parse
 
 
@@ -154,6 +166,7 @@ def _float_parser(minimum: float = 0.0) -> Callable[[str], float]:
         if not value >= minimum:  # also rejects nan
             raise ValueError(f"{value} < {minimum}")
         return value
+
     return parse
 
 
@@ -172,6 +185,7 @@ def _min_size(minimum: int) -> Callable[[str], int]:
         if value < minimum:
             raise ValueError(f"{value} bytes is below the minimum of {format_size(minimum)}")
         return value
+
     return parse
 
 
@@ -186,6 +200,7 @@ def parse_group(text: str) -> int | None:
     if t.isdigit():
         return int(t)
     import grp
+
     try:
         return grp.getgrnam(t).gr_gid
     except KeyError:
@@ -211,7 +226,7 @@ def parse_host(text: str) -> str:
 class Key:
     name: str
     default: str
-    parse: Callable[[str], Any]
+    parse: Callable[..., Any]  # (text) -> value; path keys also take the environment
     form: str  # the accepted form, for error messages
     help: str
 
@@ -220,51 +235,152 @@ class Key:
         return self.parse in (parse_path, parse_optional_path)
 
 
-KEYS: dict[str, Key] = {k.name: k for k in (
-    Key("HPKV_KV_STORAGE_PATH", "~/.cache/hpkv/storage", parse_optional_path,
-        "a directory path (~ and $VARS expand); empty disables the storage tier",
-        "directory of the KV files (the storage tier); empty disables it"),
-    Key("HPKV_KV_MEM_POOL_SIZE", "8g", _min_size(1 << 20), SIZE_FORM + ", at least 1m",
-        "size of the shared-memory DRAM pool"),
-    Key("HPKV_SHARE_MEM_FILE_PATH", "/dev/shm/hpkv", parse_path,
-        "a directory path on tmpfs or ramfs (~ and $VARS expand)",
-        "directory of the pool file, rings and stats segment; must be tmpfs or ramfs"),
-    Key("VLLM_HPKV_TOKEN_THRESHOLD", "1204", _int_parser(minimum=0), "an integer >= 0",
-        "load a hit only if it covers at least this many tokens"),
-    Key("VLLM_ENABLE_HPKV", "1", parse_bool, BOOL_FORM,
-        "0 turns the vLLM connector into a logged no-op"),
-    Key("HPKV_NUM_TRANSFER_WORKERS", "1", _int_parser(minimum=1, maximum=64), "an integer 1..64",
-        "transfer worker processes per device"),
-    Key("HPKV_NUM_IO_WORKERS", "2", _int_parser(minimum=1, maximum=64), "an integer 1..64",
-        "IO worker processes (KV file spill and promote)"),
-    Key("HPKV_SERVER_IDLE_EXIT", "600", _float_parser(minimum=0.0),
-        "a number of seconds >= 0 (0 = never)",
-        "an auto-spawned server exits after this many seconds with no attached client"),
-    Key("HPKV_STOP_DRAIN_TIMEOUT", "60", _float_parser(minimum=0.0), "a number of seconds >= 0",
-        "at a stop (SIGTERM, hpkv stop, idle exit) the server first writes pending write-through "
-        "spills to storage for at most this long, then logs how many blocks were not written"),
-    Key("HPKV_STORAGE_FSYNC", "0", parse_bool, BOOL_FORM,
-        "fsync every KV file before it is renamed into place"),
-    Key("HPKV_KV_STORAGE_SIZE", "0", parse_size, SIZE_FORM + "; 0 = no limit",
-        "capacity of the storage tier; least recently used files are evicted above it"),
-    Key("HPKV_STORAGE_READ_BOUNCE", "auto", parse_auto_bool, "auto, or " + BOOL_FORM,
-        "promote reads go through a private buffer, then one copy into the pool; auto: only "
-        "on virtio-blk disks, where reads straight into the shared pool run at about half speed"),
-    Key("HPKV_STORAGE_MIN_FREE", "5%", parse_percent, "a percentage 0..100, e.g. 5%",
-        "spilling pauses while the storage file system has less free space than this"),
-    Key("HPKV_METRICS_PORT", "0", _int_parser(minimum=0, maximum=65535), "a TCP port 0..65535 (0 = off)",
-        "Prometheus metrics port of the server"),
-    Key("HPKV_METRICS_HOST", "127.0.0.1", parse_host, "a host name or address",
-        "address the metrics endpoint binds to"),
-    Key("HPKV_ALLOW_GROUP", "", parse_group, "a group name or gid; empty = only the server's own uid",
-        "members of this group may also connect to the server's socket (SO_PEERCRED); by default "
-        "only processes of the user who runs the server"),
-    Key("HPKV_LEASE_S", "600", _float_parser(minimum=0.0), "a number of seconds >= 0 (0 = no lease)",
-        "a pin or reservation not released within this many seconds is released by the server "
-        "(after any copy into or out of its slots finished), so a hung engine cannot hold the pool"),
-    Key("HPKV_LOG_LEVEL", "INFO", parse_log_level, "one of " + ", ".join(_LOG_LEVELS),
-        "log level of the hpkv server and its workers"),
-)}
+KEYS: dict[str, Key] = {
+    k.name: k
+    for k in (
+        Key(
+            "HPKV_KV_STORAGE_PATH",
+            "~/.cache/hpkv/storage",
+            parse_optional_path,
+            "a directory path (~ and $VARS expand); empty disables the storage tier",
+            "directory of the KV files (the storage tier); empty disables it",
+        ),
+        Key(
+            "HPKV_KV_MEM_POOL_SIZE",
+            "8g",
+            _min_size(1 << 20),
+            SIZE_FORM + ", at least 1m",
+            "size of the shared-memory DRAM pool",
+        ),
+        Key(
+            "HPKV_SHARE_MEM_FILE_PATH",
+            "/dev/shm/hpkv",
+            parse_path,
+            "a directory path on tmpfs or ramfs (~ and $VARS expand)",
+            "directory of the pool file, rings and stats segment; must be tmpfs or ramfs",
+        ),
+        Key(
+            "VLLM_HPKV_TOKEN_THRESHOLD",
+            "1204",
+            parse_threshold,
+            "an integer >= 0, or auto",
+            "load a hit only if it covers at least this many tokens (auto: only where loading, at each "
+            "tier's measured rate, beats recomputing at the engine's measured prefill rate)",
+        ),
+        Key("VLLM_ENABLE_HPKV", "1", parse_bool, BOOL_FORM, "0 turns the vLLM connector into a logged no-op"),
+        Key(
+            "HPKV_ASYNC_STORAGE_LOADS",
+            "1",
+            parse_bool,
+            BOOL_FORM,
+            "a hit that needs storage is loaded in the background while the engine steps its other "
+            "requests (0: the step waits for the disk read)",
+        ),
+        Key(
+            "HPKV_NUM_TRANSFER_WORKERS",
+            "1",
+            _int_parser(minimum=1, maximum=64),
+            "an integer 1..64",
+            "transfer worker processes per device",
+        ),
+        Key(
+            "HPKV_CUDA_BLOCK_OUTERMOST",
+            "1",
+            parse_bool,
+            BOOL_FORM,
+            "on CUDA, ask vLLM for the block-outermost KV cache layout BLNHC (one copy per block "
+            "instead of one per block and layer); 0 leaves vLLM's choice (LBNHC on Hopper)",
+        ),
+        Key(
+            "HPKV_NUM_IO_WORKERS",
+            "2",
+            _int_parser(minimum=1, maximum=64),
+            "an integer 1..64",
+            "IO worker processes (KV file spill and promote)",
+        ),
+        Key(
+            "HPKV_SERVER_IDLE_EXIT",
+            "600",
+            _float_parser(minimum=0.0),
+            "a number of seconds >= 0 (0 = never)",
+            "an auto-spawned server exits after this many seconds with no attached client",
+        ),
+        Key(
+            "HPKV_STOP_DRAIN_TIMEOUT",
+            "60",
+            _float_parser(minimum=0.0),
+            "a number of seconds >= 0",
+            "at a stop (SIGTERM, hpkv stop, idle exit) the server first writes pending write-through "
+            "spills to storage for at most this long, then logs how many blocks were not written",
+        ),
+        Key(
+            "HPKV_STORAGE_FSYNC",
+            "0",
+            parse_bool,
+            BOOL_FORM,
+            "fsync every KV file before it is renamed into place",
+        ),
+        Key(
+            "HPKV_KV_STORAGE_SIZE",
+            "0",
+            parse_size,
+            SIZE_FORM + "; 0 = no limit",
+            "capacity of the storage tier; least recently used files are evicted above it",
+        ),
+        Key(
+            "HPKV_STORAGE_READ_BOUNCE",
+            "auto",
+            parse_auto_bool,
+            "auto, or " + BOOL_FORM,
+            "promote reads go through a private buffer, then one copy into the pool; auto: only "
+            "on virtio-blk disks, where reads straight into the shared pool run at about half speed",
+        ),
+        Key(
+            "HPKV_STORAGE_MIN_FREE",
+            "5%",
+            parse_percent,
+            "a percentage 0..100, e.g. 5%",
+            "spilling pauses while the storage file system has less free space than this",
+        ),
+        Key(
+            "HPKV_METRICS_PORT",
+            "0",
+            _int_parser(minimum=0, maximum=65535),
+            "a TCP port 0..65535 (0 = off)",
+            "Prometheus metrics port of the server",
+        ),
+        Key(
+            "HPKV_METRICS_HOST",
+            "127.0.0.1",
+            parse_host,
+            "a host name or address",
+            "address the metrics endpoint binds to",
+        ),
+        Key(
+            "HPKV_ALLOW_GROUP",
+            "",
+            parse_group,
+            "a group name or gid; empty = only the server's own uid",
+            "members of this group may also connect to the server's socket (SO_PEERCRED); by default "
+            "only processes of the user who runs the server",
+        ),
+        Key(
+            "HPKV_LEASE_S",
+            "600",
+            _float_parser(minimum=0.0),
+            "a number of seconds >= 0 (0 = no lease)",
+            "a pin or reservation not released within this many seconds is released by the server "
+            "(after any copy into or out of its slots finished), so a hung engine cannot hold the pool",
+        ),
+        Key(
+            "HPKV_LOG_LEVEL",
+            "INFO",
+            parse_log_level,
+            "one of " + ", ".join(_LOG_LEVELS),
+            "log level of the hpkv server and its workers",
+        ),
+    )
+}
 
 
 # --------------------------------------------------------------------------- loading
@@ -305,18 +421,24 @@ class Config:
         return self["HPKV_KV_STORAGE_PATH"]
 
     def as_json(self) -> dict[str, dict[str, Any]]:
-        return {name: {"value": s.value, "source": str(s.source), "raw": s.raw}
-                for name, s in self.settings.items()}
+        return {
+            name: {"value": s.value, "source": str(s.source), "raw": s.raw}
+            for name, s in self.settings.items()
+        }
 
     def to_env(self) -> dict[str, str]:
         """This configuration, handed to a process we start: every key's raw value with its
         source. The child resolves exactly this (a default stays a default, a file value keeps
         its ``file:line``) and reads neither the ini file nor the other variables again."""
-        settings = {name: {"raw": s.raw, "source": [s.source.kind, s.source.path, s.source.line]}
-                    for name, s in self.settings.items()}
-        return {RESOLVED_ENV: json.dumps({"config_file": self.config_file,
-                                          "found": self.config_file_found,
-                                          "settings": settings})}
+        settings = {
+            name: {"raw": s.raw, "source": [s.source.kind, s.source.path, s.source.line]}
+            for name, s in self.settings.items()
+        }
+        return {
+            RESOLVED_ENV: json.dumps(
+                {"config_file": self.config_file, "found": self.config_file_found, "settings": settings}
+            )
+        }
 
 
 def _strip_inline_comment(value: str) -> str:
@@ -350,13 +472,15 @@ def read_ini(path: str) -> tuple[dict[str, tuple[str, int]], list[str]]:
             if text.startswith("[") and text.endswith("]"):
                 section = text[1:-1].strip()
                 if section.lower() != INI_SECTION:
-                    warnings.append(f"{path}:{lineno}: section [{section}] is ignored "
-                                    f"(hpkv reads bare KEY=VALUE lines and the [{INI_SECTION}] section)")
+                    warnings.append(
+                        f"{path}:{lineno}: section [{section}] is ignored "
+                        f"(hpkv reads bare KEY=VALUE lines and the [{INI_SECTION}] section)"
+                    )
                 continue
             if section is not None and section.lower() != INI_SECTION:
                 continue
             if text.startswith("export "):
-                text = text[len("export "):].lstrip()
+                text = text[len("export ") :].lstrip()
             if "=" not in text and ":" not in text:
                 raise ConfigError(f"{path}:{lineno}: cannot parse {text!r}: expected KEY=VALUE")
             sep = "=" if "=" in text else ":"
@@ -364,7 +488,9 @@ def read_ini(path: str) -> tuple[dict[str, tuple[str, int]], list[str]]:
             name = name.strip().upper()
             raw = _unquote(_strip_inline_comment(raw).strip())
             if name in values:
-                warnings.append(f"{path}:{lineno}: {name} is set again (line {values[name][1]} is overridden)")
+                warnings.append(
+                    f"{path}:{lineno}: {name} is set again (line {values[name][1]} is overridden)"
+                )
             values[name] = (raw, lineno)
     for name in values:
         if name in KEYS or name == CONFIG_FILE_ENV:
@@ -383,15 +509,18 @@ def config_file_path(env: Mapping[str, str] | None = None) -> str:
     try:
         return expand_path(env.get(CONFIG_FILE_ENV) or DEFAULT_CONFIG_FILE, env)
     except ValueError as exc:
-        raise ConfigError(f"{CONFIG_FILE_ENV}={env.get(CONFIG_FILE_ENV)!r} (from environment): {exc}") from None
+        raise ConfigError(
+            f"{CONFIG_FILE_ENV}={env.get(CONFIG_FILE_ENV)!r} (from environment): {exc}"
+        ) from None
 
 
 def _parse_setting(key: Key, raw: str, source: Source, env: Mapping[str, str]) -> Setting:
     try:
         value = key.parse(raw, env) if key.is_path else key.parse(raw)
     except ValueError as exc:
-        raise ConfigError(f"{key.name}={raw!r} (from {source}) is invalid: {exc}. "
-                          f"Expected {key.form}.") from None
+        raise ConfigError(
+            f"{key.name}={raw!r} (from {source}) is invalid: {exc}. Expected {key.form}."
+        ) from None
     return Setting(key.name, value, raw, source)
 
 
@@ -402,8 +531,9 @@ def _handed_over(text: str, env: Mapping[str, str]) -> Config:
         given = {name: (str(s["raw"]), Source(*s["source"])) for name, s in data["settings"].items()}
         config_file, found = str(data["config_file"]), bool(data["found"])
     except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{RESOLVED_ENV} is not a configuration hpkv handed over ({exc}); "
-                          f"unset it") from None
+        raise ConfigError(
+            f"{RESOLVED_ENV} is not a configuration hpkv handed over ({exc}); unset it"
+        ) from None
     settings = {}
     for key in KEYS.values():
         raw, source = given.get(key.name, (key.default, Source("default")))
@@ -424,13 +554,17 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         try:
             file_values, warnings = read_ini(path)
         except OSError as exc:
-            raise ConfigError(f"cannot read the hpkv config file {path} ({exc.strerror}); "
-                              f"fix its permissions or point {CONFIG_FILE_ENV} elsewhere") from None
+            raise ConfigError(
+                f"cannot read the hpkv config file {path} ({exc.strerror}); "
+                f"fix its permissions or point {CONFIG_FILE_ENV} elsewhere"
+            ) from None
         except UnicodeDecodeError as exc:
             raise ConfigError(f"the hpkv config file {path} is not UTF-8 text ({exc})") from None
     elif CONFIG_FILE_ENV in env:
-        raise ConfigError(f"{CONFIG_FILE_ENV}={env[CONFIG_FILE_ENV]!r} (from environment): "
-                          f"no such file {path}; create it or unset {CONFIG_FILE_ENV}")
+        raise ConfigError(
+            f"{CONFIG_FILE_ENV}={env[CONFIG_FILE_ENV]!r} (from environment): "
+            f"no such file {path}; create it or unset {CONFIG_FILE_ENV}"
+        )
 
     settings: dict[str, Setting] = {}
     for key in KEYS.values():
@@ -482,9 +616,11 @@ def _ensure_writable_dir(key: str, path: str, source: Source, mode: int = 0o755)
     try:
         os.makedirs(path, mode=mode, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"{what}: cannot create the directory: {exc.strerror} "
-                          f"({errno.errorcode.get(exc.errno, exc.errno)} on {exc.filename}); "
-                          "create it yourself or choose another path") from None
+        raise ConfigError(
+            f"{what}: cannot create the directory: {exc.strerror} "
+            f"({errno.errorcode.get(exc.errno or 0, exc.errno)} on {exc.filename}); "
+            "create it yourself or choose another path"
+        ) from None
     if not os.path.isdir(path):
         raise ConfigError(f"{what} exists but is not a directory")
     try:
@@ -493,9 +629,11 @@ def _ensure_writable_dir(key: str, path: str, source: Source, mode: int = 0o755)
         os.unlink(probe)
     except OSError as exc:
         st = os.stat(path)
-        raise ConfigError(f"{what} is not writable by uid {os.getuid()}: {exc.strerror} "
-                          f"(owner uid {st.st_uid}, mode {oct(st.st_mode & 0o777)}); "
-                          "fix its permissions or choose another path") from None
+        raise ConfigError(
+            f"{what} is not writable by uid {os.getuid()}: {exc.strerror} "
+            f"(owner uid {st.st_uid}, mode {oct(st.st_mode & 0o777)}); "
+            "fix its permissions or choose another path"
+        ) from None
 
 
 def check_runtime(cfg: Config) -> list[str]:
@@ -512,7 +650,8 @@ def check_runtime(cfg: Config) -> list[str]:
             f"HPKV_SHARE_MEM_FILE_PATH={pool_dir} (from {pool_src}) is on {fstype}, not tmpfs or "
             "ramfs: the DRAM pool would be a disk-backed file whose pages the kernel writes back "
             "and can evict, so 'DRAM' hits may run at disk speed and the disk fills with pool "
-            "traffic. Use a directory under /dev/shm (or another tmpfs/ramfs mount).")
+            "traffic. Use a directory under /dev/shm (or another tmpfs/ramfs mount)."
+        )
     _ensure_writable_dir("HPKV_SHARE_MEM_FILE_PATH", pool_dir, pool_src, mode=0o700)
 
     pool_file = os.path.join(pool_dir, "pool")
@@ -523,11 +662,13 @@ def check_runtime(cfg: Config) -> list[str]:
             f"HPKV_KV_MEM_POOL_SIZE={cfg.settings['HPKV_KV_MEM_POOL_SIZE'].raw} "
             f"(from {cfg.source('HPKV_KV_MEM_POOL_SIZE')}) is {format_size(cfg.pool_size)} "
             f"({cfg.pool_size} bytes), but the file system of {pool_dir} has only "
-            f"{format_size(available)} ({available} bytes) free: lower the pool size or free space.")
+            f"{format_size(available)} ({available} bytes) free: lower the pool size or free space."
+        )
 
     if cfg.storage_path is not None:
-        _ensure_writable_dir("HPKV_KV_STORAGE_PATH", cfg.storage_path,
-                             cfg.source("HPKV_KV_STORAGE_PATH"), mode=0o700)
+        _ensure_writable_dir(
+            "HPKV_KV_STORAGE_PATH", cfg.storage_path, cfg.source("HPKV_KV_STORAGE_PATH"), mode=0o700
+        )
     return warnings
 
 
@@ -544,7 +685,7 @@ def describe(cfg: Config) -> str:
             shown = str(value)
         rows.append((name, shown, str(s.source)))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in rows]
     lines.append("")
     lines.append(f"config file: {cfg.config_file}" + ("" if cfg.config_file_found else " (not found)"))
     return "\n".join(lines)

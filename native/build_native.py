@@ -29,7 +29,7 @@ ffibuilder.set_source(
     extra_compile_args=["-O3", "-std=gnu11", "-march=x86-64-v2", "-Wall", "-Wno-unused-function"]
     if os.uname().machine == "x86_64"
     else ["-O3", "-std=gnu11", "-Wall", "-Wno-unused-function"],
-    libraries=["pthread"],
+    libraries=["pthread", "dl"],
 )
 
 if __name__ == "__main__":

@@ -61,10 +61,9 @@ uint32_t hpkv_crc32c_sw(uint32_t crc, const void *buf, uint64_t len)
         w = __builtin_bswap64(w);
 #endif
         w ^= c;
-        c = sw_table[7][w & 0xff] ^ sw_table[6][(w >> 8) & 0xff] ^
-            sw_table[5][(w >> 16) & 0xff] ^ sw_table[4][(w >> 24) & 0xff] ^
-            sw_table[3][(w >> 32) & 0xff] ^ sw_table[2][(w >> 40) & 0xff] ^
-            sw_table[1][(w >> 48) & 0xff] ^ sw_table[0][w >> 56];
+        c = sw_table[7][w & 0xff] ^ sw_table[6][(w >> 8) & 0xff] ^ sw_table[5][(w >> 16) & 0xff] ^
+            sw_table[4][(w >> 24) & 0xff] ^ sw_table[3][(w >> 32) & 0xff] ^
+            sw_table[2][(w >> 40) & 0xff] ^ sw_table[1][(w >> 48) & 0xff] ^ sw_table[0][w >> 56];
         p += 8;
         len -= 8;
     }
@@ -126,8 +125,8 @@ static void zeros_table(uint32_t zeros[4][256], uint64_t len)
 
 static inline uint32_t shift(const uint32_t zeros[4][256], uint32_t crc)
 {
-    return zeros[0][crc & 0xff] ^ zeros[1][(crc >> 8) & 0xff] ^
-           zeros[2][(crc >> 16) & 0xff] ^ zeros[3][crc >> 24];
+    return zeros[0][crc & 0xff] ^ zeros[1][(crc >> 8) & 0xff] ^ zeros[2][(crc >> 16) & 0xff] ^
+           zeros[3][crc >> 24];
 }
 
 /* Chunk sizes of the three-way loops (powers of two). LONG amortizes the combine;

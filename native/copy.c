@@ -1,6 +1,6 @@
 /* hpkv batched block copy (contract in copy.h).
  *
- * Why it looks like this (measured on the 2-vCPU Zen4 dev VM, see benchmarks/kernels.py):
+ * Why it looks like this (measured on the 2-vCPU Zen4 dev VM, see hpkv/bench/kernels.py):
  *  - The pair loop is outermost and the layer loop innermost, so the pool side is
  *    touched strictly sequentially (one slot after the other).
  *  - For batches beyond L2, streaming (non-temporal) stores beat glibc memcpy by
@@ -44,31 +44,31 @@ static void copy_libc(uint8_t *dst, const uint8_t *src, uint64_t len)
  * memcpy the tail. Short pages go to memcpy (below 2 KiB glibc uses no rep movsb). */
 #define HPKV_MIN_LOOP 256
 
-#define COPY_LOOP(NAME, ATTR, STEP, VEC, LOAD, STORE)                                    \
-    ATTR static void NAME(uint8_t *dst, const uint8_t *src, uint64_t len)               \
-    {                                                                                  \
-        uint64_t head = (64 - ((uintptr_t)dst & 63)) & 63;                             \
-        if (len < head + HPKV_MIN_LOOP) {                                              \
-            memcpy(dst, src, len);                                                     \
-            return;                                                                    \
-        }                                                                              \
-        memcpy(dst, src, head);                                                        \
-        dst += head;                                                                   \
-        src += head;                                                                   \
-        len -= head;                                                                   \
-        const uint64_t body = len & ~(uint64_t)(STEP - 1);                             \
-        const uint64_t w = sizeof(VEC);                                                \
-        for (uint64_t i = 0; i < body; i += STEP) {                                    \
-            VEC a = LOAD((const VEC *)(src + i));                                      \
-            VEC b = LOAD((const VEC *)(src + i + w));                                  \
-            VEC c = LOAD((const VEC *)(src + i + 2 * w));                              \
-            VEC d = LOAD((const VEC *)(src + i + 3 * w));                              \
-            STORE((VEC *)(dst + i), a);                                                \
-            STORE((VEC *)(dst + i + w), b);                                            \
-            STORE((VEC *)(dst + i + 2 * w), c);                                        \
-            STORE((VEC *)(dst + i + 3 * w), d);                                        \
-        }                                                                              \
-        memcpy(dst + body, src + body, len - body);                                    \
+#define COPY_LOOP(NAME, ATTR, STEP, VEC, LOAD, STORE)                                              \
+    ATTR static void NAME(uint8_t *dst, const uint8_t *src, uint64_t len)                          \
+    {                                                                                              \
+        uint64_t head = (64 - ((uintptr_t)dst & 63)) & 63;                                         \
+        if (len < head + HPKV_MIN_LOOP) {                                                          \
+            memcpy(dst, src, len);                                                                 \
+            return;                                                                                \
+        }                                                                                          \
+        memcpy(dst, src, head);                                                                    \
+        dst += head;                                                                               \
+        src += head;                                                                               \
+        len -= head;                                                                               \
+        const uint64_t body = len & ~(uint64_t)(STEP - 1);                                         \
+        const uint64_t w = sizeof(VEC);                                                            \
+        for (uint64_t i = 0; i < body; i += STEP) {                                                \
+            VEC a = LOAD((const VEC *)(src + i));                                                  \
+            VEC b = LOAD((const VEC *)(src + i + w));                                              \
+            VEC c = LOAD((const VEC *)(src + i + 2 * w));                                          \
+            VEC d = LOAD((const VEC *)(src + i + 3 * w));                                          \
+            STORE((VEC *)(dst + i), a);                                                            \
+            STORE((VEC *)(dst + i + w), b);                                                        \
+            STORE((VEC *)(dst + i + 2 * w), c);                                                    \
+            STORE((VEC *)(dst + i + 3 * w), d);                                                    \
+        }                                                                                          \
+        memcpy(dst + body, src + body, len - body);                                                \
     }
 
 #define AVX2 __attribute__((target("avx2")))
@@ -134,7 +134,8 @@ int64_t hpkv_copy_blocks(const hpkv_layout *layout, uint8_t *pool_base, uint64_t
         const uint64_t b = (uint64_t)__atomic_load_n(&dev_blocks[i], __ATOMIC_RELAXED);
         const uint64_t s = (uint64_t)__atomic_load_n(&slots[i], __ATOMIC_RELAXED);
         if (b >= nb || s >= num_slots) {
-            rc = (b >= nb ? HPKV_COPY_EBLOCK : HPKV_COPY_ESLOT) - (int64_t)(HPKV_COPY_ERR_STRIDE * i);
+            rc = (b >= nb ? HPKV_COPY_EBLOCK : HPKV_COPY_ESLOT) -
+                 (int64_t)(HPKV_COPY_ERR_STRIDE * i);
             break;
         }
         uint8_t *slot = pool_base + s * slot_stride;

@@ -29,8 +29,8 @@ typedef struct hpkv_layout {
     const uint64_t *layer_base; /* num_layers addresses of block 0 of each layer */
     uint64_t num_layers;
     uint64_t num_blocks;
-    uint64_t block_stride;      /* bytes between consecutive blocks of one layer */
-    uint64_t page_bytes;        /* bytes of one block in one layer */
+    uint64_t block_stride; /* bytes between consecutive blocks of one layer */
+    uint64_t page_bytes;   /* bytes of one block in one layer */
 } hpkv_layout;
 
 enum { HPKV_SAVE = 0, HPKV_LOAD = 1 };

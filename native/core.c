@@ -1,3 +1,6 @@
 #include "core.h"
 
-int hpkv_native_abi(void) { return HPKV_NATIVE_ABI; }
+int hpkv_native_abi(void)
+{
+    return HPKV_NATIVE_ABI;
+}

@@ -7,36 +7,41 @@
 enum { EMPTY = 0, FULL = 1, TOMB = 2 };
 
 typedef struct {
-    uint64_t lo, hi;   /* the key; keys are already uniform hashes (blake2b) */
+    uint64_t lo, hi; /* the key; keys are already uniform hashes (blake2b) */
 } key128;
 
 struct hpkv_keytable {
     key128 *keys;
     uint8_t *state;
     uint8_t *value;
-    uint64_t cap;      /* power of two */
+    uint64_t cap; /* power of two */
     uint64_t live;
     uint64_t tombs;
 };
 
-static inline key128 load_key(const uint8_t *p) {
+static inline key128 load_key(const uint8_t *p)
+{
     key128 k;
     memcpy(&k.lo, p, 8);
     memcpy(&k.hi, p + 8, 8);
     return k;
 }
 
-static inline uint64_t slot_of(key128 k, uint64_t cap) {
+static inline uint64_t slot_of(key128 k, uint64_t cap)
+{
     /* The key is a cryptographic hash: its low bits are already uniform. */
     return (k.lo ^ (k.hi >> 7)) & (cap - 1);
 }
 
-static int alloc_arrays(hpkv_keytable *t, uint64_t cap) {
+static int alloc_arrays(hpkv_keytable *t, uint64_t cap)
+{
     t->keys = malloc(cap * sizeof(key128));
     t->state = calloc(cap, 1);
     t->value = malloc(cap);
     if (!t->keys || !t->state || !t->value) {
-        free(t->keys); free(t->state); free(t->value);
+        free(t->keys);
+        free(t->state);
+        free(t->value);
         return -1;
     }
     t->cap = cap;
@@ -44,22 +49,34 @@ static int alloc_arrays(hpkv_keytable *t, uint64_t cap) {
     return 0;
 }
 
-hpkv_keytable *hpkv_keytable_new(uint64_t initial_capacity) {
+hpkv_keytable *hpkv_keytable_new(uint64_t initial_capacity)
+{
     uint64_t cap = 1024;
-    while (cap < initial_capacity) cap <<= 1;
+    while (cap < initial_capacity)
+        cap <<= 1;
     hpkv_keytable *t = calloc(1, sizeof(*t));
-    if (!t) return NULL;
-    if (alloc_arrays(t, cap) != 0) { free(t); return NULL; }
+    if (!t)
+        return NULL;
+    if (alloc_arrays(t, cap) != 0) {
+        free(t);
+        return NULL;
+    }
     return t;
 }
 
-void hpkv_keytable_free(hpkv_keytable *t) {
-    if (!t) return;
-    free(t->keys); free(t->state); free(t->value); free(t);
+void hpkv_keytable_free(hpkv_keytable *t)
+{
+    if (!t)
+        return;
+    free(t->keys);
+    free(t->state);
+    free(t->value);
+    free(t);
 }
 
 /* Index of the key's slot, or of the slot where it would go (first tombstone or empty). */
-static uint64_t find(const hpkv_keytable *t, key128 k, int *found) {
+static uint64_t find(const hpkv_keytable *t, key128 k, int *found)
+{
     uint64_t i = slot_of(k, t->cap), first_tomb = UINT64_MAX;
     for (;;) {
         uint8_t s = t->state[i];
@@ -71,18 +88,24 @@ static uint64_t find(const hpkv_keytable *t, key128 k, int *found) {
             *found = 1;
             return i;
         }
-        if (s == TOMB && first_tomb == UINT64_MAX) first_tomb = i;
+        if (s == TOMB && first_tomb == UINT64_MAX)
+            first_tomb = i;
         i = (i + 1) & (t->cap - 1);
     }
 }
 
-static int grow(hpkv_keytable *t) {
+static int grow(hpkv_keytable *t)
+{
     hpkv_keytable old = *t;
     /* Double only when live entries need it; otherwise rebuild to drop tombstones. */
     uint64_t cap = (t->live + 1) * 10 / 7 >= old.cap / 2 ? old.cap * 2 : old.cap;
-    if (alloc_arrays(t, cap) != 0) { *t = old; return -1; }
+    if (alloc_arrays(t, cap) != 0) {
+        *t = old;
+        return -1;
+    }
     for (uint64_t i = 0; i < old.cap; i++) {
-        if (old.state[i] != FULL) continue;
+        if (old.state[i] != FULL)
+            continue;
         int found;
         uint64_t j = find(t, old.keys[i], &found);
         t->keys[j] = old.keys[i];
@@ -90,17 +113,22 @@ static int grow(hpkv_keytable *t) {
         t->state[j] = FULL;
         t->live++;
     }
-    free(old.keys); free(old.state); free(old.value);
+    free(old.keys);
+    free(old.state);
+    free(old.value);
     return 0;
 }
 
-int hpkv_keytable_set(hpkv_keytable *t, const uint8_t *key, uint8_t value) {
-    if ((t->live + t->tombs + 1) * 10 > t->cap * 7 && grow(t) != 0) return -1;
+int hpkv_keytable_set(hpkv_keytable *t, const uint8_t *key, uint8_t value)
+{
+    if ((t->live + t->tombs + 1) * 10 > t->cap * 7 && grow(t) != 0)
+        return -1;
     key128 k = load_key(key);
     int found;
     uint64_t i = find(t, k, &found);
     if (!found) {
-        if (t->state[i] == TOMB) t->tombs--;
+        if (t->state[i] == TOMB)
+            t->tombs--;
         t->keys[i] = k;
         t->state[i] = FULL;
         t->live++;
@@ -109,29 +137,37 @@ int hpkv_keytable_set(hpkv_keytable *t, const uint8_t *key, uint8_t value) {
     return 0;
 }
 
-uint8_t hpkv_keytable_get(const hpkv_keytable *t, const uint8_t *key) {
+uint8_t hpkv_keytable_get(const hpkv_keytable *t, const uint8_t *key)
+{
     int found;
     uint64_t i = find(t, load_key(key), &found);
     return found ? t->value[i] : 0;
 }
 
-int hpkv_keytable_remove(hpkv_keytable *t, const uint8_t *key) {
+int hpkv_keytable_remove(hpkv_keytable *t, const uint8_t *key)
+{
     int found;
     uint64_t i = find(t, load_key(key), &found);
-    if (!found) return 0;
+    if (!found)
+        return 0;
     t->state[i] = TOMB;
     t->live--;
     t->tombs++;
     return 1;
 }
 
-uint64_t hpkv_keytable_len(const hpkv_keytable *t) { return t->live; }
+uint64_t hpkv_keytable_len(const hpkv_keytable *t)
+{
+    return t->live;
+}
 
-uint64_t hpkv_keytable_prefix(const hpkv_keytable *t, const uint8_t *keys, uint64_t n, uint8_t *out) {
+uint64_t hpkv_keytable_prefix(const hpkv_keytable *t, const uint8_t *keys, uint64_t n, uint8_t *out)
+{
     for (uint64_t j = 0; j < n; j++) {
         int found;
         uint64_t i = find(t, load_key(keys + 16 * j), &found);
-        if (!found) return j;
+        if (!found)
+            return j;
         out[j] = t->value[i];
     }
     return n;

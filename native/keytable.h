@@ -26,6 +26,7 @@ int hpkv_keytable_remove(hpkv_keytable *t, const uint8_t *key);
 uint64_t hpkv_keytable_len(const hpkv_keytable *t);
 /* keys: n consecutive 16-byte keys. Writes the value of each leading present key
  * into out[i] and returns how many leading keys are present. */
-uint64_t hpkv_keytable_prefix(const hpkv_keytable *t, const uint8_t *keys, uint64_t n, uint8_t *out);
+uint64_t hpkv_keytable_prefix(const hpkv_keytable *t, const uint8_t *keys, uint64_t n,
+                              uint8_t *out);
 
 #endif

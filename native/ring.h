@@ -18,10 +18,10 @@
 
 enum hpkv_desc_kind {
     HPKV_DESC_NONE = 0,
-    HPKV_DESC_COPY_SAVE = 1,  /* device blocks -> pool slots */
-    HPKV_DESC_COPY_LOAD = 2,  /* pool slots -> device blocks */
-    HPKV_DESC_SPILL = 3,      /* pool slot -> KV file */
-    HPKV_DESC_PROMOTE = 4,    /* KV file -> pool slot */
+    HPKV_DESC_COPY_SAVE = 1, /* device blocks -> pool slots */
+    HPKV_DESC_COPY_LOAD = 2, /* pool slots -> device blocks */
+    HPKV_DESC_SPILL = 3,     /* pool slot -> KV file */
+    HPKV_DESC_PROMOTE = 4,   /* KV file -> pool slot */
     HPKV_DESC_LOOKUP = 5,
     HPKV_DESC_RESERVE = 6,
     HPKV_DESC_COMMIT = 7,
@@ -35,11 +35,11 @@ enum hpkv_desc_kind {
 };
 
 typedef struct hpkv_desc {
-    uint16_t kind;     /* enum hpkv_desc_kind */
+    uint16_t kind; /* enum hpkv_desc_kind */
     uint16_t flags;
-    int32_t  status;   /* 0 ok, <0 -errno or hpkv error code */
-    uint64_t seq;      /* request sequence number, echoed in the completion */
-    uint64_t arg[6];   /* kind-specific */
+    int32_t status;  /* 0 ok, <0 -errno or hpkv error code */
+    uint64_t seq;    /* request sequence number, echoed in the completion */
+    uint64_t arg[6]; /* kind-specific */
 } hpkv_desc;
 
 _Static_assert(sizeof(hpkv_desc) == 64, "hpkv_desc must be exactly 64 bytes");
@@ -69,13 +69,13 @@ enum hpkv_ring_err {
  * (hpkv.protocol.errors.Status mirrors it). */
 enum hpkv_status {
     HPKV_OK = 0,
-    HPKV_E_NO_NAMESPACE = -2001,   /* namespace not attached */
-    HPKV_E_TOO_MANY_KEYS = -2002,  /* the keys or their answer do not fit the mailbox */
+    HPKV_E_NO_NAMESPACE = -2001,  /* namespace not attached */
+    HPKV_E_TOO_MANY_KEYS = -2002, /* the keys or their answer do not fit the mailbox */
     HPKV_E_BAD_REQUEST = -2003,
-    HPKV_E_WORKER_DIED = -2004,    /* the worker died during the job */
-    HPKV_E_CORRUPT = -2005,        /* a KV file failed its header/length/checksum check (quarantined) */
-    HPKV_E_NOT_OWNER = -2006,      /* commit/abort of a reservation another client made */
-    HPKV_E_INTERNAL = -2007        /* the server failed inside the call (logged there); it keeps serving */
+    HPKV_E_WORKER_DIED = -2004, /* the worker died during the job */
+    HPKV_E_CORRUPT = -2005,   /* a KV file failed its header/length/checksum check (quarantined) */
+    HPKV_E_NOT_OWNER = -2006, /* commit/abort of a reservation another client made */
+    HPKV_E_INTERNAL = -2007 /* the server failed inside the call (logged there); it keeps serving */
 };
 
 /* Results of hpkv_shm_probe() on an existing file's header bytes. */

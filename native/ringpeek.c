@@ -59,9 +59,11 @@ _Static_assert(offsetof(struct peek_ring_hdr, capacity) == 40, "ring header v1: 
 _Static_assert(offsetof(struct peek_ring_hdr, tail) == 256, "ring header v1: tail at 256");
 _Static_assert(offsetof(struct peek_ring_hdr, head) == 384, "ring header v1: head at 384");
 
-static int peek_counts(const char *path, uint64_t *tail_out, uint64_t *head_out, uint32_t *capacity);
+static int peek_counts(const char *path, uint64_t *tail_out, uint64_t *head_out,
+                       uint32_t *capacity);
 
-int hpkv_ring_peek(const char *path, uint64_t *depth, uint32_t *capacity) {
+int hpkv_ring_peek(const char *path, uint64_t *depth, uint32_t *capacity)
+{
     uint64_t head = 0, tail = 0;
     int rc = peek_counts(path, &tail, &head, capacity);
     if (rc == 0) {
@@ -71,14 +73,17 @@ int hpkv_ring_peek(const char *path, uint64_t *depth, uint32_t *capacity) {
     return rc;
 }
 
-int hpkv_ring_peek_counts(const char *path, uint64_t *pushed, uint64_t *popped) {
+int hpkv_ring_peek_counts(const char *path, uint64_t *pushed, uint64_t *popped)
+{
     uint32_t cap = 0;
     return peek_counts(path, pushed, popped, &cap);
 }
 
-static int peek_counts(const char *path, uint64_t *tail_out, uint64_t *head_out, uint32_t *capacity) {
+static int peek_counts(const char *path, uint64_t *tail_out, uint64_t *head_out, uint32_t *capacity)
+{
     int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return -errno;
+    if (fd < 0)
+        return -errno;
     struct stat st;
     if (fstat(fd, &st) != 0) {
         int rc = -errno;
@@ -93,7 +98,8 @@ static int peek_counts(const char *path, uint64_t *tail_out, uint64_t *head_out,
     void *p = mmap(NULL, PEEK_HDR_SIZE, PROT_READ, MAP_SHARED, fd, 0);
     int rc = p == MAP_FAILED ? -errno : 0;
     close(fd);
-    if (rc) return rc;
+    if (rc)
+        return rc;
     const struct peek_ring_hdr *h = p;
     if (h->pre.magic != PEEK_RING_MAGIC) {
         rc = HPKV_RING_EBADFILE;
@@ -104,8 +110,10 @@ static int peek_counts(const char *path, uint64_t *tail_out, uint64_t *head_out,
         rc = HPKV_RING_EBADFILE;
     } else {
         /* ACQUIRE, head first (as hpkv_ring_depth): tail read later is >= that head. */
-        uint64_t head = atomic_load_explicit(&((struct peek_ring_hdr *)h)->head, memory_order_acquire);
-        uint64_t tail = atomic_load_explicit(&((struct peek_ring_hdr *)h)->tail, memory_order_acquire);
+        uint64_t head =
+            atomic_load_explicit(&((struct peek_ring_hdr *)h)->head, memory_order_acquire);
+        uint64_t tail =
+            atomic_load_explicit(&((struct peek_ring_hdr *)h)->tail, memory_order_acquire);
         *tail_out = tail;
         *head_out = head;
         *capacity = h->capacity;

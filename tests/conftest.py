@@ -34,9 +34,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
 
 
 def _test_failed(item: pytest.Item) -> bool:
-    return any(
-        getattr(getattr(item, f"rep_{when}", None), "failed", False) for when in ("setup", "call")
-    )
+    return any(getattr(getattr(item, f"rep_{when}", None), "failed", False) for when in ("setup", "call"))
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """CRC32C (native/checksum.c via hpkv.io_workers.checksum): known vectors, a pure-Python
 reference, the hardware path against the table path across the 3-way chunk boundaries,
 and the crc32c / google-crc32c packages when installed."""
+
 from __future__ import annotations
 
 import mmap
@@ -10,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpkv.io_workers.checksum import crc32c
 from hpkv.common.native import ffi, lib
+from hpkv.io_workers.checksum import crc32c
 
 _TABLE = []
 for _n in range(256):
@@ -64,8 +65,24 @@ def test_hw_equals_table_across_chunk_boundaries() -> None:
     # lengths around the 3x256 and 3x8192 parallel chunks, at every alignment mod 8
     rng = np.random.default_rng(0)
     buf = rng.integers(0, 256, 3 * 8192 * 3 + 64, dtype=np.uint8)
-    lengths = {0, 1, 7, 8, 9, 767, 768, 769, 775, 1536, 24575, 24576, 24577, 24583,
-               2 * 24576 + 768 + 5, len(buf) - 8}
+    lengths = {
+        0,
+        1,
+        7,
+        8,
+        9,
+        767,
+        768,
+        769,
+        775,
+        1536,
+        24575,
+        24576,
+        24577,
+        24583,
+        2 * 24576 + 768 + 5,
+        len(buf) - 8,
+    }
     for off in range(8):
         for n in lengths:
             view = buf[off : off + n]

@@ -1,4 +1,5 @@
 """Configuration: lookup order, ini forms, parsing and the runtime checks."""
+
 from __future__ import annotations
 
 import json
@@ -76,7 +77,10 @@ def test_default_config_file_is_in_home(tmp_path):
 
 
 def test_bare_lines_and_section_both_work(tmp_path, env):
-    write(tmp_path / "config.ini", "HPKV_KV_MEM_POOL_SIZE = 1g\n; comment\n[hpkv]\nVLLM_HPKV_TOKEN_THRESHOLD=64\n")
+    write(
+        tmp_path / "config.ini",
+        "HPKV_KV_MEM_POOL_SIZE = 1g\n; comment\n[hpkv]\nVLLM_HPKV_TOKEN_THRESHOLD=64\n",
+    )
     cfg = load_config(env=env)
     assert cfg.pool_size == 1 << 30
     assert cfg["VLLM_HPKV_TOKEN_THRESHOLD"] == 64
@@ -91,16 +95,19 @@ def test_other_sections_are_ignored_with_a_warning(tmp_path, env):
 
 
 def test_inline_comments_quotes_and_export(tmp_path, env):
-    write(tmp_path / "config.ini",
-          'export HPKV_KV_STORAGE_PATH="/data/run#1"   # where files go\n'
-          "HPKV_KV_MEM_POOL_SIZE=2g ; two gigs\n")
+    write(
+        tmp_path / "config.ini",
+        'export HPKV_KV_STORAGE_PATH="/data/run#1"   # where files go\nHPKV_KV_MEM_POOL_SIZE=2g ; two gigs\n',
+    )
     cfg = load_config(env=env)
     assert cfg.storage_path == "/data/run#1"
     assert cfg.pool_size == 2 << 30
 
 
 def test_paths_expand_tilde_and_vars(tmp_path, env):
-    write(tmp_path / "config.ini", "HPKV_KV_STORAGE_PATH=${MYDATA}/kv/$RUN\nHPKV_SHARE_MEM_FILE_PATH=~/pool\n")
+    write(
+        tmp_path / "config.ini", "HPKV_KV_STORAGE_PATH=${MYDATA}/kv/$RUN\nHPKV_SHARE_MEM_FILE_PATH=~/pool\n"
+    )
     cfg = load_config(env={**env, "HOME": "/home/op", "MYDATA": "/mnt/fast", "RUN": "r1"})
     assert cfg.storage_path == "/mnt/fast/kv/r1"
     assert cfg.pool_dir == "/home/op/pool"
@@ -161,11 +168,16 @@ def test_handed_over_configuration_keeps_every_value_and_source(tmp_path):
     parent_env = {"HPKV_CONFIG_FILE_PATH": cfg_file, "HOME": str(tmp_path), "HPKV_LOG_LEVEL": "debug"}
     parent = load_config(env=parent_env)
     # The child sees other variables and no config file at all: the hand-over alone decides.
-    child_env = {"HOME": str(tmp_path), "HPKV_LOG_LEVEL": "error", "HPKV_CONFIG_FILE_PATH": "/nonexistent",
-                 **parent.to_env()}
+    child_env = {
+        "HOME": str(tmp_path),
+        "HPKV_LOG_LEVEL": "error",
+        "HPKV_CONFIG_FILE_PATH": "/nonexistent",
+        **parent.to_env(),
+    }
     child = load_config(env=child_env)
-    assert {k: (s.value, str(s.source)) for k, s in child.settings.items()} == \
-        {k: (s.value, str(s.source)) for k, s in parent.settings.items()}
+    assert {k: (s.value, str(s.source)) for k, s in child.settings.items()} == {
+        k: (s.value, str(s.source)) for k, s in parent.settings.items()
+    }
     assert str(child.source("HPKV_KV_MEM_POOL_SIZE")) == f"{cfg_file}:3"
     assert str(child.source("HPKV_LOG_LEVEL")) == "environment"
     assert str(child.source("HPKV_KV_STORAGE_PATH")) == "default", "a default stays a default"
@@ -173,7 +185,7 @@ def test_handed_over_configuration_keeps_every_value_and_source(tmp_path):
 
 
 def test_without_a_config_file_the_hand_over_names_no_file_and_is_no_error(tmp_path):
-    parent = load_config(env={"HOME": str(tmp_path)})        # ~/.config/hpkv/config.ini does not exist
+    parent = load_config(env={"HOME": str(tmp_path)})  # ~/.config/hpkv/config.ini does not exist
     assert not parent.config_file_found
     assert C.CONFIG_FILE_ENV not in parent.to_env()
     child = load_config(env={"HOME": str(tmp_path), **parent.to_env()})
@@ -181,8 +193,13 @@ def test_without_a_config_file_the_hand_over_names_no_file_and_is_no_error(tmp_p
 
 
 def test_a_handed_over_bad_value_names_key_value_and_source(tmp_path):
-    bad = json.dumps({"config_file": "x", "found": False,
-                      "settings": {"HPKV_KV_MEM_POOL_SIZE": {"raw": "lots", "source": ["env", None, None]}}})
+    bad = json.dumps(
+        {
+            "config_file": "x",
+            "found": False,
+            "settings": {"HPKV_KV_MEM_POOL_SIZE": {"raw": "lots", "source": ["env", None, None]}},
+        }
+    )
     with pytest.raises(ConfigError, match=r"HPKV_KV_MEM_POOL_SIZE='lots' \(from environment\) is invalid"):
         load_config(env={C.RESOLVED_ENV: bad, "HOME": str(tmp_path)})
     with pytest.raises(ConfigError, match="not a configuration hpkv handed over"):
@@ -192,17 +209,29 @@ def test_a_handed_over_bad_value_names_key_value_and_source(tmp_path):
 def test_unknown_key_warns_with_nearest_known_key(tmp_path, env):
     write(tmp_path / "config.ini", "HPKV_KV_MEM_POOL_SIZ=1g\nHPKV_TOTALLY_NEW=1\n")
     cfg = load_config(env=env)
-    assert any(":1: unknown key HPKV_KV_MEM_POOL_SIZ; did you mean HPKV_KV_MEM_POOL_SIZE?" in w
-               for w in cfg.warnings)
+    assert any(
+        ":1: unknown key HPKV_KV_MEM_POOL_SIZ; did you mean HPKV_KV_MEM_POOL_SIZE?" in w for w in cfg.warnings
+    )
     assert any("HPKV_TOTALLY_NEW" in w and "did you mean" not in w for w in cfg.warnings)
 
 
 # ---------------------------------------------------------------- sizes
-@pytest.mark.parametrize("text,expected", [
-    ("4096", 4096), ("512m", 512 << 20), ("8g", 8 << 30), ("16G", 16 << 30),
-    ("1.5GiB", 3 << 29), ("2KB", 2048), ("1kib", 1024), (" 3 M ", 3 << 20), ("0", 0),
-    ("1t", 1 << 40), ("10b", 10),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("4096", 4096),
+        ("512m", 512 << 20),
+        ("8g", 8 << 30),
+        ("16G", 16 << 30),
+        ("1.5GiB", 3 << 29),
+        ("2KB", 2048),
+        ("1kib", 1024),
+        (" 3 M ", 3 << 20),
+        ("0", 0),
+        ("1t", 1 << 40),
+        ("10b", 10),
+    ],
+)
 def test_parse_size_examples(text, expected):
     assert parse_size(text) == expected
 
@@ -243,16 +272,26 @@ def cfg_with(env, tmp_path, **values):
 def test_pool_on_tmpfs_passes_and_on_disk_warns(tmp_path, env):
     shm = f"/dev/shm/hpkv-test-{os.getpid()}"
     try:
-        cfg = cfg_with(env, tmp_path, HPKV_SHARE_MEM_FILE_PATH=shm, HPKV_KV_MEM_POOL_SIZE="1m",
-                       HPKV_KV_STORAGE_PATH=str(tmp_path / "storage"))
+        cfg = cfg_with(
+            env,
+            tmp_path,
+            HPKV_SHARE_MEM_FILE_PATH=shm,
+            HPKV_KV_MEM_POOL_SIZE="1m",
+            HPKV_KV_STORAGE_PATH=str(tmp_path / "storage"),
+        )
         assert check_runtime(cfg) == []
         assert stat.S_IMODE(os.stat(shm).st_mode) == 0o700
     finally:
         os.rmdir(shm)
 
     assert C.filesystem_type(str(tmp_path)) not in C.RAM_FILESYSTEMS
-    cfg = cfg_with(env, tmp_path, HPKV_SHARE_MEM_FILE_PATH=str(tmp_path / "pool"),
-                   HPKV_KV_MEM_POOL_SIZE="1m", HPKV_KV_STORAGE_PATH="")
+    cfg = cfg_with(
+        env,
+        tmp_path,
+        HPKV_SHARE_MEM_FILE_PATH=str(tmp_path / "pool"),
+        HPKV_KV_MEM_POOL_SIZE="1m",
+        HPKV_KV_STORAGE_PATH="",
+    )
     warnings = check_runtime(cfg)
     assert len(warnings) == 1
     assert "not tmpfs or ramfs" in warnings[0] and str(tmp_path / "pool") in warnings[0]
@@ -261,15 +300,25 @@ def test_pool_on_tmpfs_passes_and_on_disk_warns(tmp_path, env):
 
 def test_ramfs_counts_as_memory(monkeypatch, tmp_path, env):
     monkeypatch.setattr(C, "filesystem_type", lambda path: "ramfs")
-    cfg = cfg_with(env, tmp_path, HPKV_SHARE_MEM_FILE_PATH=str(tmp_path / "pool"),
-                   HPKV_KV_MEM_POOL_SIZE="1m", HPKV_KV_STORAGE_PATH="")
+    cfg = cfg_with(
+        env,
+        tmp_path,
+        HPKV_SHARE_MEM_FILE_PATH=str(tmp_path / "pool"),
+        HPKV_KV_MEM_POOL_SIZE="1m",
+        HPKV_KV_STORAGE_PATH="",
+    )
     assert check_runtime(cfg) == []
 
 
 def test_storage_directory_is_created(tmp_path, env):
     storage = tmp_path / "a" / "b" / "storage"
-    cfg = cfg_with(env, tmp_path, HPKV_SHARE_MEM_FILE_PATH=str(tmp_path / "pool"),
-                   HPKV_KV_MEM_POOL_SIZE="1m", HPKV_KV_STORAGE_PATH=str(storage))
+    cfg = cfg_with(
+        env,
+        tmp_path,
+        HPKV_SHARE_MEM_FILE_PATH=str(tmp_path / "pool"),
+        HPKV_KV_MEM_POOL_SIZE="1m",
+        HPKV_KV_STORAGE_PATH=str(storage),
+    )
     check_runtime(cfg)
     assert storage.is_dir()
 
@@ -290,8 +339,13 @@ def unwritable_dir(tmp_path):
 
 
 def test_unwritable_storage_directory_names_path_and_problem(tmp_path, env, unwritable_dir):
-    cfg = cfg_with(env, tmp_path, HPKV_SHARE_MEM_FILE_PATH=str(tmp_path / "pool"),
-                   HPKV_KV_MEM_POOL_SIZE="1m", HPKV_KV_STORAGE_PATH=str(unwritable_dir))
+    cfg = cfg_with(
+        env,
+        tmp_path,
+        HPKV_SHARE_MEM_FILE_PATH=str(tmp_path / "pool"),
+        HPKV_KV_MEM_POOL_SIZE="1m",
+        HPKV_KV_STORAGE_PATH=str(unwritable_dir),
+    )
     with pytest.raises(ConfigError) as err:
         check_runtime(cfg)
     msg = str(err.value)
@@ -304,15 +358,25 @@ def test_unwritable_storage_directory_names_path_and_problem(tmp_path, env, unwr
 def test_storage_path_that_is_a_file(tmp_path, env):
     f = tmp_path / "file"
     f.write_text("x")
-    cfg = cfg_with(env, tmp_path, HPKV_SHARE_MEM_FILE_PATH=str(tmp_path / "pool"),
-                   HPKV_KV_MEM_POOL_SIZE="1m", HPKV_KV_STORAGE_PATH=str(f))
+    cfg = cfg_with(
+        env,
+        tmp_path,
+        HPKV_SHARE_MEM_FILE_PATH=str(tmp_path / "pool"),
+        HPKV_KV_MEM_POOL_SIZE="1m",
+        HPKV_KV_STORAGE_PATH=str(f),
+    )
     with pytest.raises(ConfigError, match="cannot create the directory"):
         check_runtime(cfg)
 
 
 def test_pool_larger_than_free_space_is_an_error_with_both_numbers(tmp_path, env):
-    cfg = cfg_with(env, tmp_path, HPKV_SHARE_MEM_FILE_PATH="/dev/shm/hpkv-too-big",
-                   HPKV_KV_MEM_POOL_SIZE="64t", HPKV_KV_STORAGE_PATH="")
+    cfg = cfg_with(
+        env,
+        tmp_path,
+        HPKV_SHARE_MEM_FILE_PATH="/dev/shm/hpkv-too-big",
+        HPKV_KV_MEM_POOL_SIZE="64t",
+        HPKV_KV_STORAGE_PATH="",
+    )
     free = C.free_bytes("/dev/shm")
     try:
         with pytest.raises(ConfigError) as err:
@@ -327,8 +391,13 @@ def test_pool_larger_than_free_space_is_an_error_with_both_numbers(tmp_path, env
 
 # ---------------------------------------------------------------- CLI
 def run_cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "hpkv", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "hpkv", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=60,
+    )
 
 
 def test_cli_config_json_has_value_and_source_per_key(tmp_path, env):
@@ -337,7 +406,11 @@ def test_cli_config_json_has_value_and_source_per_key(tmp_path, env):
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert set(data) == set(C.KEYS)
-    assert data["HPKV_KV_MEM_POOL_SIZE"] == {"value": 1 << 30, "source": f"{tmp_path}/config.ini:2", "raw": "1g"}
+    assert data["HPKV_KV_MEM_POOL_SIZE"] == {
+        "value": 1 << 30,
+        "source": f"{tmp_path}/config.ini:2",
+        "raw": "1g",
+    }
     assert data["VLLM_HPKV_TOKEN_THRESHOLD"]["value"] == 77
     assert data["VLLM_HPKV_TOKEN_THRESHOLD"]["source"] == "environment"
     assert data["HPKV_NUM_IO_WORKERS"]["source"] == "default"
@@ -347,7 +420,7 @@ def test_cli_config_table(tmp_path, env):
     write(tmp_path / "config.ini", "HPKV_KV_MEM_POOL_SIZE=1g\n")
     out = run_cli("config", env=env)
     assert out.returncode == 0
-    line = next(l for l in out.stdout.splitlines() if l.startswith("HPKV_KV_MEM_POOL_SIZE"))
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("HPKV_KV_MEM_POOL_SIZE"))
     assert "1g (1.0 GiB)" in line and f"{tmp_path}/config.ini:1" in line
 
 
@@ -364,3 +437,13 @@ def test_cli_version_and_usage_errors():
         out = run_cli(*bad)
         assert out.returncode == 2, bad
         assert "usage: hpkv" in out.stderr
+
+
+def test_the_token_threshold_takes_auto_and_names_the_form_when_wrong(tmp_path):
+    env = {"HOME": str(tmp_path)}
+    assert load_config(env={**env, "VLLM_HPKV_TOKEN_THRESHOLD": "auto"})["VLLM_HPKV_TOKEN_THRESHOLD"] is None
+    assert (
+        load_config(env={**env, "VLLM_HPKV_TOKEN_THRESHOLD": " AUTO "})["VLLM_HPKV_TOKEN_THRESHOLD"] is None
+    )
+    with pytest.raises(ConfigError, match=r"VLLM_HPKV_TOKEN_THRESHOLD.*'fast'.*an integer >= 0, or auto"):
+        load_config(env={**env, "VLLM_HPKV_TOKEN_THRESHOLD": "fast"})

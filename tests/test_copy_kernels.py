@@ -1,6 +1,7 @@
 """Batched block copy (native/copy.c via hpkv.engine.copy): byte-exact round trips for
 the three KV-cache layouts, both store paths (cached memcpy and streaming), error
 handling that copies nothing."""
+
 from __future__ import annotations
 
 import mmap
@@ -35,11 +36,11 @@ class Cache:
                 _random(rng, NB * page).view(np.float16).reshape(NB, 1, page // 2, 1) for _ in range(L)
             ]
             self.layout = BlockLayout.from_tensors(self.arrays)
-            self.page_of = lambda b, l: self.arrays[l][b].view(np.uint8).reshape(-1)
+            self.page_of = lambda b, ly: self.arrays[ly][b].view(np.uint8).reshape(-1)
         elif kind == "block_outermost":
             self.buf = _random(rng, NB * L * page)
             self.layout = BlockLayout.block_outermost(self.buf, L, NB, page)
-            self.page_of = lambda b, l: self.buf[(b * L + l) * page : (b * L + l + 1) * page]
+            self.page_of = lambda b, ly: self.buf[(b * L + ly) * page : (b * L + ly + 1) * page]
         elif kind == "padded":
             # pages padded to a stride that is not a multiple of 64, base off by 3 bytes:
             # exercises the head/tail handling of the streaming path
@@ -48,19 +49,22 @@ class Cache:
             self.views = [r[3:].reshape(NB, stride)[:, :page] for r in self.raw]
             self.layout = BlockLayout.from_tensors(self.views)
             assert self.layout.block_stride == stride
-            self.page_of = lambda b, l: self.views[l][b]
+            self.page_of = lambda b, ly: self.views[ly][b]
         else:
             raise AssertionError(kind)
 
     def snapshot(self) -> list[np.ndarray]:
-        src = {"per_layer": lambda: self.arrays, "block_outermost": lambda: [self.buf],
-               "padded": lambda: self.raw}[self.kind]()
+        src = {
+            "per_layer": lambda: self.arrays,
+            "block_outermost": lambda: [self.buf],
+            "padded": lambda: self.raw,
+        }[self.kind]()
         return [a.copy() for a in src]
 
     def fill(self, rng: np.random.Generator) -> None:
         for b in range(self.NB):
-            for l in range(self.L):
-                self.page_of(b, l)[...] = _random(rng, self.page)
+            for ly in range(self.L):
+                self.page_of(b, ly)[...] = _random(rng, self.page)
 
 
 @pytest.mark.parametrize("kind", ["per_layer", "block_outermost", "padded"])
@@ -81,8 +85,8 @@ def test_round_trip(kind: str, page: int, store_path: str) -> None:
 
     used = np.zeros(NS, bool)
     used[slots] = True
-    for b, s in zip(blocks, slots):
-        expect = np.concatenate([cache.page_of(b, l) for l in range(L)])
+    for b, s in zip(blocks, slots, strict=False):
+        expect = np.concatenate([cache.page_of(b, ly) for ly in range(L)])
         got = pool[s * slot_stride : s * slot_stride + cache.layout.slot_bytes]
         np.testing.assert_array_equal(got, expect)
     # slot padding and untouched slots keep their bytes
@@ -92,24 +96,26 @@ def test_round_trip(kind: str, page: int, store_path: str) -> None:
     np.testing.assert_array_equal(p2[~used], b2[~used])
 
     # Load into other blocks (a different permutation) after scrambling the cache.
-    saved = {int(b): pool[s * slot_stride : s * slot_stride + cache.layout.slot_bytes].copy()
-             for b, s in zip(blocks, slots)}
+    saved = {
+        int(b): pool[s * slot_stride : s * slot_stride + cache.layout.slot_bytes].copy()
+        for b, s in zip(blocks, slots, strict=False)
+    }
     cache.fill(rng)
     before = cache.snapshot()
     targets = rng.permutation(NB)[:n].astype(np.int64)
     order = rng.permutation(n)
     copier.load(targets, slots[order])
-    for t, src_block in zip(targets, blocks[order]):
-        got = np.concatenate([cache.page_of(t, l) for l in range(L)])
+    for t, src_block in zip(targets, blocks[order], strict=False):
+        got = np.concatenate([cache.page_of(t, ly) for ly in range(L)])
         np.testing.assert_array_equal(got, saved[int(src_block)])
     # blocks not targeted, and (padded layout) the padding between pages, are unchanged
     untouched = np.setdiff1d(np.arange(NB), targets)
     after = cache.snapshot()
     if kind == "padded":
-        for a, bf in zip(after, before):
+        for a, bf in zip(after, before, strict=False):
             pad = a[3:].reshape(NB, -1)[:, page:]
             np.testing.assert_array_equal(pad, bf[3:].reshape(NB, -1)[:, page:])
-    for a, bf in zip(after, before):
+    for a, bf in zip(after, before, strict=False):
         if kind == "per_layer":
             np.testing.assert_array_equal(a[untouched], bf[untouched])
         elif kind == "block_outermost":
@@ -157,7 +163,7 @@ def test_bad_index_copies_nothing(direction, bad_blocks, bad_slots, which, pos, 
     assert (err.which, err.position, err.value) == (which, pos, value)
     assert f"{which}[{pos}] = {value}" in str(err) and "nothing" in str(err)
     np.testing.assert_array_equal(pool, pool_before)
-    for a, b in zip(cache.snapshot(), dev_before):
+    for a, b in zip(cache.snapshot(), dev_before, strict=False):
         np.testing.assert_array_equal(a, b)
 
 
@@ -180,8 +186,9 @@ def test_pool_as_mmap_and_address() -> None:
     m = mmap.mmap(-1, 6 * sb)
     copier = BlockCopier(cache.layout, m, sb, 6)
     copier.save([5, 0], [0, 5])
-    np.testing.assert_array_equal(np.frombuffer(m, np.uint8, sb, 0), np.concatenate(
-        [cache.page_of(5, l) for l in range(4)]))
+    np.testing.assert_array_equal(
+        np.frombuffer(m, np.uint8, sb, 0), np.concatenate([cache.page_of(5, ly) for ly in range(4)])
+    )
     with pytest.raises(BufferError):  # the copier pins the mapping: no use-after-unmap
         m.close()
     del copier
@@ -189,8 +196,9 @@ def test_pool_as_mmap_and_address() -> None:
 
     pool = np.zeros(6 * sb, np.uint8)
     BlockCopier(cache.layout, pool.__array_interface__["data"][0], sb, 6).save([1], [2])
-    np.testing.assert_array_equal(pool[2 * sb : 3 * sb], np.concatenate(
-        [cache.page_of(1, l) for l in range(4)]))
+    np.testing.assert_array_equal(
+        pool[2 * sb : 3 * sb], np.concatenate([cache.page_of(1, ly) for ly in range(4)])
+    )
 
 
 def test_layout_validation() -> None:
@@ -232,13 +240,14 @@ def test_torch_tensors() -> None:
     L, NB = 2, 6
     # per layer [num_blocks, heads, block, 2*head], padded blocks via a strided view
     raw = [torch.randint(-128, 127, (NB, 2 * 16 * 32 + 32), dtype=torch.int8, generator=g) for _ in range(L)]
-    layers = [torch.as_strided(r.view(torch.bfloat16), (NB, 2, 16, 16), (r.shape[1] // 2, 256, 16, 1))
-              for r in raw]
+    layers = [
+        torch.as_strided(r.view(torch.bfloat16), (NB, 2, 16, 16), (r.shape[1] // 2, 256, 16, 1)) for r in raw
+    ]
     layout = BlockLayout.from_tensors(layers)
     assert (layout.page_bytes, layout.block_stride) == (1024, 1056)
     pool = torch.zeros(NB * layout.slot_bytes, dtype=torch.uint8)
     BlockCopier(layout, pool, layout.slot_bytes, NB).save([4, 1], [0, 3])
     p = pool.view(NB, L, 1024)
-    for l in range(L):
-        assert torch.equal(p[0, l], raw[l][4, :1024].view(torch.uint8))
-        assert torch.equal(p[3, l], raw[l][1, :1024].view(torch.uint8))
+    for ly in range(L):
+        assert torch.equal(p[0, ly], raw[ly][4, :1024].view(torch.uint8))
+        assert torch.equal(p[3, ly], raw[ly][1, :1024].view(torch.uint8))

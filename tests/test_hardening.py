@@ -2,6 +2,7 @@
 corrupts another's blocks. One section per defect of the issue, each with real
 ``hpkv serve`` processes (and, for the peer checks, a forked process of another uid).
 """
+
 from __future__ import annotations
 
 import json
@@ -15,11 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpkv.protocol import wire as P
 from hpkv.client.connection import HpkvError, connect
-from hpkv.protocol.keys import block_keys, namespace_fingerprint
-from hpkv.protocol.stats import StatsSegment, W
 from hpkv.io_workers import kvfile
+from hpkv.protocol import wire as P
+from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.testing.device import make_device
 from hpkv.testing.server import ServerProcess, assert_serves_correctly, private_env
 
@@ -74,19 +74,19 @@ def test_failing_hot_calls_are_answered_counted_and_the_server_keeps_serving(ser
         c.reserve(ns.ns_id, keys)
         errors0 = c.stats()["errors"]
         with pytest.raises(HpkvError, match="bad request"):
-            c._rpc(P.COMMIT, ns.ns_id, keys, a2=1 << 45)          # MemoryError on 022d572
+            c._rpc(P.COMMIT, ns.ns_id, keys, a2=1 << 45)  # MemoryError on 022d572
         with pytest.raises(HpkvError, match="bad request"):
-            c._rpc(P.COMMIT, ns.ns_id, keys, a2=1)                # rank outside the world
-        many = [bytes(16)] * P.MAX_KEYS_PER_CALL                 # answer 17 x 8 B a key: too big
+            c._rpc(P.COMMIT, ns.ns_id, keys, a2=1)  # rank outside the world
+        many = [bytes(16)] * P.MAX_KEYS_PER_CALL  # answer 17 x 8 B a key: too big
         with pytest.raises(HpkvError, match="too many keys"):
-            c._rpc(P.PIN, wide.ns_id, many)                        # ValueError on 022d572
+            c._rpc(P.PIN, wide.ns_id, many)  # ValueError on 022d572
         with pytest.raises(HpkvError, match="too many keys"):
             c._rpc(P.RESERVE, wide.ns_id, many)
         assert P.max_keys_per_call(17) * 17 * 8 <= P.MAILBOX_HALF
         # the client library splits such a call for an honest TP-17 engine
         assert c.pin(wide.ns_id, many).shape == (P.MAX_KEYS_PER_CALL, 17)
         with pytest.raises(HpkvError, match="bad request"):
-            c._rpc(99, ns.ns_id, keys)                            # unknown kind
+            c._rpc(99, ns.ns_id, keys)  # unknown kind
         with pytest.raises(HpkvError, match="namespace not attached"):
             c._rpc(P.PIN, 1 << 63, keys)
         assert c.stats()["errors"] == errors0 + 6, "every failed call is counted"
@@ -95,14 +95,14 @@ def test_failing_hot_calls_are_answered_counted_and_the_server_keeps_serving(ser
 
 
 # ------------------------------------------------------------------ 2. fingerprints
-@pytest.mark.parametrize("fp", ["../../../../tmp/x", FP.upper(), FP[:-1], FP + "0", "", 12, None,
-                                FP[:-2] + "/."])
-def test_a_fingerprint_that_is_not_32_lowercase_hex_is_refused_every_time_and_leaves_nothing(
-        tmp_path, fp):
+@pytest.mark.parametrize(
+    "fp", ["../../../../tmp/x", FP.upper(), FP[:-1], FP + "0", "", 12, None, FP[:-2] + "/."]
+)
+def test_a_fingerprint_that_is_not_32_lowercase_hex_is_refused_every_time_and_leaves_nothing(tmp_path, fp):
     storage = tmp_path / "storage"
     env = private_env(storage=str(storage))
     with ServerProcess(env) as srv, client_of(srv) as c:
-        for _ in range(2):       # 022d572 refused the traversal once, then accepted it
+        for _ in range(2):  # 022d572 refused the traversal once, then accepted it
             with pytest.raises(HpkvError, match="fingerprint"):
                 c.attach_namespace(fp, 1, 8192)
         st = c.stats()
@@ -116,6 +116,7 @@ def test_a_fingerprint_that_is_not_32_lowercase_hex_is_refused_every_time_and_le
 # ------------------------------------------------------------------ 3. the pool directory
 def _cleanup(env) -> None:
     import shutil
+
     shutil.rmtree(env["HPKV_SHARE_MEM_FILE_PATH"], ignore_errors=True)
     with __import__("contextlib").suppress(OSError):
         os.unlink(env["HPKV_CONFIG_FILE_PATH"])
@@ -137,7 +138,7 @@ def test_a_pool_directory_of_another_user_is_refused_with_what_to_do():
     os.mkdir(d)
     try:
         os.chmod(d, 0o777)
-        os.chown(d, NOBODY, NOBODY)            # created by another local user before us
+        os.chown(d, NOBODY, NOBODY)  # created by another local user before us
         msg = _serve_fails(env)
         assert f"{d} is owned by" in msg and "Have its owner (or root) remove it" in msg
         assert not (Path(d) / "pool").exists() and not (Path(d) / "server.sock").exists()
@@ -150,6 +151,7 @@ def test_a_pool_directory_of_another_user_is_refused_with_what_to_do():
 def _fake_server_in(d: str, env) -> None:
     """Another user's look-alike socket in their directory: the client must not say hello."""
     from hpkv.config import load_config
+
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(os.path.join(d, P.SOCKET_FILE))
     sock.listen(1)
@@ -189,7 +191,7 @@ def test_lock_and_log_files_are_never_opened_through_a_symlink(tmp_path, name):
                 srv.start()
         else:
             srv.start()
-            serves_correctly(srv)                   # no log file, but serving
+            serves_correctly(srv)  # no log file, but serving
         assert victim.read_text() == "precious\n", "the symlink's target was written"
     finally:
         srv.cleanup()
@@ -223,8 +225,14 @@ def _client_as(srv: ServerProcess, uid: int, gid: int) -> dict:
     state (its keeper thread does not survive the fork)."""
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-c", _CLIENT_AS, json.dumps(srv.env), str(uid), str(gid)],
-                         env=srv.env, capture_output=True, text=True, timeout=60)
+
+    out = subprocess.run(
+        [sys.executable, "-c", _CLIENT_AS, json.dumps(srv.env), str(uid), str(gid)],
+        env=srv.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -233,7 +241,7 @@ def _hello_as(srv: ServerProcess, uid: int, gid: int) -> dict:
     """Fork, become uid/gid, connect and say hello; the server's answer (or a closed connection)."""
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:   # child: only the socket module, then _exit
+    if pid == 0:  # child: only the socket module, then _exit
         try:
             os.close(r)
             os.setgroups([])
@@ -245,7 +253,7 @@ def _hello_as(srv: ServerProcess, uid: int, gid: int) -> dict:
             try:
                 s.sendall(json.dumps({"op": "hello", "pid": os.getpid()}).encode() + b"\n")
             except OSError:
-                pass          # a refused peer may be answered and closed before it speaks
+                pass  # a refused peer may be answered and closed before it speaks
             data = b""
             while not data.endswith(b"\n"):
                 chunk = s.recv(65536)
@@ -272,10 +280,10 @@ def test_socket_peers_of_another_uid_are_refused_unless_in_the_allowed_group(all
     group = 4242
     env = private_env(**({"HPKV_ALLOW_GROUP": str(group)} if allow else {}))
     with ServerProcess(env) as srv:
-        if allow:      # the server opened the directory and socket to the group, nothing more
+        if allow:  # the server opened the directory and socket to the group, nothing more
             assert stat.S_IMODE(os.stat(srv.pool_dir).st_mode) == 0o710
             assert os.stat(os.path.join(srv.pool_dir, P.SOCKET_FILE)).st_gid == group
-        else:          # let the other user reach the socket at all, so SO_PEERCRED is what refuses
+        else:  # let the other user reach the socket at all, so SO_PEERCRED is what refuses
             os.chmod(srv.pool_dir, 0o711)
             os.chmod(os.path.join(srv.pool_dir, P.SOCKET_FILE), 0o666)
         answer = _hello_as(srv, NOBODY, group)
@@ -294,7 +302,7 @@ def test_socket_peers_of_another_uid_are_refused_unless_in_the_allowed_group(all
 def test_kv_files_are_0600_and_directories_0700_whatever_the_umask(tmp_path):
     storage = tmp_path / "made-by-hpkv" / "storage"
     env = private_env(storage=str(storage))
-    old = os.umask(0)          # the server inherits umask 000
+    old = os.umask(0)  # the server inherits umask 000
     try:
         srv = ServerProcess(env).start()
     finally:
@@ -328,10 +336,10 @@ def test_a_pin_of_a_block_not_in_dram_pins_nothing_and_cannot_release_another_cl
         writer.reserve(ns.ns_id, [k])
         assert (other.pin(ns.ns_id, [k]) == -1).all(), "reserved, not loadable"
         writer.commit(ns.ns_id, [k])
-        assert (loader.pin(ns.ns_id, [k]) >= 0).all()            # the real pin
-        other.unpin(ns.ns_id, [k])                               # released loader's pin on 022d572
+        assert (loader.pin(ns.ns_id, [k]) >= 0).all()  # the real pin
+        other.unpin(ns.ns_id, [k])  # released loader's pin on 022d572
         assert other.stats()["pool"]["pinned_bytes"] == 8192
-        other.close()                                            # ... and so did a disconnect
+        other.close()  # ... and so did a disconnect
         time.sleep(0.3)
         assert writer.stats()["pool"]["pinned_bytes"] == 8192
         loader.unpin(ns.ns_id, [k])
@@ -343,7 +351,7 @@ def test_commit_or_abort_of_another_clients_reservation_is_refused(server):
     with client_of(server) as owner, client_of(server) as stranger, client_of(server) as rank0:
         ns = owner.attach_namespace(FP, 1, 8192)
         stranger.attach_namespace(FP, 1, 8192)
-        rank0.attach_namespace(FP, 1, 8192, rank=0)             # a writer of the namespace
+        rank0.attach_namespace(FP, 1, 8192, rank=0)  # a writer of the namespace
         keys = block_keys(FP, [b"r%d" % i for i in range(3)])
         owner.reserve(ns.ns_id, keys)
         with pytest.raises(HpkvError, match="belongs to another client"):
@@ -352,7 +360,7 @@ def test_commit_or_abort_of_another_clients_reservation_is_refused(server):
             stranger.abort(ns.ns_id, keys[1:2])
         assert owner.lookup(ns.ns_id, keys)[0] == 0
         assert owner.stats()["namespaces"][0]["blocks_reserved"] == 3
-        assert rank0.commit(ns.ns_id, keys[:1]) == 1             # the rank's worker commits
+        assert rank0.commit(ns.ns_id, keys[:1]) == 1  # the rank's worker commits
         assert owner.commit(ns.ns_id, keys[1:2]) == 1
         owner.abort(ns.ns_id, keys[2:])
         wait_for(lambda: owner.stats()["namespaces"][0]["blocks_reserved"] == 0, what="abort")
@@ -360,12 +368,15 @@ def test_commit_or_abort_of_another_clients_reservation_is_refused(server):
 
 
 def test_a_dead_owners_reservations_are_kept_until_the_copy_into_them_ended(tmp_path):
-    layers, blocks, page = 8, 32, 256 * 1024                    # 2 MiB blocks, 64 MiB a batch
+    layers, blocks, page = 8, 32, 256 * 1024  # 2 MiB blocks, 64 MiB a batch
     dev = make_device(tmp_path, layers, blocks, page)
     dev.fill_random(np.random.default_rng(3))
-    jobs = P.JOB_SLOTS                                          # 4 GiB of copies queued at once
-    with ServerProcess(private_env(pool_size="128m")) as srv, \
-            client_of(srv) as worker, client_of(srv) as newcomer:
+    jobs = P.JOB_SLOTS  # 4 GiB of copies queued at once
+    with (
+        ServerProcess(private_env(pool_size="128m")) as srv,
+        client_of(srv) as worker,
+        client_of(srv) as newcomer,
+    ):
         sched = client_of(srv)
         ns = sched.attach_namespace(FP, 1, layers * page)
         worker.attach_namespace(FP, 1, layers * page, rank=0)
@@ -376,7 +387,7 @@ def test_a_dead_owners_reservations_are_kept_until_the_copy_into_them_ended(tmp_
         assert (offsets >= 0).all()
         blk = np.arange(blocks)
         tickets = [t for _ in range(jobs) for t in handle.submit(P.COPY_SAVE, blk, offsets)]
-        sched.close()       # the scheduler goes away while its worker still copies (the forced order)
+        sched.close()  # the scheduler goes away while its worker still copies (the forced order)
         wait_for(lambda: len(worker.stats()["clients"]) == 2, what="the scheduler's drop")
         # Its slots must not be handed out while the copy into them may run.
         mine = newcomer.reserve(ns.ns_id, block_keys(FP, [b"n%d" % i for i in range(2 * blocks)]))[:, 0]
@@ -388,8 +399,11 @@ def test_a_dead_owners_reservations_are_kept_until_the_copy_into_them_ended(tmp_
         assert done_then < jobs, "the copies ended before the check: the test proved nothing"
         assert worker.commit(ns.ns_id, keys) == 0, "a released reservation is not committed"
         assert worker.lookup(ns.ns_id, keys)[0] == 0
-        wait_for(lambda: worker.stats()["pool"]["used_bytes"] == blocks * layers * page, timeout=15,
-                 what="the dead owner's slots freed after the copies ended")
+        wait_for(
+            lambda: worker.stats()["pool"]["used_bytes"] == blocks * layers * page,
+            timeout=15,
+            what="the dead owner's slots freed after the copies ended",
+        )
 
 
 # ------------------------------------------------------------------ 7. stalled clients
@@ -399,9 +413,9 @@ def test_a_client_that_never_reads_is_dropped_and_never_blocks_the_others(server
     hog.connect(os.path.join(server.pool_dir, P.SOCKET_FILE))
     hog.settimeout(30)
     try:
-        hog.sendall(b'{"op": "stats"}\n' * 8000)             # ~12 MB of replies it never reads
+        hog.sendall(b'{"op": "stats"}\n' * 8000)  # ~12 MB of replies it never reads
         t0 = time.monotonic()
-        with client_of(server) as c:                         # 022d572: blocked in sendall forever
+        with client_of(server) as c:  # 022d572: blocked in sendall forever
             assert c.stats()["clients"]
         assert time.monotonic() - t0 < 10
         wait_for(lambda: "does not read its control replies" in server.log(), what="the drop log line")
@@ -417,7 +431,7 @@ def test_an_endless_control_line_is_capped_and_the_client_dropped(server):
     chunk = b"x" * 65536
     t0 = time.monotonic()
     try:
-        for _ in range(64):                               # 4 MiB, no newline
+        for _ in range(64):  # 4 MiB, no newline
             s.sendall(chunk)
     except (BrokenPipeError, ConnectionResetError):
         pass
@@ -432,23 +446,40 @@ def test_an_endless_control_line_is_capped_and_the_client_dropped(server):
 
 
 # ------------------------------------------------------------------ 8. device registration
-@pytest.mark.parametrize("bad,match", [
-    ({"regions": [{"path": "REGION", "size": 1 << 30}]}, "the file's real size"),
-    ({"layer_bases": [[0, 4096 * 15]] * 4}, "reaches past the region"),
-    ({"layer_bases": [[7, 0]] * 4}, "reaches past the region"),
-    ({"layer_bases": [[0, -4096]] * 4}, "reaches past the region"),
-    ({"num_blocks": 10 ** 6}, "reaches past the region"),
-    ({"page_bytes": 8192}, "page_bytes"),
-    ({"layer_bases": [[0, 0]] * 8}, "do not fit the namespace's"),
-    ({"regions": [{"path": "/dev/zero"}]}, "not a regular file"),
-    ({"block_stride": "4096"}, "block_stride"),
-], ids=["size", "offset", "region-index", "negative", "num-blocks", "page>stride", "too-many-layers",
-        "not-a-file", "type"])
-def test_a_device_layout_outside_its_regions_is_refused_before_any_worker_starts(server, tmp_path, bad, match):
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ({"regions": [{"path": "REGION", "size": 1 << 30}]}, "the file's real size"),
+        ({"layer_bases": [[0, 4096 * 15]] * 4}, "reaches past the region"),
+        ({"layer_bases": [[7, 0]] * 4}, "reaches past the region"),
+        ({"layer_bases": [[0, -4096]] * 4}, "reaches past the region"),
+        ({"num_blocks": 10**6}, "reaches past the region"),
+        ({"page_bytes": 8192}, "page_bytes"),
+        ({"layer_bases": [[0, 0]] * 8}, "do not fit the namespace's"),
+        ({"regions": [{"path": "/dev/zero"}]}, "not a regular file"),
+        ({"block_stride": "4096"}, "block_stride"),
+    ],
+    ids=[
+        "size",
+        "offset",
+        "region-index",
+        "negative",
+        "num-blocks",
+        "page>stride",
+        "too-many-layers",
+        "not-a-file",
+        "type",
+    ],
+)
+def test_a_device_layout_outside_its_regions_is_refused_before_any_worker_starts(
+    server, tmp_path, bad, match
+):
     dev = make_device(tmp_path, layers=4, blocks=16, page=4096)
     spec = {**dev.spec, **bad}
-    spec["regions"] = [dict(r, path=dev.spec["regions"][0]["path"]) if r.get("path") == "REGION" else r
-                       for r in spec["regions"]]
+    spec["regions"] = [
+        dict(r, path=dev.spec["regions"][0]["path"]) if r.get("path") == "REGION" else r
+        for r in spec["regions"]
+    ]
     with client_of(server) as c:
         ns = c.attach_namespace(FP, 1, 4 * 4096)
         with pytest.raises(HpkvError, match=match):
@@ -462,10 +493,11 @@ def test_a_worker_that_keeps_failing_is_restarted_with_back_off_and_reported(ser
     with client_of(server) as c:
         ns = c.attach_namespace(FP, 1, 4 * 4096)
         c.register_device(ns.ns_id, rank=0, **dev.spec)
-        (w,) = wait_for(lambda: [w for w in c.stats()["workers"] if w["state"] == "running"],
-                        what="worker running")
+        (w,) = wait_for(
+            lambda: [w for w in c.stats()["workers"] if w["state"] == "running"], what="worker running"
+        )
         for r in dev.spec["regions"]:
-            os.unlink(r["path"])          # every restart now fails at start-up (region missing)
+            os.unlink(r["path"])  # every restart now fails at start-up (region missing)
         os.kill(w["pid"], signal.SIGKILL)
         seen = set()
         t0 = time.monotonic()
@@ -475,9 +507,17 @@ def test_a_worker_that_keeps_failing_is_restarted_with_back_off_and_reported(ser
         (w,) = c.stats()["workers"]
         assert "backoff" in seen, seen
         assert 1 <= w["restarts"] <= 6, f"{w['restarts']} restarts in 6 s (022d572: one per 0.2 s)"
-        out = json.loads(__import__("subprocess").run(
-            [__import__("sys").executable, "-m", "hpkv", "status", "--json"], env=server.env,
-            capture_output=True, text=True, timeout=60).stdout)
+        out = json.loads(
+            __import__("subprocess")
+            .run(
+                [__import__("sys").executable, "-m", "hpkv", "status", "--json"],
+                env=server.env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            .stdout
+        )
         assert out["workers"][0]["restarts"] == w["restarts"] or out["workers"][0]["restarts"] >= 1
         assert "next start in" in server.log()
     serves_correctly(server)
@@ -501,17 +541,17 @@ def test_a_second_hello_on_one_connection_is_refused_and_leaks_nothing(server):
         wait_for(lambda: len(c.stats()["clients"]) == 1, what="the raw client dropped")
 
 
-@pytest.mark.parametrize("pid", [0, -1, 1 << 40, 2 ** 64, "1", True, 1.5, None])
+@pytest.mark.parametrize("pid", [0, -1, 1 << 40, 2**64, "1", True, 1.5, None])
 def test_a_hello_with_a_pid_no_process_can_have_is_refused(server, pid):
     raw = Raw(server)
     try:
         msg = {"op": "hello"} if pid is None else {"op": "hello", "pid": pid}
         answer = raw.call(msg)
-        if pid is None:      # no pid given: the socket's peer pid is used
+        if pid is None:  # no pid given: the socket's peer pid is used
             assert answer["ok"]
         else:
             assert not answer["ok"] and "is not a process id" in answer["error"]
-        time.sleep(0.5)      # a supervisor round with whatever was registered
+        time.sleep(0.5)  # a supervisor round with whatever was registered
     finally:
         raw.close()
     serves_correctly(server)
@@ -551,11 +591,15 @@ def test_leases_release_a_hung_clients_pins_and_reservations():
         s = hung.stats()
         assert s["pool"]["pinned_bytes"] == 2 * 8192 and s["namespaces"][0]["blocks_reserved"] == 2
         # the client stays connected but does nothing (a hung engine)
-        wait_for(lambda: (lambda s: s["pool"]["pinned_bytes"] == 0
-                          and s["namespaces"][0]["blocks_reserved"] == 0)(hung.stats()),
-                 timeout=15, what="leases expired")
+        wait_for(
+            lambda: (lambda s: s["pool"]["pinned_bytes"] == 0 and s["namespaces"][0]["blocks_reserved"] == 0)(
+                hung.stats()
+            ),
+            timeout=15,
+            what="leases expired",
+        )
         assert hung.stats()["pool"]["used_bytes"] == 2 * 8192, "only the READY blocks hold slots"
-        hung.unpin(ns.ns_id, keys[:2])                    # late unpin: harmless
+        hung.unpin(ns.ns_id, keys[:2])  # late unpin: harmless
         assert hung.stats()["pool"]["pinned_bytes"] == 0
         assert "HPKV_LEASE_S=1s: released" in srv.log()
 
@@ -587,7 +631,7 @@ def test_a_kv_file_deleted_from_outside_is_no_longer_reported_as_a_hit(tmp_path)
         wait_for(lambda: c.stats()["storage"]["spills"] >= 5, timeout=60, what="spills")
         assert c.clear(ns.ns_id) == 5
         assert c.lookup(ns.ns_id, keys) == (5, [2] * 5)
-        time.sleep(2.1)                      # past the verification's memo
+        time.sleep(2.1)  # past the verification's memo
         os.unlink(kvfile.file_path(str(tmp_path / "st"), FP, keys[2], 0))
         assert c.lookup(ns.ns_id, keys) == (2, [2, 2]), "022d572: still 5 until a promote failed"
         assert c.stats()["storage"]["files"] == 4
@@ -595,6 +639,7 @@ def test_a_kv_file_deleted_from_outside_is_no_longer_reported_as_a_hit(tmp_path)
 
 def test_the_quarantine_is_bounded_by_count_and_age(tmp_path):
     from hpkv.io_workers.tier import QUARANTINE_MAX_FILES
+
     storage = tmp_path / "st"
     q = storage / kvfile.QUARANTINE_DIR
     q.mkdir(parents=True)

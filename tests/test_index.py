@@ -1,4 +1,5 @@
 """The server's index and pool allocator, in process."""
+
 from __future__ import annotations
 
 import random
@@ -6,9 +7,9 @@ import random
 import pytest
 
 from hpkv.engine.index import Index, Namespace, PoolAllocator, State
+from hpkv.protocol.keys import block_key, block_keys, namespace_fingerprint
 from hpkv.protocol.stats import NsCounter
 from hpkv.protocol.wire import Tier
-from hpkv.protocol.keys import block_key, block_keys, namespace_fingerprint
 
 FP = namespace_fingerprint({"model": "m"})
 SLOT = 64 * 1024
@@ -87,8 +88,9 @@ def test_eviction_takes_least_recently_used_first():
     idx, ns = make(capacity_slots=3)
     a, b, c, d = block_keys(FP, [b"a", b"b", b"c", b"d"])
     put(idx, [a, b, c])
-    idx.pin([a]); idx.unpin([a])   # a becomes most recently used
-    put(idx, [d])                  # evicts b, the least recently used
+    idx.pin([a])
+    idx.unpin([a])  # a becomes most recently used
+    put(idx, [d])  # evicts b, the least recently used
     assert idx.lookup([b])[0] == 0
     assert [idx.lookup([k])[0] for k in (a, c, d)] == [1, 1, 1]
     assert ns.counters[NsCounter.EVICTIONS] == 1
@@ -137,10 +139,12 @@ def test_two_namespaces_share_one_pool():
     ks = block_keys(small.fingerprint, [b"1", b"2"])
     kb = block_keys(big.fingerprint, [b"1", b"2"])
     assert ks[0] != kb[0], "the same engine hash in two namespaces is two blocks"
-    s = idx.reserve(0, ks); idx.commit(0, ks, 0)
-    b = idx.reserve(1, kb); idx.commit(1, kb, 0)
+    s = idx.reserve(0, ks)
+    idx.commit(0, ks, 0)
+    b = idx.reserve(1, kb)
+    idx.commit(1, kb, 0)
     spans = sorted([(o, SLOT) for o in s[:, 0]] + [(o, 2 * SLOT) for o in b[:, 0]])
-    assert all(x[0] + x[1] <= y[0] for x, y in zip(spans, spans[1:]))
+    assert all(x[0] + x[1] <= y[0] for x, y in zip(spans, spans[1:], strict=False))
     assert idx.alloc.used == 6 * SLOT
     assert idx.lookup(ks)[0] == 2 and idx.lookup(kb)[0] == 2
     idx.clear_namespace(0)

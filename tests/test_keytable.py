@@ -1,4 +1,5 @@
 """The native key table behaves like the dict it replaces, at any size."""
+
 from __future__ import annotations
 
 import os
@@ -9,8 +10,9 @@ from hypothesis import strategies as st
 from hpkv.engine.keytable import KeyTable
 
 KEYS = [os.urandom(16) for _ in range(64)]
-ops = st.lists(st.tuples(st.sampled_from(["set", "pop", "get"]), st.integers(0, 63), st.integers(1, 2)),
-               max_size=400)
+ops = st.lists(
+    st.tuples(st.sampled_from(["set", "pop", "get"]), st.integers(0, 63), st.integers(1, 2)), max_size=400
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -39,7 +41,7 @@ def test_prefix_stops_at_the_first_missing_key_and_survives_growth():
     for k in keys[::2]:
         t.pop(k)
     for k in keys[::4]:
-        t[k] = 2                      # tombstones reused
+        t[k] = 2  # tombstones reused
     probe = keys[:8]
     n, tiers = t.lookup(probe)
     assert n == 2 and tiers == [2, 2]  # keys[0] set again, keys[1] kept, keys[2] removed

@@ -1,4 +1,5 @@
 """The Prometheus endpoint of the server: names, types and values against traffic the test caused."""
+
 from __future__ import annotations
 
 import re
@@ -12,11 +13,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hpkv.client.connection import connect
-from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.monitor.metrics import families, namespace_labels
-from hpkv.testing.server import ServerProcess, private_env
-
+from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.testing.device import make_device
+from hpkv.testing.server import ServerProcess, private_env
 
 FP = namespace_fingerprint({"model": "metrics-test"})
 PAGE, LAYERS, BLOCK_TOKENS = 4096, 4, 16
@@ -91,7 +91,7 @@ def test_scrape_reports_the_traffic_the_test_caused(metrics_server, tmp_path):
     assert value(text, "hpkv_lookup_misses_total", **nsl) == 1
     assert value(text, "hpkv_lookups_total", **nsl) == 1
     assert value(text, "hpkv_committed_blocks_total", **nsl) == 5
-    assert value(text, "hpkv_requests_total") >= 4   # reserve, commit, lookup, pin
+    assert value(text, "hpkv_requests_total") >= 4  # reserve, commit, lookup, pin
 
     wl = {"worker": str(w["slot"]), "kind": "transfer"}
     assert value(text, "hpkv_worker_saved_bytes_total", **wl) == 5 * SLOT
@@ -145,8 +145,11 @@ def test_port_in_use_is_logged_with_the_key_and_the_server_runs_on():
             with connect(srv.cfg, spawn=False) as c:
                 assert c.attach_namespace(FP, 1, SLOT).ns_id == 0
             log = srv.log()
-            assert re.search(rf"ERROR hpkv.metrics.*cannot listen on 127\.0\.0\.1 port {port}.*"
-                             rf"HPKV_METRICS_PORT={port}", log), log
+            assert re.search(
+                rf"ERROR hpkv.metrics.*cannot listen on 127\.0\.0\.1 port {port}.*"
+                rf"HPKV_METRICS_PORT={port}",
+                log,
+            ), log
             assert srv.proc.poll() is None
         finally:
             srv.cleanup()
@@ -156,7 +159,9 @@ def test_metrics_are_off_by_default():
     srv = ServerProcess(private_env()).start()
     try:
         proc = psutil.Process(srv.proc.pid)
-        conns = proc.net_connections(kind="tcp") if hasattr(proc, "net_connections") else proc.connections("tcp")
+        conns = (
+            proc.net_connections(kind="tcp") if hasattr(proc, "net_connections") else proc.connections("tcp")
+        )
         assert conns == [], "no TCP socket without HPKV_METRICS_PORT"
         assert "Prometheus" not in srv.log()
     finally:
@@ -165,14 +170,38 @@ def test_metrics_are_off_by_default():
 
 # ------------------------------------------------------------------ families of a snapshot (no server)
 def _snapshot(**extra):
-    snap = {"server": {"pid": 1, "start_time": 1.0, "heartbeat_age_s": 0.1, "storage": "/nvme/kv"},
-            "pool": {"capacity_bytes": 100, "used_bytes": 10, "pinned_bytes": 0, "blocks": 1},
-            "requests": 7, "errors": 0, "worker_restarts": 0, "clients": [], "rings": [], "workers": [],
-            "namespaces": [{"id": i, "name": "llama", "fingerprint": fp, "block_tokens": 16, "world_size": 1,
-                            "blocks_dram": 1, "bytes_dram": 10, "blocks_pinned": 0, "blocks_storage": 0,
-                            "hits_dram": i + 1, "hits_storage": 0, "misses": 0, "lookups": 1, "evictions": 0,
-                            "reserve_failed": 0, "commits": 1, "blocks_reserved": 0}
-                           for i, fp in enumerate(["aaaaaaaa11", "bbbbbbbb22"])]}
+    snap = {
+        "server": {"pid": 1, "start_time": 1.0, "heartbeat_age_s": 0.1, "storage": "/nvme/kv"},
+        "pool": {"capacity_bytes": 100, "used_bytes": 10, "pinned_bytes": 0, "blocks": 1},
+        "requests": 7,
+        "errors": 0,
+        "worker_restarts": 0,
+        "clients": [],
+        "rings": [],
+        "workers": [],
+        "namespaces": [
+            {
+                "id": i,
+                "name": "llama",
+                "fingerprint": fp,
+                "block_tokens": 16,
+                "world_size": 1,
+                "blocks_dram": 1,
+                "bytes_dram": 10,
+                "blocks_pinned": 0,
+                "blocks_storage": 0,
+                "hits_dram": i + 1,
+                "hits_storage": 0,
+                "misses": 0,
+                "lookups": 1,
+                "evictions": 0,
+                "reserve_failed": 0,
+                "commits": 1,
+                "blocks_reserved": 0,
+            }
+            for i, fp in enumerate(["aaaaaaaa11", "bbbbbbbb22"])
+        ],
+    }
     snap.update(extra)
     return snap
 
@@ -197,10 +226,23 @@ def test_two_namespaces_with_one_name_get_distinct_labels():
 
 
 def test_storage_figures_are_exported_when_the_segment_has_them():
-    storage = {"path": "/nvme/kv", "files": 12, "bytes": 4096 * 12, "capacity_bytes": 1 << 30,
-               "free_bytes": 5 << 30, "o_direct": True, "o_direct_reason": None, "io_errors": 1, "quarantined": 2,
-               "spill_paused": False, "bytes_written": 777, "bytes_read": 555, "spills": 12, "promotes": 3,
-               "evicted_files": 4}
+    storage = {
+        "path": "/nvme/kv",
+        "files": 12,
+        "bytes": 4096 * 12,
+        "capacity_bytes": 1 << 30,
+        "free_bytes": 5 << 30,
+        "o_direct": True,
+        "o_direct_reason": None,
+        "io_errors": 1,
+        "quarantined": 2,
+        "spill_paused": False,
+        "bytes_written": 777,
+        "bytes_read": 555,
+        "spills": 12,
+        "promotes": 3,
+        "evicted_files": 4,
+    }
     text = _exposition(_snapshot(storage=storage))
     assert value(text, "hpkv_storage_enabled") == 1
     assert value(text, "hpkv_storage_files") == 12

@@ -55,13 +55,17 @@ def test_different_seed_gives_different_weights(tmp_path: Path, tiny_model: str)
 
 def test_default_dir_depends_on_seed_and_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HPKV_MODEL_CACHE", str(tmp_path))
-    a = generate_model(seed=0, num_layers=1, hidden_size=64, num_attention_heads=2, num_kv_heads=1,
-                       intermediate_size=64)
-    b = generate_model(seed=1, num_layers=1, hidden_size=64, num_attention_heads=2, num_kv_heads=1,
-                       intermediate_size=64)
+    a = generate_model(
+        seed=0, num_layers=1, hidden_size=64, num_attention_heads=2, num_kv_heads=1, intermediate_size=64
+    )
+    b = generate_model(
+        seed=1, num_layers=1, hidden_size=64, num_attention_heads=2, num_kv_heads=1, intermediate_size=64
+    )
     assert Path(a).parent == tmp_path and Path(a).name.startswith("qwen2-tiny-")
     assert a != b
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([Path(a).name, Path(b).name])  # no temp dirs left
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [Path(a).name, Path(b).name]
+    )  # no temp dirs left
 
 
 def test_existing_model_is_reused_quickly(tiny_model: str) -> None:
@@ -165,10 +169,29 @@ def test_transformers_loads_every_weight(tiny_model: str) -> None:
 def test_cli_prints_the_path(tmp_path: Path) -> None:
     out = tmp_path / "cli"
     res = subprocess.run(
-        [sys.executable, "-m", "hpkv.testing.model", "--out", str(out), "--seed", "3",
-         "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "2",
-         "--num-kv-heads", "1", "--intermediate-size", "64"],
-        capture_output=True, text=True, timeout=300, check=True,
+        [
+            sys.executable,
+            "-m",
+            "hpkv.testing.model",
+            "--out",
+            str(out),
+            "--seed",
+            "3",
+            "--num-layers",
+            "1",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "2",
+            "--num-kv-heads",
+            "1",
+            "--intermediate-size",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     )
     assert res.stdout.strip() == str(out)
     assert is_complete(out)

@@ -9,6 +9,7 @@ user stops it: Ctrl-C in its terminal (SIGINT to its process group), which makes
 vLLM SIGKILL every descendant of its engine; the auto-spawned hpkv server must
 survive that. hpkv's own counters (``hpkv status --json``) prove which tier served.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,13 +24,12 @@ import uuid
 import pytest
 import requests
 
-from hpkv.testing.vllm_server import SEED_KV_TRANSFER_CONFIG, hpkv_loads, hpkv_status
 from hpkv.testing.server import env_without_hpkv
-from hpkv.testing.vllm_server import VllmServer
+from hpkv.testing.vllm_server import SEED_KV_TRANSFER_CONFIG, VllmServer, hpkv_loads, hpkv_status
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
-PROMPT_TOKENS = 1400       # > the default threshold (1204 tokens) after whole blocks
+PROMPT_TOKENS = 1400  # > the default threshold (1204 tokens) after whole blocks
 
 
 def seed_prompt(letter: str) -> str:
@@ -61,6 +61,7 @@ def _kill_server_of(env: dict[str, str]) -> None:
         return
     if pid > 0:
         import psutil
+
         try:
             proc = psutil.Process(pid)
             for p in [*proc.children(recursive=True), proc]:
@@ -70,13 +71,20 @@ def _kill_server_of(env: dict[str, str]) -> None:
 
 
 def hpkv(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hpkv", *args], env=env, capture_output=True, text=True,
-                          timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "hpkv", *args], env=env, capture_output=True, text=True, timeout=180
+    )
 
 
 def start_vllm(model: str, env: dict[str, str], log_path, *extra: str) -> VllmServer:
-    srv = VllmServer(model, extra_args=["--kv-transfer-config", SEED_KV_TRANSFER_CONFIG, *extra], env=env, dev_mode=True,
-                     max_model_len=4096, log_path=log_path)
+    srv = VllmServer(
+        model,
+        extra_args=["--kv-transfer-config", SEED_KV_TRANSFER_CONFIG, *extra],
+        env=env,
+        dev_mode=True,
+        max_model_len=4096,
+        log_path=log_path,
+    )
     srv.start().wait_ready(timeout=600)
     return srv
 
@@ -115,12 +123,12 @@ def test_quick_start_default_config_ctrl_c_stop_and_restart(tiny_model, user_env
     letters = "AB"
     srv = start_vllm(tiny_model, env, tmp_path / "vllm.log")
     try:
-        cold = {L: ask(srv, L) for L in letters}                        # prefill; hpkv saves
+        cold = {L: ask(srv, L) for L in letters}  # prefill; hpkv saves
         hits = {L: hit_tokens(env, cold[L][1]) for L in letters}
         assert all(h >= 1204 for h in hits.values()), hits
-        assert {L: ask(srv, L)[0] for L in letters} == {L: cold[L][0] for L in letters}   # GPU hit
+        assert {L: ask(srv, L)[0] for L in letters} == {L: cold[L][0] for L in letters}  # GPU hit
 
-        reset_prefix_cache(srv)                                          # vLLM's cache only
+        reset_prefix_cache(srv)  # vLLM's cache only
         before = hpkv_loads(env)
         assert {L: ask(srv, L)[0] for L in letters} == {L: cold[L][0] for L in letters}
         assert delta(before, hpkv_loads(env)) == {"dram": sum(hits.values()), "storage": 0}
@@ -128,24 +136,26 @@ def test_quick_start_default_config_ctrl_c_stop_and_restart(tiny_model, user_env
         status = hpkv_status(env)
         server_pid = status["server"]["pid"]
         assert status["server"]["storage"] == os.path.join(env["HOME"], ".cache/hpkv/storage")
-        assert status["pool"]["capacity_bytes"] == 8 << 30                 # the default pool
+        assert status["pool"]["capacity_bytes"] == 8 << 30  # the default pool
 
-        assert srv.interrupt() is not None, "vLLM did not exit after Ctrl-C"   # vLLM's own shutdown
+        assert srv.interrupt() is not None, "vLLM did not exit after Ctrl-C"  # vLLM's own shutdown
         status = hpkv_status(env)
-        assert status is not None and status["server"]["pid"] == server_pid, \
+        assert status is not None and status["server"]["pid"] == server_pid, (
             "the hpkv server must outlive the engine that started it"
+        )
         assert_quiet_logs(srv, env)
 
-        stop = hpkv(env, "stop")                                         # writes pending spills first
+        stop = hpkv(env, "stop")  # writes pending spills first
         assert stop.returncode == 0, stop.stderr
         assert f"server {server_pid} stopped" in stop.stdout and "NOT written" not in stop.stdout, stop.stdout
         assert os.listdir(env["HPKV_SHARE_MEM_FILE_PATH"]) == ["server.log"]
 
-        srv = start_vllm(tiny_model, env, tmp_path / "vllm-restarted.log")   # a new hpkv, same storage
+        srv = start_vllm(tiny_model, env, tmp_path / "vllm-restarted.log")  # a new hpkv, same storage
         before = hpkv_loads(env)
         assert {L: ask(srv, L)[0] for L in letters} == {L: cold[L][0] for L in letters}
-        assert delta(before, hpkv_loads(env)) == {"dram": 0, "storage": sum(hits.values())}, \
+        assert delta(before, hpkv_loads(env)) == {"dram": 0, "storage": sum(hits.values())}, (
             "every prompt of the last phase is served from storage"
+        )
         assert hpkv_status(env)["server"]["pid"] != server_pid
         assert_quiet_logs(srv, env)
     finally:
@@ -153,7 +163,8 @@ def test_quick_start_default_config_ctrl_c_stop_and_restart(tiny_model, user_env
 
 
 def test_quick_start_tensor_parallel_2_survives_ctrl_c_and_serves_the_restarted_engine(
-        tiny_model, user_env, tmp_path):
+    tiny_model, user_env, tmp_path
+):
     env = {**user_env, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     tp = ("--tensor-parallel-size", "2")
     srv = start_vllm(tiny_model, env, tmp_path / "vllm.log", *tp)
@@ -172,17 +183,21 @@ def test_quick_start_tensor_parallel_2_survives_ctrl_c_and_serves_the_restarted_
         assert status["server"]["pid"] == server_pid, "the same hpkv server serves the restarted engine"
         before = hpkv_loads(env)
         assert ask(srv, "C")[0] == cold_text
-        assert delta(before, hpkv_loads(env)) == {"dram": hit, "storage": 0}, \
+        assert delta(before, hpkv_loads(env)) == {"dram": hit, "storage": 0}, (
             "the blocks saved before Ctrl-C are still in hpkv's DRAM pool"
+        )
         assert_quiet_logs(srv, env)
         assert srv.interrupt() is not None
 
-        deadline = time.monotonic() + 60          # both ranks' engines detach from hpkv
+        deadline = time.monotonic() + 60  # both ranks' engines detach from hpkv
         while hpkv_status(env)["clients"] and time.monotonic() < deadline:
             time.sleep(0.2)
         assert hpkv_status(env)["clients"] == []
         stop = hpkv(env, "stop")
-        assert stop.returncode == 0 and f"server {server_pid} stopped" in stop.stdout, (stop.stdout, stop.stderr)
+        assert stop.returncode == 0 and f"server {server_pid} stopped" in stop.stdout, (
+            stop.stdout,
+            stop.stderr,
+        )
         assert os.listdir(env["HPKV_SHARE_MEM_FILE_PATH"]) == ["server.log"]
     finally:
         srv.stop()

@@ -4,6 +4,7 @@ Every concurrent test runs its peer in a separate process (multiprocessing
 "spawn", so the child attaches by name like an unrelated process would); the
 ``procs`` fixture kills and joins every process a test started, pass or fail.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -23,15 +24,39 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hpkv.common.native import ffi, lib
-from hpkv.ring import (DESC_DTYPE, Desc, Doorbell, Kind, PeerClosed, PeerDead, Ring, RingBusy, RingError,
-                       RingExists, RingNotFound, RingTimeout, new_descs, set_death_notices)
+from hpkv.ring import (
+    DESC_DTYPE,
+    Desc,
+    Doorbell,
+    Kind,
+    PeerClosed,
+    PeerDead,
+    Ring,
+    RingBusy,
+    RingError,
+    RingExists,
+    RingNotFound,
+    RingTimeout,
+    new_descs,
+    set_death_notices,
+)
 
 CTX = mp.get_context("spawn")
-_MULT = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
-                  0xD6E8FEB86659FD93, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53], dtype=np.uint64)
+_MULT = np.array(
+    [
+        0x9E3779B97F4A7C15,
+        0xC2B2AE3D27D4EB4F,
+        0x165667B19E3779F9,
+        0xD6E8FEB86659FD93,
+        0xFF51AFD7ED558CCD,
+        0xC4CEB9FE1A85EC53,
+    ],
+    dtype=np.uint64,
+)
 
 
 # ---------------------------------------------------------------- fixtures and helpers
+
 
 @pytest.fixture
 def shm_dir():
@@ -85,6 +110,7 @@ def _spin_for(seconds: float) -> None:
 
 
 # ---------------------------------------------------------------- child process bodies
+
 
 def _child_stream_producer(directory, name, total, batch):
     ring = Ring.attach(directory, name, role="producer", wait=20)
@@ -234,6 +260,7 @@ def _child_bell_producer(directory, names, ack_name, n, seed):
 
 # ---------------------------------------------------------------- descriptor format
 
+
 def test_descriptor_is_64_bytes_and_numpy_view_matches_c():
     assert ffi.sizeof("hpkv_desc") == 64 == DESC_DTYPE.itemsize
     for name in ("kind", "flags", "status", "seq", "arg"):
@@ -243,8 +270,21 @@ def test_descriptor_is_64_bytes_and_numpy_view_matches_c():
 def test_kinds_come_from_the_native_enum():
     assert Kind.COPY_SAVE == lib.HPKV_DESC_COPY_SAVE
     assert Kind.SHUTDOWN == lib.HPKV_DESC_SHUTDOWN
-    expected = {"COPY_SAVE", "COPY_LOAD", "SPILL", "PROMOTE", "LOOKUP", "RESERVE", "COMMIT", "PIN",
-                "UNPIN", "CLEAR", "COMPLETION", "ERROR", "SHUTDOWN"}
+    expected = {
+        "COPY_SAVE",
+        "COPY_LOAD",
+        "SPILL",
+        "PROMOTE",
+        "LOOKUP",
+        "RESERVE",
+        "COMMIT",
+        "PIN",
+        "UNPIN",
+        "CLEAR",
+        "COMPLETION",
+        "ERROR",
+        "SHUTDOWN",
+    }
     assert expected <= set(Kind.__members__)
     assert len({int(k) for k in Kind}) == len(Kind)
 
@@ -297,6 +337,7 @@ def test_single_descriptor_calls_take_python_arguments_and_reject_bad_ones(shm_d
 
 # ---------------------------------------------------------------- throughput and order
 
+
 def test_ten_million_descriptors_keep_order_and_checksum(shm_dir, procs):
     total, batch = 10_000_000, 4096
     ring = Ring.create(shm_dir, "stream", 16384, role="consumer")
@@ -309,8 +350,11 @@ def test_ten_million_descriptors_keep_order_and_checksum(shm_dir, procs):
         assert n > 0, "producer stalled"
         _fill(expect, got, n)
         if not np.array_equal(out[:n].view(np.uint64), expect[:n].view(np.uint64)):
-            bad = int(np.nonzero(out["seq"][:n] != expect["seq"][:n])[0][0]) if \
-                (out["seq"][:n] != expect["seq"][:n]).any() else -1
+            bad = (
+                int(np.nonzero(out["seq"][:n] != expect["seq"][:n])[0][0])
+                if (out["seq"][:n] != expect["seq"][:n]).any()
+                else -1
+            )
             pytest.fail(f"descriptor mismatch in batch at seq {got} (first bad seq index {bad})")
         xsum ^= _checksum(out, n)
         got += n
@@ -378,6 +422,7 @@ def test_consumer_sees_empty_then_a_late_producer(shm_dir, procs):
 
 
 # ---------------------------------------------------------------- wake-ups
+
 
 def test_no_lost_wakeup_when_sleep_and_push_race(shm_dir, procs):
     """Both sides sleep at once (spin 0) and the push lands at random points of the
@@ -447,8 +492,10 @@ def test_signal_handler_exception_interrupts_a_blocking_pop(shm_dir):
     def handler(signum, frame):
         raise Alarm
 
-    with Ring.create(shm_dir, "sig", 8, role="consumer", slice_ms=60_000) as ring, \
-            Ring.attach(shm_dir, "sig", role="producer"):
+    with (
+        Ring.create(shm_dir, "sig", 8, role="consumer", slice_ms=60_000) as ring,
+        Ring.attach(shm_dir, "sig", role="producer"),
+    ):
         old = signal.signal(signal.SIGALRM, handler)
         try:
             signal.setitimer(signal.ITIMER_REAL, 0.1)
@@ -462,6 +509,7 @@ def test_signal_handler_exception_interrupts_a_blocking_pop(shm_dir):
 
 
 # ---------------------------------------------------------------- dead and closed peers
+
 
 def test_producer_killed_mid_stream_raises_peer_dead(shm_dir, procs):
     ring = Ring.create(shm_dir, "victim", 64, role="consumer")
@@ -609,9 +657,12 @@ def test_end_of_a_dead_consumer_can_be_taken_over(shm_dir, procs):
 
 
 def test_live_end_cannot_be_attached_twice(shm_dir):
-    with Ring.create(shm_dir, "solo", 8, role="producer"), Ring.attach(shm_dir, "solo"):
-        with pytest.raises(RingBusy, match=f"pid {os.getpid()}"):
-            Ring.attach(shm_dir, "solo", role="consumer")
+    with (
+        Ring.create(shm_dir, "solo", 8, role="producer"),
+        Ring.attach(shm_dir, "solo"),
+        pytest.raises(RingBusy, match=f"pid {os.getpid()}"),
+    ):
+        Ring.attach(shm_dir, "solo", role="consumer")
 
 
 def test_wrong_role_and_closed_ring_raise_clear_errors(shm_dir):
@@ -635,6 +686,7 @@ def test_wrong_role_and_closed_ring_raise_clear_errors(shm_dir):
 
 
 # ---------------------------------------------------------------- life cycle
+
 
 def test_attach_from_an_unrelated_process_started_later(shm_dir, procs):
     """The creator is one child; the consumer is a sibling started after it (not its child)."""
@@ -732,6 +784,7 @@ def test_proc_start_time_detects_pid_reuse():
 
 # ---------------------------------------------------------------- model-based (hypothesis)
 
+
 class RingModel(RuleBasedStateMachine):
     """Random push/pop/batch sequences must match a deque bounded at the capacity."""
 
@@ -794,11 +847,13 @@ class RingModel(RuleBasedStateMachine):
 
 
 TestRingModel = RingModel.TestCase
-TestRingModel.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
-                                  suppress_health_check=[HealthCheck.too_slow])
+TestRingModel.settings = settings(
+    max_examples=150, stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 # ---------------------------------------------------------------- benchmark
+
 
 def test_bench_ring_json_reports_every_measurement(shm_dir):
     """A short `hpkv bench ring --json` run: every key the issue names, plus both placements."""
@@ -806,17 +861,50 @@ def test_bench_ring_json_reports_every_measurement(shm_dir):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "hpkv", "bench", "ring", "--json", "--iters", "400",
-                          "--rounds", "2", "--descs", "20000", "--mpq-descs", "2000", "--dir", shm_dir],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hpkv",
+            "bench",
+            "ring",
+            "--json",
+            "--iters",
+            "400",
+            "--rounds",
+            "2",
+            "--descs",
+            "20000",
+            "--mpq-descs",
+            "2000",
+            "--dir",
+            shm_dir,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
-    for key in ("ring_rtt_busy_p50_us", "ring_rtt_sleep_p50_us", "sem_rtt_p50_us", "pipe_rtt_p50_us",
-                "mpq_rtt_p50_us", "ring_dps_batch1", "ring_dps_batch32", "mpq_dps",
-                "ring_rtt_sleep_same_cpu_p50_us", "sem_rtt_same_cpu_p50_us"):
+    for key in (
+        "ring_rtt_busy_p50_us",
+        "ring_rtt_sleep_p50_us",
+        "sem_rtt_p50_us",
+        "pipe_rtt_p50_us",
+        "mpq_rtt_p50_us",
+        "ring_dps_batch1",
+        "ring_dps_batch32",
+        "mpq_dps",
+        "ring_rtt_sleep_same_cpu_p50_us",
+        "sem_rtt_same_cpu_p50_us",
+    ):
         assert res[key] > 0, key
     assert res["ring_rtt_busy_p50_us"] <= res["ring_rtt_busy_p99_us"]
-    assert set(res["targets_met"]) >= {"ring_rtt_busy_p50_us", "ring_rtt_sleep_vs_sem", "ring_dps_batch32",
-                                       "ring_batch32_vs_mpq"}
+    assert set(res["targets_met"]) >= {
+        "ring_rtt_busy_p50_us",
+        "ring_rtt_sleep_vs_sem",
+        "ring_dps_batch32",
+        "ring_batch32_vs_mpq",
+    }
     assert "same_cpu" in res["placements"]
     assert os.listdir(shm_dir) == [], "the benchmark leaves no ring files behind"

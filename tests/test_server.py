@@ -1,4 +1,5 @@
 """The hpkv server as real processes: single instance, auto-spawn, protocol, transfer workers, clean-up."""
+
 from __future__ import annotations
 
 import json
@@ -14,12 +15,12 @@ import numpy as np
 import psutil
 import pytest
 
+from hpkv.client.connection import HpkvUnavailable, connect
+from hpkv.common.pool import PoolFile
 from hpkv.config import load_config
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status
-from hpkv.client.connection import HpkvUnavailable, connect
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
-from hpkv.common.pool import PoolFile
 from hpkv.protocol.stats import StatsSegment, W, WorkerState
 from hpkv.testing.device import make_device
 from hpkv.testing.server import ServerProcess, env_without_hpkv, private_env
@@ -32,14 +33,16 @@ def client_of(srv: ServerProcess, **kw):
 
 
 def hpkv_cli(env, *args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "hpkv", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "hpkv", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 # ------------------------------------------------------------------ single instance
 def test_second_server_on_the_same_directory_names_the_running_pid(server):
-    out = subprocess.run([sys.executable, "-m", "hpkv", "serve"], env=server.env, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "hpkv", "serve"], env=server.env, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode != 0
     assert f"already served by pid {server.proc.pid}" in out.stderr
 
@@ -51,7 +54,7 @@ def test_lock_of_a_killed_server_is_taken_over_and_its_files_cleaned():
     try:
         with client_of(first) as c:
             c.attach_namespace(FP, 1, 65536)
-        first.kill()                      # SIGKILL: no clean-up
+        first.kill()  # SIGKILL: no clean-up
         left = set(os.listdir(first.pool_dir))
         assert {"pool", "stats", "server.sock", "server.lock"} <= left
         second.start()
@@ -108,8 +111,9 @@ def test_concurrent_auto_spawn_ends_with_exactly_one_server():
         (pid,) = pids
         server = psutil.Process(pid)
         assert os.getsid(pid) == pid, "the auto-spawned server runs in its own session"
-        assert server.ppid() not in {p.pid for p in procs}, \
+        assert server.ppid() not in {p.pid for p in procs}, (
             "the auto-spawned server is no descendant of its spawner (it detaches)"
+        )
         assert "serve" in server.cmdline() and "--auto" in server.cmdline()
         for p in procs:
             p.join(30)
@@ -123,8 +127,11 @@ def test_concurrent_auto_spawn_ends_with_exactly_one_server():
         ServerProcess(env).cleanup()
         for proc in psutil.process_iter(["cmdline", "environ"]):
             try:
-                if "--auto" in (proc.info["cmdline"] or []) and \
-                        (proc.info["environ"] or {}).get("HPKV_SHARE_MEM_FILE_PATH") == env["HPKV_SHARE_MEM_FILE_PATH"]:
+                if (
+                    "--auto" in (proc.info["cmdline"] or [])
+                    and (proc.info["environ"] or {}).get("HPKV_SHARE_MEM_FILE_PATH")
+                    == env["HPKV_SHARE_MEM_FILE_PATH"]
+                ):
                     proc.kill()
             except psutil.Error:
                 pass
@@ -133,7 +140,9 @@ def test_concurrent_auto_spawn_ends_with_exactly_one_server():
 def _new_user_env(home, **extra: str) -> dict[str, str]:
     """No config file, no hpkv variables but an isolated pool directory (and ``extra``)."""
     env = env_without_hpkv()
-    env.update(HOME=str(home), HPKV_SHARE_MEM_FILE_PATH=f"/dev/shm/hpkv-test-{uuid.uuid4().hex[:12]}", **extra)
+    env.update(
+        HOME=str(home), HPKV_SHARE_MEM_FILE_PATH=f"/dev/shm/hpkv-test-{uuid.uuid4().hex[:12]}", **extra
+    )
     return env
 
 
@@ -145,20 +154,26 @@ def test_auto_spawn_without_a_config_file_works_and_stop_leaves_only_the_log(tmp
         assert c.pool_size == 64 << 20
         assert c.storage == str(tmp_path / ".cache/hpkv/storage"), "the default storage path"
         c.close()
-        stop = subprocess.run([sys.executable, "-m", "hpkv", "stop"], env=env, capture_output=True, text=True,
-                              timeout=120)
-        assert stop.returncode == 0 and f"hpkv: server {pid} stopped; nothing was pending" in stop.stdout, stop
+        stop = subprocess.run(
+            [sys.executable, "-m", "hpkv", "stop"], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert stop.returncode == 0 and f"hpkv: server {pid} stopped; nothing was pending" in stop.stdout, (
+            stop
+        )
         assert os.listdir(env["HPKV_SHARE_MEM_FILE_PATH"]) == ["server.log"]
     finally:
         ServerProcess(env).cleanup()
 
 
 def test_a_spawned_server_that_cannot_start_says_why_in_the_exception_and_its_log(tmp_path):
-    env = _new_user_env(tmp_path, HPKV_KV_MEM_POOL_SIZE="1p")   # more than /dev/shm has
+    env = _new_user_env(tmp_path, HPKV_KV_MEM_POOL_SIZE="1p")  # more than /dev/shm has
     try:
         t0 = time.monotonic()
-        with pytest.raises(HpkvUnavailable, match=r"could not start: .*HPKV_KV_MEM_POOL_SIZE=1p.*lower the "
-                                                  r"pool size or free space.*log: .*server\.log"):
+        with pytest.raises(
+            HpkvUnavailable,
+            match=r"could not start: .*HPKV_KV_MEM_POOL_SIZE=1p.*lower the "
+            r"pool size or free space.*log: .*server\.log",
+        ):
             connect(load_config(env), env=env, timeout=60)
         assert time.monotonic() - t0 < 30, "a failed start is reported at once, not after the timeout"
         with open(os.path.join(env["HPKV_SHARE_MEM_FILE_PATH"], "server.log")) as f:
@@ -174,7 +189,9 @@ def test_the_spawner_refuses_a_pool_directory_others_can_write_and_starts_nothin
     os.mkdir(pool_dir)
     os.chmod(pool_dir, 0o777)
     try:
-        with pytest.raises(PermissionError, match=rf"writable by its group or by others .*chmod go-w {pool_dir}"):
+        with pytest.raises(
+            PermissionError, match=rf"writable by its group or by others .*chmod go-w {pool_dir}"
+        ):
             connect(load_config(env), env=env, timeout=30)
         assert os.listdir(pool_dir) == [], "no spawn lock, no log, no server"
     finally:
@@ -252,8 +269,10 @@ def test_two_namespaces_share_one_pool_through_the_server(server):
         a = c.attach_namespace(FP, 1, 65536, name="a")
         b = c.attach_namespace(fp2, 1, 3 * 65536, name="b")
         ka, kb = block_keys(FP, [b"x", b"y"]), block_keys(fp2, [b"x", b"y"])
-        c.reserve(a.ns_id, ka); c.commit(a.ns_id, ka)
-        c.reserve(b.ns_id, kb); c.commit(b.ns_id, kb)
+        c.reserve(a.ns_id, ka)
+        c.commit(a.ns_id, ka)
+        c.reserve(b.ns_id, kb)
+        c.commit(b.ns_id, kb)
         assert c.lookup(a.ns_id, ka)[0] == 2 and c.lookup(b.ns_id, kb)[0] == 2
         st = c.stats()
         assert st["pool"]["used_bytes"] == 2 * 65536 + 2 * 3 * 65536
@@ -262,41 +281,47 @@ def test_two_namespaces_share_one_pool_through_the_server(server):
 
 def test_pool_full_evicts_lru_and_never_pinned(server):
     with client_of(server) as c:
-        slot = 8 << 20                    # 64 MiB pool = 8 slots
+        slot = 8 << 20  # 64 MiB pool = 8 slots
         ns = c.attach_namespace(FP, 1, slot)
         keys = block_keys(FP, [b"%d" % i for i in range(10)])
-        c.reserve(ns.ns_id, keys[:8]); c.commit(ns.ns_id, keys[:8])
-        c.pin(ns.ns_id, keys[:1])         # block 0 is oldest but pinned
-        c.reserve(ns.ns_id, keys[8:]); c.commit(ns.ns_id, keys[8:])
+        c.reserve(ns.ns_id, keys[:8])
+        c.commit(ns.ns_id, keys[:8])
+        c.pin(ns.ns_id, keys[:1])  # block 0 is oldest but pinned
+        c.reserve(ns.ns_id, keys[8:])
+        c.commit(ns.ns_id, keys[8:])
         present = [c.lookup(ns.ns_id, [k])[0] for k in keys]
         assert present == [1, 0, 0, 1, 1, 1, 1, 1, 1, 1]
         assert c.stats()["namespaces"][0]["evictions"] == 2
 
 
 # ------------------------------------------------------------------ transfer workers
-@pytest.mark.parametrize("layout,pad", [("per_layer", 0), ("block_outermost", 0), ("per_layer", 512)],
-                         ids=["one-region-per-layer", "block-outermost", "padded-pages"])
+@pytest.mark.parametrize(
+    "layout,pad",
+    [("per_layer", 0), ("block_outermost", 0), ("per_layer", 512)],
+    ids=["one-region-per-layer", "block-outermost", "padded-pages"],
+)
 def test_copies_through_the_transfer_worker_are_byte_exact(server, tmp_path, layout, pad):
     rng = np.random.default_rng(1)
     layers, blocks, page = 4, 32, 16 * 1024
     dev = make_device(tmp_path, layers, blocks, page, layout, pad)
     dev.fill_random(rng)
     with client_of(server) as c:
-        ns = c.attach_namespace(namespace_fingerprint({"model": "test", "layout": layout, "pad": pad}), 1,
-                                layers * page)
+        ns = c.attach_namespace(
+            namespace_fingerprint({"model": "test", "layout": layout, "pad": pad}), 1, layers * page
+        )
         handle = c.register_device(ns.ns_id, rank=0, **dev.spec)
         src = rng.permutation(blocks)[:12]
         keys = block_keys(FP, [b"b%d" % i for i in range(12)])
         offsets = c.reserve(ns.ns_id, keys)[:, 0]
         assert handle.save(src, offsets)
         pool = PoolFile.attach(os.path.join(server.pool_dir, P.POOL_FILE))
-        for b, off in zip(src, offsets):
-            assert pool.array[off: off + layers * page].tobytes() == dev.block_bytes(b)
+        for b, off in zip(src, offsets, strict=False):
+            assert pool.array[off : off + layers * page].tobytes() == dev.block_bytes(b)
         expected = {int(b): dev.block_bytes(b) for b in src}
         dev.fill_random(rng)
         dst = rng.permutation(blocks)[:12]
         assert handle.load(dst, offsets)
-        for s, d in zip(src, dst):
+        for s, d in zip(src, dst, strict=False):
             assert dev.block_bytes(d) == expected[int(s)]
         pool.close()
         (w,) = c.stats()["workers"]
@@ -315,7 +340,7 @@ def test_bad_block_ids_fail_the_batch_without_copying(server, tmp_path):
 
 
 def test_killed_transfer_worker_is_restarted_and_its_batch_reported_failed(server, tmp_path):
-    layers, blocks, page = 8, 64, 64 * 1024      # 512 KiB per block
+    layers, blocks, page = 8, 64, 64 * 1024  # 512 KiB per block
     dev = make_device(tmp_path, layers, blocks, page)
     dev.fill_random(np.random.default_rng(2))
     with client_of(server) as c:
@@ -329,7 +354,7 @@ def test_killed_transfer_worker_is_restarted_and_its_batch_reported_failed(serve
         blk = np.arange(blocks)
         victim = None
         tickets, results = [], {}
-        for _ in range(50):                     # 8 queued jobs of 32 MiB each, until we catch one running
+        for _ in range(50):  # 8 queued jobs of 32 MiB each, until we catch one running
             tickets += [t for _ in range(8) for t in handle.submit(P.COPY_SAVE, blk, offsets)]
             for _ in range(20000):
                 seq = int(row[W.INFLIGHT_SEQ])
@@ -346,9 +371,12 @@ def test_killed_transfer_worker_is_restarted_and_its_batch_reported_failed(serve
         assert all(s in (0, Status.WORKER_DIED) for s in results.values()), results
         # The batch in flight when SIGKILL landed failed: the one we saw, or, if it finished
         # in the microseconds before the signal, the next one the worker had taken.
-        assert results[(0, victim)] == Status.WORKER_DIED or results.get((0, victim + 1)) == Status.WORKER_DIED
-        assert all(results[t] == Status.WORKER_DIED for t in tickets if t[1] > victim + 1), \
+        assert (
+            results[(0, victim)] == Status.WORKER_DIED or results.get((0, victim + 1)) == Status.WORKER_DIED
+        )
+        assert all(results[t] == Status.WORKER_DIED for t in tickets if t[1] > victim + 1), (
             "queued batches of a dead worker fail, never run later"
+        )
         deadline = time.monotonic() + 30
         while not (row[W.STATE] == WorkerState.RUNNING and row[W.PID] != old_pid):
             assert time.monotonic() < deadline, "worker not restarted"
@@ -369,6 +397,7 @@ def test_worker_is_pinned_to_its_nodes_cpus(server, tmp_path):
         assert w["numa_node"] == 0
         with open("/sys/devices/system/node/node0/cpulist") as f:
             from hpkv.common.numa import parse_cpulist
+
             node_cpus = set(parse_cpulist(f.read()))
         assert set(w["cpus"]) <= node_cpus
         deadline = time.monotonic() + 10
@@ -384,7 +413,8 @@ def test_status_json_matches_what_the_test_did(server, tmp_path):
     with client_of(server, name="status-test") as c:
         ns = c.attach_namespace(FP, 1, 4 * 4096, name="status-model")
         keys = block_keys(FP, [b"%d" % i for i in range(5)])
-        c.reserve(ns.ns_id, keys); c.commit(ns.ns_id, keys)
+        c.reserve(ns.ns_id, keys)
+        c.commit(ns.ns_id, keys)
         c.lookup(ns.ns_id, keys + block_keys(FP, [b"missing"]))
         c.pin(ns.ns_id, keys[:2])
         c.register_device(ns.ns_id, rank=0, **dev.spec)
@@ -395,8 +425,13 @@ def test_status_json_matches_what_the_test_did(server, tmp_path):
         assert s["pool"]["capacity_bytes"] == 64 << 20
         assert s["pool"]["used_bytes"] == 5 * 16384 and s["pool"]["pinned_bytes"] == 2 * 16384
         (n,) = s["namespaces"]
-        assert (n["name"], n["blocks_dram"], n["blocks_pinned"], n["hits_dram"], n["misses"]) == \
-            ("status-model", 5, 2, 5, 1)
+        assert (n["name"], n["blocks_dram"], n["blocks_pinned"], n["hits_dram"], n["misses"]) == (
+            "status-model",
+            5,
+            2,
+            5,
+            1,
+        )
         (w,) = s["workers"]
         assert w["kind"] == "transfer" and psutil.pid_exists(w["pid"])
         assert [(cl["pid"], cl["name"]) for cl in s["clients"]] == [(os.getpid(), "status-test")]
@@ -415,7 +450,7 @@ def test_status_without_server_exits_1(tmp_path):
 
 
 def _connect_pinned(env, q):
-    os.sched_setaffinity(0, {0})            # like vLLM's CPU worker, bound to its compute core
+    os.sched_setaffinity(0, {0})  # like vLLM's CPU worker, bound to its compute core
     c = connect(load_config(env), env=env, timeout=60)
     q.put(c.server_pid)
     c.close()
@@ -432,7 +467,7 @@ def test_auto_spawned_server_does_not_inherit_the_spawners_cpu_pinning():
     try:
         pid = q.get(timeout=90)
         assert psutil.Process(pid).cpu_affinity() == list(range(os.cpu_count()))
-        psutil.Process(pid).wait(timeout=30)   # idle exit
+        psutil.Process(pid).wait(timeout=30)  # idle exit
     finally:
         p.join(30)
         ServerProcess(env).cleanup()

@@ -8,6 +8,7 @@ short prompts. SGLang's ``cached_tokens_details`` says which
 of its tiers served the prefix (``storage`` = L3 = hpkv); hpkv's counters (``hpkv status
 --json``) say which of hpkv's tiers (DRAM pool or KV files) served it.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -48,8 +49,13 @@ def letters(n: int, seed: int) -> str:
 @pytest.fixture(scope="module")
 def hpkv_env() -> Iterator[dict[str, str]]:
     storage = tempfile.mkdtemp(prefix="hpkv-sglang-storage-", dir="/var/tmp")
-    env = private_env(pool_size="256m", storage=storage, VLLM_HPKV_TOKEN_THRESHOLD=str(THRESHOLD),
-                      HPKV_SERVER_IDLE_EXIT="60", HPKV_LOG_LEVEL="INFO")
+    env = private_env(
+        pool_size="256m",
+        storage=storage,
+        VLLM_HPKV_TOKEN_THRESHOLD=str(THRESHOLD),
+        HPKV_SERVER_IDLE_EXIT="60",
+        HPKV_LOG_LEVEL="INFO",
+    )
     try:
         yield env
     finally:
@@ -60,8 +66,9 @@ def hpkv_env() -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model: str, hpkv_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[SglangServer]:
+def server(
+    tiny_model: str, hpkv_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SglangServer]:
     log = tmp_path_factory.mktemp("sglang-logs") / "sglang.log"
     # wait_complete: a loaded machine must not turn an L3 hit into a partial one (the default
     # policy gives up after ~1 s); the tests count exactly which tier served how much.
@@ -83,8 +90,9 @@ def generate(srv: SglangServer, prompt: str) -> tuple[str, list[float], dict[str
     return out["text"], lps, cached_tokens(out)
 
 
-def assert_same(got: tuple[str, list[float], Any], expected: tuple[str, list[float], Any],
-                tol: float = 0.02) -> None:
+def assert_same(
+    got: tuple[str, list[float], Any], expected: tuple[str, list[float], Any], tol: float = 0.02
+) -> None:
     """Same greedy text; the chosen tokens' logprobs agree up to prefill-shape rounding."""
     assert got[0] == expected[0]
     assert len(got[1]) == len(expected[1])
@@ -112,19 +120,20 @@ def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {k: after[k] - before[k] for k in before}
 
 
-PROMPT = letters(200, seed=1)     # 12 full pages and a partial one
+PROMPT = letters(200, seed=1)  # 12 full pages and a partial one
 
 
-def test_every_tier_gives_the_same_greedy_output_and_logprobs(server: SglangServer,
-                                                              hpkv_env: dict[str, str]) -> None:
-    cold = generate(server, PROMPT)                               # recompute; written through to hpkv
+def test_every_tier_gives_the_same_greedy_output_and_logprobs(
+    server: SglangServer, hpkv_env: dict[str, str]
+) -> None:
+    cold = generate(server, PROMPT)  # recompute; written through to hpkv
     assert cold[2]["total"] == 0
     wait_stored(hpkv_env, 12)
-    gpu = generate(server, PROMPT)                                # SGLang's own (device) cache
+    gpu = generate(server, PROMPT)  # SGLang's own (device) cache
     assert gpu[2]["device"] >= 12 * PAGE and gpu[2]["storage"] == 0
     assert_same(gpu, cold)
 
-    server.flush_cache()                                          # L1 + L2 gone, hpkv keeps its tiers
+    server.flush_cache()  # L1 + L2 gone, hpkv keeps its tiers
     before = hpkv_loads(hpkv_env)
     dram = generate(server, PROMPT)
     assert dram[2]["storage"] >= 12 * PAGE, dram[2]
@@ -135,8 +144,9 @@ def test_every_tier_gives_the_same_greedy_output_and_logprobs(server: SglangServ
     # Both restart: `hpkv stop` writes every pending spill first, the restarted SGLang spawns a
     # new hpkv server, which finds the KV files.
     server.stop()
-    stop = subprocess.run([sys.executable, "-m", "hpkv", "stop"], env=hpkv_env, capture_output=True,
-                          text=True, timeout=120)
+    stop = subprocess.run(
+        [sys.executable, "-m", "hpkv", "stop"], env=hpkv_env, capture_output=True, text=True, timeout=120
+    )
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert hpkv_status(hpkv_env) is None
     server.start().wait_ready()
@@ -162,8 +172,9 @@ def test_hit_below_the_threshold_loads_nothing(server: SglangServer, hpkv_env: d
     assert_same(generate(server, mixed), got)
 
 
-def test_killed_hpkv_server_means_recompute_not_errors(server: SglangServer,
-                                                      hpkv_env: dict[str, str]) -> None:
+def test_killed_hpkv_server_means_recompute_not_errors(
+    server: SglangServer, hpkv_env: dict[str, str]
+) -> None:
     prompt = letters(150, seed=8)
     expected = generate(server, prompt)
     st = hpkv_status(hpkv_env)
@@ -180,7 +191,7 @@ def test_killed_hpkv_server_means_recompute_not_errors(server: SglangServer,
         got = generate(server, prompt)
         assert_same(got, expected)
         assert time.monotonic() - t0 < 30, "a dead hpkv must not stall SGLang"
-        generate(server, letters(80, seed=200 + i))               # new prompts: saves fail quietly
+        generate(server, letters(80, seed=200 + i))  # new prompts: saves fail quietly
     # SGLang's log says once that hpkv went away and once that it is back (auto-spawned again).
     deadline = time.monotonic() + 90
     for i in range(1000):
@@ -192,7 +203,7 @@ def test_killed_hpkv_server_means_recompute_not_errors(server: SglangServer,
     log = server.log_tail(100_000)
     assert log.count("lost the hpkv server") + log.count("cannot reach the hpkv server") == 1, log[-6000:]
     # And the new server stores and serves again.
-    fresh = letters(100, seed=9)                                  # 6 full pages
+    fresh = letters(100, seed=9)  # 6 full pages
     first = generate(server, fresh)
     wait_stored(hpkv_env, 6)
     server.flush_cache()
@@ -205,20 +216,35 @@ def test_killed_hpkv_server_means_recompute_not_errors(server: SglangServer,
 
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed in this venv")
-@pytest.mark.skipif(os.environ.get("HPKV_TEST_MIXED_ENGINES") != "1",
-                    reason="starts a second engine (vLLM, 2-4 min here): set HPKV_TEST_MIXED_ENGINES=1; "
-                           "left out of CI's 30-minute budget")
-def test_a_vllm_and_an_sglang_server_share_one_hpkv_server(server: SglangServer, hpkv_env: dict[str, str],
-                                                           tiny_model: str, tmp_path: Path) -> None:
-    vllm = VllmServer(tiny_model, extra_args=["--kv-transfer-config", SEED_KV_TRANSFER_CONFIG,
-                                              "--block-size", "32", "--max-num-seqs", "4"],
-                      env=hpkv_env, dev_mode=True, max_model_len=4096, log_path=tmp_path / "vllm.log")
+@pytest.mark.skipif(
+    os.environ.get("HPKV_TEST_MIXED_ENGINES") != "1",
+    reason="starts a second engine (vLLM, 2-4 min here): set HPKV_TEST_MIXED_ENGINES=1; "
+    "left out of CI's 30-minute budget",
+)
+def test_a_vllm_and_an_sglang_server_share_one_hpkv_server(
+    server: SglangServer, hpkv_env: dict[str, str], tiny_model: str, tmp_path: Path
+) -> None:
+    vllm = VllmServer(
+        tiny_model,
+        extra_args=[
+            "--kv-transfer-config",
+            SEED_KV_TRANSFER_CONFIG,
+            "--block-size",
+            "32",
+            "--max-num-seqs",
+            "4",
+        ],
+        env=hpkv_env,
+        dev_mode=True,
+        max_model_len=4096,
+        log_path=tmp_path / "vllm.log",
+    )
     try:
         vllm.start().wait_ready()
         # SGLang's host pool (L2) is full after the earlier tests, and SGLang writes a page to L3
         # only through L2: start from empty SGLang caches.
         server.flush_cache()
-        prompt = letters(200, seed=11)                            # vLLM: 6 blocks of 32; SGLang: 12 pages
+        prompt = letters(200, seed=11)  # vLLM: 6 blocks of 32; SGLang: 12 pages
         v_first = vllm.completion(prompt, max_tokens=16, temperature=0)["choices"][0]["text"]
         stored = sglang_namespace(hpkv_env)["commits"]
         s_first = generate(server, prompt)

@@ -3,6 +3,7 @@
 The argument rewriting is tested directly (milliseconds, no SGLang needed); one test parses a
 real SGLang 0.5.23 command line in ``.venv-sglang`` to prove the plugin is loaded and applied.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,6 +22,11 @@ def test_flag_alone_selects_hpkv_with_the_hpkv_threshold() -> None:
     backend, extra = hicache_settings(None, None, token_threshold=1204)
     assert backend == "dynamic"
     assert json.loads(extra) == {**BACKEND_EXTRA_CONFIG, "prefetch_threshold": 1204}
+
+
+def test_auto_threshold_leaves_sglangs_own_prefetch_threshold() -> None:
+    _, extra = hicache_settings(None, None, token_threshold=None)
+    assert "prefetch_threshold" not in json.loads(extra)
 
 
 def test_user_extra_config_is_merged_and_wins() -> None:
@@ -64,13 +70,22 @@ def test_sglang_parses_enable_ct_hpkv_through_the_plugin(tmp_path: Path) -> None
                           "extra": json.loads(a.hicache_storage_backend_extra_config)}))
     """)
     (tmp_path / "empty.ini").write_text("")
-    env = {"PYTHONPATH": str(SHIMS_DIR), "SGLANG_USE_CPU_ENGINE": "1", "VLLM_HPKV_TOKEN_THRESHOLD": "96",
-           "HPKV_CONFIG_FILE_PATH": str(tmp_path / "empty.ini"), "PATH": "/usr/bin:/bin"}
+    env = {
+        "PYTHONPATH": str(SHIMS_DIR),
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "VLLM_HPKV_TOKEN_THRESHOLD": "96",
+        "HPKV_CONFIG_FILE_PATH": str(tmp_path / "empty.ini"),
+        "PATH": "/usr/bin:/bin",
+    }
     py = sglang_python()
     assert py is not None
-    out = subprocess.run([py, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [py, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"hicache": True, "backend": "dynamic",
-                   "extra": {**BACKEND_EXTRA_CONFIG, "prefetch_threshold": 96}}
+    assert got == {
+        "hicache": True,
+        "backend": "dynamic",
+        "extra": {**BACKEND_EXTRA_CONFIG, "prefetch_threshold": 96},
+    }

@@ -8,6 +8,7 @@ its connection once and reconnects (a dead owner). At the end: no wrong byte, no
 leaked slot, pin or reservation, no temporary file. ``HPKV_SOAK_S`` sets the traffic
 time (default 100 s; the whole test takes under two minutes here).
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -20,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpkv.client.connection import HpkvError, connect
+from hpkv.client.connection import connect
+from hpkv.protocol.errors import HpkvError, NotOwner
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.testing.device import make_device
 from hpkv.testing.server import ServerProcess, assert_serves_correctly, private_env
@@ -29,9 +31,9 @@ pytestmark = pytest.mark.soak
 
 SOAK_S = float(os.environ.get("HPKV_SOAK_S", "100"))
 CLIENTS = 4
-LAYERS, PAGE, DEV_BLOCKS = 4, 16 * 1024, 32          # 64 KiB blocks; 64 MiB pool = 1024 slots
+LAYERS, PAGE, DEV_BLOCKS = 4, 16 * 1024, 32  # 64 KiB blocks; 64 MiB pool = 1024 slots
 SHARD = LAYERS * PAGE
-KEYS = 2000                                           # twice the pool: evictions and promotes
+KEYS = 2000  # twice the pool: evictions and promotes
 FP = namespace_fingerprint({"model": "soak", "layers": LAYERS, "page": PAGE})
 
 
@@ -44,6 +46,7 @@ class _Engine:
 
     def __init__(self, env, work: Path, n: int):
         from hpkv.config import load_config
+
         self.c = connect(load_config(env), spawn=False, call_timeout=10.0, name=f"soak-{n}")
         self.ns = self.c.attach_namespace(FP, 1, SHARD, rank=0)
         work.mkdir(parents=True, exist_ok=True)
@@ -52,77 +55,87 @@ class _Engine:
 
     def put(self, block: int, data: np.ndarray) -> None:
         for layer in range(LAYERS):
-            self.dev.page_view(block, layer)[:] = data[layer * PAGE:(layer + 1) * PAGE]
+            self.dev.page_view(block, layer)[:] = data[layer * PAGE : (layer + 1) * PAGE]
 
     def close(self) -> None:
         self.c.close()
 
 
+def _soak_save(eng: _Engine, keys: list, ids: list[int], stats: dict) -> None:
+    c, ns = eng.c, eng.ns.ns_id
+    rows = c.reserve(ns, [keys[i] for i in ids])[:, 0]
+    new = [(i, off) for i, off in zip(ids, rows, strict=True) if off >= 0]
+    if not new:
+        return
+    for b, (i, _) in enumerate(new):
+        eng.put(b, content(i))
+    ks = [keys[i] for i, _ in new]
+    if eng.handle.save(np.arange(len(new)), np.array([off for _, off in new])):
+        c.commit(ns, ks)
+        stats["saves"] += len(new)
+    else:
+        c.abort(ns, ks)
+        stats["save_failed"] += len(new)
+
+
+def _soak_load(
+    eng: _Engine, rng: random.Random, keys: list, ids: list[int], stats: dict, wrong: list[int]
+) -> None:
+    """Load whatever prefix is there (pinned from DRAM, or promoted) and check every byte."""
+    c, ns = eng.c, eng.ns.ns_id
+    ks = [keys[i] for i in ids]
+    hit, tiers = c.lookup(ns, ks)
+    if not hit:
+        return
+    use_pin = all(t == 1 for t in tiers) and rng.random() < 0.5
+    rows = (c.pin(ns, ks[:hit]) if use_pin else c.promote(ns, ks[:hit], timeout=5.0))[:, 0]
+    got = [(i, off) for i, off in zip(ids[:hit], rows, strict=True) if off >= 0]
+    if not got:
+        return
+    try:
+        dst = np.arange(DEV_BLOCKS - len(got), DEV_BLOCKS)
+        for b in dst:
+            eng.dev.page_view(int(b), 0)[:] = 0xEE  # a failed copy cannot pass as good
+        if not eng.handle.load(dst, np.array([off for _, off in got])):
+            stats["loads_failed"] += len(got)
+            return
+        for b, (i, _) in zip(dst, got, strict=True):
+            stats["loads_checked"] += 1
+            if eng.dev.block_bytes(int(b)) != content(i).tobytes():
+                stats["wrong"] += 1
+                wrong.append(i)
+    finally:
+        c.unpin(ns, [keys[i] for i, _ in got])
+
+
 def _client_main(env, work: str, n: int, seconds: float, q) -> None:
     rng = random.Random(n)
     keys = block_keys(FP, [b"soak-%d" % i for i in range(KEYS)])
-    stats = dict(saves=0, save_failed=0, loads_checked=0, loads_failed=0, wrong=0, reconnects=0,
-                 errors=0, refused=0)
+    stats = dict(
+        saves=0, save_failed=0, loads_checked=0, loads_failed=0, wrong=0, reconnects=0, errors=0, refused=0
+    )
     wrong_keys: list[int] = []
     eng = _Engine(env, Path(work) / "r0", n)
     reconnect_at = time.monotonic() + seconds * rng.uniform(0.3, 0.7)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
-            if time.monotonic() > reconnect_at:     # the owner of whatever it holds goes away
+            if time.monotonic() > reconnect_at:  # the owner of whatever it holds goes away
                 reconnect_at = float("inf")
                 eng.close()
                 stats["reconnects"] += 1
                 eng = _Engine(env, Path(work) / f"r{stats['reconnects']}", n)
-            c, ns = eng.c, eng.ns.ns_id
             start = rng.randrange(KEYS - 8)
             ids = list(range(start, start + rng.randint(1, 8)))
-            if rng.random() < 0.45:                  # save
-                rows = c.reserve(ns, [keys[i] for i in ids])[:, 0]
-                new = [(i, off) for i, off in zip(ids, rows) if off >= 0]
-                if not new:
-                    continue
-                blocks = np.arange(len(new))
-                for b, (i, _) in enumerate(new):
-                    eng.put(b, content(i))
-                ks = [keys[i] for i, _ in new]
-                if eng.handle.save(blocks, np.array([off for _, off in new])):
-                    c.commit(ns, ks)
-                    stats["saves"] += len(new)
-                else:
-                    c.abort(ns, ks)
-                    stats["save_failed"] += len(new)
-            else:                                     # load whatever prefix is there
-                ks = [keys[i] for i in ids]
-                hit, tiers = c.lookup(ns, ks)
-                if not hit:
-                    continue
-                use_pin = all(t == 1 for t in tiers) and rng.random() < 0.5
-                rows = (c.pin(ns, ks[:hit]) if use_pin else c.promote(ns, ks[:hit], timeout=5.0))[:, 0]
-                got = [(i, off) for i, off in zip(ids[:hit], rows) if off >= 0]
-                try:
-                    if not got:
-                        continue
-                    dst = np.arange(DEV_BLOCKS - len(got), DEV_BLOCKS)
-                    for b in dst:
-                        eng.dev.page_view(int(b), 0)[:] = 0xEE   # a failed copy cannot pass as good
-                    if not eng.handle.load(dst, np.array([off for _, off in got])):
-                        stats["loads_failed"] += len(got)
-                        continue
-                    for b, (i, _) in zip(dst, got):
-                        stats["loads_checked"] += 1
-                        if eng.dev.block_bytes(int(b)) != content(i).tobytes():
-                            stats["wrong"] += 1
-                            wrong_keys.append(i)
-                finally:
-                    pinned = [keys[i] for i, _ in got]
-                    if pinned:
-                        c.unpin(ns, pinned)
+            if rng.random() < 0.45:
+                _soak_save(eng, keys, ids, stats)
+            else:
+                _soak_load(eng, rng, keys, ids, stats, wrong_keys)
         except HpkvError as exc:
             stats["errors"] += 1
-            if "belongs to another client" in str(exc):
+            if isinstance(exc, NotOwner):
                 stats["refused"] += 1
-            if getattr(eng.c, "_broken", None):       # a call timed out: start over
+            if getattr(eng.c, "_broken", None):  # a call timed out: start over
                 eng.close()
                 stats["reconnects"] += 1
                 eng = _Engine(env, Path(work) / f"r{stats['reconnects']}", n)
@@ -149,13 +162,14 @@ def _kill_workers(srv: ServerProcess, until: float, rng: random.Random) -> dict[
 
 def test_soak_mixed_traffic_with_workers_killed_serves_no_wrong_byte_and_leaks_nothing(tmp_path):
     storage = tmp_path / "storage"
-    env = private_env(pool_size="64m", storage=str(storage), HPKV_LOG_LEVEL="INFO",
-                      HPKV_NUM_IO_WORKERS="2")
+    env = private_env(pool_size="64m", storage=str(storage), HPKV_LOG_LEVEL="INFO", HPKV_NUM_IO_WORKERS="2")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with ServerProcess(env) as srv:
-        procs = [ctx.Process(target=_client_main, args=(env, str(tmp_path / f"c{n}"), n, SOAK_S, q))
-                 for n in range(CLIENTS)]
+        procs = [
+            ctx.Process(target=_client_main, args=(env, str(tmp_path / f"c{n}"), n, SOAK_S, q))
+            for n in range(CLIENTS)
+        ]
         for p in procs:
             p.start()
         try:
@@ -182,14 +196,18 @@ def test_soak_mixed_traffic_with_workers_killed_serves_no_wrong_byte_and_leaks_n
         assert srv.proc.poll() is None
 
         with connect(srv.cfg, spawn=False, call_timeout=10.0) as c:
+
             def settled():
                 s = c.stats()
                 nss = s["namespaces"]
-                return (s["pool"]["pinned_bytes"] == 0
-                        and sum(n["blocks_reserved"] for n in nss) == 0
-                        and s["pool"]["used_bytes"] == sum(n["bytes_dram"] for n in nss)
-                        and not [p for p in storage.rglob("*") if p.name.endswith(".tmp")]
-                        and all(w["state"] == "running" for w in s["workers"] if w["kind"] == "io")), s
+                return (
+                    s["pool"]["pinned_bytes"] == 0
+                    and sum(n["blocks_reserved"] for n in nss) == 0
+                    and s["pool"]["used_bytes"] == sum(n["bytes_dram"] for n in nss)
+                    and not [p for p in storage.rglob("*") if p.name.endswith(".tmp")]
+                    and all(w["state"] == "running" for w in s["workers"] if w["kind"] == "io")
+                ), s
+
             deadline = time.monotonic() + 60
             while not (ok := settled())[0]:
                 assert time.monotonic() < deadline, f"leaked pins, reservations, slots or files: {ok[1]}"

@@ -5,6 +5,7 @@ removed in a fixture or a ``finally``. Storage directories live under pytest's
 tmp_path (ext4 on the root disk here, so O_DIRECT is real) unless a test mounts a
 small tmpfs (ENOSPC) or a ramfs (a file system that refuses O_DIRECT).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,21 +18,38 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
-from hpkv.protocol import wire as P
 from hpkv.client.connection import HpkvClient, connect
-from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.common.pool import PoolFile
+from hpkv.common.priority import BE_LOWEST
 from hpkv.io_workers import kvfile
 from hpkv.io_workers.kvfile import BlockId, CorruptFile, KvFileIO
 from hpkv.io_workers.probe import probe_o_direct
+from hpkv.protocol import wire as P
+from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.testing.server import ServerProcess, private_env
 
 FP = namespace_fingerprint({"model": "storage-test", "layers": 4})
-STORAGE_FIELDS = {"path", "files", "bytes", "capacity_bytes", "free_bytes", "o_direct", "o_direct_reason",
-                  "io_errors", "quarantined", "spill_paused", "bytes_written", "bytes_read", "spills",
-                  "promotes", "evicted_files"}
+STORAGE_FIELDS = {
+    "path",
+    "files",
+    "bytes",
+    "capacity_bytes",
+    "free_bytes",
+    "o_direct",
+    "o_direct_reason",
+    "io_errors",
+    "quarantined",
+    "spill_paused",
+    "bytes_written",
+    "bytes_read",
+    "spills",
+    "promotes",
+    "evicted_files",
+    "spills_pending",
+}
 
 
 # ------------------------------------------------------------------ helpers
@@ -60,8 +78,7 @@ def mounted(fstype: str, directory: Path, options: str = ""):
 class Writer:
     """A client that puts random blocks into the pool, commits them, and reads pool bytes."""
 
-    def __init__(self, srv: ServerProcess, world: int = 1, shard: int = 100_000, fp: str = FP,
-                 seed: int = 0):
+    def __init__(self, srv: ServerProcess, world: int = 1, shard: int = 100_000, fp: str = FP, seed: int = 0):
         self.srv = srv
         self.clients = [connect(srv.cfg, spawn=False, call_timeout=30.0) for _ in range(world)]
         self.c: HpkvClient = self.clients[0]
@@ -79,11 +96,11 @@ class Writer:
     def put(self, keys: list[bytes]) -> None:
         slots = self.c.reserve(self.ns.ns_id, keys)
         assert (slots >= 0).all(), slots
-        for k, row in zip(keys, slots):
+        for k, row in zip(keys, slots, strict=False):
             shards = []
             for off in row:
                 d = self.rng.integers(0, 256, self.shard, dtype=np.uint8)
-                self.pool.array[off: off + self.shard] = d
+                self.pool.array[off : off + self.shard] = d
                 shards.append(d.tobytes())
             self.data[k] = shards
         for r, cl in enumerate(self.clients):
@@ -105,11 +122,12 @@ class Writer:
         return self.wait_storage(lambda s: s["spills"] >= n_files, timeout, f"{n_files} files spilled")
 
     def check_rows(self, keys, rows) -> None:
-        for k, row in zip(keys, rows):
+        for k, row in zip(keys, rows, strict=False):
             assert (row >= 0).all(), f"block {k.hex()} not loaded"
             for r, off in enumerate(row):
-                assert self.pool.array[off: off + self.shard].tobytes() == self.data[k][r], \
+                assert self.pool.array[off : off + self.shard].tobytes() == self.data[k][r], (
                     f"block {k.hex()} rank {r} differs"
+                )
 
     def path(self, key: bytes, rank: int = 0) -> str:
         return kvfile.file_path(self.srv.cfg.storage_path, self.fp, key, rank)
@@ -143,7 +161,7 @@ def open_files_under(pid: int, root: str) -> list[tuple[str, int]]:
             with open(f"/proc/{pid}/fdinfo/{fd}") as f:
                 flags = next(int(line.split()[1], 8) for line in f if line.startswith("flags:"))
             if flags & os.O_PATH:
-                continue    # glibc's fchmodat(AT_SYMLINK_NOFOLLOW) holds one on a new directory; no IO
+                continue  # glibc's fchmodat(AT_SYMLINK_NOFOLLOW) holds one on a new directory; no IO
             out.append((target, flags))
         except (OSError, StopIteration):
             continue
@@ -185,10 +203,10 @@ def test_kv_file_round_trips_and_is_laid_out_as_documented(tmp_path, pool_buf, l
     assert len(raw) == 4096 + kvfile.align_up(length) and raw[:8] == kvfile.MAGIC
     h = kvfile.unpack_header(memoryview(raw))
     assert (h.block, h.payload_len) == (BLOCK, length)
-    assert raw[4096: 4096 + length] == payload and not any(raw[4096 + length:])
+    assert raw[4096 : 4096 + length] == payload and not any(raw[4096 + length :])
     pool_buf[: 1 << 20] = bytes(1 << 20)
     assert io.read(FP, BLOCK, 4096 * 8, length) == len(raw)
-    assert pool_buf[4096 * 8: 4096 * 8 + length] == payload
+    assert pool_buf[4096 * 8 : 4096 * 8 + length] == payload
     assert io.write(FP, BLOCK, 0, length) == (0, True), "a complete file is not written again"
     assert not [p for p in tmp_path.rglob("*") if p.name.endswith(kvfile.TMP_SUFFIX)]
 
@@ -201,24 +219,31 @@ def test_one_flipped_byte_anywhere_in_a_kv_file_is_detected(tmp_path, pool_buf, 
     io = KvFileIO(str(tmp_path), pool_buf, o_direct=True, bounce_reads=bounce)
     io.write(FP, BLOCK, 0, length)
     path = kvfile.file_path(str(tmp_path), FP, BLOCK.key, BLOCK.rank)
-    offset = {"magic": 3, "namespace": 20, "header-padding": 3000, "payload": 4096 + 5000,
-              "payload-padding": 4096 + length + 7}[where]
+    offset = {
+        "magic": 3,
+        "namespace": 20,
+        "header-padding": 3000,
+        "payload": 4096 + 5000,
+        "payload-padding": 4096 + length + 7,
+    }[where]
     with open(path, "r+b") as f:
         f.seek(offset)
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0x01]))
-    before = bytes(pool_buf[8192: 8192 + length])
+    before = bytes(pool_buf[8192 : 8192 + length])
     with pytest.raises(CorruptFile):
         io.read(FP, BLOCK, 8192, length)
     if bounce:
-        assert bytes(pool_buf[8192: 8192 + length]) == before, "unverified bytes never reach the pool"
+        assert bytes(pool_buf[8192 : 8192 + length]) == before, "unverified bytes never reach the pool"
 
 
 def test_a_file_of_another_block_or_length_is_rejected(tmp_path, pool_buf):
     io = KvFileIO(str(tmp_path), pool_buf, o_direct=True)
     io.write(FP, BLOCK, 0, 8192)
-    os.rename(kvfile.file_path(str(tmp_path), FP, BLOCK.key, 1), kvfile.file_path(str(tmp_path), FP, BLOCK.key, 0))
+    os.rename(
+        kvfile.file_path(str(tmp_path), FP, BLOCK.key, 1), kvfile.file_path(str(tmp_path), FP, BLOCK.key, 0)
+    )
     with pytest.raises(CorruptFile, match="header names"):
         io.read(FP, BLOCK._replace(rank=0), 0, 8192)
     with pytest.raises(CorruptFile, match="bytes, expected"):
@@ -266,8 +291,21 @@ def test_random_payloads_round_trip_byte_exact_through_the_io_workers(tmp_path, 
         w.close()
 
 
+def test_io_workers_spill_at_the_lowest_io_priority(tmp_path):
+    with running(private_env(pool_size="64m", storage=str(tmp_path))) as srv:
+        w = Writer(srv)
+        pids = io_worker_pids(w)
+        keys = w.keys(range(4))
+        w.put(keys)
+        w.wait_spilled(4)  # the workers are past their start-up now
+        levels = {psutil.Process(p).ionice() for p in pids}
+        # Whichever worker spilled switched to best-effort level 7; one that did not is unchanged.
+        assert (psutil.IOPRIO_CLASS_BE, BE_LOWEST) in levels, levels
+        w.close()
+
+
 def test_files_are_opened_with_o_direct_when_the_probe_succeeds(tmp_path):
-    shard = 32 << 20     # big writes: the worker holds each file open for ≈ 10 ms
+    shard = 32 << 20  # big writes: the worker holds each file open for ≈ 10 ms
     with running(private_env(pool_size="512m", storage=str(tmp_path))) as srv:
         w = Writer(srv, shard=shard)
         pids = io_worker_pids(w)
@@ -287,8 +325,10 @@ def test_files_are_opened_with_o_direct_when_the_probe_succeeds(tmp_path):
 
 
 def test_buffered_io_when_the_file_system_refuses_o_direct(tmp_path):
-    with mounted("ramfs", tmp_path / "ram") as ram, \
-            running(private_env(pool_size="64m", storage=str(ram))) as srv:
+    with (
+        mounted("ramfs", tmp_path / "ram") as ram,
+        running(private_env(pool_size="64m", storage=str(ram))) as srv,
+    ):
         w = Writer(srv)
         s = w.storage()
         assert not s["o_direct"] and s["o_direct_reason"] == "EINVAL on ramfs (open)"
@@ -310,7 +350,7 @@ def test_a_block_that_has_a_file_is_not_written_again(tmp_path):
         w.put(keys)
         w.wait_spilled(3)
         w.c.clear(w.ns.ns_id)
-        w.put(keys)                                    # the engine saved them again
+        w.put(keys)  # the engine saved them again
         w.put(w.keys(["new"]))
         s = w.wait_spilled(4)
         time.sleep(0.3)
@@ -334,7 +374,7 @@ def test_worker_killed_during_a_large_write_leaves_no_partial_file(tmp_path):
                     victim = pid
                     break
         assert victim, "never caught a worker writing a temporary file"
-        for p in storage_files(tmp_path, ".kv"):    # nothing partial is visible under a final name
+        for p in storage_files(tmp_path, ".kv"):  # nothing partial is visible under a final name
             key, rank = kvfile.parse_name(p.name)
             assert verify_file(str(p), FP, key, rank, 1, shard) == w.data[key][0]
         # the server fails the lost job, removes its temporary file, restarts the worker and retries
@@ -415,10 +455,10 @@ def test_capacity_limit_evicts_least_recently_used_files(tmp_path):
     with running(private_env(storage=str(tmp_path), HPKV_KV_STORAGE_SIZE=str(cap))) as srv:
         w = Writer(srv, shard=shard)
         keys = w.keys(range(6))
-        for i in range(4):                       # one at a time: a known spill order
-            w.put(keys[i:i + 1])
+        for i in range(4):  # one at a time: a known spill order
+            w.put(keys[i : i + 1])
             w.wait_spilled(i + 1)
-        w.c.pin(w.ns.ns_id, keys[:1])            # block 0 is used: its file is recent now
+        w.c.pin(w.ns.ns_id, keys[:1])  # block 0 is used: its file is recent now
         w.c.unpin(w.ns.ns_id, keys[:1])
         w.put(keys[4:5])
         w.wait_spilled(5)
@@ -435,15 +475,17 @@ def test_capacity_limit_evicts_least_recently_used_files(tmp_path):
 def test_enospc_leaves_no_partial_file_keeps_reads_and_recovers(tmp_path):
     shard = 200_000
     # mode=0700: a world-writable storage root (tmpfs defaults to 1777) is refused
-    with mounted("tmpfs", tmp_path / "small", "size=2m,mode=0700") as root, \
-            running(private_env(storage=str(root), HPKV_STORAGE_MIN_FREE="0")) as srv:
+    with (
+        mounted("tmpfs", tmp_path / "small", "size=2m,mode=0700") as root,
+        running(private_env(storage=str(root), HPKV_STORAGE_MIN_FREE="0")) as srv,
+    ):
         w = Writer(srv, shard=shard)
-        early = w.keys(["early-%d" % i for i in range(2)])
+        early = w.keys([f"early-{i}" for i in range(2)])
         w.put(early)
         w.wait_spilled(2)
         free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
         ballast = root / "ballast"
-        with open(ballast, "wb") as f:          # leave room for less than one more file
+        with open(ballast, "wb") as f:  # leave room for less than one more file
             f.write(b"\0" * (free - kvfile.file_size(shard) // 2))
         fp2 = namespace_fingerprint({"model": "storage-test", "part": 2})
         w2 = Writer(srv, shard=shard, fp=fp2, seed=1)
@@ -453,12 +495,14 @@ def test_enospc_leaves_no_partial_file_keeps_reads_and_recovers(tmp_path):
         s = w.storage()
         assert s["spill_paused"] and s["files"] == 2
         assert not storage_files(root, kvfile.TMP_SUFFIX), "the temporary file was removed"
-        assert sorted(p.name for p in storage_files(root, ".kv")) == sorted(kvfile.file_name(k, 0) for k in early)
+        assert sorted(p.name for p in storage_files(root, ".kv")) == sorted(
+            kvfile.file_name(k, 0) for k in early
+        )
         # reads are unaffected
         w.c.clear(w.ns.ns_id)
         w.check_rows(early, w.c.promote(w.ns.ns_id, early))
         w.c.unpin(w.ns.ns_id, early)
-        time.sleep(2.5)                          # let a retry or two fail: still logged once
+        time.sleep(2.5)  # let a retry or two fail: still logged once
         ballast.unlink()
         s = w2.wait_storage(lambda s: s["files"] == 5 and not s["spill_paused"], 60, "recovery")
         assert s["spills"] == 5
@@ -474,9 +518,9 @@ def test_enospc_leaves_no_partial_file_keeps_reads_and_recovers(tmp_path):
 def test_spilling_pauses_under_the_minimum_free_space_and_the_pool_still_evicts(tmp_path):
     with running(private_env(pool_size="8m", storage=str(tmp_path), HPKV_STORAGE_MIN_FREE="100")) as srv:
         w = Writer(srv, shard=1 << 20)
-        keys = w.keys(range(12))                  # 12 MiB through an 8 MiB pool
+        keys = w.keys(range(12))  # 12 MiB through an 8 MiB pool
         for i in range(0, 12, 4):
-            w.put(keys[i:i + 4])
+            w.put(keys[i : i + 4])
         s = w.storage()
         assert s["spill_paused"] and s["spills"] == 0 and s["files"] == 0
         assert w.c.lookup(w.ns.ns_id, keys[8:]) == (4, [1] * 4)
@@ -580,12 +624,12 @@ def test_unpinning_failed_promote_rows_never_releases_another_clients_pin(tmp_pa
         w = Writer(srv)
         keys = w.keys(range(2))
         w.put(keys[:1])
-        w.c.pin(w.ns.ns_id, keys[:1])                       # client A holds block 0
+        w.c.pin(w.ns.ns_id, keys[:1])  # client A holds block 0
         with connect(srv.cfg, spawn=False) as other:
             other.attach_namespace(FP, 1, w.shard)
-            rows = other.promote(w.ns.ns_id, keys[1:])      # block 1 exists nowhere: -1
+            rows = other.promote(w.ns.ns_id, keys[1:])  # block 1 exists nowhere: -1
             assert (rows == -1).all()
-            other.unpin(w.ns.ns_id, keys)                   # sloppy: unpins everything it asked for
+            other.unpin(w.ns.ns_id, keys)  # sloppy: unpins everything it asked for
         assert w.c.stats()["namespaces"][0]["blocks_pinned"] == 1, "A's pin survives"
         w.c.unpin(w.ns.ns_id, keys[:1])
         assert w.c.stats()["namespaces"][0]["blocks_pinned"] == 0
@@ -594,8 +638,13 @@ def test_unpinning_failed_promote_rows_never_releases_another_clients_pin(tmp_pa
 
 # ------------------------------------------------------------------ stop: pending spills first
 def _hpkv_stop(env) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "hpkv", "stop"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "hpkv", "stop"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_hpkv_stop_writes_pending_spills_before_it_exits(tmp_path):
@@ -603,7 +652,7 @@ def test_hpkv_stop_writes_pending_spills_before_it_exits(tmp_path):
     with running(env) as srv:
         w = Writer(srv)
         pids = io_worker_pids(w)
-        for pid in pids:                      # spills queue up behind stalled IO workers
+        for pid in pids:  # spills queue up behind stalled IO workers
             os.kill(pid, signal.SIGSTOP)
         keys = w.keys(range(6))
         w.put(keys)

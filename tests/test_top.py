@@ -1,4 +1,5 @@
 """hpkv-top in a real terminal (tmux), its --once frame, the frame layout and the ring peek."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,20 +11,19 @@ import sys
 import threading
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from hpkv.client.connection import connect
-from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.monitor.frame import render, render_text
 from hpkv.monitor.rings import peek
 from hpkv.monitor.sample import View
+from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.ring import Ring
-from hpkv.testing.server import ServerProcess, private_env
-
 from hpkv.testing.device import make_device
+from hpkv.testing.server import ServerProcess, private_env
 
 FP = namespace_fingerprint({"model": "top-test"})
 BLOCK_TOKENS = 16
@@ -31,14 +31,17 @@ PAGE, LAYERS = 4096, 4
 SLOT = PAGE * LAYERS
 N_BLOCKS = 6
 
-needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None,
-                                reason="tmux is not installed (scripts/setup.sh installs it as root)")
+needs_tmux = pytest.mark.skipif(
+    shutil.which("tmux") is None, reason="tmux is not installed (scripts/setup.sh installs it as root)"
+)
 
 
 def top_command(*args: str) -> list[str]:
     """The installed console script when there is one, else the module it runs."""
     script = os.path.join(os.path.dirname(sys.executable), "hpkv-top")
-    return [script, *args] if os.access(script, os.X_OK) else [sys.executable, "-m", "hpkv.monitor.top", *args]
+    return (
+        [script, *args] if os.access(script, os.X_OK) else [sys.executable, "-m", "hpkv.monitor.top", *args]
+    )
 
 
 # ------------------------------------------------------------------ a server with known traffic
@@ -89,17 +92,20 @@ class Tmux:
         self.socket = f"hpkv-top-test-{uuid.uuid4().hex[:8]}"
         self.env = {**env, "TERM": "xterm-256color", "LANG": "C.UTF-8"}
         # where tmux puts a -L socket; it leaves the file behind when its server is killed
-        self.socket_path = os.path.join(self.env.get("TMUX_TMPDIR", "/tmp"), f"tmux-{os.getuid()}", self.socket)
+        self.socket_path = os.path.join(
+            self.env.get("TMUX_TMPDIR", "/tmp"), f"tmux-{os.getuid()}", self.socket
+        )
 
     def start(self, width: int, height: int, *args: str) -> None:
         cmd = " ".join(map(_quote, top_command(*args)))
         # the shell stays after hpkv-top exits, so a crash leaves its traceback and status on screen
-        shell = f"{cmd}; echo \"hpkv-top exited with status $?\"; sleep 600"
+        shell = f'{cmd}; echo "hpkv-top exited with status $?"; sleep 600'
         self.tmux("new-session", "-d", "-s", "top", "-x", str(width), "-y", str(height), shell)
 
     def tmux(self, *args: str) -> str:
-        out = subprocess.run(["tmux", "-L", self.socket, *args], env=self.env, capture_output=True, text=True,
-                             timeout=30)
+        out = subprocess.run(
+            ["tmux", "-L", self.socket, *args], env=self.env, capture_output=True, text=True, timeout=30
+        )
         assert out.returncode == 0, f"tmux {' '.join(args)}: {out.stderr}"
         return out.stdout
 
@@ -125,7 +131,9 @@ class Tmux:
         assert self.size() == (width, height)
 
     def close(self) -> None:
-        subprocess.run(["tmux", "-L", self.socket, "kill-server"], env=self.env, capture_output=True, timeout=30)
+        subprocess.run(
+            ["tmux", "-L", self.socket, "kill-server"], env=self.env, capture_output=True, timeout=30
+        )
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
 
@@ -168,7 +176,7 @@ def cell(header: str, row: str, label: str) -> str:
     if label in ("NAMESPACE", "KIND", "STATE", "DEVICE", "CPUS", "NAME", "RANKS"):
         return tail[0] if tail else ""
     words = row[:end].split()
-    if words[-1] in ("B", "KiB", "MiB", "GiB", "TiB"):   # a size: "96.0 KiB"
+    if words[-1] in ("B", "KiB", "MiB", "GiB", "TiB"):  # a size: "96.0 KiB"
         return " ".join(words[-2:])
     return words[-1]
 
@@ -178,7 +186,7 @@ def table(screen: str, first_label: str, key_label: str, key: str) -> tuple[str,
     lines = screen.splitlines()
     for i, line in enumerate(lines):
         if line.startswith(first_label) and key_label in line:
-            for row in lines[i + 1:]:
+            for row in lines[i + 1 :]:
                 if not row.strip() or row.strip().startswith("+ "):
                     break
                 if cell(line, row, key_label) == key:
@@ -224,8 +232,11 @@ def test_screen_shows_the_blocks_hits_and_workers_the_test_caused(server, traffi
         top.wait_for("a DRAM hit rate", lambda s: line_with(s, "^hits DRAM").split()[2] not in ("0", "0.0"))
     finally:
         lookups.join()
-    screen = top.wait_for(f"{traffic.hits} DRAM hits",
-                          lambda s: line_with(s, "^hits DRAM").split()[4] == str(traffic.hits), timeout=10)
+    screen = top.wait_for(
+        f"{traffic.hits} DRAM hits",
+        lambda s: line_with(s, "^hits DRAM").split()[4] == str(traffic.hits),
+        timeout=10,
+    )
     head, row = table(screen, "NAMESPACE", "NAMESPACE", "top-model")
     assert cell(head, row, "HITS DRAM") == str(traffic.hits)
 
@@ -279,7 +290,7 @@ def test_waits_for_a_server_and_follows_it_across_a_restart(tmux_top):
 
         second.start()
         top.wait_for(f"the new server {second.proc.pid}", lambda s: f"server {second.proc.pid}" in s)
-        second.kill()   # SIGKILL: no clean-up; the lock goes with the process
+        second.kill()  # SIGKILL: no clean-up; the lock goes with the process
         top.wait_for("'no server' after a kill", lambda s: no_server in s)
         assert "exited with status" not in top.screen()
     finally:
@@ -289,8 +300,13 @@ def test_waits_for_a_server_and_follows_it_across_a_restart(tmux_top):
 
 # ------------------------------------------------------------------ --once
 def test_once_prints_one_plain_frame_with_the_servers_figures(server, traffic):
-    out = subprocess.run(top_command("--once", "--width", "100", "-d", "0.2"), env=server.env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        top_command("--once", "--width", "100", "-d", "0.2"),
+        env=server.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "\x1b" not in text, "plain text: no terminal escapes"
@@ -306,43 +322,96 @@ def test_once_without_a_server_names_the_pool_directory_and_fails():
     try:
         out = subprocess.run(top_command("--once"), env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 1
-        assert f"no hpkv server is running for the pool directory {env['HPKV_SHARE_MEM_FILE_PATH']}" in out.stdout
+        assert (
+            f"no hpkv server is running for the pool directory {env['HPKV_SHARE_MEM_FILE_PATH']}"
+            in out.stdout
+        )
     finally:
-        ServerProcess(env).cleanup()   # its config file
+        ServerProcess(env).cleanup()  # its config file
 
 
 # ------------------------------------------------------------------ frame layout (no terminal)
 def _busy_view(n_workers: int = 12, n_clients: int = 6, storage: dict | None = None) -> View:
     snap = {
-        "server": {"pid": 4242, "start_time": time.time() - 3725, "heartbeat_age_s": 0.1,
-                   "pool_dir": "/dev/shm/hpkv", "storage": "/nvme/hpkv"},
+        "server": {
+            "pid": 4242,
+            "start_time": time.time() - 3725,
+            "heartbeat_age_s": 0.1,
+            "pool_dir": "/dev/shm/hpkv",
+            "storage": "/nvme/hpkv",
+        },
         "pool": {"capacity_bytes": 8 << 30, "used_bytes": 3 << 30, "pinned_bytes": 1 << 20, "blocks": 1536},
-        "requests": 123456, "errors": 0, "worker_restarts": 1,
-        "namespaces": [{"id": i, "name": f"model-{i}", "fingerprint": f"{i:016x}", "world_size": 2,
-                        "shard_bytes": 1 << 20, "block_tokens": 16, "blocks_dram": 700 + i, "bytes_dram": 700 << 21,
-                        "blocks_pinned": 3, "blocks_storage": 5000, "hits_dram": 10 ** 7, "hits_storage": 4000,
-                        "misses": 99, "lookups": 300, "evictions": 12, "reserve_failed": 0, "commits": 900,
-                        "blocks_reserved": 4} for i in range(3)],
-        "workers": [{"slot": i, "kind": "transfer" if i < n_workers // 2 else "io", "name": f"w{i}",
-                     "device": f"cuda:{i % 8}", "numa_node": i % 2,
-                     "cpus": list(range(32 * (i % 2), 32 * (i % 2) + 32)),
-                     "restarts": 0, "rings": [f"w{i}.req", f"w{i}.resp"], "pid": 10000 + i, "state": "running",
-                     "jobs": 5000, "jobs_failed": 0, "bytes_saved": 1 << 34, "bytes_loaded": 1 << 33,
-                     "busy_ns": 10 ** 9, "inflight_seq": i % 2, "heartbeat_ns": time.time_ns(), }
-                    for i in range(n_workers)],
-        "clients": [{"id": i, "pid": 20000 + i, "name": f"vllm-{i}", "namespaces": [i % 3], "ranks": [0, 1]}
-                    for i in range(n_clients)],
+        "requests": 123456,
+        "errors": 0,
+        "worker_restarts": 1,
+        "namespaces": [
+            {
+                "id": i,
+                "name": f"model-{i}",
+                "fingerprint": f"{i:016x}",
+                "world_size": 2,
+                "shard_bytes": 1 << 20,
+                "block_tokens": 16,
+                "blocks_dram": 700 + i,
+                "bytes_dram": 700 << 21,
+                "blocks_pinned": 3,
+                "blocks_storage": 5000,
+                "hits_dram": 10**7,
+                "hits_storage": 4000,
+                "misses": 99,
+                "lookups": 300,
+                "evictions": 12,
+                "reserve_failed": 0,
+                "commits": 900,
+                "blocks_reserved": 4,
+            }
+            for i in range(3)
+        ],
+        "workers": [
+            {
+                "slot": i,
+                "kind": "transfer" if i < n_workers // 2 else "io",
+                "name": f"w{i}",
+                "device": f"cuda:{i % 8}",
+                "numa_node": i % 2,
+                "cpus": list(range(32 * (i % 2), 32 * (i % 2) + 32)),
+                "restarts": 0,
+                "rings": [f"w{i}.req", f"w{i}.resp"],
+                "pid": 10000 + i,
+                "state": "running",
+                "jobs": 5000,
+                "jobs_failed": 0,
+                "bytes_saved": 1 << 34,
+                "bytes_loaded": 1 << 33,
+                "busy_ns": 10**9,
+                "inflight_seq": i % 2,
+                "heartbeat_ns": time.time_ns(),
+            }
+            for i in range(n_workers)
+        ],
+        "clients": [
+            {"id": i, "pid": 20000 + i, "name": f"vllm-{i}", "namespaces": [i % 3], "ranks": [0, 1]}
+            for i in range(n_clients)
+        ],
         "rings": [{"name": f"c{i}.{d}", "capacity": 1024} for i in range(n_clients) for d in ("req", "resp")],
     }
     if storage is not None:
         snap["storage"] = storage
     from hpkv.monitor.rings import RingLevel
+
     rings = {r["name"]: RingLevel(i % 5, 1024) for i, r in enumerate(snap["rings"])}
     rings.update({f"w{i}.req": RingLevel(3, 1024) for i in range(n_workers)})
-    return View("/dev/shm/hpkv", "up", pid=4242, snap=snap, rings=rings,
-                totals={"hits_dram": 3 * 10 ** 7}, rates={"hits_dram": 1234.5, "dev_save": 2.5e9},
-                history={"hits_dram": [(60 - t, float(t)) for t in range(60)]},
-                worker_busy={i: 0.5 for i in range(n_workers)})
+    return View(
+        "/dev/shm/hpkv",
+        "up",
+        pid=4242,
+        snap=snap,
+        rings=rings,
+        totals={"hits_dram": 3 * 10**7},
+        rates={"hits_dram": 1234.5, "dev_save": 2.5e9},
+        history={"hits_dram": [(60 - t, float(t)) for t in range(60)]},
+        worker_busy={i: 0.5 for i in range(n_workers)},
+    )
 
 
 @pytest.mark.parametrize("width,height", [(80, 24), (100, 30), (200, 60)])
@@ -357,16 +426,38 @@ def test_frame_fits_the_screen_and_counts_what_it_leaves_out(width, height):
 
 
 def test_frame_shows_the_storage_tier_and_why_o_direct_is_off():
-    storage = {"path": "/nvme/hpkv", "files": 5000, "bytes": 5 << 30, "capacity_bytes": 100 << 30,
-               "free_bytes": 700 << 30, "o_direct": False, "o_direct_reason": "tmpfs rejects O_DIRECT",
-               "io_errors": 2, "quarantined": 1, "spill_paused": True, "bytes_written": 1, "bytes_read": 1,
-               "spills": 10, "promotes": 3, "evicted_files": 7}
+    storage = {
+        "path": "/nvme/hpkv",
+        "files": 5000,
+        "bytes": 5 << 30,
+        "capacity_bytes": 100 << 30,
+        "free_bytes": 700 << 30,
+        "o_direct": False,
+        "o_direct_reason": "tmpfs rejects O_DIRECT",
+        "io_errors": 2,
+        "quarantined": 1,
+        "spill_paused": True,
+        "bytes_written": 1,
+        "bytes_read": 1,
+        "spills": 10,
+        "promotes": 3,
+        "evicted_files": 7,
+    }
     text = render_text(_busy_view(storage=storage), 120, 40)
     line = line_with(text, "^STORAGE")
-    assert "/nvme/hpkv" in line and "5000 files" in line and "5.0 GiB of 100.0 GiB" in line and "free 700.0 GiB" in line
+    assert (
+        "/nvme/hpkv" in line
+        and "5000 files" in line
+        and "5.0 GiB of 100.0 GiB" in line
+        and "free 700.0 GiB" in line
+    )
     detail = text.splitlines()[text.splitlines().index(line) + 1]
-    assert "O_DIRECT off (tmpfs rejects O_DIRECT)" in detail and "io errors 2" in detail \
-        and "quarantined 1" in detail and "SPILL PAUSED" in detail
+    assert (
+        "O_DIRECT off (tmpfs rejects O_DIRECT)" in detail
+        and "io errors 2" in detail
+        and "quarantined 1" in detail
+        and "SPILL PAUSED" in detail
+    )
 
 
 def test_frame_without_unicode_uses_ascii_sparklines():

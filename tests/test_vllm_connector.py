@@ -5,6 +5,7 @@ tests restart it and finally kill hpkv under it). Prompts are short; the block
 size is 32 tokens and the load threshold 64 tokens, so every tier is exercised
 in seconds. hpkv's own counters (``hpkv status --json``) prove which tier served.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -21,17 +22,19 @@ import time
 import pytest
 import requests
 
-from hpkv.testing.vllm_server import hpkv_loads, hpkv_status
 from hpkv.testing.server import private_env
-from hpkv.testing.vllm_server import VllmServer
+from hpkv.testing.vllm_server import VllmServer, hpkv_loads, hpkv_status
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 BLOCK = 32
 THRESHOLD = 64
-MODULE_PATH_FORM = {"kv_connector": "HpkvConnectorV1", "kv_role": "kv_both",
-                    "kv_connector_module_path": "hpkv.connectors.vllm"}
-SEED_FORM = {"kv_connector": "HpkvConnectorV1", "kv_role": "kv_both"}   # CT-HPKV's own command line
+MODULE_PATH_FORM = {
+    "kv_connector": "HpkvConnectorV1",
+    "kv_role": "kv_both",
+    "kv_connector_module_path": "hpkv.connectors.vllm",
+}
+SEED_FORM = {"kv_connector": "HpkvConnectorV1", "kv_role": "kv_both"}  # CT-HPKV's own command line
 
 
 def vllm_args(ktc: dict) -> list[str]:
@@ -41,8 +44,13 @@ def vllm_args(ktc: dict) -> list[str]:
 @pytest.fixture(scope="module")
 def hpkv_env():
     storage = tempfile.mkdtemp(prefix="hpkv-e2e-storage-", dir="/var/tmp")
-    env = private_env(pool_size="512m", storage=storage, VLLM_HPKV_TOKEN_THRESHOLD=str(THRESHOLD),
-                      HPKV_SERVER_IDLE_EXIT="30", HPKV_LOG_LEVEL="INFO")
+    env = private_env(
+        pool_size="512m",
+        storage=storage,
+        VLLM_HPKV_TOKEN_THRESHOLD=str(THRESHOLD),
+        HPKV_SERVER_IDLE_EXIT="30",
+        HPKV_LOG_LEVEL="INFO",
+    )
     try:
         yield env
     finally:
@@ -54,8 +62,9 @@ def hpkv_env():
 
 @pytest.fixture(scope="module")
 def server(tiny_model, hpkv_env):
-    srv = VllmServer(tiny_model, extra_args=vllm_args(MODULE_PATH_FORM), env=hpkv_env, dev_mode=True,
-                     max_model_len=4096)
+    srv = VllmServer(
+        tiny_model, extra_args=vllm_args(MODULE_PATH_FORM), env=hpkv_env, dev_mode=True, max_model_len=4096
+    )
     srv.start().wait_ready()
     try:
         yield srv
@@ -75,8 +84,9 @@ def complete(srv: VllmServer, prompt: str) -> tuple[str, list]:
 
 
 def reset(srv: VllmServer, external: bool = False) -> None:
-    r = requests.post(f"{srv.url}/reset_prefix_cache", params={"reset_external": str(external).lower()},
-                      timeout=60)
+    r = requests.post(
+        f"{srv.url}/reset_prefix_cache", params={"reset_external": str(external).lower()}, timeout=60
+    )
     assert r.status_code == 200, r.text
 
 
@@ -103,8 +113,9 @@ def wait_for_files(env, n: int, timeout: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def assert_same_up_to_noise(got: list[tuple[str, list]], expected: list[tuple[str, list]],
-                            tol: float = 0.05) -> None:
+def assert_same_up_to_noise(
+    got: list[tuple[str, list]], expected: list[tuple[str, list]], tol: float = 0.05
+) -> None:
     """Batched outputs, compared where batching may differ: vLLM's frontend hands the prompts of one
     call to the engine one by one, so a step may batch them differently from run to run, and the
     tiny random model's near-uniform logits make greedy picks flip on rounding. Per request: every
@@ -118,8 +129,13 @@ def assert_same_up_to_noise(got: list[tuple[str, list]], expected: list[tuple[st
             pick_g, pick_e = max(g, key=g.get), max(e, key=e.get)
             if pick_g != pick_e:
                 for lp in (g, e):
-                    assert pick_g in lp and pick_e in lp and abs(lp[pick_g] - lp[pick_e]) <= tol, \
-                        (i, pos, "a differing pick that is not a near tie", g, e)
+                    assert pick_g in lp and pick_e in lp and abs(lp[pick_g] - lp[pick_e]) <= tol, (
+                        i,
+                        pos,
+                        "a differing pick that is not a near tie",
+                        g,
+                        e,
+                    )
                 break
         else:
             assert text_g == text_e, i
@@ -131,11 +147,11 @@ HIT_TOKENS = 6 * BLOCK
 
 
 def test_every_tier_gives_the_same_greedy_output_and_logprobs(server, hpkv_env):
-    cold_text, _ = complete(server, PROMPT)                       # recompute; hpkv saves 6 blocks
-    gpu_text, gpu_lp = complete(server, PROMPT)                   # vLLM's own prefix cache
+    cold_text, _ = complete(server, PROMPT)  # recompute; hpkv saves 6 blocks
+    gpu_text, gpu_lp = complete(server, PROMPT)  # vLLM's own prefix cache
     assert gpu_text == cold_text
 
-    reset(server)                                                  # vLLM's cache only: hpkv keeps DRAM
+    reset(server)  # vLLM's cache only: hpkv keeps DRAM
     before = loaded(hpkv_env)
     dram_text, dram_lp = complete(server, PROMPT)
     assert delta(before, loaded(hpkv_env)) == {"dram": HIT_TOKENS, "storage": 0}
@@ -145,7 +161,7 @@ def test_every_tier_gives_the_same_greedy_output_and_logprobs(server, hpkv_env):
     # A block whose write-through still runs keeps its DRAM copy at the reset (its slot is being
     # read); on a loaded machine the IO workers may still be starting, so wait for the files.
     wait_for_files(hpkv_env, 6)
-    reset(server, external=True)                                   # drops hpkv's DRAM tier; files stay
+    reset(server, external=True)  # drops hpkv's DRAM tier; files stay
     before = loaded(hpkv_env)
     storage_text, storage_lp = complete(server, PROMPT)
     assert delta(before, loaded(hpkv_env)) == {"dram": 0, "storage": HIT_TOKENS}
@@ -154,14 +170,14 @@ def test_every_tier_gives_the_same_greedy_output_and_logprobs(server, hpkv_env):
 
 
 def test_mixed_dram_and_storage_hit(server, hpkv_env):
-    prompt = letters(232, seed=2)                                  # 7 full blocks + 8 tokens
+    prompt = letters(232, seed=2)  # 7 full blocks + 8 tokens
     files = kv_files(hpkv_env)
     cold_text, _ = complete(server, prompt)
     gpu_text, gpu_lp = complete(server, prompt)
     wait_for_files(hpkv_env, files + 7)
-    reset(server, external=True)                                   # everything now only on storage
+    reset(server, external=True)  # everything now only on storage
     head = " ".join(prompt.split()[: 4 * BLOCK])
-    complete(server, head + " " + letters(40, seed=3))            # promotes blocks 0-3 back into DRAM
+    complete(server, head + " " + letters(40, seed=3))  # promotes blocks 0-3 back into DRAM
     reset(server)
     before = loaded(hpkv_env)
     text, lp = complete(server, prompt)
@@ -170,12 +186,44 @@ def test_mixed_dram_and_storage_hit(server, hpkv_env):
     assert lp == gpu_lp
 
 
+def newest_kv_files(env, n: int) -> list[str]:
+    root = env["HPKV_KV_STORAGE_PATH"]
+    paths = [
+        os.path.join(d, f)
+        for d, _, fs in os.walk(root)
+        if "quarantine" not in d
+        for f in fs
+        if f.endswith(".kv")
+    ]
+    return sorted(paths, key=os.path.getmtime)[-n:]
+
+
+def test_a_background_storage_load_that_fails_half_way_recomputes_what_failed(server, hpkv_env):
+    prompt = letters(232, seed=10)  # 7 full blocks + 8 tokens
+    files = kv_files(hpkv_env)
+    cold_text, cold_lp = complete(server, prompt)
+    wait_for_files(hpkv_env, files + 7)
+    victim = newest_kv_files(hpkv_env, 7)[3]
+    with open(victim, "r+b") as f:  # one block's payload no longer matches its checksum
+        f.seek(os.path.getsize(victim) // 2)
+        f.write(b"\xa5" * 512)
+    reset(server, external=True)  # only the files are left: the hit loads in the background
+    quarantined = hpkv_status(hpkv_env)["storage"]["quarantined"]
+    before = loaded(hpkv_env)
+    text, lp = complete(server, prompt)
+    got = delta(before, loaded(hpkv_env))
+    assert got["dram"] == 0 and 0 < got["storage"] < 7 * BLOCK, got
+    assert hpkv_status(hpkv_env)["storage"]["quarantined"] == quarantined + 1
+    assert_same_up_to_noise([(text, lp)], [(cold_text, cold_lp)])
+    assert "could not be loaded" in server.log_tail(50_000)
+
+
 def test_hit_below_the_threshold_loads_nothing(server, hpkv_env):
     prompt = letters(100, seed=4)
     complete(server, prompt)
     reset(server)
     before = loaded(hpkv_env)
-    short = " ".join(prompt.split()[:BLOCK]) + " " + letters(60, seed=5)   # shares 1 block = 32 < 64 tokens
+    short = " ".join(prompt.split()[:BLOCK]) + " " + letters(60, seed=5)  # shares 1 block = 32 < 64 tokens
     complete(server, short)
     assert delta(before, loaded(hpkv_env)) == {"dram": 0, "storage": 0}
 
@@ -190,12 +238,12 @@ def batch(srv: VllmServer, prompts: list[str]) -> list[tuple[str, list]]:
 def test_concurrent_requests_with_overlapping_prefixes_get_the_same_outputs(server, hpkv_env):
     shared = letters(96, seed=6)
     prompts = [shared + " " + letters(40 + 9 * i, seed=100 + i) for i in range(8)]
-    cold = batch(server, prompts)                  # computed; hpkv saves shared and own blocks
-    expected = batch(server, prompts)              # vLLM's prefix cache, batched the same way
+    cold = batch(server, prompts)  # computed; hpkv saves shared and own blocks
+    expected = batch(server, prompts)  # vLLM's prefix cache, batched the same way
     assert [t for t, _ in expected] == [t for t, _ in cold]
     reset(server)
     before = loaded(hpkv_env)
-    got = batch(server, prompts)                   # 8 requests load overlapping prefixes in one step
+    got = batch(server, prompts)  # 8 requests load overlapping prefixes in one step
     # Request 0 loads the shared prefix; the others hit it in vLLM's cache (loaded in this
     # very step) and load only their own blocks, when those reach the threshold.
     own = [(len(p.split()) - 1) // BLOCK - 3 for p in prompts[1:]]
@@ -217,11 +265,11 @@ def test_restarted_vllm_loads_from_storage_with_the_seed_command_line(server, hp
     prompt = letters(170, seed=7)
     files = kv_files(hpkv_env)
     cold_text, _ = complete(server, prompt)
-    wait_for_files(hpkv_env, files + 5)                           # `hpkv stop` drops unwritten spills
+    wait_for_files(hpkv_env, files + 5)  # `hpkv stop` drops unwritten spills
     server.stop()
     # A restarted engine with a restarted hpkv: the DRAM pool is gone, the files are not.
     subprocess.run([sys.executable, "-m", "hpkv", "stop"], env=hpkv_env, capture_output=True, timeout=60)
-    server.extra_args = vllm_args(SEED_FORM)                       # no module path: the vLLM plugin
+    server.extra_args = vllm_args(SEED_FORM)  # no module path: the vLLM plugin
     server.start().wait_ready()
     before = loaded(hpkv_env)
     text, _ = complete(server, prompt)
@@ -245,11 +293,11 @@ def test_killed_hpkv_server_means_recompute_not_errors(server, hpkv_env):
         text, _ = complete(server, prompt)
         assert text == expected
         assert time.monotonic() - t0 < 60, "a dead hpkv must not stall vLLM"
-        complete(server, letters(80, seed=200 + i))               # new prompts: saves fail quietly
+        complete(server, letters(80, seed=200 + i))  # new prompts: saves fail quietly
     # Each role (scheduler, worker) says once that hpkv went away and once that it is back
     # (the connector auto-spawns a new server), not on every retry.
     deadline = time.monotonic() + 90
-    for i in range(1000):   # new prompts: the worker notices and reconnects when it has saves to make
+    for i in range(1000):  # new prompts: the worker notices and reconnects when it has saves to make
         if server.log_tail(100_000).count("the hpkv server is back") >= 2:
             break
         assert time.monotonic() < deadline, server.log_tail(60)
@@ -266,8 +314,9 @@ def test_vllm_enable_hpkv_0_makes_the_connector_a_logged_noop(tiny_model):
         srv.start().wait_ready()
         prompt = letters(100, seed=9)
         assert complete(srv, prompt)[0] == complete(srv, prompt)[0]
-        status = subprocess.run([sys.executable, "-m", "hpkv", "status"], env=env, capture_output=True,
-                                text=True, timeout=60)
+        status = subprocess.run(
+            [sys.executable, "-m", "hpkv", "status"], env=env, capture_output=True, text=True, timeout=60
+        )
         assert status.returncode == 1, "no hpkv server was started"
         assert "VLLM_ENABLE_HPKV=0 (from environment): the connector does nothing" in srv.log_tail(10_000)
     finally:

@@ -63,7 +63,7 @@ def test_vllm_serves_tiny_model_and_stops_cleanly(vllm_server: Callable[..., Vll
 
 # --------------------------------------------------------------------- fake server
 
-_FAKE_SERVER = '''
+_FAKE_SERVER = """
 import argparse, os, signal, subprocess, sys, time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -96,7 +96,7 @@ class H(BaseHTTPRequestHandler):
 
 print("fake server: listening", flush=True)
 HTTPServer((args.host, args.port), H).serve_forever()
-'''
+"""
 
 
 @pytest.fixture
@@ -132,8 +132,9 @@ def test_stop_kills_stubborn_and_orphaned_children(fake_vllm: dict[str, str], tm
 
 @pytest.mark.timeout(120)
 def test_wait_ready_fails_early_with_log_tail(fake_vllm: dict[str, str], tmp_path: Path) -> None:
-    srv = VllmServer("unused-model", extra_args=["--mode", "crash"], env=fake_vllm,
-                     log_path=tmp_path / "crash.log")
+    srv = VllmServer(
+        "unused-model", extra_args=["--mode", "crash"], env=fake_vllm, log_path=tmp_path / "crash.log"
+    )
     srv.start()
     t = time.monotonic()
     with pytest.raises(VllmServerError, match=r"(?s)exited with code 3.*bad configuration"):

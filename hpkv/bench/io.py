@@ -21,6 +21,7 @@ ratios are medians of per-repetition ratios (each hpkv run against the raw run n
 Then read throughput of the 1 MiB files with 1, 2 and 4 IO workers (a fresh server
 each, same storage directory: it finds the files by itself), and CRC32C's own speed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,11 @@ import shutil
 import statistics
 import time
 
+from hpkv.bench.floors import drop_caches, read_files
+
 SIZES = [128 << 10, 1 << 20, 4 << 20]
 HEADLINE = 1 << 20
-MAX_FILES = 1024      # per case: keeps the small-file case (per-file costs dominate) under ~20 s
+MAX_FILES = 1024  # per case: keeps the small-file case (per-file costs dominate) under ~20 s
 
 
 def _default_dir() -> str:
@@ -43,10 +46,17 @@ def _default_dir() -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", default=_default_dir(),
-                   help="storage directory on a real disk (not tmpfs); removed afterwards (default %(default)s)")
-    p.add_argument("--mib", type=int, default=256,
-                   help=f"MiB written and read per measurement (at most {MAX_FILES} files)")
+    p.add_argument(
+        "--dir",
+        default=_default_dir(),
+        help="storage directory on a real disk (not tmpfs); removed afterwards (default %(default)s)",
+    )
+    p.add_argument(
+        "--mib",
+        type=int,
+        default=256,
+        help=f"MiB written and read per measurement (at most {MAX_FILES} files)",
+    )
     p.add_argument("--repeat", type=int, default=4, help="timed repetitions per case (median is reported)")
     p.add_argument("--workers", default="1,2,4", help="IO worker counts for the read scaling run")
     p.add_argument("--keep", action="store_true", help="keep the files")
@@ -54,16 +64,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
-
-
-def _drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 class _Bench:
@@ -77,6 +77,7 @@ class _Bench:
     # ------------------------------------------------------------ servers
     def server(self, workers: int | None = None):
         from hpkv.testing.server import ServerProcess, private_env
+
         extra = {"HPKV_LOG_LEVEL": "INFO"}
         if workers is not None:
             extra["HPKV_NUM_IO_WORKERS"] = str(workers)
@@ -85,7 +86,7 @@ class _Bench:
         try:
             return srv.start()
         except BaseException:
-            srv.cleanup()    # a server that failed to start leaves its pool directory otherwise
+            srv.cleanup()  # a server that failed to start leaves its pool directory otherwise
             raise
 
     # ------------------------------------------------------------ hpkv path
@@ -93,12 +94,13 @@ class _Bench:
         import numpy as np
 
         from hpkv.protocol.stats import G
+
         slots = client.reserve(ns.ns_id, keys)[:, 0]
         if (slots < 0).any():
             raise RuntimeError("the bench pool is too small")
         for i, off in enumerate(slots):
-            pool.array[off: off + size] = stamp
-            pool.array[off: off + 8] = np.frombuffer(int(i).to_bytes(8, "little"), np.uint8)
+            pool.array[off : off + size] = stamp
+            pool.array[off : off + 8] = np.frombuffer(int(i).to_bytes(8, "little"), np.uint8)
         target = int(seg.glob[G.STORAGE_SPILLS]) + len(keys)
         errors = int(seg.glob[G.STORAGE_IO_ERRORS])
         t0 = time.perf_counter()
@@ -112,16 +114,16 @@ class _Bench:
     def hpkv_read(self, client, ns, keys, size, pool, stamp) -> float:
         client.clear(ns.ns_id)
         if not self.o_direct:
-            _drop_caches()
+            drop_caches()
         t0 = time.perf_counter()
         rows = client.promote(ns.ns_id, keys)[:, 0]
         dt = time.perf_counter() - t0
         if (rows < 0).any():
             raise RuntimeError(f"{int((rows < 0).sum())} promotes failed: {client.stats()['storage']}")
-        for i, off in enumerate(rows):   # every block's stamp; one block byte by byte
-            if int.from_bytes(pool.array[off: off + 8].tobytes(), "little") != i:
+        for i, off in enumerate(rows):  # every block's stamp; one block byte by byte
+            if int.from_bytes(pool.array[off : off + 8].tobytes(), "little") != i:
                 raise RuntimeError(f"block {i} came back wrong")
-        if pool.array[rows[-1] + 8: rows[-1] + size].tobytes() != stamp[8:].tobytes():
+        if pool.array[rows[-1] + 8 : rows[-1] + size].tobytes() != stamp[8:].tobytes():
             raise RuntimeError("payload came back wrong")
         client.unpin(ns.ns_id, keys)
         return dt
@@ -129,13 +131,14 @@ class _Bench:
     # ------------------------------------------------------------ raw loop (reference)
     def raw_write(self, fp, keys, buf) -> float:
         from hpkv.io_workers import kvfile
+
         paths = [kvfile.file_path(self.raw_root, fp, k, 0) for k in keys]
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (os.O_DIRECT if self.o_direct else 0)
         t0 = time.perf_counter()
         for p in paths:
             try:
                 fd = os.open(p, flags, 0o644)
-            except FileNotFoundError:      # like the IO worker: directories on first use
+            except FileNotFoundError:  # like the IO worker: directories on first use
                 os.makedirs(os.path.dirname(p), exist_ok=True)
                 fd = os.open(p, flags, 0o644)
             os.pwritev(fd, [buf], 0)
@@ -147,17 +150,8 @@ class _Bench:
 
     def raw_read(self, fp, keys, buf) -> float:
         from hpkv.io_workers import kvfile
-        paths = [kvfile.file_path(self.storage, fp, k, 0) for k in keys]
-        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if self.o_direct else 0)
-        if not self.o_direct:
-            _drop_caches()
-        t0 = time.perf_counter()
-        for p in paths:
-            fd = os.open(p, flags)
-            if os.preadv(fd, [buf], 0) != len(buf):
-                raise RuntimeError(f"short read of {p}")
-            os.close(fd)
-        return time.perf_counter() - t0
+
+        return read_files([kvfile.file_path(self.storage, fp, k, 0) for k in keys], self.o_direct)
 
     # ------------------------------------------------------------ runs
     def run_sizes(self) -> tuple[list[dict], dict]:
@@ -165,12 +159,12 @@ class _Bench:
 
         import numpy as np
 
-        from hpkv.protocol import wire as P
         from hpkv.client.connection import connect
-        from hpkv.protocol.keys import block_keys, namespace_fingerprint
         from hpkv.common.pool import PoolFile
-        from hpkv.protocol.stats import StatsSegment
         from hpkv.io_workers import kvfile
+        from hpkv.protocol import wire as P
+        from hpkv.protocol.keys import block_keys, namespace_fingerprint
+        from hpkv.protocol.stats import StatsSegment
 
         a = self.args
         results = []
@@ -193,9 +187,9 @@ class _Bench:
                 fbytes = kvfile.file_size(size)
                 raw_mm = mmap.mmap(-1, fbytes)
                 raw_buf = memoryview(raw_mm)
-                raw_buf[kvfile.HEADER_BYTES: kvfile.HEADER_BYTES + size] = stamp.tobytes()
-                t = {"write": [], "read": [], "raw_write": [], "raw_read": []}
-                for rep in range(a.repeat + 1):          # repetition 0 warms up (directories, caches)
+                raw_buf[kvfile.HEADER_BYTES : kvfile.HEADER_BYTES + size] = stamp.tobytes()
+                t: dict[str, list[float]] = {"write": [], "read": [], "raw_write": [], "raw_read": []}
+                for rep in range(a.repeat + 1):  # repetition 0 warms up (directories, caches)
                     keys = block_keys(fp, [f"{rep}-{i}".encode() for i in range(n)])
                     raw_keys = block_keys(fp, [f"raw-{rep}-{i}".encode() for i in range(n)])
                     tw = self.hpkv_write(client, seg, ns, keys, size, pool, stamp)
@@ -220,8 +214,12 @@ class _Bench:
                     r[f"{name}_gbps"] = _gbps(nbytes, statistics.median(times))
                 # Ratios pair each repetition with the raw loop run right next to it, so load
                 # that comes and goes on a shared machine cancels out.
-                r["write_vs_raw"] = statistics.median(rw / w for w, rw in zip(t["write"], t["raw_write"]))
-                r["read_vs_raw"] = statistics.median(rr / x for x, rr in zip(t["read"], t["raw_read"]))
+                r["write_vs_raw"] = statistics.median(
+                    rw / w for w, rw in zip(t["write"], t["raw_write"], strict=False)
+                )
+                r["read_vs_raw"] = statistics.median(
+                    rr / x for x, rr in zip(t["read"], t["raw_read"], strict=False)
+                )
                 results.append(r)
                 raw_buf.release()
                 raw_mm.close()
@@ -234,10 +232,10 @@ class _Bench:
         return results, headline_keys
 
     def run_workers(self, counts: list[int], headline: dict) -> dict[str, float]:
-        from hpkv.protocol import wire as P
         from hpkv.client.connection import connect
         from hpkv.common.pool import PoolFile
         from hpkv.io_workers import kvfile
+        from hpkv.protocol import wire as P
 
         fp, keys = headline["fp"], headline["keys"]
         nbytes = len(keys) * kvfile.file_size(HEADLINE)
@@ -248,13 +246,13 @@ class _Bench:
                 client = connect(srv.cfg, spawn=False, call_timeout=60.0)
                 ns = client.attach_namespace(fp, 1, HEADLINE)
                 pool = PoolFile.attach(os.path.join(srv.pool_dir, P.POOL_FILE))
-                hit, _ = client.lookup(ns.ns_id, keys)     # a stat on the miss finds them, or the scan
+                hit, _ = client.lookup(ns.ns_id, keys)  # a stat on the miss finds them, or the scan
                 if hit != len(keys):
                     raise RuntimeError(f"a fresh server found {hit} of {len(keys)} blocks")
                 times = []
                 for rep in range(self.args.repeat + 1):
                     if not self.o_direct:
-                        _drop_caches()
+                        drop_caches()
                     t0 = time.perf_counter()
                     rows = client.promote(ns.ns_id, keys)
                     dt = time.perf_counter() - t0
@@ -276,6 +274,7 @@ def _checksum_gbps(repeat: int) -> float:
     import numpy as np
 
     from hpkv.io_workers.checksum import crc32c
+
     buf = np.random.default_rng(1).integers(0, 256, 64 << 20, dtype=np.uint8)
     crc32c(buf)
     times = []
@@ -306,26 +305,42 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(root, ignore_errors=True)
     head = next(r for r in cases if r["payload_kib"] == HEADLINE >> 10)
     rnd = lambda v: round(v, 3) if isinstance(v, float) else v  # noqa: E731
-    out = {"write_gbps": rnd(head["write_gbps"]), "read_gbps": rnd(head["read_gbps"]),
-           "raw_write_gbps": rnd(head["raw_write_gbps"]), "raw_read_gbps": rnd(head["raw_read_gbps"]),
-           "write_vs_raw": rnd(head["write_vs_raw"]), "read_vs_raw": rnd(head["read_vs_raw"]),
-           "read_gbps_by_workers": {k: rnd(v) for k, v in by_workers.items()},
-           "checksum_gbps": rnd(checksum), "o_direct": bench.o_direct, "o_direct_reason": bench.fs_note,
-           "read_bounce": bench.read_bounce,
-           "fs_type": fs, "dir": root, "mib_per_case": args.mib, "repeat": args.repeat,
-           "seconds": round(time.monotonic() - t_start, 1),
-           "cases": [{k: rnd(v) for k, v in r.items()} for r in cases]}
+    out = {
+        "write_gbps": rnd(head["write_gbps"]),
+        "read_gbps": rnd(head["read_gbps"]),
+        "raw_write_gbps": rnd(head["raw_write_gbps"]),
+        "raw_read_gbps": rnd(head["raw_read_gbps"]),
+        "write_vs_raw": rnd(head["write_vs_raw"]),
+        "read_vs_raw": rnd(head["read_vs_raw"]),
+        "read_gbps_by_workers": {k: rnd(v) for k, v in by_workers.items()},
+        "checksum_gbps": rnd(checksum),
+        "o_direct": bench.o_direct,
+        "o_direct_reason": bench.fs_note,
+        "read_bounce": bench.read_bounce,
+        "fs_type": fs,
+        "dir": root,
+        "mib_per_case": args.mib,
+        "repeat": args.repeat,
+        "seconds": round(time.monotonic() - t_start, 1),
+        "cases": [{k: rnd(v) for k, v in r.items()} for r in cases],
+    }
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"hpkv bench io: {args.mib} MiB per case on {fs} ({'O_DIRECT' if bench.o_direct else 'buffered'}"
-          f"{', reads via a private buffer' if bench.read_bounce else ''}), "
-          f"median of {args.repeat}; raw = one thread, open+pwritev/preadv+close, same files and sizes")
-    print(f"{'payload':>8} {'files':>6} {'write GB/s':>10} {'raw':>6} {'ratio':>6} "
-          f"{'read GB/s':>10} {'raw':>6} {'ratio':>6}")
+    print(
+        f"hpkv bench io: {args.mib} MiB per case on {fs} ({'O_DIRECT' if bench.o_direct else 'buffered'}"
+        f"{', reads via a private buffer' if bench.read_bounce else ''}), "
+        f"median of {args.repeat}; raw = one thread, open+pwritev/preadv+close, same files and sizes"
+    )
+    print(
+        f"{'payload':>8} {'files':>6} {'write GB/s':>10} {'raw':>6} {'ratio':>6} "
+        f"{'read GB/s':>10} {'raw':>6} {'ratio':>6}"
+    )
     for r in cases:
-        print(f"{r['payload_kib']:>6}Ki {r['files']:>6} {r['write_gbps']:>10.2f} {r['raw_write_gbps']:>6.2f} "
-              f"{r['write_vs_raw']:>6.2f} {r['read_gbps']:>10.2f} {r['raw_read_gbps']:>6.2f} {r['read_vs_raw']:>6.2f}")
+        print(
+            f"{r['payload_kib']:>6}Ki {r['files']:>6} {r['write_gbps']:>10.2f} {r['raw_write_gbps']:>6.2f} "
+            f"{r['write_vs_raw']:>6.2f} {r['read_gbps']:>10.2f} {r['raw_read_gbps']:>6.2f} {r['read_vs_raw']:>6.2f}"
+        )
     print("read GB/s by IO workers (1 MiB): " + ", ".join(f"{k}: {v:.2f}" for k, v in by_workers.items()))
     print(f"CRC32C: {checksum:.1f} GB/s")
     print(f"targets: write and read >= 0.85 x raw at 1 MiB; checksum >= 5 GB/s   ({out['seconds']} s)")

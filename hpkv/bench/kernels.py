@@ -1,15 +1,16 @@
 """Native kernel throughput: batched block copy (save/load) vs a single-thread memcpy of
 the same bytes, and CRC32C.
 
-    python hpkv/bench/kernels.py [--shm] [--reps 9]
+    hpkv bench kernels [--shm] [--reps 9]
 
 GB/s counts each copied byte once. Every repetition runs the reference memcpy
 (np.copyto between two contiguous buffers of the batch's size), then save, then load,
 so host bandwidth drift hits all three alike; medians are reported. All buffers are
-touched first (a fault costs ~2 us per 4 KiB page here, see research/limits.md §2).
+touched first (a fault costs ~2 us per 4 KiB page on these VMs, see `hpkv bench pool`).
 --shm puts the pool in a /dev/shm file, fallocated and mapped with MAP_POPULATE, as the
 engine does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,18 +52,20 @@ def bench_copy(page_kib: int, L: int, n: int, NB: int, reps: int, shm: bool, str
     nbytes = n * layout.slot_bytes
     src, dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
     prev = set_nt_threshold(1 << 20 if streaming else 1 << 63)
-    t = {"memcpy": [], "save": [], "load": []}
+    t: dict[str, list[float]] = {"memcpy": [], "save": [], "load": []}
     try:
         for _ in range(reps):
-            for name, fn in (("memcpy", lambda: np.copyto(dst, src)),
-                             ("save", lambda: copier.save(blocks, slots)),
-                             ("load", lambda: copier.load(blocks, slots))):
+            for name, fn in (
+                ("memcpy", lambda: np.copyto(dst, src)),
+                ("save", lambda: copier.save(blocks, slots)),
+                ("load", lambda: copier.load(blocks, slots)),
+            ):
                 t0 = time.perf_counter()
                 fn()
                 t[name].append(time.perf_counter() - t0)
     finally:
         set_nt_threshold(prev)
-        del copier, pool
+        copier = pool = None  # type: ignore[assignment]  # release the pool view before closing its mapping
         if m is not None:
             m.close()
     gbs = {k: nbytes / statistics.median(v) / 1e9 for k, v in t.items()}
@@ -82,12 +85,13 @@ def bench_crc(nbytes: int, reps: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--shm", action="store_true", help="pool in a MAP_POPULATE'd /dev/shm file")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--cached-too", action="store_true", help="also run with streaming stores off")
-    a = ap.parse_args()
+
+
+def run(a: argparse.Namespace) -> int:
     print(f"pool: {'/dev/shm MAP_POPULATE' if a.shm else 'anonymous (touched)'}; median of {a.reps}")
     modes = [True, False] if a.cached_too else [True]
     for streaming in modes:
@@ -101,7 +105,4 @@ def main() -> None:
             )
     for nbytes in (64 << 10, 1 << 20, 64 << 20):
         print(f"crc32c {nbytes >> 10:6d} KiB: {bench_crc(nbytes, a.reps):5.2f} GB/s")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

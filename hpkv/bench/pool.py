@@ -12,6 +12,7 @@ One run, one file in the pool directory's file system (``--dir``, default /dev/s
 The server's start-up does none of these; its warmer does the first two in the background
 and the workers the populate (hpkv/common/pool.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,8 @@ def _timed(fn) -> float:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from hpkv.config import parse_size
     from hpkv.common.pool import MADV_POPULATE_WRITE
+    from hpkv.config import parse_size
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
@@ -54,10 +55,12 @@ def run(args: argparse.Namespace) -> int:
         second = np.frombuffer(mmap.mmap(fd, size, flags=mmap.MAP_SHARED), np.uint8)
         out["fault_s_per_gib"] = _timed(lambda: second.__setitem__(slice(None, None, 4096), 2)) / gib
         third = np.frombuffer(mmap.mmap(fd, size, flags=mmap.MAP_SHARED), np.uint8)
-        out["madvise_populate_s_per_gib"] = _timed(
-            lambda: libc.madvise(ctypes.c_void_p(third.ctypes.data), size, MADV_POPULATE_WRITE)) / gib
-        out["populate_s_per_gib"] = _timed(
-            lambda: mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)) / gib
+        out["madvise_populate_s_per_gib"] = (
+            _timed(lambda: libc.madvise(ctypes.c_void_p(third.ctypes.data), size, MADV_POPULATE_WRITE)) / gib
+        )
+        out["populate_s_per_gib"] = (
+            _timed(lambda: mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)) / gib
+        )
         os.ftruncate(fd, 0)
         os.ftruncate(fd, size)
         out["fallocate_s_per_gib"] = _timed(lambda: os.posix_fallocate(fd, 0, size)) / gib
@@ -71,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         for k, v in out.items():
             print(f"{k:28} {v}")
-        print(f"an 8 GiB pool: {8 * out['first_touch_s_per_gib']:.1f} s of first touch (background), "
-              f"{8 * out['populate_s_per_gib']:.1f} s of page tables per process mapping it populated")
+        print(
+            f"an 8 GiB pool: {8 * out['first_touch_s_per_gib']:.1f} s of first touch (background), "
+            f"{8 * out['populate_s_per_gib']:.1f} s of page tables per process mapping it populated"
+        )
     return 0

@@ -5,7 +5,7 @@ ring pair busy-polling, ring pair sleeping (spin 0: every wait is a futex sleep;
 no timeout, like the semaphore's acquire()), a posix_ipc semaphore pair, a pipe
 pair (1 byte), a multiprocessing.Queue pair, and, as the floor of busy-polling
 from Python, a bare shared-memory flag polled through a numpy view
-(research/limits.md §4: 0.40-0.57 µs on a quiet machine); ring_busy / flag_busy
+(0.40-0.57 µs on a quiet 2-vCPU VM); ring_busy / flag_busy
 is the ring's own overhead, whatever the background load.
 The sleeping mechanisms are measured in interleaved rounds so that background
 load hits them alike, and with the placement fixed: the parent pinned to one
@@ -21,6 +21,7 @@ Targets (2-vCPU dev VM): busy round trip p50 <= 2 µs; sleeping round trip <= 1.
 the semaphore's (checked in both placements); batch-32 throughput >= 2 M/s and
 >= 20x multiprocessing.Queue.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -36,16 +37,33 @@ TARGET_BATCH32_VS_MPQ = 20.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--iters", type=int, default=20_000,
-                        help="timed round trips per mechanism (default 20000; busy-poll does 2x)")
-    parser.add_argument("--rounds", type=int, default=4,
-                        help="interleaved rounds the sleeping mechanisms are split into (default 4)")
-    parser.add_argument("--descs", type=int, default=4_000_000,
-                        help="descriptors for the ring batch-32 throughput run (batch 1 uses 1/4)")
-    parser.add_argument("--mpq-descs", type=int, default=100_000,
-                        help="descriptors for the multiprocessing.Queue throughput run")
-    parser.add_argument("--dir", default=None,
-                        help="directory for the ring files (default: a fresh one under /dev/shm)")
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=20_000,
+        help="timed round trips per mechanism (default 20000; busy-poll does 2x)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="interleaved rounds the sleeping mechanisms are split into (default 4)",
+    )
+    parser.add_argument(
+        "--descs",
+        type=int,
+        default=4_000_000,
+        help="descriptors for the ring batch-32 throughput run (batch 1 uses 1/4)",
+    )
+    parser.add_argument(
+        "--mpq-descs",
+        type=int,
+        default=100_000,
+        help="descriptors for the multiprocessing.Queue throughput run",
+    )
+    parser.add_argument(
+        "--dir", default=None, help="directory for the ring files (default: a fresh one under /dev/shm)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,12 +89,13 @@ def run(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- measurement driver
 
+
 def _measure(workdir: str, args: argparse.Namespace) -> dict[str, Any]:
     import multiprocessing as mp
     import os
     import time
 
-    ctx = mp.get_context("fork")  # like the IPC measurements in research/limits.md; the CLI holds no threads
+    ctx = mp.get_context("fork")  # the CLI holds no threads
     warm = max(200, args.iters // 10)
     n = args.iters
     res: dict[str, Any] = {"iters": n}
@@ -116,7 +135,9 @@ def _measure(workdir: str, args: argparse.Namespace) -> dict[str, Any]:
         for key in [k for k in res if k.endswith("_same_cpu_p50_us") or k.endswith("_same_cpu_p99_us")]:
             res[key.replace("_same_cpu", "")] = res[key]
     res["ratio_sleep_vs_sem"] = res["ring_rtt_sleep_p50_us"] / res["sem_rtt_p50_us"]
-    res["ratio_sleep_vs_sem_same_cpu"] = res["ring_rtt_sleep_same_cpu_p50_us"] / res["sem_rtt_same_cpu_p50_us"]
+    res["ratio_sleep_vs_sem_same_cpu"] = (
+        res["ring_rtt_sleep_same_cpu_p50_us"] / res["sem_rtt_same_cpu_p50_us"]
+    )
     res["ratio_busy_vs_flag"] = res["ring_rtt_busy_p50_us"] / res["flag_rtt_busy_p50_us"]
     res["ratio_batch32_vs_mpq"] = res["ring_dps_batch32"] / res["mpq_dps"]
     res["targets_met"] = {
@@ -142,8 +163,9 @@ def _placements() -> dict[str, tuple[int, int]]:
     return out
 
 
-def _sleeping_round_trips(ctx: Any, workdir: str, warm: int, n: int, rounds: int, cpu_a: int,
-                          cpu_b: int) -> dict[str, Any]:
+def _sleeping_round_trips(
+    ctx: Any, workdir: str, warm: int, n: int, rounds: int, cpu_a: int, cpu_b: int
+) -> dict[str, Any]:
     """Round-trip samples (ns) of every sleeping mechanism, parent on cpu_a and echo on cpu_b."""
     import os
 
@@ -187,8 +209,12 @@ def _put_percentiles(res: dict[str, Any], key: str, ns: Any) -> None:
 # Each starts one echo process that answers exactly `count` pings, then exits;
 # run(k) times k round trips in the parent and returns their durations in ns.
 
+
 class _Mechanism:
     proc: Any
+
+    def run(self, n: int) -> Any:
+        raise NotImplementedError
 
     def close(self) -> None:
         if self.proc.is_alive():
@@ -275,7 +301,7 @@ class _FlagPingPong(_Mechanism):
         for j in range(k):
             i += 1
             t0 = clock()
-            v[0] = i          # ping on word 0 (offset 0), pong on word 16 (another cache line)
+            v[0] = i  # ping on word 0 (offset 0), pong on word 16 (another cache line)
             while v[16] != i:
                 pass
             out[j] = clock() - t0
@@ -414,6 +440,7 @@ def _mpq_echo(q1: Any, q2: Any, count: int) -> None:
 
 # ---------------------------------------------------------------- throughput
 
+
 def _ring_throughput(ctx: Any, workdir: str, total: int, batch: int) -> float:
     """Descriptors/s from a producer process to this one, pushing and popping `batch` at a time."""
     import time
@@ -505,6 +532,7 @@ def _mpq_producer(q: Any, total: int, batch: int) -> None:
 
 # ---------------------------------------------------------------- report
 
+
 def _table(res: dict[str, Any]) -> str:
     def us(key: str) -> str:
         return f"{res[key + '_p50_us']:8.2f} {res[key + '_p99_us']:9.2f}"
@@ -520,8 +548,10 @@ def _table(res: dict[str, Any]) -> str:
         f"  (numpy flag, busy)    {us('flag_rtt_busy')}   Python busy-poll floor; ring/flag = "
         f"{res['ratio_busy_vs_flag']:.2f}",
     ]
-    for placement, suffix, title in (("cross_cpu", "", "sleeping, echo on another vCPU"),
-                                     ("same_cpu", "_same_cpu", "sleeping, echo on the same vCPU")):
+    for placement, suffix, title in (
+        ("cross_cpu", "", "sleeping, echo on another vCPU"),
+        ("same_cpu", "_same_cpu", "sleeping, echo on the same vCPU"),
+    ):
         if placement not in res["placements"]:
             continue
         sem = res[f"sem_rtt{suffix}_p50_us"]

@@ -8,6 +8,7 @@ first, unmeasured start fills vLLM's compile cache. Reported per round: seconds 
 launch to ``/health`` answering, and from the hpkv server's first log line to its
 ``serving`` line and to its last worker's ``ready`` line (server.log).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,6 @@ import tempfile
 import time
 from datetime import datetime
 from typing import Any
-
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,16 +57,17 @@ def _log_times(path: str) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpkv.testing.vllm_server import SEED_KV_TRANSFER_CONFIG
     from hpkv.testing.model import generate_model
     from hpkv.testing.server import env_without_hpkv
-    from hpkv.testing.vllm_server import VllmServer
+    from hpkv.testing.vllm_server import SEED_KV_TRANSFER_CONFIG, VllmServer
 
     model = args.model or generate_model()
     work = tempfile.mkdtemp(prefix="hpkv-bench-startup-", dir=os.environ.get("HPKV_BENCH_DIR", "/var/tmp"))
     env = env_without_hpkv()
-    env.update(HPKV_CONFIG_FILE_PATH=os.path.join(work, "none.ini"),
-               HPKV_KV_STORAGE_PATH=os.path.join(work, "storage"))
+    env.update(
+        HPKV_CONFIG_FILE_PATH=os.path.join(work, "none.ini"),
+        HPKV_KV_STORAGE_PATH=os.path.join(work, "storage"),
+    )
     with open(env["HPKV_CONFIG_FILE_PATH"], "w") as f:
         f.write("# hpkv bench startup: configured through the environment\n")
     if args.pool_size:
@@ -78,8 +79,14 @@ def run(args: argparse.Namespace) -> int:
         e = {**env, "HPKV_SHARE_MEM_FILE_PATH": pool_dir}
         if not hpkv:
             e["VLLM_ENABLE_HPKV"] = "0"
-        srv = VllmServer(model, extra_args=["--kv-transfer-config", SEED_KV_TRANSFER_CONFIG], env=e, dev_mode=True,
-                         max_model_len=4096, log_path=os.path.join(work, f"vllm-{tag}.log"))
+        srv = VllmServer(
+            model,
+            extra_args=["--kv-transfer-config", SEED_KV_TRANSFER_CONFIG],
+            env=e,
+            dev_mode=True,
+            max_model_len=4096,
+            log_path=os.path.join(work, f"vllm-{tag}.log"),
+        )
         t0 = time.monotonic()
         try:
             srv.start().wait_ready(timeout=900)
@@ -104,14 +111,20 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
     off = [r["ready_s"] for r in rows if not r["hpkv"]]
     on = [r["ready_s"] for r in rows if r["hpkv"]]
-    summary = {"rounds": rows, "ready_off_s": statistics.median(off), "ready_on_s": statistics.median(on),
-               "added_s": round(statistics.median(on) - statistics.median(off), 2),
-               "pool_size": args.pool_size or "8g (default)"}
+    summary = {
+        "rounds": rows,
+        "ready_off_s": statistics.median(off),
+        "ready_on_s": statistics.median(on),
+        "added_s": round(statistics.median(on) - statistics.median(off), 2),
+        "pool_size": args.pool_size or "8g (default)",
+    }
     if args.json:
         print(json.dumps(summary))
     else:
         for r in rows:
             print(r)
-        print(f"vLLM ready: {summary['ready_off_s']:.1f}s without hpkv, {summary['ready_on_s']:.1f}s with "
-              f"(median): hpkv adds {summary['added_s']:+.1f}s; pool {summary['pool_size']}")
+        print(
+            f"vLLM ready: {summary['ready_off_s']:.1f}s without hpkv, {summary['ready_on_s']:.1f}s with "
+            f"(median): hpkv adds {summary['added_s']:+.1f}s; pool {summary['pool_size']}"
+        )
     return 0

@@ -3,9 +3,18 @@
 ``connect()`` (:mod:`.connection`) attaches to the server of the configured pool directory or
 starts one (:mod:`.spawn`); :mod:`.contract` types the hot calls; :mod:`.control` stops a server.
 """
+
 from hpkv.client.connection import DeviceHandle, HpkvClient, NamespaceHandle, connect
 from hpkv.client.contract import BlockMover, KvStore
 from hpkv.protocol.errors import HpkvError, HpkvUnavailable
 
-__all__ = ["BlockMover", "DeviceHandle", "HpkvClient", "HpkvError", "HpkvUnavailable", "KvStore",
-           "NamespaceHandle", "connect"]
+__all__ = [
+    "BlockMover",
+    "DeviceHandle",
+    "HpkvClient",
+    "HpkvError",
+    "HpkvUnavailable",
+    "KvStore",
+    "NamespaceHandle",
+    "connect",
+]

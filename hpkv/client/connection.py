@@ -5,6 +5,7 @@ starts one (``hpkv serve --auto``, detached in its own session) and waits for it
 with a bound. Every call is bounded too: a slow or dead server raises
 :class:`HpkvUnavailable`, and the caller (the connector) falls back to recomputing.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -13,33 +14,38 @@ import fcntl
 import json
 import logging
 import os
-import select
 import socket
-import subprocess
-import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from hpkv.config import Config, load_config
+from hpkv.client.spawn import open_in_pool_dir, spawn_server
 from hpkv.common import shm
+from hpkv.common.proc import pid_alive
+from hpkv.common.security import peer_credentials
+from hpkv.config import Config, load_config
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import HpkvError, HpkvUnavailable, error_for, raise_refusal
-from hpkv.common.proc import pid_alive
 from hpkv.protocol.keys import KEY_BYTES
 from hpkv.ring import PeerDead, Ring, RingError, RingTimeout
-from hpkv.client.spawn import open_in_pool_dir, spawn_server
 
 log = logging.getLogger("hpkv.client")
 
-_CALL_NAMES = {P.LOOKUP: "lookup", P.RESERVE: "reserve", P.COMMIT: "commit", P.PIN: "pin", P.UNPIN: "unpin",
-               P.PROMOTE: "promote"}
+_CALL_NAMES = {
+    P.LOOKUP: "lookup",
+    P.RESERVE: "reserve",
+    P.COMMIT: "commit",
+    P.PIN: "pin",
+    P.UNPIN: "unpin",
+    P.PROMOTE: "promote",
+}
 
 HOT_CALL_SPIN_US = 300.0
-PROMOTE_GRACE_S = 2.0   # beyond a promote's timeout, for the server's answer to arrive
+PROMOTE_GRACE_S = 2.0  # beyond a promote's timeout, for the server's answer to arrive
 
 
 def promote_timeout(nbytes: int) -> float:
@@ -73,7 +79,7 @@ class HpkvClient:
         self.call_timeout = call_timeout
         self._req = Ring.attach(directory, hello["req"], role="producer")
         # A hot call's answer takes tens of µs; sleeping would add a ≈50 µs
-        # cross-vCPU wake-up (research/limits.md §4), so spin a little longer.
+        # cross-vCPU wake-up on these VMs (`hpkv bench ring`), so spin a little longer.
         self._resp = Ring.attach(directory, hello["resp"], role="consumer", spin_us=HOT_CALL_SPIN_US)
         self._mbox = _map_array(hello["mailbox"])
         self._seq = 0
@@ -96,12 +102,26 @@ class HpkvClient:
         raise_refusal(reply, f"hpkv {op!r}")
         return reply
 
-    def attach_namespace(self, fingerprint: str, world_size: int, shard_bytes: int, name: str = "",
-                         rank: int | None = None, block_tokens: int = 0) -> NamespaceHandle:
+    def attach_namespace(
+        self,
+        fingerprint: str,
+        world_size: int,
+        shard_bytes: int,
+        name: str = "",
+        rank: int | None = None,
+        block_tokens: int = 0,
+    ) -> NamespaceHandle:
         """Register a namespace (idempotent); ``rank`` says which shard this client writes."""
         extra = {} if rank is None else {"rank": rank}
-        r = self.call("namespace", fingerprint=fingerprint, world_size=world_size,
-                      shard_bytes=shard_bytes, name=name, block_tokens=block_tokens, **extra)
+        r = self.call(
+            "namespace",
+            fingerprint=fingerprint,
+            world_size=world_size,
+            shard_bytes=shard_bytes,
+            name=name,
+            block_tokens=block_tokens,
+            **extra,
+        )
         handle = NamespaceHandle(r["ns_id"], r["slot_bytes"], world_size)
         self._namespaces[handle.ns_id] = handle
         return handle
@@ -116,8 +136,15 @@ class HpkvClient:
         self.call("shutdown", pid=os.getpid())
 
     # ---------------------------------------------------------------- hot calls (rings)
-    def _rpc(self, kind: int, ns_id: int, keys: Sequence[bytes], a2: int = 0, flags: int = 0,
-             timeout: float | None = None) -> tuple[int, int]:
+    def _rpc(
+        self,
+        kind: int,
+        ns_id: int,
+        keys: Sequence[bytes],
+        a2: int = 0,
+        flags: int = 0,
+        timeout: float | None = None,
+    ) -> tuple[int, int]:
         n = len(keys)
         if n > P.MAX_KEYS_PER_CALL:
             raise HpkvError(f"{n} keys in one call; at most {P.MAX_KEYS_PER_CALL}")
@@ -136,8 +163,7 @@ class HpkvClient:
                 if d.seq == seq:
                     break
         except RingTimeout:
-            self._broken = (f"the hpkv server (pid {self.server_pid}) did not answer within "
-                            f"{limit:g}s")
+            self._broken = f"the hpkv server (pid {self.server_pid}) did not answer within {limit:g}s"
             raise HpkvUnavailable(self._broken) from None
         except RingError as exc:
             self._broken = f"the hpkv server (pid {self.server_pid}) is gone: {exc}"
@@ -150,7 +176,7 @@ class HpkvClient:
         """(number of leading keys present, tier of each: 1 DRAM, 2 storage)."""
         with self._hot_lock:
             hit, _ = self._rpc(P.LOOKUP, ns_id, keys)
-            return hit, self._mbox[P.MAILBOX_HALF: P.MAILBOX_HALF + hit].tolist()
+            return hit, self._mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + hit].tolist()
 
     def _batches(self, ns_id: int, keys: Sequence[bytes]) -> list[Sequence[bytes]]:
         """Split a reserve/pin/promote whose answer (8 bytes per rank per key) would not fit
@@ -159,10 +185,11 @@ class HpkvClient:
         per = P.max_keys_per_call(ns.world_size) if ns else P.MAX_KEYS_PER_CALL
         if len(keys) <= per:
             return [keys]
-        return [keys[i: i + per] for i in range(0, len(keys), per)]
+        return [keys[i : i + per] for i in range(0, len(keys), per)]
 
-    def _rows(self, kind: int, ns_id: int, keys: Sequence[bytes], a2: int = 0,
-              timeout: float | None = None) -> np.ndarray:
+    def _rows(
+        self, kind: int, ns_id: int, keys: Sequence[bytes], a2: int = 0, timeout: float | None = None
+    ) -> np.ndarray:
         out = []
         world = 1
         for batch in self._batches(ns_id, keys):
@@ -204,8 +231,9 @@ class HpkvClient:
             ns = self._namespaces.get(ns_id)
             timeout = promote_timeout(len(keys) * ns.slot_bytes * ns.world_size) if ns else 30.0
         with self._hot_lock:
-            return self._rows(P.PROMOTE, ns_id, keys, max(1, int(timeout * 1000)),
-                              timeout=timeout + PROMOTE_GRACE_S)
+            return self._rows(
+                P.PROMOTE, ns_id, keys, max(1, int(timeout * 1000)), timeout=timeout + PROMOTE_GRACE_S
+            )
 
     def unpin(self, ns_id: int, keys: Sequence[bytes]) -> None:
         with self._hot_lock:
@@ -213,17 +241,39 @@ class HpkvClient:
 
     def _answer(self, n: int, world: int) -> np.ndarray:
         nbytes = n * world * 8
-        return self._mbox[P.MAILBOX_HALF: P.MAILBOX_HALF + nbytes].view(np.int64).reshape(n, world).copy()
+        return self._mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + nbytes].view(np.int64).reshape(n, world).copy()
 
     # ---------------------------------------------------------------- devices
-    def register_device(self, ns_id: int, *, rank: int, regions: list[dict[str, Any]],
-                        layer_bases: list[tuple[int, int]], block_stride: int, page_bytes: int,
-                        num_blocks: int, device: str = "cpu", numa_node: int | None = None
-                        ) -> "DeviceHandle":
-        """Export a device's KV memory (shared-memory files) to new transfer workers."""
-        r = self.call("register_device", ns_id=ns_id, rank=rank, regions=regions,
-                      layer_bases=[list(x) for x in layer_bases], block_stride=block_stride,
-                      page_bytes=page_bytes, num_blocks=num_blocks, device=device, numa_node=numa_node)
+    def register_device(
+        self,
+        ns_id: int,
+        *,
+        rank: int,
+        regions: list[dict[str, Any]],
+        layer_bases: list[tuple[int, int]],
+        block_stride: int,
+        page_bytes: int,
+        num_blocks: int,
+        device: str = "cpu",
+        numa_node: int | None = None,
+        cuda: dict[str, Any] | None = None,
+    ) -> DeviceHandle:
+        """Export a device's KV memory to new transfer workers: shared-memory files (CPU), or a
+        GPU allocation over CUDA IPC with the engine's events (``cuda``, see hpkv.engine.cuda_worker)."""
+        extra = {} if cuda is None else {"cuda": cuda}
+        r = self.call(
+            "register_device",
+            **extra,
+            ns_id=ns_id,
+            rank=rank,
+            regions=regions,
+            layer_bases=[list(x) for x in layer_bases],
+            block_stride=block_stride,
+            page_bytes=page_bytes,
+            num_blocks=num_blocks,
+            device=device,
+            numa_node=numa_node,
+        )
         dev = DeviceHandle(self.dir, r["device_id"], r["workers"], self.call_timeout, self.server_pid)
         self.devices.append(dev)
         return dev
@@ -239,7 +289,7 @@ class HpkvClient:
         except OSError:
             pass
 
-    def __enter__(self) -> "HpkvClient":
+    def __enter__(self) -> HpkvClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -253,14 +303,15 @@ class _WorkerLink:
         self.jobs = _map_array(info["jobs"]).view(np.int64).reshape(P.JOB_SLOTS, -1)
         self.seq = 0
         self.inflight: set[int] = set()
-        self.done: dict[int, int] = {}   # seq -> status, received but not yet claimed
+        self.done: dict[int, int] = {}  # seq -> status, received but not yet claimed
 
 
 class DeviceHandle:
     """Copy jobs to the device's transfer workers; each batch is one native copy in a worker."""
 
-    def __init__(self, directory: str, dev_id: int, workers: list[dict[str, Any]], timeout: float,
-                 server_pid: int = 0):
+    def __init__(
+        self, directory: str, dev_id: int, workers: list[dict[str, Any]], timeout: float, server_pid: int = 0
+    ):
         self.dev_id = dev_id
         self.server_pid = server_pid
         self.timeout = timeout
@@ -268,8 +319,11 @@ class DeviceHandle:
         self._lock = threading.Lock()
         self._rr = 0
 
-    def submit(self, kind: int, blocks: np.ndarray, offsets: np.ndarray) -> list[tuple[int, int]]:
-        """Post a batch (split across workers); returns (worker, seq) tickets."""
+    def submit(
+        self, kind: int, blocks: np.ndarray, offsets: np.ndarray, event: int = -1
+    ) -> list[tuple[int, int]]:
+        """Post a batch (split across workers); returns (worker, seq) tickets. On a CUDA device,
+        ``event`` >= 0 makes the copies wait for the engine's event of that index."""
         blocks = np.ascontiguousarray(blocks, np.int64)
         offsets = np.ascontiguousarray(offsets, np.int64)
         tickets = []
@@ -288,14 +342,16 @@ class DeviceHandle:
                 seq = link.seq
                 m = min(per, n - start)
                 job = link.jobs[seq % P.JOB_SLOTS]
-                job[:m] = blocks[start:start + m]
-                job[m:2 * m] = offsets[start:start + m]
-                link.req.push(kind, seq, m, timeout=self.timeout)
+                job[:m] = blocks[start : start + m]
+                job[m : 2 * m] = offsets[start : start + m]
+                link.req.push(kind, seq, m, event + 1, timeout=self.timeout)
                 link.inflight.add(seq)
                 tickets.append((w, seq))
         return tickets
 
-    def wait(self, tickets: list[tuple[int, int]], timeout: float | None = None) -> dict[tuple[int, int], int]:
+    def wait(
+        self, tickets: list[tuple[int, int]], timeout: float | None = None
+    ) -> dict[tuple[int, int], int]:
         """Status per ticket (0 ok, <0 failed); a ticket not answered in time counts as failed."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         results: dict[tuple[int, int], int] = {}
@@ -307,6 +363,21 @@ class DeviceHandle:
                         break
                 results[(w, seq)] = link.done.pop(seq, -errno.ETIMEDOUT)
         return results
+
+    def poll(self, tickets: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
+        """The status of each ticket that has completed by now (never waits)."""
+        out: dict[tuple[int, int], int] = {}
+        with self._lock:
+            for link in self.links:
+                while link.inflight and self._collect(link, 0.0):
+                    pass
+            for w, seq in tickets:
+                link = self.links[w]
+                if seq in link.done:
+                    out[(w, seq)] = link.done.pop(seq)
+                elif seq not in link.inflight:
+                    out[(w, seq)] = -errno.ETIMEDOUT  # dropped: never answered
+        return out
 
     def _collect(self, link: _WorkerLink, deadline: float) -> bool:
         """Receive one completion of ``link``; False when the deadline passed."""
@@ -347,7 +418,7 @@ def _try_connect(sock_path: str, timeout: float) -> socket.socket | None:
     s.settimeout(timeout)
     try:
         s.connect(sock_path)
-    except (FileNotFoundError, ConnectionRefusedError, socket.timeout):
+    except (TimeoutError, FileNotFoundError, ConnectionRefusedError):
         s.close()
         return None
     try:
@@ -364,7 +435,6 @@ def _check_server(sock: socket.socket, directory: str) -> None:
     Another local user's look-alike socket would otherwise receive our hello and keys."""
     import stat as _stat
 
-    from hpkv.common.security import peer_credentials
     st = os.lstat(directory)
     _, server_uid, _ = peer_credentials(sock)
     me = os.geteuid()
@@ -376,9 +446,11 @@ def _check_server(sock: socket.socket, directory: str) -> None:
     elif st.st_uid != me and st.st_gid not in (*os.getgroups(), os.getegid()):
         problem = f"it belongs to uid {st.st_uid}, not to us (uid {me}) nor shared with our groups"
     if problem:
-        raise HpkvError(f"refusing the hpkv server in {directory}: {problem}. Another user may have "
-                        f"made it; remove it (as its owner or root) or set HPKV_SHARE_MEM_FILE_PATH "
-                        f"to a directory of your own")
+        raise HpkvError(
+            f"refusing the hpkv server in {directory}: {problem}. Another user may have "
+            f"made it; remove it (as its owner or root) or set HPKV_SHARE_MEM_FILE_PATH "
+            f"to a directory of your own"
+        )
 
 
 def _hello(cfg: Config, sock: socket.socket, name: str, call_timeout: float) -> HpkvClient:
@@ -394,8 +466,15 @@ def _hello(cfg: Config, sock: socket.socket, name: str, call_timeout: float) -> 
     return HpkvClient(cfg.pool_dir, sock, reply, call_timeout)
 
 
-def connect(cfg: Config | None = None, *, spawn: bool = True, timeout: float = 60.0,
-            call_timeout: float = 5.0, name: str = "", env: Mapping[str, str] | None = None) -> HpkvClient:
+def connect(
+    cfg: Config | None = None,
+    *,
+    spawn: bool = True,
+    timeout: float = 60.0,
+    call_timeout: float = 5.0,
+    name: str = "",
+    env: Mapping[str, str] | None = None,
+) -> HpkvClient:
     """Attach to the pool directory's server, starting one if needed (at most one ever runs)."""
     cfg = cfg or load_config(env)
     sock_path = os.path.join(cfg.pool_dir, P.SOCKET_FILE)
@@ -413,8 +492,9 @@ def connect(cfg: Config | None = None, *, spawn: bool = True, timeout: float = 6
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise HpkvUnavailable(f"timed out waiting for another process to start the hpkv "
-                                          f"server for {cfg.pool_dir}") from None
+                    raise HpkvUnavailable(
+                        f"timed out waiting for another process to start the hpkv server for {cfg.pool_dir}"
+                    ) from None
                 time.sleep(0.05)
         sock = _try_connect(sock_path, 5.0)
         if sock is None:
@@ -428,10 +508,12 @@ def connect(cfg: Config | None = None, *, spawn: bool = True, timeout: float = 6
                 raise
             if pid:
                 log.info("started hpkv server pid %d for %s", pid, cfg.pool_dir)
-            while sock is None:   # ready (or served by another server): its socket accepts
+            while sock is None:  # ready (or served by another server): its socket accepts
                 if time.monotonic() > deadline:
-                    raise HpkvUnavailable(f"the hpkv server for {cfg.pool_dir} did not accept connections "
-                                          f"within {timeout:g}s; see {os.path.join(cfg.pool_dir, P.LOG_FILE)}")
+                    raise HpkvUnavailable(
+                        f"the hpkv server for {cfg.pool_dir} did not accept connections "
+                        f"within {timeout:g}s; see {os.path.join(cfg.pool_dir, P.LOG_FILE)}"
+                    )
                 time.sleep(0.02)
                 sock = _try_connect(sock_path, 5.0)
     finally:

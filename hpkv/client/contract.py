@@ -10,9 +10,11 @@ recomputes.
 Per-row answers are pool byte offsets ``[len(keys), world]`` with the sentinels of
 :mod:`hpkv.protocol.errors` (``ROW_PRESENT``, ``ROW_POOL_FULL``, ``ROW_MISSING``).
 """
+
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 

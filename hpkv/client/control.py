@@ -1,4 +1,5 @@
 """``hpkv stop``: ask the server of a pool directory to drain its spills and exit."""
+
 from __future__ import annotations
 
 import contextlib
@@ -56,9 +57,10 @@ def _describe_drain(outcome: dict | None) -> str:
     if not outcome or "pending" not in outcome:
         return ""
     if outcome["dropped"]:
-        return (f"; {outcome['dropped']} of {outcome['pending']} pending block(s) were NOT written to "
-                f"storage (HPKV_STOP_DRAIN_TIMEOUT expired after {outcome['seconds']:g}s)")
+        return (
+            f"; {outcome['dropped']} of {outcome['pending']} pending block(s) were NOT written to "
+            f"storage (HPKV_STOP_DRAIN_TIMEOUT expired after {outcome['seconds']:g}s)"
+        )
     if outcome["pending"]:
-        return (f"; {outcome['pending']} pending block(s) written to storage first "
-                f"({outcome['seconds']:g}s)")
+        return f"; {outcome['pending']} pending block(s) written to storage first ({outcome['seconds']:g}s)"
     return "; nothing was pending"

@@ -1,4 +1,5 @@
 """Starting the hpkv server for an engine: ``hpkv serve --auto``, detached, with a bound."""
+
 from __future__ import annotations
 
 import os
@@ -6,7 +7,7 @@ import select
 import subprocess
 import sys
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 from hpkv.common.security import open_nofollow, open_private_dir
 from hpkv.config import Config
@@ -26,8 +27,9 @@ def open_in_pool_dir(cfg: Config, name: str, flags: int) -> int:
         os.close(dir_fd)
 
 
-def spawn_server(cfg: Config, env: Mapping[str, str] | None = None,
-                 timeout: float = SPAWN_READY_TIMEOUT_S) -> int:
+def spawn_server(
+    cfg: Config, env: Mapping[str, str] | None = None, timeout: float = SPAWN_READY_TIMEOUT_S
+) -> int:
     """Start ``hpkv serve --auto`` detached from the caller; returns its pid once it serves.
 
     The server double-forks (``--detach``): it is neither our child nor in our session,
@@ -44,16 +46,22 @@ def spawn_server(cfg: Config, env: Mapping[str, str] | None = None,
     log_fd = open_in_pool_dir(cfg, P.LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     ready_r, ready_w = os.pipe()
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "hpkv", "serve", "--auto", "--detach",
-                                 f"--ready-fd={ready_w}"], env=child_env, stdin=subprocess.DEVNULL,
-                                stdout=log_fd, stderr=log_fd, start_new_session=True, close_fds=True,
-                                pass_fds=(ready_w,))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hpkv", "serve", "--auto", "--detach", f"--ready-fd={ready_w}"],
+            env=child_env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_fd,
+            stderr=log_fd,
+            start_new_session=True,
+            close_fds=True,
+            pass_fds=(ready_w,),
+        )
     finally:
         os.close(ready_w)
         os.close(log_fd)
     deadline = time.monotonic() + timeout
     try:
-        proc.wait(timeout)   # the first fork exits at once
+        proc.wait(timeout)  # the first fork exits at once
         message = _read_ready(ready_r, max(deadline - time.monotonic(), 0.0))
     except subprocess.TimeoutExpired:
         proc.kill()
@@ -64,11 +72,10 @@ def spawn_server(cfg: Config, env: Mapping[str, str] | None = None,
     kind, _, detail = message.partition(" ")
     if kind == "ready":
         return int(detail)
-    if kind == "served":     # another server holds the directory
+    if kind == "served":  # another server holds the directory
         return 0
     reason = detail if detail != _DIED else f"{_DIED}; its log ends with: {_log_tail(log_path)}"
-    raise HpkvUnavailable(f"the hpkv server for {cfg.pool_dir} could not start: {reason} "
-                          f"(log: {log_path})")
+    raise HpkvUnavailable(f"the hpkv server for {cfg.pool_dir} could not start: {reason} (log: {log_path})")
 
 
 _DIED = "it exited before it was ready"

@@ -1,4 +1,5 @@
 """NUMA placement: which node serves a device, its CPUs, and a memory policy for a worker."""
+
 from __future__ import annotations
 
 import os
@@ -6,8 +7,11 @@ import os
 
 def numa_nodes() -> list[int]:
     try:
-        return sorted(int(n[4:]) for n in os.listdir("/sys/devices/system/node") if n.startswith("node")
-                      and n[4:].isdigit())
+        return sorted(
+            int(n[4:])
+            for n in os.listdir("/sys/devices/system/node")
+            if n.startswith("node") and n[4:].isdigit()
+        )
     except OSError:
         return [0]
 
@@ -44,6 +48,7 @@ def set_memory_node(node: int) -> str:
     if len(numa_nodes()) <= 1:
         return "single NUMA node: no memory policy needed"
     import ctypes
+
     libc = ctypes.CDLL(None, use_errno=True)
     MPOL_PREFERRED = 1
     SYS_set_mempolicy = 238 if os.uname().machine == "x86_64" else 237

@@ -15,6 +15,7 @@ out. Workers map the file without populating and fill their page tables the same
 way in the background. A copy that reaches a page before the warmer only pays the
 first-touch cost itself; it never waits for the warmer.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -24,7 +25,7 @@ import os
 import resource
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -33,7 +34,7 @@ log = logging.getLogger("hpkv.pool")
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-MADV_POPULATE_WRITE = 23      # Linux >= 5.14
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 WARM_CHUNK = 64 << 20
 SCHED_IDLE = getattr(os, "SCHED_IDLE", 5)
 
@@ -57,15 +58,15 @@ class PoolFile:
         self.path = path
         self.mm = mm
         self.size = size
-        self.locked = False            # every page locked in memory (set by the warmer)
+        self.locked = False  # every page locked in memory (set by the warmer)
         self.array = np.frombuffer(mm, dtype=np.uint8)
         self.address = int(self.array.ctypes.data)
-        self._fd = fd                  # kept by the creator, for the warmer's fallocate
+        self._fd = fd  # kept by the creator, for the warmer's fallocate
         self._stop = threading.Event()
         self._warmer: threading.Thread | None = None
 
     @classmethod
-    def create(cls, path: str, size: int) -> "PoolFile":
+    def create(cls, path: str, size: int) -> PoolFile:
         """Create the pool file sparse and map it; call :meth:`warm_in_background` next."""
         tmp = f"{path}.tmp{os.getpid()}"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -80,7 +81,7 @@ class PoolFile:
             raise
 
     @classmethod
-    def attach(cls, path: str, warm: bool = True) -> "PoolFile":
+    def attach(cls, path: str, warm: bool = True) -> PoolFile:
         """Map an existing pool (workers); ``warm`` fills the page tables in the background."""
         fd = os.open(path, os.O_RDWR)
         try:
@@ -94,8 +95,9 @@ class PoolFile:
 
     def warm_in_background(self, lock: bool, progress: Callable[[int], None] | None = None) -> None:
         """Start the warmer thread: reserve (creator only), lock or populate, chunk by chunk."""
-        self._warmer = threading.Thread(target=self._warm, args=(lock, progress), name="pool-warm",
-                                        daemon=True)
+        self._warmer = threading.Thread(
+            target=self._warm, args=(lock, progress), name="pool-warm", daemon=True
+        )
         self._warmer.start()
 
     def _warm(self, lock: bool, progress: Callable[[int], None] | None) -> None:
@@ -110,28 +112,36 @@ class PoolFile:
                     try:
                         os.posix_fallocate(self._fd, done, n)
                     except OSError as exc:
-                        log.error("pool %s: cannot reserve memory at offset %d (%s): the file system of "
-                                  "the pool is full; lower HPKV_KV_MEM_POOL_SIZE or free space in it. "
-                                  "Copies into the pool may fail (and are recomputed) meanwhile",
-                                  self.path, done, exc.strerror)
+                        log.error(
+                            "pool %s: cannot reserve memory at offset %d (%s): the file system of "
+                            "the pool is full; lower HPKV_KV_MEM_POOL_SIZE or free space in it. "
+                            "Copies into the pool may fail (and are recomputed) meanwhile",
+                            self.path,
+                            done,
+                            exc.strerror,
+                        )
                         return
                 addr = ctypes.c_void_p(self.address + done)
                 if locking and _libc.mlock(addr, ctypes.c_size_t(n)) != 0:
                     self._lock_failed(ctypes.get_errno())
                     locking = False
                 if not locking and _libc.madvise(addr, ctypes.c_size_t(n), MADV_POPULATE_WRITE) != 0:
-                    return   # an older kernel: pages are faulted in on first use instead
+                    return  # an older kernel: pages are faulted in on first use instead
                 done += n
                 if done >= self.size:
                     self.locked = locking
                 if progress is not None:
                     progress(done)
-            if done >= self.size:
-                if lock:
-                    log.info("pool %s: %d bytes allocated%s in %.1fs (background, idle priority)",
-                             self.path, self.size, " and locked" if locking else "", time.monotonic() - t0)
+            if done >= self.size and lock:
+                log.info(
+                    "pool %s: %d bytes allocated%s in %.1fs (background, idle priority)",
+                    self.path,
+                    self.size,
+                    " and locked" if locking else "",
+                    time.monotonic() - t0,
+                )
         except ValueError:
-            pass   # the mapping was closed under us at shutdown
+            pass  # the mapping was closed under us at shutdown
         finally:
             if self._fd is not None:
                 os.close(self._fd)
@@ -140,9 +150,13 @@ class PoolFile:
     def _lock_failed(self, err: int) -> None:
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
-        log.warning("pool %s: not locked in memory (%s; RLIMIT_MEMLOCK is %s): the kernel may "
-                    "swap pool pages out; raise `ulimit -l` or grant CAP_IPC_LOCK to lock it",
-                    self.path, os.strerror(err), limit)
+        log.warning(
+            "pool %s: not locked in memory (%s; RLIMIT_MEMLOCK is %s): the kernel may "
+            "swap pool pages out; raise `ulimit -l` or grant CAP_IPC_LOCK to lock it",
+            self.path,
+            os.strerror(err),
+            limit,
+        )
 
     def stop_warming(self, timeout: float = 5.0) -> None:
         self._stop.set()

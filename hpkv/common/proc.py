@@ -1,4 +1,5 @@
 """Process facts every layer needs (and nothing else)."""
+
 from __future__ import annotations
 
 import os

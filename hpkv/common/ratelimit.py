@@ -1,4 +1,5 @@
 """Logging for errors that can repeat a thousand times a second (a full disk, a dead mount)."""
+
 from __future__ import annotations
 
 import logging
@@ -13,7 +14,7 @@ class RateLimitedLog:
     def __init__(self, logger: logging.Logger, interval: float = 10.0):
         self.logger = logger
         self.interval = interval
-        self._last: dict[str, float] = {}   # kinds are a fixed set: never pruned
+        self._last: dict[str, float] = {}  # kinds are a fixed set: never pruned
         self._suppressed: dict[str, int] = {}
 
     def log(self, level: int, kind: str, msg: str, *args: object, exc_info: bool = False) -> None:
@@ -24,6 +25,6 @@ class RateLimitedLog:
             return
         self._last[kind] = now
         n = self._suppressed.pop(kind, 0)
-        if n:
+        if n and last is not None:
             msg += f" ({n} more like it in the last {now - last:.0f}s not logged)"
         self.logger.log(level, msg, *args, exc_info=exc_info)

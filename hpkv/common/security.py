@@ -9,6 +9,7 @@ directory descriptor with O_NOFOLLOW, so a planted symlink is never followed.
 Peers on the server's socket are checked with SO_PEERCRED: same uid, or a member
 of the group named by ``HPKV_ALLOW_GROUP``.
 """
+
 from __future__ import annotations
 
 import errno
@@ -37,17 +38,25 @@ def check_private(st: os.stat_result, path: str, what: str) -> None:
     """Refuse a directory that is not ours or that others may write (raises :class:`InsecurePath`)."""
     me = os.geteuid()
     if not stat.S_ISDIR(st.st_mode):
-        raise InsecurePath(errno.ENOTDIR, f"{what} {path} is not a directory (a symlink or a file): "
-                           f"remove it or choose another path")
+        raise InsecurePath(
+            errno.ENOTDIR,
+            f"{what} {path} is not a directory (a symlink or a file): remove it or choose another path",
+        )
     if st.st_uid != me:
-        raise InsecurePath(errno.EPERM, f"{what} {path} is owned by {_owner_name(st.st_uid)}, not by "
-                           f"{_owner_name(me)} who runs hpkv: another local user could read or inject "
-                           f"KV through it. Have its owner (or root) remove it, or choose another path")
+        raise InsecurePath(
+            errno.EPERM,
+            f"{what} {path} is owned by {_owner_name(st.st_uid)}, not by "
+            f"{_owner_name(me)} who runs hpkv: another local user could read or inject "
+            f"KV through it. Have its owner (or root) remove it, or choose another path",
+        )
     if st.st_mode & 0o022:
-        raise InsecurePath(errno.EPERM, f"{what} {path} is writable by its group or by others (mode "
-                           f"{stat.S_IMODE(st.st_mode):04o}): another local user could swap or plant "
-                           f"files in it. Run `chmod go-w {path}` (hpkv creates it 0700) or choose "
-                           f"another path")
+        raise InsecurePath(
+            errno.EPERM,
+            f"{what} {path} is writable by its group or by others (mode "
+            f"{stat.S_IMODE(st.st_mode):04o}): another local user could swap or plant "
+            f"files in it. Run `chmod go-w {path}` (hpkv creates it 0700) or choose "
+            f"another path",
+        )
 
 
 def makedirs_private(path: str) -> None:
@@ -64,8 +73,8 @@ def makedirs_private(path: str) -> None:
         try:
             os.mkdir(d, PRIVATE_DIR_MODE)
         except FileExistsError:
-            continue          # another process made it: checked by the caller if it matters
-        os.chmod(d, PRIVATE_DIR_MODE, follow_symlinks=False)   # the umask may have taken bits
+            continue  # another process made it: checked by the caller if it matters
+        os.chmod(d, PRIVATE_DIR_MODE, follow_symlinks=False)  # the umask may have taken bits
 
 
 def ensure_private_dir(path: str, what: str) -> None:

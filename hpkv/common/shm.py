@@ -1,10 +1,11 @@
 """Shared-memory files as every hpkv process maps them: allocated up front, mapped populated.
 
 On this VM a copy into un-faulted shared memory runs 5-10x slower than into a
-populated mapping (research/limits.md §2), so a file is fallocated when created
+populated mapping (`hpkv bench pool` shows the cost), so a file is fallocated when created
 and every mapping uses MAP_POPULATE. Standard library only: the connector, which
 runs inside vLLM, uses it too.
 """
+
 from __future__ import annotations
 
 import mmap

@@ -4,13 +4,15 @@ Engine-agnostic: every connector (vLLM, SGLang) holds its hpkv connection throug
 The operator hears of an outage twice: once when hpkv goes away (with the reason) and
 once when it is back; the retries in between log at debug level only.
 """
+
 from __future__ import annotations
 
 import contextlib
 import logging
 import threading
 import time
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from hpkv.client.contract import KvStore
 
@@ -20,8 +22,13 @@ C = TypeVar("C", bound=KvStore)
 
 
 class Reconnecting(Generic[C]):
-    def __init__(self, what: str, connect_fn: Callable[[], C], log: logging.Logger,
-                 interval_s: float = RECONNECT_INTERVAL_S):
+    def __init__(
+        self,
+        what: str,
+        connect_fn: Callable[[], C],
+        log: logging.Logger,
+        interval_s: float = RECONNECT_INTERVAL_S,
+    ):
         self.what = what
         self.client: C | None = None
         self._connect_fn = connect_fn
@@ -30,7 +37,7 @@ class Reconnecting(Generic[C]):
         self._lock = threading.Lock()
         self._next_try = 0.0
         self._thread: threading.Thread | None = None
-        self._down_since: float | None = None    # monotonic time hpkv went away, while it is away
+        self._down_since: float | None = None  # monotonic time hpkv went away, while it is away
 
     def get(self) -> C | None:
         """The client, or None (then a connection attempt runs in the background)."""
@@ -41,7 +48,9 @@ class Reconnecting(Generic[C]):
         with self._lock:
             if self._thread is None and now >= self._next_try:
                 self._next_try = now + self._interval
-                self._thread = threading.Thread(target=self._run, name=f"hpkv-{self.what}-connect", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name=f"hpkv-{self.what}-connect", daemon=True
+                )
                 self._thread.start()
         return None
 
@@ -54,18 +63,26 @@ class Reconnecting(Generic[C]):
     def _run(self) -> None:
         try:
             client = self._connect_fn()
-        except Exception as exc:  # any failure means: recompute, retry later
+        except Exception as exc:  # noqa: BLE001 - any failure means: recompute, retry later
             if self._down_since is None:
                 self._down_since = time.monotonic()
-                self._log.warning("hpkv %s: cannot reach the hpkv server (%s); the engine recomputes "
-                                  "until it is back (retrying every %.0fs; logged again when it is back)",
-                                  self.what, exc, self._interval)
+                self._log.warning(
+                    "hpkv %s: cannot reach the hpkv server (%s); the engine recomputes "
+                    "until it is back (retrying every %.0fs; logged again when it is back)",
+                    self.what,
+                    exc,
+                    self._interval,
+                )
             else:
                 self._log.debug("hpkv %s: still no hpkv server (%s)", self.what, exc)
         else:
             if self._down_since is not None:
-                self._log.warning("hpkv %s: the hpkv server is back (pid %d) after %.0fs", self.what,
-                                  client.server_pid, time.monotonic() - self._down_since)
+                self._log.warning(
+                    "hpkv %s: the hpkv server is back (pid %d) after %.0fs",
+                    self.what,
+                    client.server_pid,
+                    time.monotonic() - self._down_since,
+                )
                 self._down_since = None
             self.client = client
         finally:
@@ -79,8 +96,11 @@ class Reconnecting(Generic[C]):
         if c is not None:
             if self._down_since is None:
                 self._down_since = time.monotonic()
-                self._log.warning("hpkv %s: lost the hpkv server (%s); the engine recomputes until it "
-                                  "is back", self.what, exc)
+                self._log.warning(
+                    "hpkv %s: lost the hpkv server (%s); the engine recomputes until it is back",
+                    self.what,
+                    exc,
+                )
             with contextlib.suppress(Exception):
                 c.close()
 

@@ -11,11 +11,13 @@ Addresses are absolute in this process. The layout and copier keep references to
 the arrays/tensors/buffers they were built from so the memory outlives them; when
 built from bare integer addresses, keeping the mapping alive is the caller's job.
 """
+
 from __future__ import annotations
 
 import mmap
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -111,7 +113,7 @@ def _block_geometry(t: Any, i: int) -> tuple[int, int, int, int]:
         raise ValueError(f"{what}: needs a leading block dimension of at least 1, got shape {shape}")
     page = itemsize
     for size, stride in sorted(
-        ((s, st) for s, st in zip(shape[1:], strides[1:]) if s != 1), key=lambda p: p[1]
+        ((s, st) for s, st in zip(shape[1:], strides[1:], strict=False) if s != 1), key=lambda p: p[1]
     ):
         if stride != page:
             raise ValueError(
@@ -160,7 +162,7 @@ class BlockLayout:
             raise ValueError(f"num_blocks must be > 0, got {self.num_blocks}")
         span = (self.num_blocks - 1) * self.block_stride + self.page_bytes
         for i, b in enumerate(bases):
-            if not 0 < b or b + span > _U64_LIMIT:
+            if not b > 0 or b + span > _U64_LIMIT:
                 raise ValueError(
                     f"layer_bases[{i}] = {b:#x} is not a valid address for {self.num_blocks} "
                     f"blocks of stride {self.block_stride}"
@@ -176,7 +178,7 @@ class BlockLayout:
         return self.num_layers * self.page_bytes
 
     @classmethod
-    def from_tensors(cls, tensors: Sequence[Any]) -> "BlockLayout":
+    def from_tensors(cls, tensors: Sequence[Any]) -> BlockLayout:
         """One region per layer (vLLM CPU/CUDA LBHNC/LBNHC): one numpy array or CPU torch
         tensor per layer, block dimension first, e.g. ``[num_blocks, heads, block, 2*head]``
         (strides may pad blocks). All layers must agree on block count, stride and page."""
@@ -204,7 +206,7 @@ class BlockLayout:
         page_bytes: int,
         *,
         block_stride: int | None = None,
-    ) -> "BlockLayout":
+    ) -> BlockLayout:
         """A single region where each block holds all layers' pages back to back
         (vLLM BLHNC/BLNHC cross-layer blocks). ``base``: an address, numpy array, CPU
         torch tensor or buffer; ``block_stride`` defaults to ``num_layers * page_bytes``."""
@@ -221,12 +223,11 @@ class BlockLayout:
         need = (num_blocks - 1) * block_stride + num_layers * page_bytes
         if size is not None and size < need:
             raise ValueError(
-                f"base holds {size} B but {num_blocks} blocks of stride {block_stride} "
-                f"need {need} B"
+                f"base holds {size} B but {num_blocks} blocks of stride {block_stride} need {need} B"
             )
         owners = () if owner is None else (owner,)
         return cls(
-            tuple(addr + l * page_bytes for l in range(num_layers)),
+            tuple(addr + ly * page_bytes for ly in range(num_layers)),
             block_stride,
             page_bytes,
             num_blocks,

@@ -28,14 +28,15 @@ spill is in flight. Eviction takes the least recently used evictable block acros
 all namespaces. STORED blocks (files only) come from evictions, from the scan of
 the storage directory and from a stat on a lookup miss (:meth:`Index.add_stored`).
 """
+
 from __future__ import annotations
 
 import bisect
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -60,7 +61,7 @@ class PoolAllocator:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self._starts: list[int] = [0] if capacity else []   # sorted free-range starts
+        self._starts: list[int] = [0] if capacity else []  # sorted free-range starts
         self._sizes: dict[int, int] = {0: capacity} if capacity else {}
         self.used = 0
 
@@ -116,18 +117,18 @@ class State(IntEnum):
     RESERVED = 1
     READY = 2
     STORED = 3
-    PROMOTING = 4   # files being read into freshly allocated slots; still a storage hit
+    PROMOTING = 4  # files being read into freshly allocated slots; still a storage hit
 
 
 @dataclass
 class Namespace:
     ns_id: int
-    name: str                 # human-readable (model, layout) for monitors
+    name: str  # human-readable (model, layout) for monitors
     fingerprint: str
     world_size: int
-    shard_bytes: int          # bytes of one rank's shard of one block
-    block_tokens: int = 0     # tokens per block (for token counts in monitors; 0 = unknown)
-    released: bool = False    # dropped by the server (no client, id reused): scans stop
+    shard_bytes: int  # bytes of one rank's shard of one block
+    block_tokens: int = 0  # tokens per block (for token counts in monitors; 0 = unknown)
+    released: bool = False  # dropped by the server (no client, id reused): scans stop
     counters: np.ndarray = field(default_factory=lambda: np.zeros(NS_COUNTERS, np.int64))
 
     @property
@@ -136,23 +137,36 @@ class Namespace:
 
 
 class Block:
-    __slots__ = ("key", "ns", "state", "slots", "committed", "pins", "on_storage", "owner", "io",
-                 "no_spill", "since", "retired", "verified")
+    __slots__ = (
+        "key",
+        "ns",
+        "state",
+        "slots",
+        "committed",
+        "pins",
+        "on_storage",
+        "owner",
+        "io",
+        "no_spill",
+        "since",
+        "retired",
+        "verified",
+    )
 
     def __init__(self, key: bytes, ns: Namespace, slots: list[int], owner: int):
         self.key = key
         self.ns = ns
         self.state = State.RESERVED
-        self.slots: list[int] | None = slots   # pool offset per rank
-        self.committed = 0                      # bitmask of ranks
+        self.slots: list[int] | None = slots  # pool offset per rank
+        self.committed = 0  # bitmask of ranks
         self.pins = 0
         self.on_storage = False
-        self.owner = owner                      # client that reserved it (RESERVED only)
-        self.io = 0                             # IO jobs in flight that read its slots (spills)
-        self.no_spill = False                   # storage on, but this block will not get files
-        self.since = time.monotonic()           # when reserved (the reservation's lease starts)
-        self.retired = False                    # RESERVED, released, waiting for its copies to end
-        self.verified = 0.0                     # STORED: when a lookup last saw its files exist
+        self.owner = owner  # client that reserved it (RESERVED only)
+        self.io = 0  # IO jobs in flight that read its slots (spills)
+        self.no_spill = False  # storage on, but this block will not get files
+        self.since = time.monotonic()  # when reserved (the reservation's lease starts)
+        self.retired = False  # RESERVED, released, waiting for its copies to end
+        self.verified = 0.0  # STORED: when a lookup last saw its files exist
 
     @property
     def in_dram(self) -> bool:
@@ -162,8 +176,12 @@ class Block:
 class Index:
     """key → block state, tier, slots, pins and recency; LRU eviction."""
 
-    def __init__(self, pool_capacity: int, storage_enabled: bool = False,
-                 on_evict: Callable[[Block], None] | None = None):
+    def __init__(
+        self,
+        pool_capacity: int,
+        storage_enabled: bool = False,
+        on_evict: Callable[[Block], None] | None = None,
+    ):
         self.alloc = PoolAllocator(pool_capacity)
         self.storage_enabled = storage_enabled
         self.blocks: dict[bytes, Block] = {}
@@ -171,10 +189,10 @@ class Index:
         # Kept beside ``blocks`` in a native table, so a lookup runs in C.
         self.present = KeyTable()
         self.namespaces: dict[int, Namespace] = {}
-        self._lru: OrderedDict[bytes, None] = OrderedDict()   # evictable READY blocks, LRU first
+        self._lru: OrderedDict[bytes, None] = OrderedDict()  # evictable READY blocks, LRU first
         self._on_evict = on_evict
         self.pinned_bytes = 0
-        self.reserved: dict[bytes, Block] = {}             # RESERVED blocks (retired ones too)
+        self.reserved: dict[bytes, Block] = {}  # RESERVED blocks (retired ones too)
         # owner -> key -> [pins held, monotonic time of the latest]: who holds which pins
         self.pins_by_owner: dict[int, dict[bytes, list]] = {}
 
@@ -190,8 +208,12 @@ class Index:
 
     # ------------------------------------------------------------ evictability
     def _is_evictable(self, b: Block) -> bool:
-        return (b.state == State.READY and b.pins == 0 and b.io == 0
-                and (b.on_storage or b.no_spill or not self.storage_enabled))
+        return (
+            b.state == State.READY
+            and b.pins == 0
+            and b.io == 0
+            and (b.on_storage or b.no_spill or not self.storage_enabled)
+        )
 
     def _refresh(self, b: Block, touch: bool = False) -> None:
         if self._is_evictable(b):
@@ -446,8 +468,11 @@ class Index:
     def expired_pins(self, lease: float, now: float | None = None) -> dict[int, list[bytes]]:
         """owner -> keys whose latest pin is older than ``lease`` seconds."""
         now = time.monotonic() if now is None else now
-        return {o: ks for o, held in self.pins_by_owner.items()
-                if (ks := [k for k, rec in held.items() if now - rec[1] > lease])}
+        return {
+            o: ks
+            for o, held in self.pins_by_owner.items()
+            if (ks := [k for k, rec in held.items() if now - rec[1] > lease])
+        }
 
     def drop_pins(self, keys: Iterable[bytes]) -> None:
         """Release pins detached by :meth:`take_pins`."""
@@ -562,7 +587,7 @@ class Index:
                 self._free_slots(b)
             del self.blocks[b.key]
             self.present.pop(b.key, None)
-        for owner in list(self.pins_by_owner):          # no pins left on it (checked above)
+        for owner in list(self.pins_by_owner):  # no pins left on it (checked above)
             if not self.pins_by_owner[owner]:
                 del self.pins_by_owner[owner]
         ns.counters[:] = 0

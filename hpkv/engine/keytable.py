@@ -5,9 +5,11 @@ It behaves like the ``dict`` it replaces for the index (``t[key] = tier``,
 lookup over keys lying in a buffer (the client's mailbox) without building a
 Python object per key.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from hpkv.common.native import ffi, lib
 
@@ -47,7 +49,9 @@ class KeyTable:
 
     def prefix(self, keys: Any, n: int, out: Any) -> int:
         """Leading present keys among ``n`` 16-byte keys in buffer ``keys``; their values go to ``out``."""
-        return int(self._prefix(self._t, ffi.from_buffer(keys), n, ffi.from_buffer(out, require_writable=True)))
+        return int(
+            self._prefix(self._t, ffi.from_buffer(keys), n, ffi.from_buffer(out, require_writable=True))
+        )
 
     def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[int]]:
         out = bytearray(len(keys))

@@ -15,6 +15,7 @@ simply taken over). Threads:
 
 The index is touched under one lock; hot calls hold it for one request.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,45 +35,56 @@ from typing import Any
 
 import numpy as np
 
-from hpkv.config import Config, ConfigError, check_runtime, format_size
 from hpkv.common import shm
-from hpkv.protocol import wire as P
-from hpkv.protocol.errors import (CallTooLarge, ExitCode, HpkvError, NamespaceNotAttached, NotOwner, Status,
-                                  refusal)
-from hpkv.common.proc import PID_MAX, pid_alive, valid_pid
-from hpkv.engine.index import Index, Namespace
-from hpkv.protocol.stats import NsCounter
-from hpkv.protocol.wire import Tier
-from hpkv.protocol.keys import KEY_BYTES
-from hpkv.common.logs import setup_logging
-from hpkv.common.pool import PoolFile
-from hpkv.protocol.stats import MAX_NS, MAX_WORKERS, NS_COUNTERS, G, StatsSegment
 from hpkv.common.numa import device_cpus
-from hpkv.engine.workers import WorkerProcess
+from hpkv.common.pool import PoolFile
+from hpkv.common.proc import PID_MAX, pid_alive, valid_pid
 from hpkv.common.ratelimit import RateLimitedLog
-from hpkv.io_workers.tier import StorageTier
-from hpkv.ring import Doorbell, Ring, RingError
 from hpkv.common.security import open_nofollow, open_private_dir, peer_allowed, peer_credentials
+from hpkv.config import Config, ConfigError, check_runtime, format_size
+from hpkv.engine.cuda_worker import validate_cuda
+from hpkv.engine.index import Index, Namespace
+from hpkv.engine.logs import setup_logging
+from hpkv.engine.workers import WorkerProcess
+from hpkv.io_workers.tier import StorageTier
+from hpkv.monitor.metrics import start_metrics
+from hpkv.protocol import wire as P
+from hpkv.protocol.errors import (
+    ROW_MISSING,
+    CallTooLarge,
+    ExitCode,
+    HpkvError,
+    NamespaceNotAttached,
+    NotOwner,
+    Status,
+    refusal,
+)
+from hpkv.protocol.keys import KEY_BYTES
+from hpkv.protocol.stats import MAX_NS, MAX_WORKERS, NS_COUNTERS, G, NsCounter, StatsSegment
+from hpkv.protocol.wire import Tier
+from hpkv.ring import Doorbell, Ring, RingError
 
 log = logging.getLogger("hpkv.server")
 
 LOCK_RETRY_S = 0.5
-MAX_CONTROL_LINE = 1 << 20        # bytes of one control line (a register_device is a few KiB)
-MAX_CONTROL_BACKLOG = 4 << 20     # unread reply bytes before a client that never reads is dropped
+MAX_CONTROL_LINE = 1 << 20  # bytes of one control line (a register_device is a few KiB)
+MAX_CONTROL_BACKLOG = 4 << 20  # unread reply bytes before a client that never reads is dropped
 MAX_NAME = 200
-MAX_PROMOTE_MS = 600_000          # a promote's deadline is clamped to 10 minutes
-RETIRE_GRACE_S = 2.0              # a dead owner's slots: time for copies its peers were told to make
+MAX_PROMOTE_MS = 600_000  # a promote's deadline is clamped to 10 minutes
+RETIRE_GRACE_S = 2.0  # a dead owner's slots: time for copies its peers were told to make
 MAX_REGIONS = 4096
 MAX_LAYERS = 4096
-_FINGERPRINT_RE = re.compile(r"[0-9a-f]{%d}" % (2 * KEY_BYTES))
+_FINGERPRINT_RE = re.compile(rf"[0-9a-f]{{{2 * KEY_BYTES}}}")
 
 
 class AlreadyServed(RuntimeError):
     def __init__(self, directory: str, pid: int | None):
         self.pid = pid
         who = f"pid {pid}" if pid else "another process"
-        super().__init__(f"the pool directory {directory} is already served by {who}; "
-                         f"stop it first (kill {pid or '<pid>'}) or use another HPKV_SHARE_MEM_FILE_PATH")
+        super().__init__(
+            f"the pool directory {directory} is already served by {who}; "
+            f"stop it first (kill {pid or '<pid>'}) or use another HPKV_SHARE_MEM_FILE_PATH"
+        )
 
 
 def _int_arg(msg: dict[str, Any], key: str, lo: int, hi: int, default: Any = ...) -> Any:
@@ -87,6 +99,27 @@ def _int_arg(msg: dict[str, Any], key: str, lo: int, hi: int, default: Any = ...
     return v
 
 
+def _validate_region(i: int, r: Any, allowed_uids: set[int]) -> dict[str, Any]:
+    """Region ``i`` of a register_device call: an existing regular file of the client's, and a
+    size within the file's real size."""
+    if not isinstance(r, dict) or not isinstance(r.get("path"), str) or not os.path.isabs(r["path"]):
+        raise ValueError(f"region {i} must be an object with an absolute 'path'")
+    try:
+        st = os.stat(r["path"])
+    except OSError as exc:
+        raise ValueError(f"region {i} {r['path']}: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"region {i} {r['path']} is not a regular file")
+    if st.st_uid not in allowed_uids:
+        raise ValueError(f"region {i} {r['path']} belongs to uid {st.st_uid}, not to the client")
+    declared = r.get("size", st.st_size)
+    if not isinstance(declared, int) or isinstance(declared, bool) or not 0 < declared <= st.st_size:
+        raise ValueError(
+            f"region {i} {r['path']}: size {str(declared)[:40]} must be 1..{st.st_size} (the file's real size)"
+        )
+    return {"path": r["path"], "size": declared}
+
+
 def validate_device(msg: dict[str, Any], slot_bytes: int, allowed_uids: set[int]) -> dict[str, Any]:
     """The device layout of a register_device call, checked against the real sizes of its
     region files, so a transfer worker can never address memory outside them or write past a
@@ -95,24 +128,8 @@ def validate_device(msg: dict[str, Any], slot_bytes: int, allowed_uids: set[int]
     regions = msg.get("regions")
     if not isinstance(regions, list) or not 1 <= len(regions) <= MAX_REGIONS:
         raise ValueError(f"regions must be a list of 1..{MAX_REGIONS} {{path, size}} objects")
-    sizes, out_regions = [], []
-    for i, r in enumerate(regions):
-        if not isinstance(r, dict) or not isinstance(r.get("path"), str) or not os.path.isabs(r["path"]):
-            raise ValueError(f"region {i} must be an object with an absolute 'path'")
-        try:
-            st = os.stat(r["path"])
-        except OSError as exc:
-            raise ValueError(f"region {i} {r['path']}: {exc.strerror}") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"region {i} {r['path']} is not a regular file")
-        if st.st_uid not in allowed_uids:
-            raise ValueError(f"region {i} {r['path']} belongs to uid {st.st_uid}, not to the client")
-        declared = r.get("size", st.st_size)
-        if not isinstance(declared, int) or isinstance(declared, bool) or not 0 < declared <= st.st_size:
-            raise ValueError(f"region {i} {r['path']}: size {str(declared)[:40]} must be 1..{st.st_size} "
-                             f"(the file's real size)")
-        sizes.append(declared)
-        out_regions.append({"path": r["path"], "size": declared})
+    out_regions = [_validate_region(i, r, allowed_uids) for i, r in enumerate(regions)]
+    sizes = [r["size"] for r in out_regions]
     stride = _int_arg(msg, "block_stride", 1, 1 << 40)
     page = _int_arg(msg, "page_bytes", 1, stride)
     num_blocks = _int_arg(msg, "num_blocks", 1, 1 << 31)
@@ -120,45 +137,65 @@ def validate_device(msg: dict[str, Any], slot_bytes: int, allowed_uids: set[int]
     if not isinstance(bases, list) or not 1 <= len(bases) <= MAX_LAYERS:
         raise ValueError(f"layer_bases must be a list of 1..{MAX_LAYERS} [region, offset] pairs")
     if len(bases) * page > slot_bytes:
-        raise ValueError(f"{len(bases)} layers x {page} B pages = {len(bases) * page} B do not fit the "
-                         f"namespace's {slot_bytes} B pool slot")
+        raise ValueError(
+            f"{len(bases)} layers x {page} B pages = {len(bases) * page} B do not fit the "
+            f"namespace's {slot_bytes} B pool slot"
+        )
     span = (num_blocks - 1) * stride + page
     out_bases = []
     for j, lb in enumerate(bases):
-        if not (isinstance(lb, (list, tuple)) and len(lb) == 2
-                and all(isinstance(x, int) and not isinstance(x, bool) for x in lb)):
+        if not (
+            isinstance(lb, (list, tuple))
+            and len(lb) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in lb)
+        ):
             raise ValueError(f"layer_bases[{j}] must be [region index, byte offset]")
         r, off = lb
         if not 0 <= r < len(sizes) or off < 0 or off + span > sizes[r]:
-            raise ValueError(f"layer {j}: region {r} offset {off} + {num_blocks} blocks x {stride} B stride "
-                             f"reaches past the region's {sizes[r] if 0 <= r < len(sizes) else '?'} bytes")
+            raise ValueError(
+                f"layer {j}: region {r} offset {off} + {num_blocks} blocks x {stride} B stride "
+                f"reaches past the region's {sizes[r] if 0 <= r < len(sizes) else '?'} bytes"
+            )
         out_bases.append([r, off])
-    return {"regions": out_regions, "layer_bases": out_bases, "block_stride": stride,
-            "page_bytes": page, "num_blocks": num_blocks}
+    return {
+        "regions": out_regions,
+        "layer_bases": out_bases,
+        "block_stride": stride,
+        "page_bytes": page,
+        "num_blocks": num_blocks,
+    }
 
 
 def _kind_name(kind: int) -> str:
-    names = {P.LOOKUP: "LOOKUP", P.RESERVE: "RESERVE", P.COMMIT: "COMMIT", P.PIN: "PIN",
-             P.UNPIN: "UNPIN", P.PROMOTE: "PROMOTE"}
+    names = {
+        P.LOOKUP: "LOOKUP",
+        P.RESERVE: "RESERVE",
+        P.COMMIT: "COMMIT",
+        P.PIN: "PIN",
+        P.UNPIN: "UNPIN",
+        P.PROMOTE: "PROMOTE",
+    }
     return names.get(kind, f"kind-{kind}")
 
 
 @dataclass
 class _Conn:
     """One control connection: its peer, its partial input line and its unsent replies."""
+
     sock: socket.socket
     pid: int
     uid: int
     inbuf: bytearray = field(default_factory=bytearray)
     out: bytearray = field(default_factory=bytearray)
-    client: "Client | None" = None
-    events: int = 1          # selectors.EVENT_READ
+    client: Client | None = None
+    events: int = 1  # selectors.EVENT_READ
     closed: bool = False
 
 
 @dataclass
 class _Release:
     """Retired reservations and detached pins, freed once the marked copies have ended."""
+
     blocks: list
     pins: list
     marks: list
@@ -168,6 +205,7 @@ class _Release:
 @dataclass
 class Device:
     """One registered device of one client: its transfer workers and their rings."""
+
     dev_id: int
     client_id: int
     ns_id: int
@@ -189,10 +227,10 @@ class Client:
     uid: int = -1
     namespaces: set[int] = field(default_factory=set)
     ranks: set[int] = field(default_factory=set)
-    writer_ranks: set[tuple[int, int]] = field(default_factory=set)   # (ns_id, rank) it writes
+    writer_ranks: set[tuple[int, int]] = field(default_factory=set)  # (ns_id, rank) it writes
     devices: list[Device] = field(default_factory=list)
     alive: bool = True
-    busy: bool = False   # a hot call (promote) is parked until its IO completes: no other is taken
+    busy: bool = False  # a hot call (promote) is parked until its IO completes: no other is taken
 
 
 class Server:
@@ -202,10 +240,10 @@ class Server:
         self.auto = auto
         self.idle_exit = cfg["HPKV_SERVER_IDLE_EXIT"] if auto else 0.0
         self.lock = threading.RLock()
-        self.stop_event = threading.Event()   # a stop was requested: drain spills, then shut down
-        self.down = threading.Event()         # shut down: the control and supervisor threads end
-        self.stopping = False                 # draining: new clients are refused
-        self._stop_waiters: list["_Conn"] = []   # `hpkv stop` connections awaiting the outcome
+        self.stop_event = threading.Event()  # a stop was requested: drain spills, then shut down
+        self.down = threading.Event()  # shut down: the control and supervisor threads end
+        self.stopping = False  # draining: new clients are refused
+        self._stop_waiters: list[_Conn] = []  # `hpkv stop` connections awaiting the outcome
         self.stop_outcome: dict[str, Any] = {}
         self.clients: dict[int, Client] = {}
         self.namespaces_by_fp: dict[str, Namespace] = {}
@@ -220,13 +258,23 @@ class Server:
         self._errors = RateLimitedLog(log)
         self._releases: list[_Release] = []
         self._lease_checked = 0.0
-        self._detached: dict[int, float] = {}      # namespace id -> when its last client left
-        self._hot_handlers = {P.LOOKUP: self._hot_lookup, P.RESERVE: self._hot_reserve,
-                              P.COMMIT: self._hot_commit, P.PIN: self._hot_pin,
-                              P.PROMOTE: self._hot_promote, P.UNPIN: self._hot_unpin}
-        self._control_handlers = {"hello": self._ctl_hello, "stats": self._ctl_stats,
-                                  "shutdown": self._ctl_shutdown, "namespace": self._ctl_namespace,
-                                  "register_device": self._ctl_register_device, "clear": self._ctl_clear}
+        self._detached: dict[int, float] = {}  # namespace id -> when its last client left
+        self._hot_handlers = {
+            P.LOOKUP: self._hot_lookup,
+            P.RESERVE: self._hot_reserve,
+            P.COMMIT: self._hot_commit,
+            P.PIN: self._hot_pin,
+            P.PROMOTE: self._hot_promote,
+            P.UNPIN: self._hot_unpin,
+        }
+        self._control_handlers = {
+            "hello": self._ctl_hello,
+            "stats": self._ctl_stats,
+            "shutdown": self._ctl_shutdown,
+            "namespace": self._ctl_namespace,
+            "register_device": self._ctl_register_device,
+            "clear": self._ctl_clear,
+        }
 
     # ================================================================ life cycle
     def acquire_lock(self) -> None:
@@ -255,8 +303,11 @@ class Server:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
         if previous and previous != os.getpid():
-            log.warning("took over the pool directory %s from pid %s, which exited without "
-                        "cleaning up", self.dir, previous)
+            log.warning(
+                "took over the pool directory %s from pid %s, which exited without cleaning up",
+                self.dir,
+                previous,
+            )
         self._remove_owned_files(startup=True)
 
     def _share_with_group(self, target: int | str) -> None:
@@ -273,16 +324,24 @@ class Server:
         removed = []
         for name in os.listdir(self.dir):
             engine_pid = P.device_file_pid(name)
-            if (name in (P.POOL_FILE, P.SOCKET_FILE, "stats") or name.endswith(P.OWNED_SUFFIXES)
-                    or ".tmp" in name or (engine_pid is not None and not pid_alive(engine_pid))):
+            if (
+                name in (P.POOL_FILE, P.SOCKET_FILE, "stats")
+                or name.endswith(P.OWNED_SUFFIXES)
+                or ".tmp" in name
+                or (engine_pid is not None and not pid_alive(engine_pid))
+            ):
                 try:
                     os.unlink(os.path.join(self.dir, name))
                     removed.append(name)
                 except FileNotFoundError:
                     pass
         if removed and startup:
-            log.warning("removed %d files left by a previous server in %s: %s", len(removed),
-                        self.dir, ", ".join(sorted(removed)[:8]) + (" ..." if len(removed) > 8 else ""))
+            log.warning(
+                "removed %d files left by a previous server in %s: %s",
+                len(removed),
+                self.dir,
+                ", ".join(sorted(removed)[:8]) + (" ..." if len(removed) > 8 else ""),
+            )
 
     def start(self) -> None:
         if self.auto:
@@ -296,18 +355,30 @@ class Server:
         size = self.cfg.pool_size
         t0 = time.monotonic()
         self.pool = PoolFile.create(os.path.join(self.dir, P.POOL_FILE), size)
-        log.info("pool %s: %s created in %.2fs; its memory is allocated and locked in the background",
-                 self.pool.path, format_size(size), time.monotonic() - t0)
+        log.info(
+            "pool %s: %s created in %.2fs; its memory is allocated and locked in the background",
+            self.pool.path,
+            format_size(size),
+            time.monotonic() - t0,
+        )
         self.stats = StatsSegment.create(self.dir)
         self.pool.warm_in_background(lock=True, progress=self._pool_warm_progress)
         self.index = Index(size, storage_enabled=self.cfg.storage_path is not None)
         self.stats.glob[G.POOL_CAPACITY] = size
         self.doorbell = Doorbell.create(self.dir, "server")
         if self.cfg.storage_path is not None:
-            self.storage = StorageTier(self.cfg, self.dir, self.stats, self.index, self.lock,
-                                       self.doorbell, self.pool.path, self._answer_parked)
+            self.storage = StorageTier(
+                self.cfg,
+                self.dir,
+                self.stats,
+                self.index,
+                self.lock,
+                self.doorbell,
+                self.pool.path,
+                self._answer_parked,
+            )
             self.workers += self.storage.start(list(range(self.cfg["HPKV_NUM_IO_WORKERS"])))
-        from hpkv.monitor.metrics import start_metrics  # HPKV_METRICS_PORT; up before clients connect
+
         self.metrics = start_metrics(self.cfg)
         sock_path = os.path.join(self.dir, P.SOCKET_FILE)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -318,14 +389,19 @@ class Server:
         self._publish_catalog()
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()
         threading.Thread(target=self._supervisor_loop, name="supervisor", daemon=True).start()
-        log.info("hpkv server %d serving %s (pool %s, storage %s)%s", os.getpid(), self.dir,
-                 format_size(size), self.cfg.storage_path or "disabled",
-                 f", idle exit after {self.idle_exit:g}s" if self.idle_exit else "")
+        log.info(
+            "hpkv server %d serving %s (pool %s, storage %s)%s",
+            os.getpid(),
+            self.dir,
+            format_size(size),
+            self.cfg.storage_path or "disabled",
+            f", idle exit after {self.idle_exit:g}s" if self.idle_exit else "",
+        )
 
     def _pool_warm_progress(self, done: int) -> None:
         self.stats.glob[G.POOL_WARM] = done
         if done >= self.pool.size:
-            self._catalog_dirty = True    # pool_locked is known now
+            self._catalog_dirty = True  # pool_locked is known now
 
     def shutdown(self) -> None:
         self.stop_event.set()
@@ -392,8 +468,12 @@ class Server:
             pending = first = self.storage.pending_spills()
         written0 = int(self.stats.glob[G.STORAGE_SPILLS])
         if pending:
-            log.info("stopping: writing %d pending block(s) to storage first (at most %gs, "
-                     "HPKV_STOP_DRAIN_TIMEOUT)", pending, timeout)
+            log.info(
+                "stopping: writing %d pending block(s) to storage first (at most %gs, "
+                "HPKV_STOP_DRAIN_TIMEOUT)",
+                pending,
+                timeout,
+            )
         while pending and time.monotonic() - t0 < timeout:
             self._serve_round(0.05)
             with self.lock:
@@ -401,12 +481,20 @@ class Server:
         seconds = time.monotonic() - t0
         written = int(self.stats.glob[G.STORAGE_SPILLS]) - written0
         if pending:
-            log.warning("stopping: %d block(s) were not written to storage: HPKV_STOP_DRAIN_TIMEOUT=%gs "
-                        "expired (%d file(s) written meanwhile); they will be recomputed when needed",
-                        pending, timeout, written)
+            log.warning(
+                "stopping: %d block(s) were not written to storage: HPKV_STOP_DRAIN_TIMEOUT=%gs "
+                "expired (%d file(s) written meanwhile); they will be recomputed when needed",
+                pending,
+                timeout,
+                written,
+            )
         elif first:
-            log.info("stopping: %d pending block(s) written to storage in %.2fs (%d file(s))",
-                     first, seconds, written)
+            log.info(
+                "stopping: %d pending block(s) written to storage in %.2fs (%d file(s))",
+                first,
+                seconds,
+                written,
+            )
         return {"pending": first, "written": written, "dropped": pending, "seconds": round(seconds, 3)}
 
     def _answer_stop_waiters(self) -> None:
@@ -445,7 +533,7 @@ class Server:
             with self.lock:
                 status, a0, a1 = self._handle(c, d)
             self.stats.glob[G.REQUESTS] += 1
-            if status is None:       # parked until its IO completes (_answer_parked)
+            if status is None:  # parked until its IO completes (_answer_parked)
                 continue
             if status < 0:
                 self.stats.glob[G.ERRORS] += 1
@@ -466,7 +554,7 @@ class Server:
         c.busy = False
         if not c.alive:
             return
-        c.mbox[P.MAILBOX_HALF: P.MAILBOX_HALF + rows.nbytes] = rows.reshape(-1).view(np.uint8)
+        c.mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + rows.nbytes] = rows.reshape(-1).view(np.uint8)
         try:
             c.resp.try_push(P.COMPLETION, seq, rows.shape[1], 0, status=0)
         except RingError as exc:
@@ -488,17 +576,40 @@ class Server:
         except CallTooLarge:
             return Status.TOO_MANY_KEYS, 0, 0
         except NotOwner as exc:
-            self._errors.log(logging.WARNING, "not-owner", "client %d (pid %d): %s refused: %s",
-                             c.cid, c.pid, _kind_name(d.kind), exc)
+            self._errors.log(
+                logging.WARNING,
+                "not-owner",
+                "client %d (pid %d): %s refused: %s",
+                c.cid,
+                c.pid,
+                _kind_name(d.kind),
+                exc,
+            )
             return Status.NOT_OWNER, 0, 0
         except (ValueError, KeyError, TypeError, IndexError, MemoryError) as exc:
-            self._errors.log(logging.WARNING, "bad-call", "client %d (pid %d): bad %s call "
-                             "(a0=%d a1=%d a2=%d flags=%d): %s", c.cid, c.pid, _kind_name(d.kind),
-                             d.a0, d.a1, d.a2, d.flags, exc)
+            self._errors.log(
+                logging.WARNING,
+                "bad-call",
+                "client %d (pid %d): bad %s call (a0=%d a1=%d a2=%d flags=%d): %s",
+                c.cid,
+                c.pid,
+                _kind_name(d.kind),
+                d.a0,
+                d.a1,
+                d.a2,
+                d.flags,
+                exc,
+            )
             return Status.BAD_REQUEST, 0, 0
         except Exception:  # noqa: BLE001 - one call must never end the request loop
-            self._errors.log(logging.ERROR, "hot-internal", "client %d: %s call failed inside the "
-                             "server", c.cid, _kind_name(d.kind), exc_info=True)
+            self._errors.log(
+                logging.ERROR,
+                "hot-internal",
+                "client %d: %s call failed inside the server",
+                c.cid,
+                _kind_name(d.kind),
+                exc_info=True,
+            )
             return Status.INTERNAL, 0, 0
         finally:
             idx = self.index
@@ -512,15 +623,15 @@ class Server:
         n = d.a1
         if n > P.MAX_KEYS_PER_CALL:
             raise CallTooLarge("too many keys in one call")
-        out = c.mbox[P.MAILBOX_HALF:]
+        out = c.mbox[P.MAILBOX_HALF :]
         # The hot path: keys read and tiers written in place, in C.
         hit = idx.present.prefix(c.mbox[: n * KEY_BYTES], n, out[:n])
         tiers = out[:hit].tolist()
         if self.storage is not None and (hit < n or Tier.STORAGE in tiers):
             keys = self._keys(c, n)
-            if Tier.STORAGE in tiers:              # files deleted from outside are not hits
+            if Tier.STORAGE in tiers:  # files deleted from outside are not hits
                 hit = self.storage.verify_lookup(ns, keys, hit, tiers)
-            if hit < n:                            # files the index has not seen yet
+            if hit < n:  # files the index has not seen yet
                 hit = self.storage.extend_lookup(ns, keys, hit, tiers)
             out[:hit] = np.frombuffer(bytes(tiers), np.uint8)
         idx.count_lookup(ns, n, tiers)
@@ -530,7 +641,7 @@ class Server:
         ns = self.index.ns(d.a0)
         slots = self.index.reserve(ns.ns_id, self._keys(c, d.a1, 8 * ns.world_size), owner=c.cid)
         flat = slots.reshape(-1)
-        c.mbox[P.MAILBOX_HALF: P.MAILBOX_HALF + flat.nbytes] = flat.view(np.uint8)
+        c.mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + flat.nbytes] = flat.view(np.uint8)
         return 0, slots.shape[1], 0
 
     def _hot_commit(self, c: Client, d) -> tuple[int, int, int]:
@@ -549,7 +660,7 @@ class Server:
         idx.check_owner(keys, c.cid, writer=(ns.ns_id, rank) in c.writer_ranks)
         ready = idx.commit(ns.ns_id, keys, rank=rank)
         if ready and self.storage is not None:
-            self.storage.spill(ready)               # write-through
+            self.storage.spill(ready)  # write-through
         return 0, len(ready), 0
 
     def _hot_pin(self, c: Client, d) -> tuple[int, int, int]:
@@ -566,7 +677,7 @@ class Server:
         ns.counters[NsCounter.LOADS_DRAM] += pinned
         if self.storage is not None:
             self.storage.touch(keys)
-        c.mbox[P.MAILBOX_HALF: P.MAILBOX_HALF + arr.nbytes] = arr.reshape(-1).view(np.uint8)
+        c.mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + arr.nbytes] = arr.reshape(-1).view(np.uint8)
         return 0, world, 0
 
     def _hot_promote(self, c: Client, d) -> tuple[int | None, int, int]:
@@ -574,21 +685,22 @@ class Server:
         ns = idx.ns(d.a0)
         keys = self._keys(c, d.a1, 8 * ns.world_size)
         if self.storage is None:
-            rows = np.full((len(keys), ns.world_size), -1, np.int64)
+            rows: np.ndarray | None = np.full((len(keys), ns.world_size), ROW_MISSING, np.int64)
+            assert rows is not None
             for i, s in enumerate(idx.pin(keys, owner=c.cid)):
                 if s is not None:
                     rows[i] = s
         else:
-            timeout = min(d.a2, MAX_PROMOTE_MS) / 1000.0   # the client waits no longer anyway
+            timeout = min(d.a2, MAX_PROMOTE_MS) / 1000.0  # the client waits no longer anyway
             rows = self.storage.promote(c, d.seq, ns, keys, timeout=timeout)
             if rows is None:
                 c.busy = True
                 return None, 0, 0
-        c.mbox[P.MAILBOX_HALF: P.MAILBOX_HALF + rows.nbytes] = rows.reshape(-1).view(np.uint8)
+        c.mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + rows.nbytes] = rows.reshape(-1).view(np.uint8)
         return 0, ns.world_size, 0
 
     def _hot_unpin(self, c: Client, d) -> tuple[int, int, int]:
-        self.index.unpin(self._keys(c, d.a1), owner=c.cid)   # only pins this client holds
+        self.index.unpin(self._keys(c, d.a1), owner=c.cid)  # only pins this client holds
         return 0, 0, 0
 
     # ================================================================ deferred release
@@ -604,7 +716,7 @@ class Server:
         if not self._release_if_done(rel):
             self._releases.append(rel)
 
-    def _release_if_done(self, rel: "_Release") -> bool:
+    def _release_if_done(self, rel: _Release) -> bool:
         if time.monotonic() < rel.not_before or not all(w.passed(m) for w, m in rel.marks):
             return False
         self.index.free_retired(rel.blocks)
@@ -627,12 +739,23 @@ class Server:
         idx = self.index
         keys = idx.expired_reservations(lease, now)
         if keys:
-            self._errors.log(logging.WARNING, "lease-reservations", "%d reservation(s) not committed "
-                             "within HPKV_LEASE_S=%gs: released", len(keys), lease)
+            self._errors.log(
+                logging.WARNING,
+                "lease-reservations",
+                "%d reservation(s) not committed within HPKV_LEASE_S=%gs: released",
+                len(keys),
+                lease,
+            )
             self._release_later(idx.retire(keys), [], grace=RETIRE_GRACE_S)
         for owner, ks in idx.expired_pins(lease, now).items():
-            self._errors.log(logging.WARNING, "lease-pins", "client %d held %d pin(s) longer than "
-                             "HPKV_LEASE_S=%gs: released", owner, len(ks), lease)
+            self._errors.log(
+                logging.WARNING,
+                "lease-pins",
+                "client %d held %d pin(s) longer than HPKV_LEASE_S=%gs: released",
+                owner,
+                len(ks),
+                lease,
+            )
             self._release_later([], idx.take_pins(owner, ks), grace=RETIRE_GRACE_S)
 
     # ================================================================ control path
@@ -641,6 +764,7 @@ class Server:
         replies are buffered per connection and sent as the socket takes them; a client whose
         line or unread replies grow past their caps is dropped with a log line."""
         import selectors
+
         sel = selectors.DefaultSelector()
         sel.register(self.listener, selectors.EVENT_READ, None)
         while not self.down.is_set():
@@ -661,12 +785,19 @@ class Server:
                     if mask & selectors.EVENT_READ and not conn.closed:
                         self._read(sel, conn)
                 except Exception as exc:  # noqa: BLE001 - one connection must not end the thread
-                    self._errors.log(logging.ERROR, "control-conn", "control connection of pid %d "
-                                     "failed: %s", conn.pid, exc, exc_info=True)
+                    self._errors.log(
+                        logging.ERROR,
+                        "control-conn",
+                        "control connection of pid %d failed: %s",
+                        conn.pid,
+                        exc,
+                        exc_info=True,
+                    )
                     self._close_conn(sel, conn, f"connection error: {exc}")
 
     def _accept(self, sel) -> None:
         import selectors
+
         try:
             sock, _ = self.listener.accept()
         except OSError:
@@ -676,22 +807,35 @@ class Server:
         except OSError:
             pid, uid, gid = 0, -1, -1
         if not peer_allowed(pid, uid, gid, self.cfg["HPKV_ALLOW_GROUP"]):
-            self._errors.log(logging.WARNING, "peer-refused", "refused a connection from pid %d "
-                             "(uid %d, gid %d): only uid %d%s may connect", pid, uid, gid, os.geteuid(),
-                             f" and group {self.cfg['HPKV_ALLOW_GROUP']} (HPKV_ALLOW_GROUP)"
-                             if self.cfg["HPKV_ALLOW_GROUP"] is not None else
-                             " (HPKV_ALLOW_GROUP names a group that may too)")
+            self._errors.log(
+                logging.WARNING,
+                "peer-refused",
+                "refused a connection from pid %d (uid %d, gid %d): only uid %d%s may connect",
+                pid,
+                uid,
+                gid,
+                os.geteuid(),
+                f" and group {self.cfg['HPKV_ALLOW_GROUP']} (HPKV_ALLOW_GROUP)"
+                if self.cfg["HPKV_ALLOW_GROUP"] is not None
+                else " (HPKV_ALLOW_GROUP names a group that may too)",
+            )
             with contextlib.suppress(OSError):
                 sock.setblocking(False)
-                sock.send(json.dumps(refusal(-errno.EACCES, f"uid {uid} may not use this hpkv "
-                                             f"server (see HPKV_ALLOW_GROUP)")).encode() + b"\n")
+                sock.send(
+                    json.dumps(
+                        refusal(
+                            -errno.EACCES, f"uid {uid} may not use this hpkv server (see HPKV_ALLOW_GROUP)"
+                        )
+                    ).encode()
+                    + b"\n"
+                )
             sock.close()
             return
         sock.setblocking(False)
         conn = _Conn(sock, pid, uid)
         sel.register(sock, selectors.EVENT_READ, conn)
 
-    def _read(self, sel, conn: "_Conn") -> None:
+    def _read(self, sel, conn: _Conn) -> None:
         try:
             chunk = conn.sock.recv(65536)
         except (BlockingIOError, InterruptedError):
@@ -703,7 +847,7 @@ class Server:
             return
         buf = conn.inbuf
         start = 0
-        scan = len(buf)          # only the new bytes are searched: linear in what arrives
+        scan = len(buf)  # only the new bytes are searched: linear in what arrives
         buf += chunk
         while not conn.closed:
             end = buf.find(b"\n", scan)
@@ -712,33 +856,42 @@ class Server:
             line = bytes(buf[start:end])
             start = scan = end + 1
             reply = self._control_call(conn, line)
-            if reply is None:      # answered later: a `hpkv stop` waiting for the drain's outcome
+            if reply is None:  # answered later: a `hpkv stop` waiting for the drain's outcome
                 continue
             if not reply.get("ok"):
-                with self.lock:          # counted like a failed hot call
+                with self.lock:  # counted like a failed hot call
                     self.stats.glob[G.ERRORS] += 1
             self._send(sel, conn, json.dumps(reply).encode() + b"\n")
         if conn.closed:
             return
         del buf[:start]
         if len(buf) > MAX_CONTROL_LINE:
-            log.warning("client %s (pid %d) sent a control line longer than %d bytes: dropped",
-                        conn.client.cid if conn.client else "-", conn.pid, MAX_CONTROL_LINE)
+            log.warning(
+                "client %s (pid %d) sent a control line longer than %d bytes: dropped",
+                conn.client.cid if conn.client else "-",
+                conn.pid,
+                MAX_CONTROL_LINE,
+            )
             self._close_conn(sel, conn, "control line too long")
 
-    def _send(self, sel, conn: "_Conn", data: bytes) -> None:
+    def _send(self, sel, conn: _Conn, data: bytes) -> None:
         if conn.closed:
             return
         conn.out += data
         if len(conn.out) > MAX_CONTROL_BACKLOG:
-            log.warning("client %s (pid %d) does not read its control replies (%d bytes unread): "
-                        "dropped", conn.client.cid if conn.client else "-", conn.pid, len(conn.out))
+            log.warning(
+                "client %s (pid %d) does not read its control replies (%d bytes unread): dropped",
+                conn.client.cid if conn.client else "-",
+                conn.pid,
+                len(conn.out),
+            )
             self._close_conn(sel, conn, "does not read its replies")
             return
         self._flush(sel, conn)
 
-    def _flush(self, sel, conn: "_Conn") -> None:
+    def _flush(self, sel, conn: _Conn) -> None:
         import selectors
+
         if conn.closed:
             return
         while conn.out:
@@ -755,7 +908,7 @@ class Server:
             conn.events = want
             sel.modify(conn.sock, want, conn)
 
-    def _close_conn(self, sel, conn: "_Conn", reason: str) -> None:
+    def _close_conn(self, sel, conn: _Conn, reason: str) -> None:
         if conn.closed:
             return
         conn.closed = True
@@ -766,76 +919,95 @@ class Server:
                 self._drop_client(conn.client, reason=reason)
         conn.sock.close()
 
-    def _control_call(self, conn: "_Conn", line: bytes) -> dict[str, Any] | None:
+    def _control_call(self, conn: _Conn, line: bytes) -> dict[str, Any] | None:
         """One control call; its reply (``ok``, or ``status`` and ``error``), None when it is
         answered later. Never raises: a bad call is refused and the control thread goes on."""
         try:
             msg = json.loads(line)
             if not isinstance(msg, dict):
                 raise ValueError("a control call is a JSON object")
-            handler = self._control_handlers.get(msg.get("op"))
+            op = msg.get("op")
+            handler = self._control_handlers.get(op) if isinstance(op, str) else None
             if handler is None:
                 raise ValueError(f"unknown op {msg.get('op')!r}")
             return handler(conn, msg)
         except HpkvError as exc:
             return refusal(exc.status, str(exc))
         except (ValueError, KeyError, TypeError, RecursionError, MemoryError) as exc:
-            self._errors.log(logging.WARNING, "bad-control", "bad control call from pid %d %r: %s",
-                             conn.pid, line[:200], exc)
+            self._errors.log(
+                logging.WARNING,
+                "bad-control",
+                "bad control call from pid %d %r: %s",
+                conn.pid,
+                line[:200],
+                exc,
+            )
             return refusal(Status.BAD_REQUEST, f"bad request: {exc}")
-        except Exception as exc:  # a bad call must not kill the control thread
+        except Exception as exc:  # noqa: BLE001 - a bad call must not kill the control thread
             self._errors.log(logging.ERROR, "control-internal", "control call failed", exc_info=True)
             return refusal(Status.INTERNAL, f"{type(exc).__name__}: {exc}")
 
-    def _ctl_hello(self, conn: "_Conn", msg: dict[str, Any]) -> dict[str, Any]:
+    def _ctl_hello(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
         if self.stopping:
-            raise HpkvError("the hpkv server is stopping (writing pending spills); connect again "
-                            "once it has exited", -errno.ESHUTDOWN)
+            raise HpkvError(
+                "the hpkv server is stopping (writing pending spills); connect again once it has exited",
+                -errno.ESHUTDOWN,
+            )
         if conn.client is not None:
-            raise ValueError(f"this connection is client {conn.client.cid} already; "
-                             "open a new connection for another client")
+            raise ValueError(
+                f"this connection is client {conn.client.cid} already; "
+                "open a new connection for another client"
+            )
         pid = msg.get("pid", conn.pid)
         if not valid_pid(pid):
             raise ValueError(f"pid {pid!r} is not a process id (1..{PID_MAX})")
         c = self._add_client(conn.sock, pid, str(msg.get("name", ""))[:MAX_NAME], conn.uid)
         conn.client = c
-        return {"ok": True, "client_id": c.cid, "req": c.req.name, "resp": c.resp.name,
-                "mailbox": c.mbox_path, "pool": self.pool.path, "pool_size": self.pool.size,
-                "server_pid": os.getpid(), "storage": self.cfg.storage_path}
+        return {
+            "ok": True,
+            "client_id": c.cid,
+            "req": c.req.name,
+            "resp": c.resp.name,
+            "mailbox": c.mbox_path,
+            "pool": self.pool.path,
+            "pool_size": self.pool.size,
+            "server_pid": os.getpid(),
+            "storage": self.cfg.storage_path,
+        }
 
-    def _ctl_stats(self, conn: "_Conn", msg: dict[str, Any]) -> dict[str, Any]:
+    def _ctl_stats(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
             if self._catalog_dirty:
                 self._publish_catalog()
         return {"ok": True, "stats": self.stats.snapshot()}
 
-    def _ctl_shutdown(self, conn: "_Conn", msg: dict[str, Any]) -> dict[str, Any] | None:
+    def _ctl_shutdown(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
         log.info("shutdown requested by pid %s", msg.get("pid"))
         if msg.get("wait"):
             with self.lock:
-                if self.stop_outcome:        # already drained: answer now
+                if self.stop_outcome:  # already drained: answer now
                     return {"ok": True, "stopped": True, **self.stop_outcome}
                 self._stop_waiters.append(conn)
         self.stop_event.set()
         self.doorbell.ring()
         return None if msg.get("wait") else {"ok": True}
 
-    def _client_of(self, conn: "_Conn", msg: dict[str, Any]) -> Client:
+    def _client_of(self, conn: _Conn, msg: dict[str, Any]) -> Client:
         if conn.client is None:
             raise HpkvError(f"call 'hello' before {msg.get('op')!r}")
         return conn.client
 
-    def _ctl_namespace(self, conn: "_Conn", msg: dict[str, Any]) -> dict[str, Any]:
+    def _ctl_namespace(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
         c = self._client_of(conn, msg)
         with self.lock:
             return self._attach_namespace(c, msg)
 
-    def _ctl_register_device(self, conn: "_Conn", msg: dict[str, Any]) -> dict[str, Any]:
+    def _ctl_register_device(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
         c = self._client_of(conn, msg)
         with self.lock:
             return self._register_device(c, msg)
 
-    def _ctl_clear(self, conn: "_Conn", msg: dict[str, Any]) -> dict[str, Any]:
+    def _ctl_clear(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
         c = self._client_of(conn, msg)
         ns_id = _int_arg(msg, "ns_id", 0, MAX_NS - 1)
         with self.lock:
@@ -847,15 +1019,15 @@ class Server:
         with self.lock:
             cid = self._next_cid
             self._next_cid += 1
-        req = Ring.create(self.dir, f"c{cid}.req", capacity=P.RING_CAPACITY,
-                          role="consumer", doorbell=self.doorbell)
+        req = Ring.create(
+            self.dir, f"c{cid}.req", capacity=P.RING_CAPACITY, role="consumer", doorbell=self.doorbell
+        )
         resp = Ring.create(self.dir, f"c{cid}.resp", capacity=P.RING_CAPACITY, role="producer")
         mbox_path = os.path.join(self.dir, f"c{cid}.mbox")
         mbox = np.frombuffer(shm.create(mbox_path, P.MAILBOX_BYTES), dtype=np.uint8)
         c = Client(cid, pid, conn, req, resp, mbox_path, mbox, name=name, uid=uid)
-        if uid != os.geteuid():   # a member of HPKV_ALLOW_GROUP: it maps these files too
-            for path in (req.path, resp.path, mbox_path, self.pool.path, self.doorbell.path,
-                         self.stats.path):
+        if uid != os.geteuid():  # a member of HPKV_ALLOW_GROUP: it maps these files too
+            for path in (req.path, resp.path, mbox_path, self.pool.path, self.doorbell.path, self.stats.path):
                 self._share_with_group(path)
         with self.lock:
             self.clients[cid] = c
@@ -876,7 +1048,7 @@ class Server:
             for w in dev.workers:
                 w.stop()
                 self.workers.remove(w)
-            for region in dev.spec["regions"]:   # an engine's KV cache file, if it died without removing it
+            for region in dev.spec["regions"]:  # an engine's KV cache file, if it died without removing it
                 name = os.path.basename(region["path"])
                 pid = P.device_file_pid(name)
                 if pid is not None and os.path.dirname(region["path"]) == self.dir and not pid_alive(pid):
@@ -894,19 +1066,27 @@ class Server:
         self.clients.pop(c.cid, None)
         for ns_id in c.namespaces:
             if not any(ns_id in o.namespaces for o in self.clients.values()):
-                self._detached[ns_id] = time.monotonic()   # reclaimable when an id is needed
+                self._detached[ns_id] = time.monotonic()  # reclaimable when an id is needed
         self._last_client_seen = time.monotonic()
         self.stats.glob[G.CLIENTS] = len(self.clients)
         self._catalog_dirty = True
-        log.info("client %d (pid %d) detached: %s; released %d pins, %d reservations",
-                 c.cid, c.pid, reason, len(pins), len(retired))
+        log.info(
+            "client %d (pid %d) detached: %s; released %d pins, %d reservations",
+            c.cid,
+            c.pid,
+            reason,
+            len(pins),
+            len(retired),
+        )
 
     def _attach_namespace(self, c: Client, msg: dict[str, Any]) -> dict[str, Any]:
         # Everything is checked before anything is registered: a refused call leaves no trace.
         fp = msg["fingerprint"]
         if not isinstance(fp, str) or not _FINGERPRINT_RE.fullmatch(fp):
-            raise ValueError(f"namespace fingerprint {str(fp)[:80]!r} is not {2 * KEY_BYTES} lowercase "
-                             f"hex digits; compute it with hpkv.protocol.keys.namespace_fingerprint")
+            raise ValueError(
+                f"namespace fingerprint {str(fp)[:80]!r} is not {2 * KEY_BYTES} lowercase "
+                f"hex digits; compute it with hpkv.protocol.keys.namespace_fingerprint"
+            )
         world = _int_arg(msg, "world_size", 1, 62)
         shard = _int_arg(msg, "shard_bytes", 1, self.pool.size)
         block_tokens = _int_arg(msg, "block_tokens", 0, 1 << 31, default=0)
@@ -916,17 +1096,32 @@ class Server:
         if ns is None:
             ns_id = self._free_ns_id()
             self.stats.ns[ns_id, :] = 0
-            ns = Namespace(ns_id, name, fp, world, shard, block_tokens=block_tokens,
-                           counters=self.stats.ns[ns_id, :NS_COUNTERS])
+            ns = Namespace(
+                ns_id,
+                name,
+                fp,
+                world,
+                shard,
+                block_tokens=block_tokens,
+                counters=self.stats.ns[ns_id, :NS_COUNTERS],
+            )
             if self.storage is not None:
                 self.storage.attach_namespace(ns)
             self.index.add_namespace(ns)
             self.namespaces_by_fp[fp] = ns
-            log.info("namespace %d %s: %s, %d rank(s), %s per shard", ns_id, fp[:12], ns.name,
-                     world, format_size(shard))
+            log.info(
+                "namespace %d %s: %s, %d rank(s), %s per shard",
+                ns_id,
+                fp[:12],
+                ns.name,
+                world,
+                format_size(shard),
+            )
         elif (ns.world_size, ns.shard_bytes) != (world, shard):
-            raise ValueError(f"namespace {fp} is attached with world_size {ns.world_size} and "
-                             f"shard_bytes {ns.shard_bytes}, not {world} and {shard}")
+            raise ValueError(
+                f"namespace {fp} is attached with world_size {ns.world_size} and "
+                f"shard_bytes {ns.shard_bytes}, not {world} and {shard}"
+            )
         self._detached.pop(ns.ns_id, None)
         c.namespaces.add(ns.ns_id)
         if rank is not None:
@@ -948,20 +1143,28 @@ class Server:
                 self._detached.pop(ns_id, None)
                 continue
             if not self.index.drop_namespace(ns):
-                continue                  # pinned, reserved or in IO: not now
+                continue  # pinned, reserved or in IO: not now
             if self.storage is not None:
                 self.storage.detach_namespace(ns)
             del self.namespaces_by_fp[ns.fingerprint]
             self._detached.pop(ns_id, None)
-            log.info("namespace %d %s (%s) released: no client attached for %.0fs and its id is "
-                     "needed", ns_id, ns.fingerprint[:12], ns.name, time.monotonic() - since)
+            log.info(
+                "namespace %d %s (%s) released: no client attached for %.0fs and its id is needed",
+                ns_id,
+                ns.fingerprint[:12],
+                ns.name,
+                time.monotonic() - since,
+            )
             return ns_id
         raise ValueError(f"{MAX_NS} namespaces are attached by live clients (or busy); no id is free")
 
     def _register_device(self, c: Client, msg: dict[str, Any]) -> dict[str, Any]:
         ns = self.index.ns(_int_arg(msg, "ns_id", 0, MAX_NS - 1))
         rank = _int_arg(msg, "rank", 0, ns.world_size - 1, default=0)
-        layout = validate_device(msg, ns.slot_bytes, allowed_uids={os.geteuid(), c.uid})
+        if "cuda" in msg:  # a GPU's KV cache (CUDA IPC), or its host stand-in
+            layout = validate_cuda(msg, ns.slot_bytes, {os.geteuid(), c.uid}, validate_device)
+        else:
+            layout = validate_device(msg, ns.slot_bytes, allowed_uids={os.geteuid(), c.uid})
         n_workers = self.cfg["HPKV_NUM_TRANSFER_WORKERS"]
         device = str(msg.get("device", "cpu"))[:MAX_NAME]
         numa = msg.get("numa_node")
@@ -972,8 +1175,14 @@ class Server:
         self._next_dev += 1
         node, cpus = device_cpus(device, numa)
         spec = dict(layout)
-        spec.update(pool=self.pool.path, slot_bytes=ns.slot_bytes, numa_node=node, cpus=cpus,
-                    stats_dir=self.dir, log_level=self.cfg["HPKV_LOG_LEVEL"])
+        spec.update(
+            pool=self.pool.path,
+            slot_bytes=ns.slot_bytes,
+            numa_node=node,
+            cpus=cpus,
+            stats_dir=self.dir,
+            log_level=self.cfg["HPKV_LOG_LEVEL"],
+        )
         dev = Device(dev_id, c.cid, ns.ns_id, rank, spec)
         answer = []
         for j in range(n_workers):
@@ -990,8 +1199,15 @@ class Server:
         c.devices.append(dev)
         c.writer_ranks.add((ns.ns_id, rank))
         self._catalog_dirty = True
-        log.info("client %d registered device %s (rank %d, NUMA node %s, CPUs %s): %d transfer worker(s)",
-                 c.cid, device, dev.rank, node, _cpu_list(cpus), n_workers)
+        log.info(
+            "client %d registered device %s (rank %d, NUMA node %s, CPUs %s): %d transfer worker(s)",
+            c.cid,
+            device,
+            dev.rank,
+            node,
+            _cpu_list(cpus),
+            n_workers,
+        )
         return {"ok": True, "device_id": dev_id, "workers": answer}
 
     def _free_worker_slot(self) -> int:
@@ -1017,10 +1233,10 @@ class Server:
                 if not w.poll_dead():
                     continue
                 if w.kind == "io" and self.storage is not None:
-                    self.storage.worker_died(w)    # the request loop recovers and restarts it
+                    self.storage.worker_died(w)  # the request loop recovers and restarts it
                 else:
                     before = w.restarts
-                    w.fail_pending_and_restart()   # or a back-off delay, if it keeps failing
+                    w.fail_pending_and_restart()  # or a back-off delay, if it keeps failing
                     self.stats.glob[G.WORKER_RESTARTS] += w.restarts - before
                     self._catalog_dirty = True
             for c in list(self.clients.values()):
@@ -1033,8 +1249,12 @@ class Server:
                 self._catalog_dirty = True
             if self._catalog_dirty:
                 self._publish_catalog()
-            idle = not self.clients and self.idle_exit > 0 and not self.stop_event.is_set() and \
-                time.monotonic() - self._last_client_seen > self.idle_exit
+            idle = (
+                not self.clients
+                and self.idle_exit > 0
+                and not self.stop_event.is_set()
+                and time.monotonic() - self._last_client_seen > self.idle_exit
+            )
         if idle:
             log.info("no client for %.0fs (HPKV_SERVER_IDLE_EXIT): exiting", self.idle_exit)
             self.stop_event.set()
@@ -1042,22 +1262,45 @@ class Server:
 
     def _publish_catalog(self) -> None:
         self._catalog_dirty = False
-        self.stats.write_catalog({
-            "server": {"pool_dir": self.dir, "pool_file": self.pool.path,
-                       "storage": self.cfg.storage_path, "auto": self.auto,
-                       "pool_locked": self.pool.locked},
-            "namespaces": [{"id": ns.ns_id, "name": ns.name, "fingerprint": ns.fingerprint,
-                            "world_size": ns.world_size, "shard_bytes": ns.shard_bytes,
-                            "block_tokens": ns.block_tokens}
-                           for ns in self.namespaces_by_fp.values()],
-            "workers": [w.describe() for w in self.workers],
-            "clients": [{"id": c.cid, "pid": c.pid, "name": c.name,
-                         "namespaces": sorted(c.namespaces), "ranks": sorted(c.ranks)}
-                        for c in self.clients.values()],
-            "rings": [{"name": r.name, "capacity": r.capacity}
-                      for c in self.clients.values() for r in (c.req, c.resp)],
-            "storage": self.storage.describe() if self.storage is not None else {"path": None},
-        })
+        self.stats.write_catalog(
+            {
+                "server": {
+                    "pool_dir": self.dir,
+                    "pool_file": self.pool.path,
+                    "storage": self.cfg.storage_path,
+                    "auto": self.auto,
+                    "pool_locked": self.pool.locked,
+                },
+                "namespaces": [
+                    {
+                        "id": ns.ns_id,
+                        "name": ns.name,
+                        "fingerprint": ns.fingerprint,
+                        "world_size": ns.world_size,
+                        "shard_bytes": ns.shard_bytes,
+                        "block_tokens": ns.block_tokens,
+                    }
+                    for ns in self.namespaces_by_fp.values()
+                ],
+                "workers": [w.describe() for w in self.workers],
+                "clients": [
+                    {
+                        "id": c.cid,
+                        "pid": c.pid,
+                        "name": c.name,
+                        "namespaces": sorted(c.namespaces),
+                        "ranks": sorted(c.ranks),
+                    }
+                    for c in self.clients.values()
+                ],
+                "rings": [
+                    {"name": r.name, "capacity": r.capacity}
+                    for c in self.clients.values()
+                    for r in (c.req, c.resp)
+                ],
+                "storage": self.storage.describe() if self.storage is not None else {"path": None},
+            }
+        )
 
 
 def _cpu_list(cpus: list[int]) -> str:
@@ -1090,8 +1333,9 @@ def detach() -> None:
         os.setsid()
 
 
-def serve(cfg: Config, auto: bool = False, log_level: str | None = None,
-          ready: ReadyPipe | None = None) -> int:
+def serve(
+    cfg: Config, auto: bool = False, log_level: str | None = None, ready: ReadyPipe | None = None
+) -> int:
     """``hpkv serve``: run the server in the foreground until told to stop."""
     ready = ready or ReadyPipe(None)
     setup_logging(cfg.pool_dir, log_level or cfg["HPKV_LOG_LEVEL"])

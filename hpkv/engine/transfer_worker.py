@@ -6,6 +6,7 @@ from its request ring, reads the batch (device block ids, then pool byte offsets
 from the job arena, runs one native copy for the whole batch and pushes a
 COMPLETION (or an ERROR with the reason) carrying the batch's seq.
 """
+
 from __future__ import annotations
 
 import logging
@@ -14,14 +15,14 @@ import sys
 
 import numpy as np
 
-from hpkv.protocol import wire as P
-from hpkv.protocol.errors import Status
+from hpkv.common.numa import set_memory_node
+from hpkv.common.pool import PoolFile
 from hpkv.common.shm import map_file
 from hpkv.engine.copy import BlockCopier, BlockLayout
-from hpkv.common.pool import PoolFile
+from hpkv.engine.worker_process import WorkerRuntime
+from hpkv.protocol import wire as P
+from hpkv.protocol.errors import Status
 from hpkv.protocol.stats import W
-from hpkv.common.worker_process import WorkerRuntime
-from hpkv.common.numa import set_memory_node
 
 log = logging.getLogger("hpkv.transfer")
 
@@ -38,18 +39,31 @@ def main(argv: list[str]) -> int:
     placement = set_memory_node(int(spec.get("numa_node", 0)))
 
     pool = PoolFile.attach(spec["pool"])
+    if "cuda" in spec:  # the engine's KV cache is on a GPU (or the host stand-in of one)
+        from hpkv.engine.cuda_worker import serve_cuda
+
+        return serve_cuda(rt, pool)
     regions = [map_file(r["path"]) for r in spec["regions"]]
     region_addr = [int(np.frombuffer(m, np.uint8).ctypes.data) for m in regions]
     layout = BlockLayout(
         layer_bases=tuple(region_addr[r] + int(off) for r, off in spec["layer_bases"]),
-        block_stride=int(spec["block_stride"]), page_bytes=int(spec["page_bytes"]),
-        num_blocks=int(spec["num_blocks"]), owners=tuple(regions))
+        block_stride=int(spec["block_stride"]),
+        page_bytes=int(spec["page_bytes"]),
+        num_blocks=int(spec["num_blocks"]),
+        owners=tuple(regions),
+    )
     slot_bytes = int(spec["slot_bytes"])
     copier = BlockCopier(layout, pool.address, slot_stride=slot_bytes, num_slots=pool.size // slot_bytes)
     jobs_mm = map_file(spec["jobs"])
     jobs = np.frombuffer(jobs_mm, dtype=np.int64).reshape(P.JOB_SLOTS, P.JOB_SLOT_BYTES // 8)
-    log.info("transfer worker ready: %d layers x %d B pages, %d blocks; CPUs %s; %s",
-             layout.num_layers, layout.page_bytes, layout.num_blocks, cpus, placement)
+    log.info(
+        "transfer worker ready: %d layers x %d B pages, %d blocks; CPUs %s; %s",
+        layout.num_layers,
+        layout.page_bytes,
+        layout.num_blocks,
+        cpus,
+        placement,
+    )
 
     def copy(d) -> tuple[int, int, int]:
         n = int(d.a0)
@@ -60,7 +74,7 @@ def main(argv: list[str]) -> int:
                 raise ValueError(f"batch of {n} blocks (1..{P.MAX_PAIRS_PER_JOB})")
             job = jobs[d.seq % P.JOB_SLOTS]
             blocks = job[:n]
-            slots = job[n: 2 * n] // slot_bytes
+            slots = job[n : 2 * n] // slot_bytes
             if d.kind == P.COPY_SAVE:
                 copier.save(blocks, slots)
                 row[W.BYTES_SAVED] += n * layout.slot_bytes

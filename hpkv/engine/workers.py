@@ -8,6 +8,7 @@ batch with an error completion, so no job is ever reported done that was not, an
 no stale job runs later against device blocks the engine has reused; then it
 starts a replacement on the same rings.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,6 +20,7 @@ import sys
 import time
 from typing import Any
 
+from hpkv.common.native import ffi, lib
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status
 from hpkv.protocol.stats import StatsSegment, W, WorkerState
@@ -34,7 +36,6 @@ BACKOFF_S = (0.5, 30.0)
 
 def ring_counts(directory: str, name: str) -> tuple[int, int] | None:
     """(descriptors ever pushed, ever popped) of ring file ``name``; None if unreadable."""
-    from hpkv.common.native import ffi, lib
 
     pushed = ffi.new("uint64_t *")
     popped = ffi.new("uint64_t *")
@@ -54,8 +55,16 @@ def worker_file_names(base: str) -> tuple[str, str, str]:
 class WorkerProcess:
     """One transfer (or IO) worker process and the files the server made for it."""
 
-    def __init__(self, directory: str, base: str, slot: int, kind: str, device: str,
-                 spec: dict[str, Any], stats: StatsSegment):
+    def __init__(
+        self,
+        directory: str,
+        base: str,
+        slot: int,
+        kind: str,
+        device: str,
+        spec: dict[str, Any],
+        stats: StatsSegment,
+    ):
         self.dir = directory
         self.base = base
         self.slot = slot
@@ -68,17 +77,18 @@ class WorkerProcess:
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self._stopping = False
-        self.incarnation = 0              # bumped by every (re)start: a barrier mark is per incarnation
-        self._popped_at_spawn = 0         # request-ring pops and JOBS when this incarnation started
+        self.incarnation = 0  # bumped by every (re)start: a barrier mark is per incarnation
+        self._popped_at_spawn = 0  # request-ring pops and JOBS when this incarnation started
         self._jobs_at_spawn = 0
         self._started_at = 0.0
         self._backoff = BACKOFF_S[0]
-        self.restart_at: float | None = None   # in back-off: when the next start is due
+        self.restart_at: float | None = None  # in back-off: when the next start is due
 
     # ------------------------------------------------------------ start / stop
     @classmethod
-    def start_transfer(cls, directory: str, base: str, slot: int, spec: dict[str, Any], device: str,
-                       stats: StatsSegment) -> "WorkerProcess":
+    def start_transfer(
+        cls, directory: str, base: str, slot: int, spec: dict[str, Any], device: str, stats: StatsSegment
+    ) -> WorkerProcess:
         w = cls(directory, base, slot, "transfer", device, spec, stats)
         # The server only makes the files; the client and the worker attach the ends.
         Ring.create(directory, w.req_name, capacity=P.RING_CAPACITY).close(unlink=False)
@@ -94,14 +104,22 @@ class WorkerProcess:
         return w
 
     @classmethod
-    def start_io(cls, directory: str, base: str, slot: int, spec: dict[str, Any], stats: StatsSegment,
-                 doorbell: Doorbell) -> tuple["WorkerProcess", Ring, Ring]:
+    def start_io(
+        cls,
+        directory: str,
+        base: str,
+        slot: int,
+        spec: dict[str, Any],
+        stats: StatsSegment,
+        doorbell: Doorbell,
+    ) -> tuple[WorkerProcess, Ring, Ring]:
         """An IO worker: the server itself holds the other end of both rings (it issues the
         jobs and consumes the completions, woken by its doorbell); returns (worker, req, resp)."""
         w = cls(directory, base, slot, "io", "disk", spec, stats)
         req = Ring.create(directory, w.req_name, capacity=P.RING_CAPACITY, role="producer")
-        resp = Ring.create(directory, w.resp_name, capacity=P.RING_CAPACITY, role="consumer",
-                           doorbell=doorbell)
+        resp = Ring.create(
+            directory, w.resp_name, capacity=P.RING_CAPACITY, role="consumer", doorbell=doorbell
+        )
         stats.workers[slot][:] = 0
         w._spawn()
         return w, req, resp
@@ -112,15 +130,25 @@ class WorkerProcess:
         self.stats.workers[self.slot][W.STATE] = WorkerState.DEAD
         if self.restart_at is None and self._crash_looping(was_running):
             self.stats.workers[self.slot][W.STATE] = WorkerState.BACKOFF
-            log.error("%s worker %s (pid %s) died %.1fs after its start (exit status %s); next start in "
-                      "%.1fs", self.kind, self.base, self.proc.pid if self.proc else "?",
-                      time.monotonic() - self._started_at, self.proc.returncode if self.proc else None,
-                      self.restart_at - time.monotonic())
+            log.error(
+                "%s worker %s (pid %s) died %.1fs after its start (exit status %s); next start in %.1fs",
+                self.kind,
+                self.base,
+                self.proc.pid if self.proc else "?",
+                time.monotonic() - self._started_at,
+                self.proc.returncode if self.proc else None,
+                (self.restart_at or 0.0) - time.monotonic(),
+            )
             return
         self.restarts += 1
-        log.error("%s worker %s (pid %s) died (exit status %s); restarting (restart %d)", self.kind,
-                  self.base, self.proc.pid if self.proc else "?",
-                  self.proc.returncode if self.proc else None, self.restarts)
+        log.error(
+            "%s worker %s (pid %s) died (exit status %s); restarting (restart %d)",
+            self.kind,
+            self.base,
+            self.proc.pid if self.proc else "?",
+            self.proc.returncode if self.proc else None,
+            self.restarts,
+        )
         self._spawn()
 
     def _spawn(self) -> None:
@@ -133,16 +161,30 @@ class WorkerProcess:
         self._popped_at_spawn = counts[1] if counts else 0
         self._jobs_at_spawn = int(row[W.JOBS])
         self._started_at = time.monotonic()
-        args = {**self.spec, "dir": self.dir, "req": self.req_name, "resp": self.resp_name,
-                "jobs": self.jobs_path, "slot": self.slot}
+        args = {
+            **self.spec,
+            "dir": self.dir,
+            "req": self.req_name,
+            "resp": self.resp_name,
+            "jobs": self.jobs_path,
+            "slot": self.slot,
+        }
         self.proc = subprocess.Popen(
             [sys.executable, "-m", WORKER_MODULES[self.kind], json.dumps(args)],
-            stdin=subprocess.DEVNULL, close_fds=True)
+            stdin=subprocess.DEVNULL,
+            close_fds=True,
+        )
         row[W.PID] = self.proc.pid
         row[W.RESTARTS] = self.restarts
-        log.info("%s worker %s started: pid %d, device %s, NUMA node %s, CPUs %s", self.kind,
-                 self.base, self.proc.pid, self.device, self.spec.get("numa_node"),
-                 ",".join(map(str, self.spec.get("cpus", []))))
+        log.info(
+            "%s worker %s started: pid %d, device %s, NUMA node %s, CPUs %s",
+            self.kind,
+            self.base,
+            self.proc.pid,
+            self.device,
+            self.spec.get("numa_node"),
+            ",".join(map(str, self.spec.get("cpus", []))),
+        )
 
     def stop(self, timeout: float = 3.0) -> None:
         self._stopping = True
@@ -152,7 +194,9 @@ class WorkerProcess:
             try:
                 p.wait(timeout)
             except subprocess.TimeoutExpired:
-                log.warning("worker %s (pid %d) ignored SIGTERM for %.0fs: killing it", self.base, p.pid, timeout)
+                log.warning(
+                    "worker %s (pid %d) ignored SIGTERM for %.0fs: killing it", self.base, p.pid, timeout
+                )
                 p.kill()
                 p.wait()
         self.stats.workers[self.slot][W.STATE] = WorkerState.STOPPED
@@ -215,20 +259,34 @@ class WorkerProcess:
                 req.close()
                 resp.close()
         except RingError as exc:
-            log.error("worker %s: cannot fail its pending jobs (%s); the client will time them out",
-                      self.base, exc)
+            log.error(
+                "worker %s: cannot fail its pending jobs (%s); the client will time them out", self.base, exc
+            )
         row[W.JOBS_FAILED] += failed
         if self.restart_at is None and self._crash_looping(was_running):
             row[W.STATE] = WorkerState.BACKOFF
-            log.error("%s worker %s (pid %s) died %.1fs after its start (exit status %s); %d job(s) "
-                      "reported failed; next start in %.1fs (see its log lines above)", self.kind,
-                      self.base, self.proc.pid if self.proc else "?",
-                      time.monotonic() - self._started_at, rc, failed, self.restart_at - time.monotonic())
+            log.error(
+                "%s worker %s (pid %s) died %.1fs after its start (exit status %s); %d job(s) "
+                "reported failed; next start in %.1fs (see its log lines above)",
+                self.kind,
+                self.base,
+                self.proc.pid if self.proc else "?",
+                time.monotonic() - self._started_at,
+                rc,
+                failed,
+                (self.restart_at or 0.0) - time.monotonic(),
+            )
             return
         self.restarts += 1
-        log.error("%s worker %s (pid %s) died (exit status %s); %d job(s) reported failed; restarting "
-                  "(restart %d)", self.kind, self.base, self.proc.pid if self.proc else "?", rc, failed,
-                  self.restarts)
+        log.error(
+            "%s worker %s (pid %s) died (exit status %s); %d job(s) reported failed; restarting (restart %d)",
+            self.kind,
+            self.base,
+            self.proc.pid if self.proc else "?",
+            rc,
+            failed,
+            self.restarts,
+        )
         self._spawn()
 
     def _crash_looping(self, was_running: bool) -> bool:
@@ -244,8 +302,16 @@ class WorkerProcess:
         return True
 
     def describe(self) -> dict[str, Any]:
-        return {"slot": self.slot, "kind": self.kind, "name": self.base, "device": self.device,
-                "numa_node": self.spec.get("numa_node"), "cpus": self.spec.get("cpus", []),
-                "restarts": self.restarts, "rings": [self.req_name, self.resp_name],
-                "backoff_s": round(max(0.0, self.restart_at - time.monotonic()), 1)
-                if self.restart_at is not None else 0.0}
+        return {
+            "slot": self.slot,
+            "kind": self.kind,
+            "name": self.base,
+            "device": self.device,
+            "numa_node": self.spec.get("numa_node"),
+            "cpus": self.spec.get("cpus", []),
+            "restarts": self.restarts,
+            "rings": [self.req_name, self.resp_name],
+            "backoff_s": round(max(0.0, self.restart_at - time.monotonic()), 1)
+            if self.restart_at is not None
+            else 0.0,
+        }

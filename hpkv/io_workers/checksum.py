@@ -5,9 +5,8 @@ loop elsewhere. Same values as the ``crc32c`` / ``google-crc32c`` packages, iSCS
 ext4: ``crc32c(b"123456789") == 0xE3069283``. Incremental:
 ``crc32c(b, crc32c(a)) == crc32c(a + b)``.
 """
-from __future__ import annotations
 
-from typing import Union
+from __future__ import annotations
 
 import numpy as np
 
@@ -15,7 +14,7 @@ from hpkv.common.native import ffi, lib
 
 __all__ = ["crc32c"]
 
-Buffer = Union[bytes, bytearray, memoryview, np.ndarray]
+Buffer = bytes | bytearray | memoryview | np.ndarray
 
 _crc = lib.hpkv_crc32c
 _from_buffer = ffi.from_buffer

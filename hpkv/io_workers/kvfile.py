@@ -30,6 +30,7 @@ tell which writer left it behind if one dies. Corrupt files are moved to
 directories 0700, whatever the umask: a KV file holds a prompt's KV, readable only by
 the user who runs hpkv.
 """
+
 from __future__ import annotations
 
 import errno
@@ -42,13 +43,13 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from hpkv.protocol.keys import FORMAT_VERSION, KEY_BYTES
-from hpkv.io_workers.checksum import crc32c
 from hpkv.common.security import PRIVATE_FILE_MODE, makedirs_private
+from hpkv.io_workers.checksum import crc32c
+from hpkv.protocol.keys import FORMAT_VERSION, KEY_BYTES
 
 MAGIC = b"HPKVBLK1"
 HEADER_BYTES = 4096
-FILE_ALIGN = 4096          # payload padding and O_DIRECT granularity
+FILE_ALIGN = 4096  # payload padding and O_DIRECT granularity
 QUARANTINE_DIR = "quarantine"
 SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
@@ -76,6 +77,7 @@ class CorruptFile(ValueError):
 
 class BlockId(NamedTuple):
     """Which shard a file holds: namespace fingerprint (16 raw bytes), key, rank, world size."""
+
     namespace: bytes
     key: bytes
     rank: int
@@ -120,7 +122,7 @@ def parse_tmp_name(name: str) -> tuple[str, int] | None:
     """``.<final>.<host>.<pid>.tmp`` → (host, pid); None for anything else."""
     if not (name.startswith(".") and name.endswith(TMP_SUFFIX)):
         return None
-    parts = name[1:-len(TMP_SUFFIX)].rsplit(".", 2)
+    parts = name[1 : -len(TMP_SUFFIX)].rsplit(".", 2)
     if len(parts) != 3 or not parts[2].isdigit():
         return None
     return parts[1], int(parts[2])
@@ -138,24 +140,39 @@ def quarantine_path(root: str, final: str) -> str:
 def pack_header(buf: memoryview, block: BlockId, payload_len: int, payload_crc: int) -> None:
     """Write the 4096-byte header of ``block`` into ``buf`` (all of it, padding included)."""
     buf[:HEADER_BYTES] = bytes(HEADER_BYTES)
-    _HDR.pack_into(buf, 0, MAGIC, FORMAT_VERSION, HEADER_BYTES, block.namespace, block.key,
-                   block.rank, block.world, payload_len, payload_crc, 0, time.time_ns())
+    _HDR.pack_into(
+        buf,
+        0,
+        MAGIC,
+        FORMAT_VERSION,
+        HEADER_BYTES,
+        block.namespace,
+        block.key,
+        block.rank,
+        block.world,
+        payload_len,
+        payload_crc,
+        0,
+        time.time_ns(),
+    )
     struct.pack_into("<I", buf, _HDR_CRC_AT, crc32c(buf[:HEADER_BYTES]))
 
 
 def unpack_header(buf: memoryview) -> Header:
     """Parse and verify a header; raises :class:`CorruptFile` saying what is wrong."""
-    (magic, version, hdr_bytes, namespace, key, rank, world, payload_len, payload_crc, hdr_crc,
-     created) = _HDR.unpack_from(buf, 0)
+    (magic, version, hdr_bytes, namespace, key, rank, world, payload_len, payload_crc, hdr_crc, created) = (
+        _HDR.unpack_from(buf, 0)
+    )
     if magic != MAGIC:
         raise CorruptFile(f"bad magic {magic!r}")
     check = bytearray(buf[:HEADER_BYTES])
-    check[_HDR_CRC_AT:_HDR_CRC_AT + 4] = b"\0\0\0\0"
+    check[_HDR_CRC_AT : _HDR_CRC_AT + 4] = b"\0\0\0\0"
     if crc32c(check) != hdr_crc:
         raise CorruptFile("header checksum mismatch")
     if version != FORMAT_VERSION or hdr_bytes != HEADER_BYTES:
-        raise CorruptFile(f"format version {version} / header {hdr_bytes} B, expected "
-                          f"{FORMAT_VERSION} / {HEADER_BYTES} B")
+        raise CorruptFile(
+            f"format version {version} / header {hdr_bytes} B, expected {FORMAT_VERSION} / {HEADER_BYTES} B"
+        )
     return Header(BlockId(namespace, key, rank, world), payload_len, payload_crc, created)
 
 
@@ -176,8 +193,9 @@ class KvFileIO:
     One instance per thread.
     """
 
-    def __init__(self, root: str, pool: memoryview, o_direct: bool, fsync: bool = False,
-                 bounce_reads: bool = False):
+    def __init__(
+        self, root: str, pool: memoryview, o_direct: bool, fsync: bool = False, bounce_reads: bool = False
+    ):
         self.root = root
         self.pool = pool
         self.o_direct = o_direct
@@ -185,9 +203,9 @@ class KvFileIO:
         self.bounce_reads = bounce_reads
         self._bounce_mm: mmap.mmap | None = None
         self._bounce: memoryview | None = None
-        self._hdr_mm = mmap.mmap(-1, HEADER_BYTES)      # page-aligned, as O_DIRECT wants
+        self._hdr_mm = mmap.mmap(-1, HEADER_BYTES)  # page-aligned, as O_DIRECT wants
         self.hdr = memoryview(self._hdr_mm)
-        self.fell_back = False                         # O_DIRECT refused at run time → buffered
+        self.fell_back = False  # O_DIRECT refused at run time → buffered
 
     def _flags(self) -> int:
         return os.O_CLOEXEC | (os.O_DIRECT if self.o_direct else 0)
@@ -207,7 +225,7 @@ class KvFileIO:
         except FileNotFoundError:
             pass
         padded = align_up(length)
-        payload = self.pool[offset: offset + padded]
+        payload = self.pool[offset : offset + padded]
         if len(payload) != padded:
             raise ValueError(f"pool range {offset}+{padded} is outside the pool")
         payload[length:] = bytes(padded - length)  # the slot's tail is ours: zero padding on disk
@@ -220,7 +238,7 @@ class KvFileIO:
             except OSError as exc:
                 if exc.errno != errno.EINVAL or not self.o_direct:
                     raise
-                self._fall_back()           # O_DIRECT refused at run time: retry buffered
+                self._fall_back()  # O_DIRECT refused at run time: retry buffered
                 os.close(fd)
                 fd = -1
                 fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
@@ -251,7 +269,7 @@ class KvFileIO:
             except FileNotFoundError:
                 if attempt:
                     raise
-                makedirs_private(os.path.dirname(tmp))   # 0700 whatever the umask
+                makedirs_private(os.path.dirname(tmp))  # 0700 whatever the umask
         raise AssertionError("unreachable")
 
     def read(self, fingerprint: str, block: BlockId, offset: int, length: int) -> int:
@@ -264,7 +282,7 @@ class KvFileIO:
         final = file_path(self.root, fingerprint, block.key, block.rank)
         want = file_size(length)
         padded = align_up(length)
-        payload = self.pool[offset: offset + padded]
+        payload = self.pool[offset : offset + padded]
         if len(payload) != padded:
             raise ValueError(f"pool range {offset}+{padded} is outside the pool")
         try:
@@ -294,16 +312,14 @@ class KvFileIO:
         if crc32c(dest[:length]) != h.payload_crc:
             raise CorruptFile("payload checksum mismatch")
         if dest is not payload:
-            payload[:] = dest        # verified bytes only ever reach the pool
+            payload[:] = dest  # verified bytes only ever reach the pool
         return want
 
     def _bounce_for(self, n: int) -> memoryview:
         if self._bounce is None or len(self._bounce) < n:
-            if self._bounce is not None:
-                self._bounce.release()
-                self._bounce_mm.close()
-            self._bounce_mm = mmap.mmap(-1, n)
-            self._bounce = memoryview(self._bounce_mm)
+            self._release_bounce()
+            mm = self._bounce_mm = mmap.mmap(-1, n)
+            self._bounce = memoryview(mm)
         return self._bounce[:n]
 
     def quarantine(self, fingerprint: str, block: BlockId) -> str:
@@ -321,9 +337,15 @@ class KvFileIO:
     def close(self) -> None:
         self.hdr.release()
         self._hdr_mm.close()
+        self._release_bounce()
+
+    def _release_bounce(self) -> None:
         if self._bounce is not None:
             self._bounce.release()
+            self._bounce = None
+        if self._bounce_mm is not None:
             self._bounce_mm.close()
+            self._bounce_mm = None
 
 
 def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:

@@ -12,6 +12,7 @@ A file system may also accept the open and refuse the first IO (EINVAL from
 pwrite), which is why a 4096-byte write and read are part of the probe. The IO
 workers use buffered IO when the probe fails.
 """
+
 from __future__ import annotations
 
 import errno
@@ -29,13 +30,15 @@ PROBE_BYTES = 4096
 class DirectIoProbe:
     ok: bool
     fs_type: str
-    reason: str | None   # "EINVAL on ramfs (open)" when not ok
+    reason: str | None  # "EINVAL on ramfs (open)" when not ok
 
     def describe(self, path: str) -> str:
         if self.ok:
             return f"O_DIRECT works on {path} ({self.fs_type}): KV files bypass the page cache"
-        return (f"O_DIRECT is not usable on {path}: {self.reason}; the IO workers fall back to "
-                "buffered IO (reads may come from the page cache, writes go through it)")
+        return (
+            f"O_DIRECT is not usable on {path}: {self.reason}; the IO workers fall back to "
+            "buffered IO (reads may come from the page cache, writes go through it)"
+        )
 
 
 def probe_o_direct(directory: str) -> DirectIoProbe:
@@ -59,7 +62,7 @@ def probe_o_direct(directory: str) -> DirectIoProbe:
         return DirectIoProbe(True, fs, None)
     except OSError as exc:
         if step != "open" and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return DirectIoProbe(True, fs, None)   # O_DIRECT opened fine; the disk is just full
+            return DirectIoProbe(True, fs, None)  # O_DIRECT opened fine; the disk is just full
         name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
         return DirectIoProbe(False, fs, f"{name} on {fs} ({step})")
     finally:

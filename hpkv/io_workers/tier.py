@@ -27,6 +27,7 @@ The catalog is an LRU of the blocks whose files are known (spilled here, found b
 a scan or by a stat on a lookup miss), used for ``HPKV_KV_STORAGE_SIZE``. Files
 found by a scan enter at the cold end, in directory order.
 """
+
 from __future__ import annotations
 
 import errno
@@ -35,24 +36,24 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
+from hpkv.common.proc import pid_alive
+from hpkv.common.ratelimit import RateLimitedLog
+from hpkv.common.security import ensure_private_dir, makedirs_private
 from hpkv.config import Config
-from hpkv.protocol import wire as P
-from hpkv.protocol.errors import Status, status_message
 from hpkv.engine.index import Block, Index, Namespace, State
-from hpkv.protocol.stats import NsCounter
-from hpkv.protocol.stats import G, StatsSegment
 from hpkv.engine.workers import WorkerProcess
 from hpkv.io_workers import kvfile
 from hpkv.io_workers.probe import DirectIoProbe, probe_o_direct, virtio_disk
-from hpkv.common.ratelimit import RateLimitedLog
-from hpkv.common.proc import pid_alive
+from hpkv.protocol import wire as P
+from hpkv.protocol.errors import Status, status_message
+from hpkv.protocol.stats import G, NsCounter, StatsSegment
 from hpkv.ring import Doorbell, Ring, RingError
-from hpkv.common.security import ensure_private_dir, makedirs_private
 
 
 class Client(Protocol):
@@ -61,20 +62,21 @@ class Client(Protocol):
     cid: int
     alive: bool
 
+
 log = logging.getLogger("hpkv.storage")
 
 # Jobs queued per worker. Promotes may queue deep, so a worker keeps reading while the
 # server waits for a CPU; spills stay shallow, so a promote never waits behind many.
 MAX_INFLIGHT_PER_WORKER = 16
 MAX_SPILLS_PER_WORKER = 4
-SCAN_BATCH = 1024                 # blocks added to the index per lock hold
+SCAN_BATCH = 1024  # blocks added to the index per lock hold
 MAINT_INTERVAL_S = 0.5
 ENOSPC_BACKOFF_S = (1.0, 30.0)
-MAX_SPILL_ATTEMPTS = 3            # for errors other than ENOSPC / a dead worker
+MAX_SPILL_ATTEMPTS = 3  # for errors other than ENOSPC / a dead worker
 MAX_RETRY_BLOCKS = 100_000
-STALE_TMP_AGE_S = 3600.0          # another host's temporary file older than this is abandoned
-VERIFY_TTL_S = 2.0                # a storage hit's files are stat-ed again at most this often
-QUARANTINE_MAX_FILES = 1000       # corrupt files kept for inspection: the newest this many ...
+STALE_TMP_AGE_S = 3600.0  # another host's temporary file older than this is abandoned
+VERIFY_TTL_S = 2.0  # a storage hit's files are stat-ed again at most this often
+QUARANTINE_MAX_FILES = 1000  # corrupt files kept for inspection: the newest this many ...
 QUARANTINE_MAX_AGE_S = 7 * 86400  # ... and none older than a week
 QUARANTINE_CHECK_S = 60.0
 
@@ -89,8 +91,8 @@ class _BlockOp:
         self.kind = kind
         self.block = block
         self.remaining = block.ns.world_size
-        self.status = 0                           # first failure, 0 while all succeeded
-        self.written: list[int] = []              # spill: ranks whose file we wrote
+        self.status = 0  # first failure, 0 while all succeeded
+        self.written: list[int] = []  # spill: ranks whose file we wrote
         self.waiters: list[tuple[PromoteCall, int]] = []  # promote: (call, row)
 
 
@@ -103,7 +105,8 @@ class _Job:
 @dataclass
 class PromoteCall:
     """A client's PROMOTE waiting for IO; answered once, when done or at its deadline."""
-    client: "Client"
+
+    client: Client
     seq: int
     ns: Namespace
     keys: list[bytes]
@@ -116,20 +119,29 @@ class PromoteCall:
 @dataclass
 class _Link:
     """The server's ends of one IO worker's rings and the jobs it holds, in push order."""
+
     worker: WorkerProcess
     req: Ring
     resp: Ring
-    inflight: "OrderedDict[int, _Job]" = field(default_factory=OrderedDict)
-    spills: int = 0          # of which spills
+    inflight: OrderedDict[int, _Job] = field(default_factory=OrderedDict)
+    spills: int = 0  # of which spills
     dead: bool = False
 
 
 class StorageTier:
     """Everything the server does for the storage tier (see the module docstring)."""
 
-    def __init__(self, cfg: Config, server_dir: str, stats: StatsSegment, index: Index,
-                 lock: threading.RLock, doorbell: Doorbell, pool_path: str,
-                 answer: Callable[["Client", int, np.ndarray], None]):
+    def __init__(
+        self,
+        cfg: Config,
+        server_dir: str,
+        stats: StatsSegment,
+        index: Index,
+        lock: threading.RLock,
+        doorbell: Doorbell,
+        pool_path: str,
+        answer: Callable[[Any, int, np.ndarray], None],  # the server's Client (a subtype of ours)
+    ):
         self.cfg = cfg
         self.root: str = cfg.storage_path  # type: ignore[assignment]
         self.dir = server_dir
@@ -151,9 +163,9 @@ class StorageTier:
         self._promote_q: deque[_Job] = deque()
         self._promoting: dict[bytes, _BlockOp] = {}
         self._calls: list[PromoteCall] = []
-        self._lru: OrderedDict[bytes, Namespace] = OrderedDict()   # known blocks with files, LRU first
+        self._lru: OrderedDict[bytes, Namespace] = OrderedDict()  # known blocks with files, LRU first
         self._deleting: set[bytes] = set()
-        self._retry: OrderedDict[bytes, int] = OrderedDict()       # key -> failed spill attempts
+        self._retry: OrderedDict[bytes, int] = OrderedDict()  # key -> failed spill attempts
         self._ns_raw: dict[int, bytes] = {}
         self._scans: dict[int, threading.Thread] = {}
         self.scan_done: dict[int, bool] = {}
@@ -163,9 +175,9 @@ class StorageTier:
         self._low_space = False
         self._enospc_until = 0.0
         self._enospc_backoff = ENOSPC_BACKOFF_S[0]
-        self._enospc_episode = 0       # ENOSPC failures since the last successful spill
+        self._enospc_episode = 0  # ENOSPC failures since the last successful spill
         self._paused = False
-        self._resume = False           # the maintenance thread saw the pause end
+        self._resume = False  # the maintenance thread saw the pause end
         self.catalog_dirty = False
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -188,17 +200,27 @@ class StorageTier:
         self.g[G.STORAGE_CAPACITY] = self.capacity
         self._check_free_space()
         self.bounce_reads = self._choose_bounce()
-        spec = {"pool": self.pool_path, "storage": self.root, "o_direct": self.probe.ok,
-                "fsync": bool(self.cfg["HPKV_STORAGE_FSYNC"]), "bounce_reads": self.bounce_reads,
-                "log_level": self.cfg["HPKV_LOG_LEVEL"]}
+        spec = {
+            "pool": self.pool_path,
+            "storage": self.root,
+            "o_direct": self.probe.ok,
+            "fsync": bool(self.cfg["HPKV_STORAGE_FSYNC"]),
+            "bounce_reads": self.bounce_reads,
+            "log_level": self.cfg["HPKV_LOG_LEVEL"],
+        }
         workers = []
         for i, slot in enumerate(slots):
             w, req, resp = WorkerProcess.start_io(self.dir, f"io{i}", slot, spec, self.stats, self.doorbell)
             self.links.append(_Link(w, req, resp))
             workers.append(w)
         threading.Thread(target=self._maintenance_loop, name="storage-maint", daemon=True).start()
-        log.info("storage tier %s: %d IO worker(s), capacity %s, spilling pauses under %g%% free",
-                 self.root, len(workers), self.capacity or "unlimited", self.min_free_pct)
+        log.info(
+            "storage tier %s: %d IO worker(s), capacity %s, spilling pauses under %g%% free",
+            self.root,
+            len(workers),
+            self.capacity or "unlimited",
+            self.min_free_pct,
+        )
         return workers
 
     def _choose_bounce(self) -> bool:
@@ -207,9 +229,12 @@ class StorageTier:
             return bool(setting)
         disk = virtio_disk(self.root) if self.probe and self.probe.ok else None
         if disk:
-            log.info("storage is on virtio disk %s: promotes read into a private buffer and copy "
-                     "into the pool, faster there than DMA into the shared pool "
-                     "(HPKV_STORAGE_READ_BOUNCE=0 turns this off)", disk)
+            log.info(
+                "storage is on virtio disk %s: promotes read into a private buffer and copy "
+                "into the pool, faster there than DMA into the shared pool "
+                "(HPKV_STORAGE_READ_BOUNCE=0 turns this off)",
+                disk,
+            )
         return disk is not None
 
     def shutdown(self) -> None:
@@ -224,10 +249,13 @@ class StorageTier:
 
     def describe(self) -> dict[str, Any]:
         """The strings of the stats snapshot's ``storage`` section (the numbers are in G)."""
-        return {"path": self.root, "o_direct_reason": self.o_direct_reason,
-                "fs_type": self.probe.fs_type if self.probe else None,
-                "read_bounce": self.bounce_reads,
-                "scans_done": sorted(k for k, v in self.scan_done.items() if v)}
+        return {
+            "path": self.root,
+            "o_direct_reason": self.o_direct_reason,
+            "fs_type": self.probe.fs_type if self.probe else None,
+            "read_bounce": self.bounce_reads,
+            "scans_done": sorted(k for k, v in self.scan_done.items() if v),
+        }
 
     # ================================================================ namespaces
     def attach_namespace(self, ns: Namespace) -> None:
@@ -283,7 +311,7 @@ class StorageTier:
             except FileNotFoundError:
                 return False
             except OSError:
-                return True          # an IO error is not proof it is gone: the promote will tell
+                return True  # an IO error is not proof it is gone: the promote will tell
         return True
 
     def extend_lookup(self, ns: Namespace, keys: list[bytes], hit: int, tiers: list[int]) -> int:
@@ -311,8 +339,12 @@ class StorageTier:
     def pending_spills(self) -> int:
         """Blocks whose write-through is queued or running (what a stop drains first)."""
         ops = {id(job.op) for job in self._spill_q}
-        ops.update(id(job.op) for link in self.links   # a dead worker's jobs are retried
-                   for job in link.inflight.values() if job.op.kind == P.SPILL)
+        ops.update(
+            id(job.op)
+            for link in self.links  # a dead worker's jobs are retried
+            for job in link.inflight.values()
+            if job.op.kind == P.SPILL
+        )
         return len(ops) + (len(self._retry) if self._resume else 0)
 
     def touch(self, keys: Iterable[bytes]) -> None:
@@ -320,8 +352,9 @@ class StorageTier:
         for k in keys:
             self._touch(k)
 
-    def promote(self, c: "Client", seq: int, ns: Namespace, keys: list[bytes],
-                timeout: float) -> np.ndarray | None:
+    def promote(
+        self, c: Client, seq: int, ns: Namespace, keys: list[bytes], timeout: float
+    ) -> np.ndarray | None:
         """A PROMOTE hot call: rows of pinned pool offsets, now (no IO needed) or None (parked)."""
         world = ns.world_size
         rows = np.full((len(keys), world), -1, np.int64)
@@ -334,8 +367,9 @@ class StorageTier:
                 b = idx.blocks.get(k)
             if b is None or b.ns is not ns:
                 continue
-            if b.state == State.READY:
-                rows[i] = idx.pin([k], owner=c.cid)[0]
+            slots = idx.pin([k], owner=c.cid)[0] if b.state == State.READY else None
+            if slots is not None:
+                rows[i] = slots
                 dram += 1
                 self._touch(k)
             elif b.state == State.PROMOTING:
@@ -343,7 +377,7 @@ class StorageTier:
                 call.outstanding += 1
             elif b.state == State.STORED:
                 if idx.begin_promote(k) is None:
-                    continue                     # pool full of pinned blocks: this one fails
+                    continue  # pool full of pinned blocks: this one fails
                 op = _BlockOp(P.PROMOTE, b)
                 op.waiters.append((call, i))
                 self._promoting[k] = op
@@ -356,7 +390,7 @@ class StorageTier:
         self._dispatch()
         return None
 
-    def client_gone(self, c: "Client") -> None:
+    def client_gone(self, c: Client) -> None:
         """Forget a dropped client's parked call (its pins are released by the server)."""
         for call in self._calls:
             if call.client is c:
@@ -385,16 +419,21 @@ class StorageTier:
                 self._resume = False
                 self._retry_spills()
             self._dispatch()
+            self.g[G.STORAGE_SPILLS_PENDING] = len(self._spill_q) + sum(lk.spills for lk in self.links)
             if self._calls:
                 now = time.monotonic()
                 for call in self._calls:
                     if not call.done and now >= call.deadline:
-                        self._errors.log(logging.WARNING, "promote-timeout",
-                                         "promote of %d block(s) for client %d not finished by its "
-                                         "deadline: answered with %d loaded, the rest reported failed",
-                                         len(call.keys), call.client.cid,
-                                         int((call.rows[:, 0] >= 0).sum()))
-                        self._finish_call(call)   # whatever is not loaded yet stays -1
+                        self._errors.log(
+                            logging.WARNING,
+                            "promote-timeout",
+                            "promote of %d block(s) for client %d not finished by its "
+                            "deadline: answered with %d loaded, the rest reported failed",
+                            len(call.keys),
+                            call.client.cid,
+                            int((call.rows[:, 0] >= 0).sum()),
+                        )
+                        self._finish_call(call)  # whatever is not loaded yet stays -1
                 self._calls = [call for call in self._calls if not call.done]
             self._publish()
 
@@ -427,8 +466,11 @@ class StorageTier:
             self._complete(job, Status.WORKER_DIED, 0, 0)
         self.g[G.WORKER_RESTARTS] += 1
         link.dead = False
-        log.error("IO worker %s died with %d job(s) taken: reported failed (spills are retried)",
-                  link.worker.base, len(lost))
+        log.error(
+            "IO worker %s died with %d job(s) taken: reported failed (spills are retried)",
+            link.worker.base,
+            len(lost),
+        )
         link.worker.respawn()
         self.catalog_dirty = True
 
@@ -440,8 +482,7 @@ class StorageTier:
             g[G.STORAGE_IO_ERRORS] += 1
             self.o_direct_reason = f"EINVAL on {self.probe.fs_type if self.probe else '?'} (at run time)"
             self.catalog_dirty = True
-            log.warning("O_DIRECT refused at run time on %s: IO workers fall back to buffered IO",
-                        self.root)
+            log.warning("O_DIRECT refused at run time on %s: IO workers fall back to buffered IO", self.root)
         if status == 0:
             if op.kind == P.SPILL:
                 if not flags & P.IO_EXISTED:
@@ -465,22 +506,33 @@ class StorageTier:
         b = op.block
         path = kvfile.file_path(self.root, b.ns.fingerprint, b.key, rank)
         g = self.g
-        g[G.STORAGE_IO_ERRORS] += 1
         if status == Status.CORRUPT:
-            g[G.STORAGE_QUARANTINED] += 1          # the worker logged why and where it went
+            g[G.STORAGE_IO_ERRORS] += 1
+            g[G.STORAGE_QUARANTINED] += 1  # the worker logged why and where it went
         elif status == -errno.ENOSPC and op.kind == P.SPILL:
+            g[G.STORAGE_IO_ERRORS] += 1
             self._on_enospc(path)
         elif status == Status.WORKER_DIED:
-            pass                                  # logged once by _recover
+            g[G.STORAGE_IO_ERRORS] += 1  # logged once by _recover
         else:
             what = "spill" if op.kind == P.SPILL else "promote"
-            self._io_error(what, -status if status < 0 and -status < 1000 else errno.EIO, path,
-                           status_message(status))
+            self._io_error(
+                what, -status if status < 0 and -status < 1000 else errno.EIO, path, status_message(status)
+            )
 
     def _io_error(self, what: str, err: int, path: str, text: str | None = None) -> None:
+        """Count a storage IO error and log it (rate-limited per kind)."""
+        self.g[G.STORAGE_IO_ERRORS] += 1
         name = errno.errorcode.get(err, str(err))
-        self._errors.log(logging.ERROR, f"{what}-{name}", "storage %s failed: %s (%s) on %s", what,
-                         name, text or os.strerror(err), path)
+        self._errors.log(
+            logging.ERROR,
+            f"{what}-{name}",
+            "storage %s failed: %s (%s) on %s",
+            what,
+            name,
+            text or os.strerror(err),
+            path,
+        )
 
     # ================================================================ spills
     def _start_spill(self, b: Block) -> None:
@@ -502,13 +554,13 @@ class StorageTier:
             if self.capacity and self.bytes > self.capacity:
                 self._wake.set()
             return
-        self.index.skip_spill(b)   # evictable without files; retried later if still in DRAM
+        self.index.skip_spill(b)  # evictable without files; retried later if still in DRAM
         transient = op.status in (-errno.ENOSPC, Status.WORKER_DIED)
         attempts = self._retry.get(b.key, 0) + (0 if transient else 1)
         if attempts < MAX_SPILL_ATTEMPTS:
             self._remember_retry(b.key, attempts)
             if op.status == Status.WORKER_DIED:
-                self._resume = True      # not a storage problem: retry on the next round
+                self._resume = True  # not a storage problem: retry on the next round
         else:
             self._retry.pop(b.key, None)
             # give up: the ranks we did write are orphans nobody will complete
@@ -538,9 +590,13 @@ class StorageTier:
     def _on_enospc(self, path: str) -> None:
         now = time.monotonic()
         if self._enospc_episode == 0:
-            log.warning("storage full (ENOSPC writing %s): spilling paused, the partial file was "
-                        "removed; reads continue; retrying in %.0fs (logged once until a spill "
-                        "succeeds again)", path, self._enospc_backoff)
+            log.warning(
+                "storage full (ENOSPC writing %s): spilling paused, the partial file was "
+                "removed; reads continue; retrying in %.0fs (logged once until a spill "
+                "succeeds again)",
+                path,
+                self._enospc_backoff,
+            )
         self._enospc_episode += 1
         if now >= self._enospc_until:
             self._enospc_until = now + self._enospc_backoff
@@ -575,7 +631,7 @@ class StorageTier:
         if ok:
             self._touch(key)
         elif op.status in (Status.CORRUPT, -errno.ENOENT):
-            self._forget(key)            # the file is gone or quarantined: the index forgets it
+            self._forget(key)  # the file is gone or quarantined: the index forgets it
         loaded = 0
         for call, row in op.waiters:
             if ok and not call.done and call.client.alive:
@@ -599,23 +655,34 @@ class StorageTier:
             return
         for q, spill in ((self._promote_q, False), (self._spill_q, True)):
             while q:
-                room = [lk for lk in live if len(lk.inflight) < MAX_INFLIGHT_PER_WORKER
-                        and not (spill and lk.spills >= MAX_SPILLS_PER_WORKER)]
+                room = [
+                    lk
+                    for lk in live
+                    if len(lk.inflight) < MAX_INFLIGHT_PER_WORKER
+                    and not (spill and lk.spills >= MAX_SPILLS_PER_WORKER)
+                ]
                 if not room:
                     break
                 link = min(room, key=lambda lk: len(lk.inflight))
                 job = q[0]
                 b = job.op.block
+                assert b.slots is not None, "an IO job's block keeps its slots until the job ends"
                 self._seq += 1
-                flags, args = P.io_job(self._ns_raw[b.ns.ns_id], b.key, job.rank, b.ns.world_size,
-                                       b.slots[job.rank], b.ns.shard_bytes)
+                flags, args = P.io_job(
+                    self._ns_raw[b.ns.ns_id],
+                    b.key,
+                    job.rank,
+                    b.ns.world_size,
+                    b.slots[job.rank],
+                    b.ns.shard_bytes,
+                )
                 try:
                     pushed = link.req.try_push(job.op.kind, self._seq, *args, flags=flags)
                 except RingError as exc:
                     log.error("IO worker %s request ring failed: %s", link.worker.base, exc)
                     pushed = False
                 if not pushed:
-                    return       # ring full (a stuck worker): try again on the next wake-up
+                    return  # ring full (a stuck worker): try again on the next wake-up
                 q.popleft()
                 link.inflight[self._seq] = job
                 link.spills += spill
@@ -633,7 +700,7 @@ class StorageTier:
         self.index.add_stored(ns, key)
         self._lru[key] = ns
         if not recent:
-            self._lru.move_to_end(key, last=False)   # found on disk: older than anything used here
+            self._lru.move_to_end(key, last=False)  # found on disk: older than anything used here
         self.files += ns.world_size
         self.bytes += ns.world_size * kvfile.file_size(ns.shard_bytes)
 
@@ -657,7 +724,6 @@ class StorageTier:
             except FileNotFoundError:
                 return False
             except OSError as exc:
-                self.g[G.STORAGE_IO_ERRORS] += 1
                 self._io_error("stat", exc.errno or errno.EIO, path)
                 return False
         self._add_known(ns, key, recent=True)
@@ -678,41 +744,63 @@ class StorageTier:
                 for bb in _subdirs(aa):
                     if self._stop.is_set():
                         return
-                    ranks: dict[bytes, int] = {}
-                    for entry in _entries(bb):
-                        parsed = kvfile.parse_name(entry.name)
-                        if parsed is None:
-                            self._maybe_remove_tmp(entry, host)
-                            continue
-                        key, rank = parsed
-                        if rank < ns.world_size:
-                            ranks[key] = ranks.get(key, 0) | 1 << rank
-                            files += 1
-                    full = (1 << ns.world_size) - 1
-                    complete = [k for k, mask in ranks.items() if mask == full]
-                    for i in range(0, len(complete), SCAN_BATCH):
-                        with self.lock:
-                            if ns.released:
-                                return
-                            for k in complete[i: i + SCAN_BATCH]:
-                                if k in self._lru or k in self._deleting:
-                                    continue
-                                b = self.index.blocks.get(k)
-                                if b is not None and b.state == State.PROMOTING:
-                                    continue
-                                self._add_known(ns, k, recent=False)
-                                found += 1
-                            self._publish()
+                    complete, n_files = self._scan_leaf(ns, bb, host)
+                    files += n_files
+                    added = self._add_scanned(ns, complete)
+                    if added is None:
+                        return
+                    found += added
         except OSError as exc:
-            self.g[G.STORAGE_IO_ERRORS] += 1
             self._io_error("scan", exc.errno or errno.EIO, top)
         finally:
             self.scan_done[ns.ns_id] = True
             self.catalog_dirty = True
-        log.info("scan of namespace %d (%s): %d complete block(s) from %d file(s) in %.2fs", ns.ns_id,
-                 ns.fingerprint[:12], found, files, time.monotonic() - t0)
+        log.info(
+            "scan of namespace %d (%s): %d complete block(s) from %d file(s) in %.2fs",
+            ns.ns_id,
+            ns.fingerprint[:12],
+            found,
+            files,
+            time.monotonic() - t0,
+        )
         if self.capacity and self.bytes > self.capacity:
             self._wake.set()
+
+    def _scan_leaf(self, ns: Namespace, leaf: str, host: str) -> tuple[list[bytes], int]:
+        """(keys with a file for every rank, KV files seen) in one leaf directory; removes the
+        temporary files of dead writers on the way."""
+        ranks: dict[bytes, int] = {}
+        files = 0
+        for entry in _entries(leaf):
+            parsed = kvfile.parse_name(entry.name)
+            if parsed is None:
+                self._maybe_remove_tmp(entry, host)
+                continue
+            key, rank = parsed
+            if rank < ns.world_size:
+                ranks[key] = ranks.get(key, 0) | 1 << rank
+                files += 1
+        full = (1 << ns.world_size) - 1
+        return [k for k, mask in ranks.items() if mask == full], files
+
+    def _add_scanned(self, ns: Namespace, complete: list[bytes]) -> int | None:
+        """Make scanned blocks known (storage hits), in batches under the lock; None if the
+        namespace was released meanwhile."""
+        found = 0
+        for i in range(0, len(complete), SCAN_BATCH):
+            with self.lock:
+                if ns.released:
+                    return None
+                for k in complete[i : i + SCAN_BATCH]:
+                    if k in self._lru or k in self._deleting:
+                        continue
+                    b = self.index.blocks.get(k)
+                    if b is not None and b.state == State.PROMOTING:
+                        continue
+                    self._add_known(ns, k, recent=False)
+                    found += 1
+                self._publish()
+        return found
 
     def _maybe_remove_tmp(self, entry: os.DirEntry, host: str) -> None:
         """A temporary file of a writer that died (this host: pid gone; other hosts: old)."""
@@ -731,7 +819,6 @@ class StorageTier:
         except FileNotFoundError:
             pass
         except OSError as exc:
-            self.g[G.STORAGE_IO_ERRORS] += 1
             self._io_error("unlink", exc.errno or errno.EIO, entry.path)
 
     # ================================================================ maintenance thread
@@ -754,7 +841,6 @@ class StorageTier:
             st = os.statvfs(self.root)
         except OSError as exc:
             with self.lock:
-                self.g[G.STORAGE_IO_ERRORS] += 1
                 self._io_error("statvfs", exc.errno or errno.EIO, self.root)
             return
         free = st.f_bavail * st.f_frsize
@@ -764,8 +850,13 @@ class StorageTier:
             low = pct < self.min_free_pct
             if low != self._low_space:
                 if low:
-                    log.warning("storage %s has %.1f%% free, under HPKV_STORAGE_MIN_FREE=%g%%: "
-                                "spilling paused (reads continue)", self.root, pct, self.min_free_pct)
+                    log.warning(
+                        "storage %s has %.1f%% free, under HPKV_STORAGE_MIN_FREE=%g%%: "
+                        "spilling paused (reads continue)",
+                        self.root,
+                        pct,
+                        self.min_free_pct,
+                    )
                 else:
                     log.info("storage %s has %.1f%% free again: spilling resumes", self.root, pct)
             self._low_space = low
@@ -781,7 +872,7 @@ class StorageTier:
                 key, ns = next(iter(self._lru.items()))
                 b = self.index.blocks.get(key)
                 if b is not None and (b.state == State.PROMOTING or b.io):
-                    self._lru.popitem(last=False)       # in use: keep it, look further
+                    self._lru.popitem(last=False)  # in use: keep it, look further
                     skipped.append((key, ns))
                     continue
                 self._forget(key)
@@ -815,12 +906,21 @@ class StorageTier:
                     entries.append((e.stat(follow_symlinks=False).st_mtime, e.path))
         entries.sort(reverse=True)
         now = time.time()
-        doomed = [p for i, (mtime, p) in enumerate(entries)
-                  if i >= QUARANTINE_MAX_FILES or now - mtime > QUARANTINE_MAX_AGE_S]
+        doomed = [
+            p
+            for i, (mtime, p) in enumerate(entries)
+            if i >= QUARANTINE_MAX_FILES or now - mtime > QUARANTINE_MAX_AGE_S
+        ]
         removed = sum(self._unlink_quietly(p) for p in doomed)
         if removed:
-            log.info("quarantine %s: removed %d old corrupt file(s) (keeps the newest %d, none older "
-                     "than %d days)", qdir, removed, QUARANTINE_MAX_FILES, QUARANTINE_MAX_AGE_S // 86400)
+            log.info(
+                "quarantine %s: removed %d old corrupt file(s) (keeps the newest %d, none older "
+                "than %d days)",
+                qdir,
+                removed,
+                QUARANTINE_MAX_FILES,
+                QUARANTINE_MAX_AGE_S // 86400,
+            )
 
     def _unlink_quietly(self, path: str) -> bool:
         try:
@@ -829,7 +929,6 @@ class StorageTier:
         except FileNotFoundError:
             return False
         except OSError as exc:
-            self.g[G.STORAGE_IO_ERRORS] += 1
             self._io_error("unlink", exc.errno or errno.EIO, path)
             return False
 

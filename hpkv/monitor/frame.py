@@ -11,11 +11,13 @@ are shown (each column has a priority; the lowest priorities go first when the
 screen is narrow) and how long the sparklines are; height decides how many table
 rows are shown (the rest are counted in a "+ N more" line).
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from hpkv.config import format_size
 from hpkv.monitor.sample import HISTORY_S, View
@@ -121,7 +123,7 @@ def sparkline(points: Sequence[tuple[float, float]], width: int, chars: str) -> 
             i = min(width - 1, int((HISTORY_S - age) / HISTORY_S * width))
             sums[i] += value
             counts[i] += 1
-    means = [s / c if c else None for s, c in zip(sums, counts)]
+    means = [s / c if c else None for s, c in zip(sums, counts, strict=False)]
     top = max((m for m in means if m is not None), default=0.0)
     cells = []
     for m in means:
@@ -139,10 +141,10 @@ def sparkline(points: Sequence[tuple[float, float]], width: int, chars: str) -> 
 class Col:
     head: str
     width: int
-    prio: int                       # lower is kept longer when the screen narrows
+    prio: int  # lower is kept longer when the screen narrows
     get: Callable[[Any], str]
     align: str = ">"
-    flex: int = 0                   # a flexible column grows up to this width
+    flex: int = 0  # a flexible column grows up to this width
 
 
 def table(cols: Sequence[Col], rows: Sequence[Any], width: int) -> tuple[str, list[str]]:
@@ -178,7 +180,7 @@ def table(cols: Sequence[Col], rows: Sequence[Any], width: int) -> tuple[str, li
 class Section:
     head: Line
     rows: list[Line]
-    what: str                       # "namespaces", "workers", ... for the "+ N more" line
+    what: str  # "namespaces", "workers", ... for the "+ N more" line
     items: list[int] | None = None  # items per row where a row holds several (rings); else one each
 
     def hidden(self, shown_rows: int) -> int:
@@ -222,19 +224,23 @@ def _waiting(view: View, width: int) -> list[Line]:
             lines.append((f"(HPKV_SHARE_MEM_FILE_PATH from {view.source})", "dim"))
         if view.gone:
             pid, when = view.gone
-            lines.append((f"server pid {pid} went away at {time.strftime('%H:%M:%S', time.localtime(when))}",
-                          "text"))
+            lines.append(
+                (f"server pid {pid} went away at {time.strftime('%H:%M:%S', time.localtime(when))}", "text")
+            )
     lines.append(("", "text"))
-    lines.append((f"waiting for a server (checking every {view.interval:g}s); start one with `hpkv serve`",
-                  "dim"))
+    lines.append(
+        (f"waiting for a server (checking every {view.interval:g}s); start one with `hpkv serve`", "dim")
+    )
     return lines
 
 
 def _server(view: View, width: int, height: int | None, chars: str) -> list[Line]:
     s = view.snap or {}
     srv = s.get("server", {})
-    left = f"hpkv-top  server {view.pid}  up {fmt_duration(view.wall_time - srv.get('start_time', view.wall_time))}" \
-           f"  {srv.get('pool_dir') or view.pool_dir}"
+    left = (
+        f"hpkv-top  server {view.pid}  up {fmt_duration(view.wall_time - srv.get('start_time', view.wall_time))}"
+        f"  {srv.get('pool_dir') or view.pool_dir}"
+    )
     top: list[Line] = [_title(view, width, left)]
     if view.heartbeat_stale:
         top.append((f"server not responding: last heartbeat {srv['heartbeat_age_s']:.0f}s ago", "warn"))
@@ -253,16 +259,18 @@ def _pool(s: dict[str, Any], width: int) -> list[Line]:
     pct = 100.0 * used / cap if cap else 0.0
     bar_w = 10 if width < 100 else 20
     fill = round(pct / 100 * bar_w)
-    parts = [f"POOL     {format_size(used)} / {format_size(cap)} used ({pct:.0f}%)",
-             "[" + "#" * fill + "." * (bar_w - fill) + "]",
-             f"pinned {format_size(p.get('pinned_bytes', 0))}",
-             f"blocks {p.get('blocks', 0)}",
-             f"engines {len(s.get('clients', []))}",
-             f"requests {fmt_count(s.get('requests', 0))}",
-             f"errors {s.get('errors', 0)}",
-             f"worker restarts {s.get('worker_restarts', 0)}"]
+    parts = [
+        f"POOL     {format_size(used)} / {format_size(cap)} used ({pct:.0f}%)",
+        "[" + "#" * fill + "." * (bar_w - fill) + "]",
+        f"pinned {format_size(p.get('pinned_bytes', 0))}",
+        f"blocks {p.get('blocks', 0)}",
+        f"engines {len(s.get('clients', []))}",
+        f"requests {fmt_count(s.get('requests', 0))}",
+        f"errors {s.get('errors', 0)}",
+        f"worker restarts {s.get('worker_restarts', 0)}",
+    ]
     warm = p.get("warm_bytes", cap)
-    if cap and warm < cap:     # the pool's memory is still being allocated in the background
+    if cap and warm < cap:  # the pool's memory is still being allocated in the background
         parts.insert(4, f"warming {100.0 * warm / cap:.0f}%")
     # keep the bar next to its figure only if the pinned and block counts still fit after it
     line = join_fit(parts, width)
@@ -279,9 +287,13 @@ def _storage(s: dict[str, Any], width: int) -> list[Line]:
     if not st:
         return [(f"STORAGE  {path}", "text"), ("         (this server publishes no storage figures)", "dim")]
     cap = st.get("capacity_bytes", 0)
-    figures = "  ".join([f"{st.get('files', 0)} files",
-                         format_size(st.get("bytes", 0)) + (f" of {format_size(cap)}" if cap else " (no limit)"),
-                         f"free {format_size(st.get('free_bytes', 0))}"])
+    figures = "  ".join(
+        [
+            f"{st.get('files', 0)} files",
+            format_size(st.get("bytes", 0)) + (f" of {format_size(cap)}" if cap else " (no limit)"),
+            f"free {format_size(st.get('free_bytes', 0))}",
+        ]
+    )
     # a long path gives way to the figures (down to 16 characters of it)
     first = f"STORAGE  {clip(path, max(16, width - len(figures) - 11))}  {figures}"
     errors, quarantined = st.get("io_errors", 0), st.get("quarantined", 0)
@@ -294,11 +306,14 @@ def _storage(s: dict[str, Any], width: int) -> list[Line]:
         reason = st.get("o_direct_reason")
         odirect = "O_DIRECT off" + (f" ({reason})" if reason else "")
         used = len("  ".join(parts)) + 2
-        if used + len(odirect) > width:   # the reason, cut to the room left, or just "off"
+        if used + len(odirect) > width:  # the reason, cut to the room left, or just "off"
             odirect = clip(odirect, width - used) if width - used >= 20 else "O_DIRECT off"
         parts.append(odirect)
-    parts += [f"spills {fmt_count(st.get('spills', 0))}", f"promotes {fmt_count(st.get('promotes', 0))}",
-              f"evicted files {fmt_count(st.get('evicted_files', 0))}"]
+    parts += [
+        f"spills {fmt_count(st.get('spills', 0))}",
+        f"promotes {fmt_count(st.get('promotes', 0))}",
+        f"evicted files {fmt_count(st.get('evicted_files', 0))}",
+    ]
     second = join_fit(parts, width)
     bad = errors or quarantined or st.get("spill_paused") or not st.get("o_direct")
     return [(first, "text"), (second, "warn" if bad else "text")]
@@ -366,8 +381,9 @@ def _namespaces(s: dict[str, Any], width: int) -> Section:
     ]
     nss = s.get("namespaces", [])
     head, rows = table(cols, nss, width)
-    return Section((head, "head"), [(r, "text") for r in rows] or [("(no namespace attached)", "dim")],
-                   "namespaces")
+    return Section(
+        (head, "head"), [(r, "text") for r in rows] or [("(no namespace attached)", "dim")], "namespaces"
+    )
 
 
 def _workers(view: View, width: int) -> Section:
@@ -406,7 +422,10 @@ def _workers(view: View, width: int) -> Section:
     ]
     workers = s.get("workers", [])
     head, rows = table(cols, workers, width)
-    styled = [(r, "warn" if w.get("state") in ("dead", "backoff") else "text") for r, w in zip(rows, workers)]
+    styled = [
+        (r, "warn" if w.get("state") in ("dead", "backoff") else "text")
+        for r, w in zip(rows, workers, strict=False)
+    ]
     return Section((head, "head"), styled or [("(no worker: no device registered yet)", "dim")], "workers")
 
 
@@ -415,14 +434,22 @@ def _engines(s: dict[str, Any], width: int) -> Section:
     cols = [
         Col("ENGINE", 6, 3, lambda c: str(c.get("id", ""))),
         Col("PID", 7, 0, lambda c: str(c.get("pid", ""))),
-        Col("NAMESPACE", 12, 1, lambda c: ",".join(names.get(i, str(i)) for i in c.get("namespaces", [])) or "-",
-            "<", flex=40),
+        Col(
+            "NAMESPACE",
+            12,
+            1,
+            lambda c: ",".join(names.get(i, str(i)) for i in c.get("namespaces", [])) or "-",
+            "<",
+            flex=40,
+        ),
         Col("RANKS", 5, 2, lambda c: ",".join(map(str, c.get("ranks", []))) or "-", "<", flex=12),
         Col("NAME", 10, 4, lambda c: c.get("name") or "-", "<", flex=30),
     ]
     clients = s.get("clients", [])
     head, rows = table(cols, clients, width)
-    return Section((head, "head"), [(r, "text") for r in rows] or [("(no engine attached)", "dim")], "engines")
+    return Section(
+        (head, "head"), [(r, "text") for r in rows] or [("(no engine attached)", "dim")], "engines"
+    )
 
 
 def _rings(view: View, width: int) -> Section:

@@ -12,14 +12,19 @@ Names follow the Prometheus conventions: ``hpkv_`` prefix, the unit in the name
 ``namespace="<name>"`` (``tier`` for hits and blocks), per-worker series
 ``worker="<slot>", kind="transfer|io"``, ring series ``ring="<name>"``.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from hpkv.config import Config
+from hpkv.monitor.rings import peek_all
+from hpkv.monitor.sample import ring_names
+from hpkv.protocol.stats import StatsSegment
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -32,59 +37,89 @@ WORKER_LABELS = ("worker", "kind")
 def namespace_labels(namespaces: list[dict[str, Any]]) -> dict[int, str]:
     """ns id → its ``namespace`` label: the name, plus a fingerprint prefix where two share a name."""
     names = [n["name"] for n in namespaces]
-    return {n["id"]: n["name"] if names.count(n["name"]) == 1 else f"{n['name']}@{n['fingerprint'][:8]}"
-            for n in namespaces}
+    return {
+        n["id"]: n["name"] if names.count(n["name"]) == 1 else f"{n['name']}@{n['fingerprint'][:8]}"
+        for n in namespaces
+    }
 
 
-def families(snap: dict[str, Any], rings: dict[str, Any]) -> Iterator["Metric"]:
+def families(snap: dict[str, Any], rings: dict[str, Any]) -> Iterator[Metric]:
     """The metric families of one stats snapshot (``StatsSegment.snapshot()``) and ring levels."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    def gauge(name: str, doc: str, value: float | None = None, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
+    def gauge(
+        name: str, doc: str, value: float | None = None, labels: tuple[str, ...] = ()
+    ) -> GaugeMetricFamily:
         return GaugeMetricFamily(name, doc, value=value, labels=labels or None)
 
-    def counter(name: str, doc: str, value: float | None = None,
-                labels: tuple[str, ...] = ()) -> CounterMetricFamily:
+    def counter(
+        name: str, doc: str, value: float | None = None, labels: tuple[str, ...] = ()
+    ) -> CounterMetricFamily:
         return CounterMetricFamily(name, doc, value=value, labels=labels or None)
 
     srv, pool = snap["server"], snap["pool"]
-    yield gauge("hpkv_server_start_time_seconds", "Start time of the hpkv server (Unix time).",
-                srv.get("start_time", 0.0))
-    yield gauge("hpkv_server_heartbeat_age_seconds", "Seconds since the server's supervisor last beat.",
-                srv.get("heartbeat_age_s", 0.0))
+    yield gauge(
+        "hpkv_server_start_time_seconds",
+        "Start time of the hpkv server (Unix time).",
+        srv.get("start_time", 0.0),
+    )
+    yield gauge(
+        "hpkv_server_heartbeat_age_seconds",
+        "Seconds since the server's supervisor last beat.",
+        srv.get("heartbeat_age_s", 0.0),
+    )
     yield gauge("hpkv_pool_capacity_bytes", "Size of the shared-memory DRAM pool.", pool["capacity_bytes"])
     yield gauge("hpkv_pool_used_bytes", "Pool bytes held by blocks (ready or reserved).", pool["used_bytes"])
-    yield gauge("hpkv_pool_pinned_bytes", "Pool bytes of pinned blocks (being loaded; not evictable).",
-                pool["pinned_bytes"])
+    yield gauge(
+        "hpkv_pool_pinned_bytes",
+        "Pool bytes of pinned blocks (being loaded; not evictable).",
+        pool["pinned_bytes"],
+    )
     yield gauge("hpkv_pool_blocks", "Blocks in the DRAM pool index.", pool["blocks"])
-    yield gauge("hpkv_engines_attached", "Inference-engine processes attached to the server.",
-                len(snap.get("clients", [])))
-    yield counter("hpkv_requests", "Hot-path requests answered (lookup, reserve, commit, pin, unpin).",
-                  snap["requests"])
+    yield gauge(
+        "hpkv_engines_attached",
+        "Inference-engine processes attached to the server.",
+        len(snap.get("clients", [])),
+    )
+    yield counter(
+        "hpkv_requests", "Hot-path requests answered (lookup, reserve, commit, pin, unpin).", snap["requests"]
+    )
     yield counter("hpkv_request_errors", "Hot-path requests answered with an error.", snap["errors"])
-    yield counter("hpkv_server_worker_restarts", "Worker processes restarted after dying (all workers).",
-                  snap["worker_restarts"])
+    yield counter(
+        "hpkv_server_worker_restarts",
+        "Worker processes restarted after dying (all workers).",
+        snap["worker_restarts"],
+    )
 
     # ------------------------------------------------------------ namespaces
     labels = namespace_labels(snap.get("namespaces", []))
     ns_tier = ("namespace", "tier")
     blocks = gauge("hpkv_namespace_blocks", "Blocks present per tier.", labels=ns_tier)
-    dram_bytes = gauge("hpkv_namespace_dram_bytes", "Pool bytes of the namespace's ready blocks.",
-                       labels=("namespace",))
+    dram_bytes = gauge(
+        "hpkv_namespace_dram_bytes", "Pool bytes of the namespace's ready blocks.", labels=("namespace",)
+    )
     pinned = gauge("hpkv_namespace_pinned_blocks", "Pinned blocks.", labels=("namespace",))
-    reserved = gauge("hpkv_namespace_reserved_blocks", "Blocks reserved and not yet committed by every rank.",
-                     labels=("namespace",))
+    reserved = gauge(
+        "hpkv_namespace_reserved_blocks",
+        "Blocks reserved and not yet committed by every rank.",
+        labels=("namespace",),
+    )
     block_tokens = gauge("hpkv_namespace_block_tokens", "Tokens per block.", labels=("namespace",))
     hits = counter("hpkv_hit_blocks", "Blocks found by lookups, per tier.", labels=ns_tier)
-    hit_tokens = counter("hpkv_hit_tokens", "Tokens found by lookups (blocks x tokens per block), per tier.",
-                         labels=ns_tier)
+    hit_tokens = counter(
+        "hpkv_hit_tokens", "Tokens found by lookups (blocks x tokens per block), per tier.", labels=ns_tier
+    )
     lookups = counter("hpkv_lookups", "Lookups.", labels=("namespace",))
     misses = counter("hpkv_lookup_misses", "Lookups that stopped at a missing block.", labels=("namespace",))
     evictions = counter("hpkv_evicted_blocks", "Blocks evicted from the DRAM pool.", labels=("namespace",))
-    commits = counter("hpkv_committed_blocks", "Blocks that became ready (every rank committed).",
-                      labels=("namespace",))
-    rsv_failed = counter("hpkv_reserve_failures", "Reservations refused: the pool was full of unevictable blocks.",
-                         labels=("namespace",))
+    commits = counter(
+        "hpkv_committed_blocks", "Blocks that became ready (every rank committed).", labels=("namespace",)
+    )
+    rsv_failed = counter(
+        "hpkv_reserve_failures",
+        "Reservations refused: the pool was full of unevictable blocks.",
+        labels=("namespace",),
+    )
     for n in snap.get("namespaces", []):
         name = labels[n["id"]]
         tokens = int(n.get("block_tokens") or 0)
@@ -102,32 +137,66 @@ def families(snap: dict[str, Any], rings: dict[str, Any]) -> Iterator["Metric"]:
         evictions.add_metric([name], n["evictions"])
         commits.add_metric([name], n["commits"])
         rsv_failed.add_metric([name], n["reserve_failed"])
-    yield from (blocks, dram_bytes, pinned, reserved, block_tokens, hits, hit_tokens, lookups, misses,
-                evictions, commits, rsv_failed)
+    yield from (
+        blocks,
+        dram_bytes,
+        pinned,
+        reserved,
+        block_tokens,
+        hits,
+        hit_tokens,
+        lookups,
+        misses,
+        evictions,
+        commits,
+        rsv_failed,
+    )
 
     # ------------------------------------------------------------ workers
-    info = gauge("hpkv_worker_info", "A worker process (value 1); its pid, device, NUMA node and state.",
-                 labels=WORKER_LABELS + ("pid", "device", "numa_node", "state"))
+    info = gauge(
+        "hpkv_worker_info",
+        "A worker process (value 1); its pid, device, NUMA node and state.",
+        labels=WORKER_LABELS + ("pid", "device", "numa_node", "state"),
+    )
     up = gauge("hpkv_worker_up", "1 while the worker process is running.", labels=WORKER_LABELS)
-    inflight = gauge("hpkv_worker_inflight_jobs", "Job batches being executed or queued in the worker's ring.",
-                     labels=WORKER_LABELS)
-    hb_age = gauge("hpkv_worker_heartbeat_age_seconds", "Seconds since the worker last beat.", labels=WORKER_LABELS)
+    inflight = gauge(
+        "hpkv_worker_inflight_jobs",
+        "Job batches being executed or queued in the worker's ring.",
+        labels=WORKER_LABELS,
+    )
+    hb_age = gauge(
+        "hpkv_worker_heartbeat_age_seconds", "Seconds since the worker last beat.", labels=WORKER_LABELS
+    )
     jobs = counter("hpkv_worker_jobs", "Job batches executed.", labels=WORKER_LABELS)
     failed = counter("hpkv_worker_failed_jobs", "Job batches that failed.", labels=WORKER_LABELS)
-    saved = counter("hpkv_worker_saved_bytes",
-                    "Bytes written: device to pool (transfer workers), pool to file (io workers).",
-                    labels=WORKER_LABELS)
-    loaded = counter("hpkv_worker_loaded_bytes",
-                     "Bytes read: pool to device (transfer workers), file to pool (io workers).",
-                     labels=WORKER_LABELS)
+    saved = counter(
+        "hpkv_worker_saved_bytes",
+        "Bytes written: device to pool (transfer workers), pool to file (io workers).",
+        labels=WORKER_LABELS,
+    )
+    loaded = counter(
+        "hpkv_worker_loaded_bytes",
+        "Bytes read: pool to device (transfer workers), file to pool (io workers).",
+        labels=WORKER_LABELS,
+    )
     busy = counter("hpkv_worker_busy_seconds", "Time spent executing jobs.", labels=WORKER_LABELS)
-    restarts = counter("hpkv_worker_restarts", "Times this worker was restarted after dying.", labels=WORKER_LABELS)
+    restarts = counter(
+        "hpkv_worker_restarts", "Times this worker was restarted after dying.", labels=WORKER_LABELS
+    )
     now_ns = time.time_ns()
     for w in snap.get("workers", []):
         lab = [str(w["slot"]), w.get("kind", "")]
         node = w.get("numa_node")
-        info.add_metric(lab + [str(w.get("pid", 0)), str(w.get("device", "")),
-                               "" if node is None else str(node), w.get("state", "")], 1)
+        info.add_metric(
+            lab
+            + [
+                str(w.get("pid", 0)),
+                str(w.get("device", "")),
+                "" if node is None else str(node),
+                w.get("state", ""),
+            ],
+            1,
+        )
         up.add_metric(lab, 1 if w.get("state") == "running" else 0)
         queue = rings.get((w.get("rings") or [None])[0])
         inflight.add_metric(lab, (1 if w.get("inflight_seq") else 0) + (queue.depth if queue else 0))
@@ -148,22 +217,46 @@ def families(snap: dict[str, Any], rings: dict[str, Any]) -> Iterator["Metric"]:
     if st and enabled:
         yield gauge("hpkv_storage_files", "KV files in the storage directory.", st.get("files", 0))
         yield gauge("hpkv_storage_bytes", "Bytes of KV files in the storage directory.", st.get("bytes", 0))
-        yield gauge("hpkv_storage_capacity_bytes", "Storage tier capacity (HPKV_KV_STORAGE_SIZE; 0 = no limit).",
-                    st.get("capacity_bytes", 0))
-        yield gauge("hpkv_storage_free_bytes", "Free space of the storage file system.", st.get("free_bytes", 0))
-        yield gauge("hpkv_storage_o_direct", "1 when KV files are read and written with O_DIRECT.",
-                    1 if st.get("o_direct") else 0)
-        yield gauge("hpkv_storage_spill_paused", "1 while spilling is paused for lack of free space.",
-                    1 if st.get("spill_paused") else 0)
+        yield gauge(
+            "hpkv_storage_capacity_bytes",
+            "Storage tier capacity (HPKV_KV_STORAGE_SIZE; 0 = no limit).",
+            st.get("capacity_bytes", 0),
+        )
+        yield gauge(
+            "hpkv_storage_free_bytes", "Free space of the storage file system.", st.get("free_bytes", 0)
+        )
+        yield gauge(
+            "hpkv_storage_o_direct",
+            "1 when KV files are read and written with O_DIRECT.",
+            1 if st.get("o_direct") else 0,
+        )
+        yield gauge(
+            "hpkv_storage_spill_paused",
+            "1 while spilling is paused for lack of free space.",
+            1 if st.get("spill_paused") else 0,
+        )
         yield counter("hpkv_storage_io_errors", "KV file read/write errors.", st.get("io_errors", 0))
-        yield counter("hpkv_storage_quarantined_files", "KV files quarantined (bad header or checksum).",
-                      st.get("quarantined", 0))
+        yield counter(
+            "hpkv_storage_quarantined_files",
+            "KV files quarantined (bad header or checksum).",
+            st.get("quarantined", 0),
+        )
         yield counter("hpkv_storage_written_bytes", "Bytes written to KV files.", st.get("bytes_written", 0))
         yield counter("hpkv_storage_read_bytes", "Bytes read from KV files.", st.get("bytes_read", 0))
         yield counter("hpkv_storage_spills", "Blocks spilled from the pool to KV files.", st.get("spills", 0))
-        yield counter("hpkv_storage_promotes", "Blocks promoted from KV files into the pool.", st.get("promotes", 0))
-        yield counter("hpkv_storage_evicted_files", "KV files evicted to stay under the capacity.",
-                      st.get("evicted_files", 0))
+        yield counter(
+            "hpkv_storage_promotes", "Blocks promoted from KV files into the pool.", st.get("promotes", 0)
+        )
+        yield counter(
+            "hpkv_storage_evicted_files",
+            "KV files evicted to stay under the capacity.",
+            st.get("evicted_files", 0),
+        )
+        yield gauge(
+            "hpkv_storage_spills_pending",
+            "Spill jobs queued or running: write-through not yet on storage.",
+            st.get("spills_pending", 0),
+        )
 
     # ------------------------------------------------------------ rings
     depth = gauge("hpkv_ring_depth", "Descriptors queued in the ring.", labels=("ring",))
@@ -180,13 +273,10 @@ class StatsCollector:
 
     def __init__(self, directory: str):
         self.dir = directory
-        self._seg = None
-        self._attach_lock = threading.Lock()   # scrapes run in the HTTP server's threads, maybe two at once
+        self._seg: StatsSegment | None = None
+        self._attach_lock = threading.Lock()  # scrapes run in the HTTP server's threads, maybe two at once
 
-    def collect(self) -> Iterator["Metric"]:
-        from hpkv.protocol.stats import StatsSegment
-        from hpkv.monitor.rings import peek_all
-        from hpkv.monitor.sample import ring_names
+    def collect(self) -> Iterator[Metric]:
 
         with self._attach_lock:
             if self._seg is None:
@@ -205,22 +295,33 @@ def start_metrics(cfg: Config) -> Any:
     port, host = cfg["HPKV_METRICS_PORT"], cfg["HPKV_METRICS_HOST"]
     if not port:
         return None
-    where = (f"HPKV_METRICS_PORT={port} (from {cfg.source('HPKV_METRICS_PORT')}), "
-             f"HPKV_METRICS_HOST={host} (from {cfg.source('HPKV_METRICS_HOST')})")
+    where = (
+        f"HPKV_METRICS_PORT={port} (from {cfg.source('HPKV_METRICS_PORT')}), "
+        f"HPKV_METRICS_HOST={host} (from {cfg.source('HPKV_METRICS_HOST')})"
+    )
     try:
         from prometheus_client import CollectorRegistry, start_http_server
     except ImportError as exc:
-        log.error("metrics endpoint off: prometheus_client is not installed (%s); %s. "
-                  "Install it (pip install 'prometheus_client>=0.17') or set HPKV_METRICS_PORT=0.", exc, where)
+        log.error(
+            "metrics endpoint off: prometheus_client is not installed (%s); %s. "
+            "Install it (pip install 'prometheus_client>=0.17') or set HPKV_METRICS_PORT=0.",
+            exc,
+            where,
+        )
         return None
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(cfg.pool_dir))
     try:
         started = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
-        log.error("metrics endpoint off: cannot listen on %s port %d: %s; %s. The hpkv server runs on "
-                  "without it: free the port or set HPKV_METRICS_PORT to a free one (0 turns it off).",
-                  host, port, exc.strerror or exc, where)
+        log.error(
+            "metrics endpoint off: cannot listen on %s port %d: %s; %s. The hpkv server runs on "
+            "without it: free the port or set HPKV_METRICS_PORT to a free one (0 turns it off).",
+            host,
+            port,
+            exc.strerror or exc,
+            where,
+        )
         return None
     log.info("Prometheus metrics on http://%s:%d/metrics", f"[{host}]" if ":" in host else host, port)
     return started[0] if isinstance(started, tuple) else started

@@ -1,8 +1,12 @@
 """Fill level of ring files, read without claiming an end (native/ringpeek.c)."""
+
 from __future__ import annotations
 
 import os
-from typing import Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from hpkv.common.native import ffi, lib
 
 RING_SUFFIX = ".ring"
 
@@ -14,7 +18,6 @@ class RingLevel(NamedTuple):
 
 def peek(directory: str, name: str) -> RingLevel | None:
     """Depth and capacity of ring ``name`` in ``directory``; None if it is gone or unreadable."""
-    from hpkv.common.native import ffi, lib
 
     fn = getattr(lib, "hpkv_ring_peek", None)
     if fn is None:  # a core built before ringpeek.c: depths unknown until it is rebuilt

@@ -10,6 +10,7 @@ Counters are differenced per component (a namespace, a worker process), not as
 sums: a worker that exits or a client that detaches takes its counters out of
 the sum, which must not read as a negative rate.
 """
+
 from __future__ import annotations
 
 import time
@@ -19,13 +20,25 @@ from typing import Any
 
 from hpkv.config import Config
 from hpkv.monitor.rings import RingLevel, peek_all
+from hpkv.monitor.status import server_pid
+from hpkv.protocol.stats import H, StatsSegment
 
 #: Seconds of history behind each sparkline.
 HISTORY_S = 60.0
 
 #: The rate series shown in the traffic section, in display order.
-SERIES = ("hits_dram", "tokens_dram", "hits_storage", "tokens_storage", "misses", "lookups",
-          "dev_save", "dev_load", "io_write", "io_read")
+SERIES = (
+    "hits_dram",
+    "tokens_dram",
+    "hits_storage",
+    "tokens_storage",
+    "misses",
+    "lookups",
+    "dev_save",
+    "dev_load",
+    "io_write",
+    "io_read",
+)
 
 #: A server whose heartbeat is older than this is shown as not responding.
 STALE_HEARTBEAT_S = 5.0
@@ -36,23 +49,23 @@ class View:
     """Everything one frame shows; built by :meth:`Watcher.poll`, rendered by :mod:`hpkv.monitor.frame`."""
 
     pool_dir: str
-    status: str                               # "up", "none" (no server), "starting" (lock held, no segment yet)
+    status: str  # "up", "none" (no server), "starting" (lock held, no segment yet)
     wall_time: float = field(default_factory=time.time)
     pid: int | None = None
-    gone: tuple[int, float] | None = None     # (pid, wall time) of the last server that went away
+    gone: tuple[int, float] | None = None  # (pid, wall time) of the last server that went away
     snap: dict[str, Any] | None = None
     rings: dict[str, RingLevel | None] = field(default_factory=dict)
-    totals: dict[str, int] = field(default_factory=dict)       # series -> counter value now
-    rates: dict[str, float] = field(default_factory=dict)      # series -> per second
+    totals: dict[str, int] = field(default_factory=dict)  # series -> counter value now
+    rates: dict[str, float] = field(default_factory=dict)  # series -> per second
     history: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # series -> [(age_s, rate)]
     worker_busy: dict[int, float] = field(default_factory=dict)  # slot -> busy fraction 0..1
     interval: float = 1.0
-    source: str = ""                          # where the pool directory setting came from
-    error: str | None = None                  # a transient read problem, shown in the title line
+    source: str = ""  # where the pool directory setting came from
+    error: str | None = None  # a transient read problem, shown in the title line
 
     @property
     def heartbeat_stale(self) -> bool:
-        return bool(self.snap) and self.snap["server"].get("heartbeat_age_s", 0.0) > STALE_HEARTBEAT_S
+        return self.snap is not None and self.snap["server"].get("heartbeat_age_s", 0.0) > STALE_HEARTBEAT_S
 
 
 def ring_names(snap: dict[str, Any]) -> list[str]:
@@ -82,10 +95,10 @@ def components(snap: dict[str, Any]) -> dict[str, dict[Any, int]]:
         out["busy_ns"][key] = w.get("busy_ns", 0)
         if w.get("kind") == "io":
             io_seen = True
-            out["io_write"][key] = w.get("bytes_saved", 0)   # pool -> file
-            out["io_read"][key] = w.get("bytes_loaded", 0)   # file -> pool
+            out["io_write"][key] = w.get("bytes_saved", 0)  # pool -> file
+            out["io_read"][key] = w.get("bytes_loaded", 0)  # file -> pool
         else:
-            out["dev_save"][key] = w.get("bytes_saved", 0)   # device -> pool
+            out["dev_save"][key] = w.get("bytes_saved", 0)  # device -> pool
             out["dev_load"][key] = w.get("bytes_loaded", 0)  # pool -> device
     storage = snap.get("storage") or {}
     if not io_seen and storage:
@@ -104,7 +117,7 @@ class Watcher:
     def __init__(self, cfg: Config, interval: float = 1.0):
         self.cfg = cfg
         self.interval = interval
-        self.seg = None
+        self.seg: StatsSegment | None = None
         self.pid: int | None = None
         self.gone: tuple[int, float] | None = None
         self._prev: tuple[float, dict[str, dict[Any, int]]] | None = None
@@ -116,8 +129,14 @@ class Watcher:
         return self.cfg.pool_dir
 
     def _view(self, status: str, **kw: Any) -> View:
-        return View(self.pool_dir, status, gone=self.gone, interval=self.interval,
-                    source=str(self.cfg.source("HPKV_SHARE_MEM_FILE_PATH")), **kw)
+        return View(
+            self.pool_dir,
+            status,
+            gone=self.gone,
+            interval=self.interval,
+            source=str(self.cfg.source("HPKV_SHARE_MEM_FILE_PATH")),
+            **kw,
+        )
 
     def poll(self) -> View:
         """The state of the pool directory now; a server vanishing mid-read reads as no server."""
@@ -128,7 +147,6 @@ class Watcher:
             return self._view("none", error=f"reading {self.pool_dir} failed: {exc}")
 
     def _poll(self) -> View:
-        from hpkv.monitor.status import server_pid
 
         now = time.monotonic()
         pid = server_pid(self.cfg)
@@ -139,11 +157,14 @@ class Watcher:
             self._forget()
             if not self._attach(pid):
                 return self._view("starting", pid=pid)
+        seg = self.seg
+        if seg is None:
+            return self._view("starting", pid=pid)
         error = None
         try:
-            snap = self.seg.snapshot()
+            snap = seg.snapshot()
             self._last_snap = snap
-        except (TimeoutError, ValueError) as exc:   # catalog rewritten under us, or torn JSON
+        except (TimeoutError, ValueError) as exc:  # catalog rewritten under us, or torn JSON
             if self._last_snap is None:
                 return self._view("starting", pid=pid)
             snap, error = self._last_snap, f"stats catalog unreadable ({exc}); showing the previous one"
@@ -154,14 +175,13 @@ class Watcher:
 
     # ------------------------------------------------------------ attach / detach
     def _attach(self, pid: int) -> bool:
-        from hpkv.protocol.stats import H, StatsSegment
 
         try:
             seg = StatsSegment.attach(self.pool_dir)
         except (FileNotFoundError, ValueError, OSError):
-            return False   # the server holds the lock but has not published its segment yet
+            return False  # the server holds the lock but has not published its segment yet
         if int(seg.header[H.SERVER_PID]) != pid:
-            seg.close()    # the previous server's file, about to be replaced
+            seg.close()  # the previous server's file, about to be replaced
             return False
         self.seg, self.pid = seg, pid
         self.gone = None
@@ -169,7 +189,8 @@ class Watcher:
 
     def _forget(self) -> None:
         if self.seg is not None:
-            self.gone = (self.pid, time.time())
+            if self.pid is not None:
+                self.gone = (self.pid, time.time())
             self.seg.close()
         self.seg, self.pid = None, None
         self._prev, self._last_snap = None, None

@@ -1,13 +1,13 @@
 """``hpkv status``: reads the stats segment, no RPC needed."""
+
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 from hpkv.config import Config, format_size
-from hpkv.protocol.wire import live_server_pid
 from hpkv.protocol.stats import StatsSegment
+from hpkv.protocol.wire import live_server_pid
 
 
 def server_pid(cfg: Config) -> int | None:
@@ -30,20 +30,27 @@ def read_snapshot(cfg: Config) -> dict | None:
 
 def format_status(s: dict) -> str:
     p = s["pool"]
-    lines = [f"hpkv server pid {s['server']['pid']}  pool dir {s['server'].get('pool_dir')}",
-             f"pool      {format_size(p['used_bytes'])} used / {format_size(p['capacity_bytes'])}"
-             f"  pinned {format_size(p['pinned_bytes'])}  blocks {p['blocks']}",
-             f"storage   {s['server'].get('storage') or 'disabled'}",
-             f"requests  {s['requests']}  errors {s['errors']}  worker restarts {s['worker_restarts']}",
-             "", "NAMESPACE            RANKS  DRAM BLOCKS  PINNED  HITS DRAM  HITS STORAGE  MISSES  EVICTIONS"]
+    lines = [
+        f"hpkv server pid {s['server']['pid']}  pool dir {s['server'].get('pool_dir')}",
+        f"pool      {format_size(p['used_bytes'])} used / {format_size(p['capacity_bytes'])}"
+        f"  pinned {format_size(p['pinned_bytes'])}  blocks {p['blocks']}",
+        f"storage   {s['server'].get('storage') or 'disabled'}",
+        f"requests  {s['requests']}  errors {s['errors']}  worker restarts {s['worker_restarts']}",
+        "",
+        "NAMESPACE            RANKS  DRAM BLOCKS  PINNED  HITS DRAM  HITS STORAGE  MISSES  EVICTIONS",
+    ]
     for ns in s["namespaces"]:
-        lines.append(f"{ns['name'][:20]:20} {ns['world_size']:5}  {ns['blocks_dram']:11}  {ns['blocks_pinned']:6}"
-                     f"  {ns['hits_dram']:9}  {ns['hits_storage']:12}  {ns['misses']:6}  {ns['evictions']:9}")
+        lines.append(
+            f"{ns['name'][:20]:20} {ns['world_size']:5}  {ns['blocks_dram']:11}  {ns['blocks_pinned']:6}"
+            f"  {ns['hits_dram']:9}  {ns['hits_storage']:12}  {ns['misses']:6}  {ns['evictions']:9}"
+        )
     lines += ["", "WORKER  KIND      PID      DEVICE  NODE  CPUS    STATE     JOBS  FAILED  RESTARTS"]
     for w in s["workers"]:
         cpus = ",".join(map(str, w["cpus"]))
-        lines.append(f"{w['slot']:6}  {w['kind']:8}  {w['pid']:7}  {w['device']:6}  {w['numa_node']!s:4}  {cpus[:6]:6}"
-                     f"  {w['state']:8}  {w['jobs']:4}  {w['jobs_failed']:6}  {w['restarts']:8}")
+        lines.append(
+            f"{w['slot']:6}  {w['kind']:8}  {w['pid']:7}  {w['device']:6}  {w['numa_node']!s:4}  {cpus[:6]:6}"
+            f"  {w['state']:8}  {w['jobs']:4}  {w['jobs_failed']:6}  {w['restarts']:8}"
+        )
     lines += ["", "CLIENT  PID      NAME"]
     for c in s["clients"]:
         lines.append(f"{c['id']:6}  {c['pid']:7}  {c['name']}")
@@ -54,9 +61,12 @@ def print_status(cfg: Config, as_json: bool = False) -> int:
     pid = server_pid(cfg)
     snap = read_snapshot(cfg) if pid is not None else None
     if snap is None:
-        if pid is not None:   # holds the lock but has no stats segment yet (or no more)
-            print(f"hpkv: server {pid} holds the pool directory {cfg.pool_dir} but is starting or "
-                  "stopping (no stats yet); try again in a moment", file=sys.stderr)
+        if pid is not None:  # holds the lock but has no stats segment yet (or no more)
+            print(
+                f"hpkv: server {pid} holds the pool directory {cfg.pool_dir} but is starting or "
+                "stopping (no stats yet); try again in a moment",
+                file=sys.stderr,
+            )
             return 1
         print(f"hpkv: no server is running for the pool directory {cfg.pool_dir}", file=sys.stderr)
         return 1

@@ -8,6 +8,7 @@ waits; it follows a restarted server by itself.
 Keys: ``q`` quits, space refreshes now. ``hpkv-top --once`` prints one frame as
 plain text (for scripts and bug reports) and exits: 0 with a server, 1 without.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,6 +18,7 @@ import sys
 import time
 from typing import Any
 
+from hpkv.config import ConfigError, load_config
 from hpkv.monitor.frame import render, render_text
 from hpkv.monitor.sample import View, Watcher
 
@@ -25,13 +27,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hpkv-top",
         description="Live monitor of the hpkv server of this machine's pool directory "
-                    "(HPKV_SHARE_MEM_FILE_PATH). Reads shared memory only. Keys: q quit, space refresh.")
-    p.add_argument("-d", "--delay", type=_positive_float, default=1.0, metavar="SECONDS",
-                   help="refresh interval (default 1)")
-    p.add_argument("--once", action="store_true",
-                   help="print one frame as plain text and exit (rates are measured over one interval)")
-    p.add_argument("--width", type=int, default=None, metavar="COLUMNS",
-                   help="frame width for --once (default: the terminal's, else 100)")
+        "(HPKV_SHARE_MEM_FILE_PATH). Reads shared memory only. Keys: q quit, space refresh.",
+    )
+    p.add_argument(
+        "-d",
+        "--delay",
+        type=_positive_float,
+        default=1.0,
+        metavar="SECONDS",
+        help="refresh interval (default 1)",
+    )
+    p.add_argument(
+        "--once",
+        action="store_true",
+        help="print one frame as plain text and exit (rates are measured over one interval)",
+    )
+    p.add_argument(
+        "--width",
+        type=int,
+        default=None,
+        metavar="COLUMNS",
+        help="frame width for --once (default: the terminal's, else 100)",
+    )
     p.add_argument("--ascii", action="store_true", help="ASCII sparklines even on a UTF-8 terminal")
     return p
 
@@ -50,7 +67,6 @@ def _utf8(stream: Any) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from hpkv.config import ConfigError, load_config
 
     try:
         cfg = load_config()
@@ -73,7 +89,7 @@ def _once(cfg, args) -> int:
     try:
         view = watcher.poll()
         if view.status == "up":
-            time.sleep(args.delay)   # a second sample, so the rates are real
+            time.sleep(args.delay)  # a second sample, so the rates are real
             view = watcher.poll()
     finally:
         watcher.close()
@@ -120,8 +136,13 @@ def _run(stdscr, cfg, args) -> int:
 
 
 def _styles(curses) -> dict[str, int]:
-    styles = {"title": curses.A_REVERSE | curses.A_BOLD, "head": curses.A_BOLD, "text": curses.A_NORMAL,
-              "warn": curses.A_BOLD, "dim": curses.A_DIM}
+    styles = {
+        "title": curses.A_REVERSE | curses.A_BOLD,
+        "head": curses.A_BOLD,
+        "text": curses.A_NORMAL,
+        "warn": curses.A_BOLD,
+        "dim": curses.A_DIM,
+    }
     if curses.has_colors():
         try:
             curses.start_color()

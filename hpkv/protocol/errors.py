@@ -8,6 +8,7 @@
   because one row failing must not fail the others.
 * Processes exit with an :class:`ExitCode`.
 """
+
 from __future__ import annotations
 
 import errno
@@ -48,16 +49,16 @@ def status_message(status: int) -> str:
 
 
 # Sentinels in the per-row answers of vector calls (pool byte offsets otherwise).
-ROW_PRESENT = -1     # reserve: already stored or being written, nothing to write
-ROW_POOL_FULL = -2   # reserve: no slot (the pool is full of unevictable blocks)
-ROW_MISSING = -1     # pin/promote: not available (evicted, unreadable, or timed out)
+ROW_PRESENT = -1  # reserve: already stored or being written, nothing to write
+ROW_POOL_FULL = -2  # reserve: no slot (the pool is full of unevictable blocks)
+ROW_MISSING = -1  # pin/promote: not available (evicted, unreadable, or timed out)
 
 
 class ExitCode(IntEnum):
     OK = 0
-    FAILED = 1             # the command ran and failed (bad config, no server to stop …)
-    USAGE = 2              # bad command line
-    ALREADY_SERVED = 3     # ``hpkv serve``: another server holds the pool directory
+    FAILED = 1  # the command ran and failed (bad config, no server to stop …)
+    USAGE = 2  # bad command line
+    ALREADY_SERVED = 3  # ``hpkv serve``: another server holds the pool directory
 
 
 class HpkvError(RuntimeError):

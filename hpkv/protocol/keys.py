@@ -6,23 +6,24 @@ attention ISA, engine and version, hpkv format version). Bytes written under one
 namespace are never loaded under another, because every block key is derived from
 the fingerprint.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Mapping, NewType
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 #: Bumped when the pool slot or KV file layout changes: old files stop matching.
 FORMAT_VERSION = 1
 KEY_BYTES = 16
 
-BlockKey = NewType("BlockKey", bytes)
-
 
 def namespace_fingerprint(spec: Mapping[str, Any]) -> str:
     """Stable 32-hex-digit fingerprint of a namespace description (order-insensitive)."""
-    canonical = json.dumps({**spec, "hpkv_format": FORMAT_VERSION}, sort_keys=True,
-                           separators=(",", ":"), default=str)
+    canonical = json.dumps(
+        {**spec, "hpkv_format": FORMAT_VERSION}, sort_keys=True, separators=(",", ":"), default=str
+    )
     return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
 
 
@@ -32,12 +33,11 @@ def _hash_bytes(block_hash: bytes | int) -> bytes:
     return block_hash
 
 
-def block_keys(fingerprint: str, block_hashes: list[bytes | int]) -> list[BlockKey]:
+def block_keys(fingerprint: str, block_hashes: Sequence[bytes | int]) -> list[bytes]:
     """The index keys of engine blocks (all TP shards of a block share its key)."""
     fp = bytes.fromhex(fingerprint)
-    return [BlockKey(hashlib.blake2b(_hash_bytes(bh), digest_size=KEY_BYTES, key=fp).digest())
-            for bh in block_hashes]
+    return [hashlib.blake2b(_hash_bytes(bh), digest_size=KEY_BYTES, key=fp).digest() for bh in block_hashes]
 
 
-def block_key(fingerprint: str, block_hash: bytes | int) -> BlockKey:
+def block_key(fingerprint: str, block_hash: bytes | int) -> bytes:
     return block_keys(fingerprint, [block_hash])[0]

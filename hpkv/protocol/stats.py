@@ -14,6 +14,7 @@ the row) with aligned 8-byte stores, so a reader sees each value whole. The JSON
 catalog changes rarely; its writer bumps the generation to odd, writes, bumps to
 even, and readers retry while it is odd or changed under them.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,20 +30,20 @@ import numpy as np
 # Per-namespace counters, kept in a numpy int64 vector (a view into the stats
 # segment in the server, so monitors read them live).
 class NsCounter(IntEnum):
-    BLOCKS_DRAM = 0        # gauge: READY blocks with pool slots
-    BYTES_DRAM = 1         # gauge
-    BLOCKS_PINNED = 2      # gauge
-    BLOCKS_STORAGE = 3     # gauge: blocks known to have files
-    HITS_DRAM = 4          # blocks
+    BLOCKS_DRAM = 0  # gauge: READY blocks with pool slots
+    BYTES_DRAM = 1  # gauge
+    BLOCKS_PINNED = 2  # gauge
+    BLOCKS_STORAGE = 3  # gauge: blocks known to have files
+    HITS_DRAM = 4  # blocks
     HITS_STORAGE = 5
-    MISSES = 6             # lookups that stopped at a missing key (one per lookup)
+    MISSES = 6  # lookups that stopped at a missing key (one per lookup)
     LOOKUPS = 7
     EVICTIONS = 8
-    RESERVE_FAILED = 9     # pool full of unevictable blocks
-    COMMITS = 10           # blocks that became READY
-    BLOCKS_RESERVED = 11   # gauge
-    LOADS_DRAM = 12        # blocks pinned for loading from the pool (connector loads)
-    LOADS_STORAGE = 13     # blocks promoted from storage for loading
+    RESERVE_FAILED = 9  # pool full of unevictable blocks
+    COMMITS = 10  # blocks that became READY
+    BLOCKS_RESERVED = 11  # gauge
+    LOADS_DRAM = 12  # blocks pinned for loading from the pool (connector loads)
+    LOADS_STORAGE = 13  # blocks promoted from storage for loading
 
 
 NS_COUNTERS = len(NsCounter)
@@ -71,6 +72,7 @@ class H(IntEnum):
 
 class G(IntEnum):
     """Server-wide counters and gauges."""
+
     POOL_CAPACITY = 0
     POOL_USED = 1
     POOL_PINNED = 2
@@ -79,33 +81,35 @@ class G(IntEnum):
     ERRORS = 5
     WORKER_RESTARTS = 6
     BLOCKS = 7
-    POOL_WARM = 8                # gauge: pool bytes allocated (and locked) by the background warmer
+    POOL_WARM = 8  # gauge: pool bytes allocated (and locked) by the background warmer
     # The storage tier (hpkv/io_workers), slots 16.. so other counters can grow below.
-    STORAGE_FILES = 16           # gauge: KV files known (all ranks of known blocks)
-    STORAGE_BYTES = 17           # gauge: their bytes on disk
-    STORAGE_CAPACITY = 18        # HPKV_KV_STORAGE_SIZE (0 = unlimited)
-    STORAGE_FREE = 19            # gauge: free bytes of the storage file system
-    STORAGE_O_DIRECT = 20        # 1 when the IO workers use O_DIRECT
-    STORAGE_IO_ERRORS = 21       # failed spills/promotes/unlinks (ENOSPC included), corrupt files too
-    STORAGE_QUARANTINED = 22     # corrupt files moved to <storage>/quarantine
-    STORAGE_SPILL_PAUSED = 23    # gauge: 1 while spilling is paused (free space, ENOSPC)
+    STORAGE_FILES = 16  # gauge: KV files known (all ranks of known blocks)
+    STORAGE_BYTES = 17  # gauge: their bytes on disk
+    STORAGE_CAPACITY = 18  # HPKV_KV_STORAGE_SIZE (0 = unlimited)
+    STORAGE_FREE = 19  # gauge: free bytes of the storage file system
+    STORAGE_O_DIRECT = 20  # 1 when the IO workers use O_DIRECT
+    STORAGE_IO_ERRORS = 21  # failed spills/promotes/unlinks (ENOSPC included), corrupt files too
+    STORAGE_QUARANTINED = 22  # corrupt files moved to <storage>/quarantine
+    STORAGE_SPILL_PAUSED = 23  # gauge: 1 while spilling is paused (free space, ENOSPC)
     STORAGE_BYTES_WRITTEN = 24
     STORAGE_BYTES_READ = 25
-    STORAGE_SPILLS = 26          # files written
-    STORAGE_PROMOTES = 27        # files read into the pool
-    STORAGE_EVICTED_FILES = 28   # files removed by the capacity limit
+    STORAGE_SPILLS = 26  # files written
+    STORAGE_PROMOTES = 27  # files read into the pool
+    STORAGE_EVICTED_FILES = 28  # files removed by the capacity limit
+    STORAGE_SPILLS_PENDING = 29  # gauge: spill jobs queued or running (the write-through still to do)
 
 
 class W(IntEnum):
     """Per-worker counters (written by the worker) and state (written by the server)."""
+
     PID = 0
-    STATE = 1            # WorkerState
+    STATE = 1  # WorkerState
     JOBS = 2
     JOBS_FAILED = 3
-    BYTES_SAVED = 4      # device -> pool (transfer) / pool -> file (io)
-    BYTES_LOADED = 5     # pool -> device (transfer) / file -> pool (io)
+    BYTES_SAVED = 4  # device -> pool (transfer) / pool -> file (io)
+    BYTES_LOADED = 5  # pool -> device (transfer) / file -> pool (io)
     BUSY_NS = 6
-    INFLIGHT_SEQ = 7     # seq of the batch being executed, 0 when idle
+    INFLIGHT_SEQ = 7  # seq of the batch being executed, 0 when idle
     HEARTBEAT_NS = 8
     RESTARTS = 9
 
@@ -116,7 +120,7 @@ class WorkerState(IntEnum):
     RUNNING = 2
     DEAD = 3
     STOPPED = 4
-    BACKOFF = 5     # died soon after starting: restarted after a growing delay
+    BACKOFF = 5  # died soon after starting: restarted after a growing delay
 
 
 _OFF_GLOBAL = HEADER_SLOTS
@@ -143,7 +147,7 @@ class StatsSegment:
         self._catalog = np.frombuffer(mm, dtype=np.uint8, count=CATALOG_BYTES, offset=_N_INT * 8)
 
     @classmethod
-    def create(cls, directory: str) -> "StatsSegment":
+    def create(cls, directory: str) -> StatsSegment:
         path = os.path.join(directory, STATS_FILE)
         tmp = f"{path}.tmp{os.getpid()}"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -162,7 +166,7 @@ class StatsSegment:
         return seg
 
     @classmethod
-    def attach(cls, directory: str, writable: bool = False) -> "StatsSegment":
+    def attach(cls, directory: str, writable: bool = False) -> StatsSegment:
         """Raises FileNotFoundError when no server has created the segment."""
         path = os.path.join(directory, STATS_FILE)
         fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
@@ -184,10 +188,10 @@ class StatsSegment:
         data = json.dumps(catalog, separators=(",", ":")).encode()
         if len(data) > CATALOG_BYTES:
             raise ValueError(f"stats catalog of {len(data)} bytes exceeds {CATALOG_BYTES}")
-        self.header[H.CATALOG_GEN] += 1          # odd: writing
+        self.header[H.CATALOG_GEN] += 1  # odd: writing
         self._catalog[: len(data)] = np.frombuffer(data, np.uint8)
         self.header[H.CATALOG_LEN] = len(data)
-        self.header[H.CATALOG_GEN] += 1          # even: stable
+        self.header[H.CATALOG_GEN] += 1  # even: stable
 
     def read_catalog(self, retries: int = 1000) -> dict[str, Any]:
         for _ in range(retries):
@@ -207,16 +211,25 @@ class StatsSegment:
         cat = self.read_catalog()
         g = self.glob.copy()
         out: dict[str, Any] = {
-            "server": {"pid": int(self.header[H.SERVER_PID]),
-                       "start_time": self.header[H.START_NS] / 1e9,
-                       "heartbeat_age_s": max(0.0, (time.time_ns() - int(self.header[H.HEARTBEAT_NS])) / 1e9),
-                       **cat.get("server", {})},
-            "pool": {"capacity_bytes": int(g[G.POOL_CAPACITY]), "used_bytes": int(g[G.POOL_USED]),
-                     "pinned_bytes": int(g[G.POOL_PINNED]), "blocks": int(g[G.BLOCKS]),
-                     "warm_bytes": int(g[G.POOL_WARM])},
-            "requests": int(g[G.REQUESTS]), "errors": int(g[G.ERRORS]),
+            "server": {
+                "pid": int(self.header[H.SERVER_PID]),
+                "start_time": self.header[H.START_NS] / 1e9,
+                "heartbeat_age_s": max(0.0, (time.time_ns() - int(self.header[H.HEARTBEAT_NS])) / 1e9),
+                **cat.get("server", {}),
+            },
+            "pool": {
+                "capacity_bytes": int(g[G.POOL_CAPACITY]),
+                "used_bytes": int(g[G.POOL_USED]),
+                "pinned_bytes": int(g[G.POOL_PINNED]),
+                "blocks": int(g[G.BLOCKS]),
+                "warm_bytes": int(g[G.POOL_WARM]),
+            },
+            "requests": int(g[G.REQUESTS]),
+            "errors": int(g[G.ERRORS]),
             "worker_restarts": int(g[G.WORKER_RESTARTS]),
-            "namespaces": [], "workers": [], "clients": cat.get("clients", []),
+            "namespaces": [],
+            "workers": [],
+            "clients": cat.get("clients", []),
             "rings": cat.get("rings", []),
             "storage": _storage_snapshot(g, cat.get("storage") or {}),
         }
@@ -225,10 +238,14 @@ class StatsSegment:
             out["namespaces"].append({**ns, **{c.name.lower(): int(row[c]) for c in NsCounter}})
         for w in cat.get("workers", []):
             row = self.workers[w["slot"]]
-            out["workers"].append({**w, "pid": int(row[W.PID]),
-                                   "state": WorkerState(int(row[W.STATE])).name.lower(),
-                                   **{c.name.lower(): int(row[c]) for c in W
-                                      if c not in (W.PID, W.STATE)}})
+            out["workers"].append(
+                {
+                    **w,
+                    "pid": int(row[W.PID]),
+                    "state": WorkerState(int(row[W.STATE])).name.lower(),
+                    **{c.name.lower(): int(row[c]) for c in W if c not in (W.PID, W.STATE)},
+                }
+            )
         return out
 
     def close(self) -> None:
@@ -241,11 +258,21 @@ class StatsSegment:
 
 def _storage_snapshot(g: np.ndarray, cat: dict[str, Any]) -> dict[str, Any]:
     """The ``"storage"`` section of a snapshot (monitors and Prometheus read exactly these)."""
-    return {"path": cat.get("path"), "files": int(g[G.STORAGE_FILES]), "bytes": int(g[G.STORAGE_BYTES]),
-            "capacity_bytes": int(g[G.STORAGE_CAPACITY]), "free_bytes": int(g[G.STORAGE_FREE]),
-            "o_direct": bool(g[G.STORAGE_O_DIRECT]), "o_direct_reason": cat.get("o_direct_reason"),
-            "io_errors": int(g[G.STORAGE_IO_ERRORS]), "quarantined": int(g[G.STORAGE_QUARANTINED]),
-            "spill_paused": bool(g[G.STORAGE_SPILL_PAUSED]),
-            "bytes_written": int(g[G.STORAGE_BYTES_WRITTEN]), "bytes_read": int(g[G.STORAGE_BYTES_READ]),
-            "spills": int(g[G.STORAGE_SPILLS]), "promotes": int(g[G.STORAGE_PROMOTES]),
-            "evicted_files": int(g[G.STORAGE_EVICTED_FILES])}
+    return {
+        "path": cat.get("path"),
+        "files": int(g[G.STORAGE_FILES]),
+        "bytes": int(g[G.STORAGE_BYTES]),
+        "capacity_bytes": int(g[G.STORAGE_CAPACITY]),
+        "free_bytes": int(g[G.STORAGE_FREE]),
+        "o_direct": bool(g[G.STORAGE_O_DIRECT]),
+        "o_direct_reason": cat.get("o_direct_reason"),
+        "io_errors": int(g[G.STORAGE_IO_ERRORS]),
+        "quarantined": int(g[G.STORAGE_QUARANTINED]),
+        "spill_paused": bool(g[G.STORAGE_SPILL_PAUSED]),
+        "bytes_written": int(g[G.STORAGE_BYTES_WRITTEN]),
+        "bytes_read": int(g[G.STORAGE_BYTES_READ]),
+        "spills": int(g[G.STORAGE_SPILLS]),
+        "promotes": int(g[G.STORAGE_PROMOTES]),
+        "evicted_files": int(g[G.STORAGE_EVICTED_FILES]),
+        "spills_pending": int(g[G.STORAGE_SPILLS_PENDING]),
+    }

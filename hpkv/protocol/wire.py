@@ -23,13 +23,14 @@ blocks that could not be loaded — once the IO workers have read the files; the
 server answers by that timeout whatever is still in flight. IO jobs go from the
 server to its IO workers as single descriptors (see :func:`io_job`), no arena.
 """
+
 from __future__ import annotations
 
 import os
 from enum import IntEnum
 
-from hpkv.protocol.keys import KEY_BYTES
 from hpkv.common.native import lib
+from hpkv.protocol.keys import KEY_BYTES
 
 # Descriptor kinds: defined once, in native/ring.h.
 LOOKUP = lib.HPKV_DESC_LOOKUP
@@ -39,14 +40,16 @@ PIN = lib.HPKV_DESC_PIN
 UNPIN = lib.HPKV_DESC_UNPIN
 COPY_SAVE = lib.HPKV_DESC_COPY_SAVE
 COPY_LOAD = lib.HPKV_DESC_COPY_LOAD
-SPILL = lib.HPKV_DESC_SPILL          # IO job: pool slot -> KV file
-PROMOTE = lib.HPKV_DESC_PROMOTE      # hot call (client -> server) and IO job (KV file -> pool slot)
+SPILL = lib.HPKV_DESC_SPILL  # IO job: pool slot -> KV file
+PROMOTE = lib.HPKV_DESC_PROMOTE  # hot call (client -> server) and IO job (KV file -> pool slot)
 COMPLETION = lib.HPKV_DESC_COMPLETION
 ERROR = lib.HPKV_DESC_ERROR
 SHUTDOWN = lib.HPKV_DESC_SHUTDOWN
 
+
 class Tier(IntEnum):
     """Where a lookup found a block (also the wire code)."""
+
     MISS = 0
     DRAM = 1
     STORAGE = 2
@@ -58,8 +61,8 @@ FLAG_ABORT = 1
 # Status codes carried in descriptors besides -errno: one definition, hpkv.protocol.errors.Status.
 
 # Flags of an IO job's completion.
-IO_EXISTED = 1             # spill: a complete file was already in place, nothing written
-IO_DIRECT_FALLBACK = 2     # O_DIRECT was refused at run time (EINVAL); the worker went buffered
+IO_EXISTED = 1  # spill: a complete file was already in place, nothing written
+IO_DIRECT_FALLBACK = 2  # O_DIRECT was refused at run time (EINVAL); the worker went buffered
 
 # Files in the pool directory. The server owns them all.
 LOCK_FILE = "server.lock"
@@ -67,7 +70,7 @@ SOCKET_FILE = "server.sock"
 LOG_FILE = "server.log"
 POOL_FILE = "pool"
 SPAWN_LOCK_FILE = "spawn.lock"
-OWNED_SUFFIXES = (".ring", ".bell", ".mbox", ".jobs")   # removed at start-up and shutdown
+OWNED_SUFFIXES = (".ring", ".bell", ".mbox", ".jobs")  # removed at start-up and shutdown
 
 # An engine worker's KV cache, exported as a shared-memory file in the pool directory
 # (CPU backend). The pid in the name lets the server remove the file of a dead engine.
@@ -81,7 +84,7 @@ def device_file_name(pid: int, rank: int) -> str:
 def device_file_pid(name: str) -> int | None:
     if not name.startswith(DEVICE_FILE_PREFIX):
         return None
-    pid, _, _ = name[len(DEVICE_FILE_PREFIX):].partition("-")
+    pid, _, _ = name[len(DEVICE_FILE_PREFIX) :].partition("-")
     return int(pid) if pid.isdigit() else None
 
 
@@ -97,16 +100,18 @@ def max_keys_per_call(world_size: int) -> int:
     per key) must fit the mailbox's answer half (MAX_KEYS_PER_CALL assumes world <= 16)."""
     return min(MAX_KEYS_PER_CALL, MAILBOX_HALF // (8 * max(1, world_size)))
 
-JOB_SLOTS = 64                      # jobs in flight per worker (arena slots)
-JOB_SLOT_BYTES = 128 * 1024         # 8192 (block, slot) pairs per job
+
+JOB_SLOTS = 64  # jobs in flight per worker (arena slots)
+JOB_SLOT_BYTES = 128 * 1024  # 8192 (block, slot) pairs per job
 MAX_PAIRS_PER_JOB = JOB_SLOT_BYTES // 16
 JOB_ARENA_BYTES = JOB_SLOTS * JOB_SLOT_BYTES
 
 SLOT_UNIT = 4096  # pool slots are addressed in 4 KiB units (allocator alignment)
 
 
-def io_job(namespace: bytes, key: bytes, rank: int, world: int, offset: int,
-           length: int) -> tuple[int, tuple[int, int, int, int, int, int]]:
+def io_job(
+    namespace: bytes, key: bytes, rank: int, world: int, offset: int, length: int
+) -> tuple[int, tuple[int, int, int, int, int, int]]:
     """An IO job's (flags, a0..a5): flags = rank | world << 8; a0 pool offset, a1 payload
     bytes, a2/a3 the 16-byte key, a4/a5 the 16-byte namespace fingerprint (little-endian u64s)."""
     k = int.from_bytes(key, "little")
@@ -137,6 +142,7 @@ def read_lock_pid(directory: str) -> int | None:
 def live_server_pid(directory: str) -> int | None:
     """The pid of the live server of the pool directory ``directory``: the one holding its lock."""
     import fcntl
+
     try:
         fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:

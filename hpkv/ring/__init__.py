@@ -59,13 +59,37 @@ used by one thread at a time. A process that holds ring ends has one more thread
 that the process is multi-threaded; the forked child starts its own keeper when
 it attaches an end.
 """
+
 from hpkv.ring.desc import DESC_DTYPE, Desc, Kind, new_descs
-from hpkv.ring.errors import (PeerClosed, PeerDead, RingBusy, RingClosed, RingError, RingExists,
-                              RingNotFound, RingTimeout)
+from hpkv.ring.errors import (
+    PeerClosed,
+    PeerDead,
+    RingBusy,
+    RingClosed,
+    RingError,
+    RingExists,
+    RingNotFound,
+    RingTimeout,
+)
 from hpkv.ring.ring import DEFAULT_SLICE_MS, DEFAULT_SPIN_US, Doorbell, PeerInfo, Ring, set_death_notices
 
 __all__ = [
-    "Ring", "Doorbell", "Desc", "Kind", "DESC_DTYPE", "new_descs", "PeerInfo",
-    "RingError", "PeerDead", "PeerClosed", "RingTimeout", "RingExists", "RingNotFound", "RingBusy",
-    "RingClosed", "DEFAULT_SPIN_US", "DEFAULT_SLICE_MS", "set_death_notices",
+    "Ring",
+    "Doorbell",
+    "Desc",
+    "Kind",
+    "DESC_DTYPE",
+    "new_descs",
+    "PeerInfo",
+    "RingError",
+    "PeerDead",
+    "PeerClosed",
+    "RingTimeout",
+    "RingExists",
+    "RingNotFound",
+    "RingBusy",
+    "RingClosed",
+    "DEFAULT_SPIN_US",
+    "DEFAULT_SLICE_MS",
+    "set_death_notices",
 ]

@@ -1,4 +1,5 @@
 """Exceptions raised by rings and doorbells."""
+
 from __future__ import annotations
 
 

@@ -9,6 +9,7 @@ bound once per object; nothing here loops per descriptor. A handle is used by
 one thread at a time: a ring end belongs to one thread of one process, like the
 SPSC contract it implements.
 """
+
 from __future__ import annotations
 
 import errno
@@ -21,8 +22,7 @@ import numpy as np
 from hpkv.common.native import ffi, lib, ringcall
 from hpkv.ring.desc import DESC_DTYPE, Desc
 from hpkv.ring.errors import PeerClosed, PeerDead, RingBusy, RingClosed, RingError, RingTimeout
-from hpkv.ring.shmfile import (FileId, check_name, create_file, describe_error, open_existing,
-                               unlink_if_ours)
+from hpkv.ring.shmfile import FileId, check_name, create_file, describe_error, open_existing, unlink_if_ours
 
 __all__ = ["Ring", "Doorbell", "PeerInfo", "DEFAULT_SPIN_US", "DEFAULT_SLICE_MS", "set_death_notices"]
 
@@ -50,9 +50,9 @@ class PeerInfo(NamedTuple):
 
     role: str
     pid: int
-    start_time: int   # clock ticks since boot (/proc/<pid>/stat field 22)
-    generation: int   # +2 each time the end is taken or released
-    state: str        # "none" (never attached), "attached", "closed"
+    start_time: int  # clock ticks since boot (/proc/<pid>/stat field 22)
+    generation: int  # +2 each time the end is taken or released
+    state: str  # "none" (never attached), "attached", "closed"
 
 
 def _role_id(role: str) -> int:
@@ -110,8 +110,9 @@ class _BellState:
         self.handle = None
 
 
-def _release_ring(handle: Any, key: int, bell: _BellState | None, path: str, ident: FileId,
-                  unlink_pid: int) -> None:
+def _release_ring(
+    handle: Any, key: int, bell: _BellState | None, path: str, ident: FileId, unlink_pid: int
+) -> None:
     """Finalizer and close(): unlink (creator only, in its own process), release the end, unmap."""
     if unlink_pid == os.getpid():
         unlink_if_ours(path, ident)
@@ -147,17 +148,58 @@ class Ring(ringcall.RingCall):
     is gone; ``try_pop()`` returns a :class:`Desc` or None when the ring is empty.
     """
 
-    __slots__ = ("name", "path", "role", "capacity", "_r", "_key", "_bell", "_own_bell", "_fin",
-                 "_push", "_push_wait", "_pop", "_pop_wait", "_last_error", "_arr", "_arr_ptr",
-                 "__weakref__")
+    __slots__ = (
+        "name",
+        "path",
+        "role",
+        "capacity",
+        "_r",
+        "_key",
+        "_bell",
+        "_own_bell",
+        "_fin",
+        "_push",
+        "_push_wait",
+        "_pop",
+        "_pop_wait",
+        "_last_error",
+        "_arr",
+        "_arr_ptr",
+        "__weakref__",
+    )
 
     if TYPE_CHECKING:  # implemented in native/python/ringcall.c
-        def push(self, kind: int, seq: int, a0: int = 0, a1: int = 0, a2: int = 0, a3: int = 0,
-                 a4: int = 0, a5: int = 0, *, status: int = 0, flags: int = 0,
-                 timeout: float | None = None) -> None: ...
 
-        def try_push(self, kind: int, seq: int, a0: int = 0, a1: int = 0, a2: int = 0, a3: int = 0,
-                     a4: int = 0, a5: int = 0, *, status: int = 0, flags: int = 0) -> bool: ...
+        def push(
+            self,
+            kind: int,
+            seq: int,
+            a0: int = 0,
+            a1: int = 0,
+            a2: int = 0,
+            a3: int = 0,
+            a4: int = 0,
+            a5: int = 0,
+            *,
+            status: int = 0,
+            flags: int = 0,
+            timeout: float | None = None,
+        ) -> None: ...
+
+        def try_push(
+            self,
+            kind: int,
+            seq: int,
+            a0: int = 0,
+            a1: int = 0,
+            a2: int = 0,
+            a3: int = 0,
+            a4: int = 0,
+            a5: int = 0,
+            *,
+            status: int = 0,
+            flags: int = 0,
+        ) -> bool: ...
 
         def pop(self, timeout: float | None = None) -> Desc: ...
 
@@ -183,15 +225,25 @@ class Ring(ringcall.RingCall):
         self._push_wait = lib.hpkv_ring_push_wait if producer else wrong
         self._pop = wrong if producer else lib.hpkv_ring_try_pop
         self._pop_wait = wrong if producer else lib.hpkv_ring_pop_wait
-        self._fin = weakref.finalize(self, _release_ring, handle, self._key, None, path, ident,
-                                     os.getpid() if creator else -1)
+        self._fin = weakref.finalize(
+            self, _release_ring, handle, self._key, None, path, ident, os.getpid() if creator else -1
+        )
 
     # ------------------------------------------------------------------ life cycle
 
     @classmethod
-    def create(cls, directory: str | os.PathLike[str], name: str, capacity: int = 4096, *,
-               role: str = "producer", doorbell: Doorbell | None = None, replace_stale: bool = True,
-               spin_us: float = DEFAULT_SPIN_US, slice_ms: float = DEFAULT_SLICE_MS) -> Ring:
+    def create(
+        cls,
+        directory: str | os.PathLike[str],
+        name: str,
+        capacity: int = 4096,
+        *,
+        role: str = "producer",
+        doorbell: Doorbell | None = None,
+        replace_stale: bool = True,
+        spin_us: float = DEFAULT_SPIN_US,
+        slice_ms: float = DEFAULT_SLICE_MS,
+    ) -> Ring:
         """Creates ring file ``directory/name.ring`` (mode 0600) and holds its ``role`` end.
 
         ``capacity`` is a power of two (descriptors). A file left by a dead creator is
@@ -217,8 +269,9 @@ class Ring(ringcall.RingCall):
                 lib.hpkv_ring_set_doorbell_name(h, doorbell.name.encode())  # before anyone can attach
             return h
 
-        handle, path, ident = create_file(directory, name + ".ring", "ring", replace_stale, map_fn,
-                                          lib.hpkv_ring_unmap)
+        handle, path, ident = create_file(
+            directory, name + ".ring", "ring", replace_stale, map_fn, lib.hpkv_ring_unmap
+        )
         ring = cls(handle, name, path, role, ident, creator=True)
         try:
             ring.set_wait(spin_us, slice_ms)
@@ -230,9 +283,17 @@ class Ring(ringcall.RingCall):
         return ring
 
     @classmethod
-    def attach(cls, directory: str | os.PathLike[str], name: str, *, role: str = "consumer",
-               doorbell: Doorbell | None = None, wait: float = 0.0,
-               spin_us: float = DEFAULT_SPIN_US, slice_ms: float = DEFAULT_SLICE_MS) -> Ring:
+    def attach(
+        cls,
+        directory: str | os.PathLike[str],
+        name: str,
+        *,
+        role: str = "consumer",
+        doorbell: Doorbell | None = None,
+        wait: float = 0.0,
+        spin_us: float = DEFAULT_SPIN_US,
+        slice_ms: float = DEFAULT_SLICE_MS,
+    ) -> Ring:
         """Attaches the ``role`` end of an existing ring (waiting up to ``wait`` s for the file).
 
         Raises :class:`RingBusy` if a live process holds that end; an end whose holder
@@ -261,7 +322,8 @@ class Ring(ringcall.RingCall):
                 if recorded != doorbell.name:
                     raise RingError(
                         f"ring {path} was created with doorbell {recorded or 'none'!r}, not "
-                        f"{doorbell.name!r}: pass doorbell= to Ring.create so both ends agree")
+                        f"{doorbell.name!r}: pass doorbell= to Ring.create so both ends agree"
+                    )
                 ring._bind(doorbell, owned=False)
             elif recorded and role == "producer":
                 ring._bind(Doorbell.attach(directory, recorded), owned=True)
@@ -299,7 +361,9 @@ class Ring(ringcall.RingCall):
         """
         if self._r is None:
             return
-        self._set_handle(0, _ROLES[self.role])  # first: the native calls must see "closed", not an unmapped ring
+        self._set_handle(
+            0, _ROLES[self.role]
+        )  # first: the native calls must see "closed", not an unmapped ring
         args = self._fin.detach()
         if args is not None:
             _, _, (handle, key, bell, path, ident, unlink_pid), _ = args
@@ -398,8 +462,12 @@ class Ring(ringcall.RingCall):
 
     def end(self, role: str) -> PeerInfo:
         """The identity recorded for one end (``'producer'`` or ``'consumer'``)."""
-        pid, start, gen, state = (ffi.new("int32_t *"), ffi.new("uint64_t *"), ffi.new("uint32_t *"),
-                                  ffi.new("uint32_t *"))
+        pid, start, gen, state = (
+            ffi.new("int32_t *"),
+            ffi.new("uint64_t *"),
+            ffi.new("uint32_t *"),
+            ffi.new("uint32_t *"),
+        )
         lib.hpkv_ring_end_info(self._handle(), _role_id(role), pid, start, gen, state)
         return PeerInfo(role, pid[0], start[0], gen[0], _STATES.get(state[0], str(state[0])))
 
@@ -441,10 +509,16 @@ class Ring(ringcall.RingCall):
         if arr is self._arr:  # same array as last call: reuse its pointer (from_buffer costs ≈ 0.3 µs)
             ptr = self._arr_ptr
         else:
-            if not isinstance(arr, np.ndarray) or arr.dtype != DESC_DTYPE or arr.ndim != 1 \
-                    or not arr.flags.c_contiguous:
-                raise TypeError("expected a 1-D C-contiguous numpy array of hpkv.ring.DESC_DTYPE "
-                                "(make one with hpkv.ring.new_descs(n))")
+            if (
+                not isinstance(arr, np.ndarray)
+                or arr.dtype != DESC_DTYPE
+                or arr.ndim != 1
+                or not arr.flags.c_contiguous
+            ):
+                raise TypeError(
+                    "expected a 1-D C-contiguous numpy array of hpkv.ring.DESC_DTYPE "
+                    "(make one with hpkv.ring.new_descs(n))"
+                )
             if writable and not arr.flags.writeable:
                 raise ValueError("pop_batch needs a writable array")
             ptr = ffi.from_buffer("hpkv_desc[]", arr, require_writable=writable)
@@ -468,13 +542,17 @@ class Ring(ringcall.RingCall):
         peer = self.peer
         who = f"the {peer.role} (pid {peer.pid})"
         if rc == lib.HPKV_RING_EPEER_DEAD:
-            raise PeerDead(f"ring {self.path}: {who} died without closing its end; "
-                           "its side of the work is lost: recreate or re-attach the ring")
+            raise PeerDead(
+                f"ring {self.path}: {who} died without closing its end; "
+                "its side of the work is lost: recreate or re-attach the ring"
+            )
         if rc == lib.HPKV_RING_EPEER_CLOSED:
             raise PeerClosed(f"ring {self.path}: {who} closed its end")
         if rc == 0:
-            raise RingTimeout(f"ring {self.path}: waited {timeout} s for {what} "
-                              f"(depth {self.depth}/{self.capacity}; {who} is alive)")
+            raise RingTimeout(
+                f"ring {self.path}: waited {timeout} s for {what} "
+                f"(depth {self.depth}/{self.capacity}; {who} is alive)"
+            )
         raise RingError(describe_error(rc, self.path))
 
 
@@ -485,6 +563,7 @@ def _role_error(name: str, role: str, verb: str) -> RingError:
 def _wrong_role(name: str, role: str) -> Any:
     def wrong(*_args: Any) -> Any:
         raise _role_error(name, role, "pop from" if role == "producer" else "push to")
+
     return wrong
 
 
@@ -495,8 +574,10 @@ def _map_error(rc: int, path: str, role: str, fd: int | None) -> Exception:
             data = os.pread(fd, 4096, 0)
             pid = lib.hpkv_shm_end_pid(ffi.from_buffer(data), len(data), _role_id(role))
             holder = f"live pid {pid}"
-        return RingBusy(f"ring {path}: the {role} end is held by {holder}; a ring has one producer "
-                        "and one consumer: close it there first, or use another ring")
+        return RingBusy(
+            f"ring {path}: the {role} end is held by {holder}; a ring has one producer "
+            "and one consumer: close it there first, or use another ring"
+        )
     if rc == lib.HPKV_RING_ECAPACITY:
         return ValueError(describe_error(rc, path))
     if rc < 0 and -rc < 1000:
@@ -521,12 +602,19 @@ class Doorbell:
         self.path = path
         self.owner_end = owner
         self._state = _BellState(handle)
-        self._fin = weakref.finalize(self, _release_bell, self._state, path, ident,
-                                     os.getpid() if owner else -1)
+        self._fin = weakref.finalize(
+            self, _release_bell, self._state, path, ident, os.getpid() if owner else -1
+        )
 
     @classmethod
-    def create(cls, directory: str | os.PathLike[str], name: str, *, replace_stale: bool = True,
-               spin_us: float = DEFAULT_SPIN_US) -> Doorbell:
+    def create(
+        cls,
+        directory: str | os.PathLike[str],
+        name: str,
+        *,
+        replace_stale: bool = True,
+        spin_us: float = DEFAULT_SPIN_US,
+    ) -> Doorbell:
         """Creates ``directory/name.bell`` (mode 0600); the creator is the one that waits."""
         check_name(name, "doorbell")
         _check_wait(spin_us, DEFAULT_SLICE_MS)
@@ -540,8 +628,9 @@ class Doorbell:
                 raise RingError(describe_error(err[0], path))
             return h
 
-        handle, path, ident = create_file(directory, name + ".bell", "doorbell", replace_stale, map_fn,
-                                          lib.hpkv_doorbell_unmap)
+        handle, path, ident = create_file(
+            directory, name + ".bell", "doorbell", replace_stale, map_fn, lib.hpkv_doorbell_unmap
+        )
         bell = cls(handle, name, path, ident, owner=True)
         bell.set_spin(spin_us)
         return bell
@@ -593,8 +682,12 @@ class Doorbell:
     @property
     def owner(self) -> PeerInfo:
         """The waiting process's identity as recorded in the doorbell."""
-        pid, start, gen, state = (ffi.new("int32_t *"), ffi.new("uint64_t *"), ffi.new("uint32_t *"),
-                                  ffi.new("uint32_t *"))
+        pid, start, gen, state = (
+            ffi.new("int32_t *"),
+            ffi.new("uint64_t *"),
+            ffi.new("uint32_t *"),
+            ffi.new("uint32_t *"),
+        )
         lib.hpkv_doorbell_owner_info(self._handle(), pid, start, gen, state)
         return PeerInfo("consumer", pid[0], start[0], gen[0], _STATES.get(state[0], str(state[0])))
 

@@ -6,13 +6,15 @@ no process ever attaches a half-written header. Publishing links the file into
 place (fails if the name exists); an existing file is replaced only when its
 creator is dead or released it (``replace_stale``), never while it is in use.
 """
+
 from __future__ import annotations
 
 import os
 import re
 import secrets
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from hpkv.common.native import ffi, lib
 from hpkv.ring.errors import RingError, RingExists, RingNotFound
@@ -25,8 +27,10 @@ FileId = tuple[int, int]  # (st_dev, st_ino): which file a path named when we cr
 
 def check_name(name: str, what: str) -> None:
     if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"bad {what} name {name!r}: use 1-59 characters from [A-Za-z0-9._-], "
-                         "starting with a letter or digit (it becomes a file name)")
+        raise ValueError(
+            f"bad {what} name {name!r}: use 1-59 characters from [A-Za-z0-9._-], "
+            "starting with a letter or digit (it becomes a file name)"
+        )
 
 
 def describe_error(rc: int, path: str) -> str:
@@ -34,8 +38,10 @@ def describe_error(rc: int, path: str) -> str:
     if rc == lib.HPKV_RING_EBADFILE:
         return f"{path} is not an hpkv ring/doorbell file (bad magic or size); remove it"
     if rc == lib.HPKV_RING_EVERSION:
-        return (f"{path} was made by another hpkv version (file format {lib.HPKV_RING_VERSION} "
-                "expected); stop the process that uses it, or remove it if none does")
+        return (
+            f"{path} was made by another hpkv version (file format {lib.HPKV_RING_VERSION} "
+            "expected); stop the process that uses it, or remove it if none does"
+        )
     if rc == lib.HPKV_RING_ECAPACITY:
         return "capacity must be a power of two between 2 and 2**24"
     if rc < 0 and -rc < 1000:
@@ -55,8 +61,14 @@ def probe(path: str) -> tuple[int, int]:
     return rc, pid[0]
 
 
-def create_file(directory: str, filename: str, what: str, replace_stale: bool,
-                map_fn: Callable[[int], Any], unmap_fn: Callable[[Any], None]) -> tuple[Any, str, FileId]:
+def create_file(
+    directory: str,
+    filename: str,
+    what: str,
+    replace_stale: bool,
+    map_fn: Callable[[int], Any],
+    unmap_fn: Callable[[Any], None],
+) -> tuple[Any, str, FileId]:
     """Creates, maps (``map_fn(fd)`` returns the native handle) and publishes ``directory/filename``."""
     os.makedirs(directory, mode=0o700, exist_ok=True)
     path = os.path.join(directory, filename)
@@ -95,19 +107,25 @@ def _publish(tmp: str, path: str, what: str, replace_stale: bool, ident: FileId)
         except FileNotFoundError:
             continue  # its owner removed it between our link and probe: try again
         if state == lib.HPKV_PROBE_LIVE:
-            raise RingExists(f"{what} {path} is in use: its creator, pid {pid}, is alive. Close it "
-                             "in that process (or stop the process), or choose another name.")
+            raise RingExists(
+                f"{what} {path} is in use: its creator, pid {pid}, is alive. Close it "
+                "in that process (or stop the process), or choose another name."
+            )
         if state != lib.HPKV_PROBE_STALE:
             raise RingError(describe_error(state, path))
         if not replace_stale:
-            raise RingExists(f"{what} {path} is stale (its creator, pid {pid}, is gone); "
-                             "remove it or create with replace_stale=True")
+            raise RingExists(
+                f"{what} {path} is stale (its creator, pid {pid}, is gone); "
+                "remove it or create with replace_stale=True"
+            )
         os.rename(tmp, path)  # atomic replace: attachers see the old file or the new, never neither
         st = os.stat(path)
         if (st.st_dev, st.st_ino) != ident:
             # Another process replaced the same stale file right after us; it won the name.
-            raise RingExists(f"{what} {path} was re-created concurrently by another process; "
-                             "two creators raced for one name: give each its own name")
+            raise RingExists(
+                f"{what} {path} was re-created concurrently by another process; "
+                "two creators raced for one name: give each its own name"
+            )
         return
     raise RingError(f"could not publish {what} {path}: the name kept changing under us")
 
@@ -121,8 +139,10 @@ def open_existing(directory: str, filename: str, what: str, wait: float) -> tupl
             return os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW), path
         except FileNotFoundError:
             if time.monotonic() >= deadline:
-                raise RingNotFound(f"no {what} at {path}: its creator has not created it (yet); "
-                                   "create it first, or pass wait=SECONDS to attach") from None
+                raise RingNotFound(
+                    f"no {what} at {path}: its creator has not created it (yet); "
+                    "create it first, or pass wait=SECONDS to attach"
+                ) from None
             time.sleep(0.005)
 
 

@@ -68,7 +68,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    return {b: chr(c) for b, c in zip(bs, cs, strict=False)}
 
 
 _BYTE_CHARS = _bytes_to_unicode()
@@ -93,9 +93,7 @@ _PRETOKENIZE_REGEX = (
 )
 
 # A trivial chat template so /v1/chat/completions works too.
-_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
-)
+_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
 
 
 @dataclass(frozen=True)
@@ -141,9 +139,7 @@ class ModelSpec:
 
     def digest(self) -> str:
         """Short stable hash of the spec (and format version) for directory names."""
-        payload = json.dumps(
-            {"format": FORMAT_VERSION, **asdict(self)}, sort_keys=True
-        ).encode()
+        payload = json.dumps({"format": FORMAT_VERSION, **asdict(self)}, sort_keys=True).encode()
         return hashlib.sha256(payload).hexdigest()[:12]
 
 

@@ -1,4 +1,5 @@
 """A real ``hpkv serve`` process in a private pool directory, for tests and benchmarks."""
+
 from __future__ import annotations
 
 import os
@@ -10,16 +11,18 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from hpkv.config import Config, load_config
-from hpkv.protocol.wire import LOG_FILE, SOCKET_FILE
-from hpkv.protocol.wire import read_lock_pid
+from hpkv.protocol.wire import LOG_FILE, SOCKET_FILE, read_lock_pid
 
 
 def env_without_hpkv() -> dict[str, str]:
     """This process's environment less every hpkv setting (HPKV_*, VLLM_HPKV_*, VLLM_ENABLE_HPKV)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(("HPKV_", "VLLM_HPKV", "VLLM_ENABLE_HPKV"))}
+    return {
+        k: v for k, v in os.environ.items() if not k.startswith(("HPKV_", "VLLM_HPKV", "VLLM_ENABLE_HPKV"))
+    }
 
 
 def private_env(pool_size: str = "64m", storage: str | None = None, **extra: str) -> dict[str, str]:
@@ -29,9 +32,13 @@ def private_env(pool_size: str = "64m", storage: str | None = None, **extra: str
     with open(cfg_file, "w") as f:
         f.write("# empty: tests configure hpkv through the environment\n")
     env = env_without_hpkv()
-    env.update(HPKV_CONFIG_FILE_PATH=cfg_file, HPKV_SHARE_MEM_FILE_PATH=pool_dir,
-               HPKV_KV_MEM_POOL_SIZE=pool_size, HPKV_KV_STORAGE_PATH=storage or "",
-               HPKV_LOG_LEVEL="DEBUG")
+    env.update(
+        HPKV_CONFIG_FILE_PATH=cfg_file,
+        HPKV_SHARE_MEM_FILE_PATH=pool_dir,
+        HPKV_KV_MEM_POOL_SIZE=pool_size,
+        HPKV_KV_STORAGE_PATH=storage or "",
+        HPKV_LOG_LEVEL="DEBUG",
+    )
     env.update(extra)
     return env
 
@@ -49,10 +56,15 @@ class ServerProcess:
     def pool_dir(self) -> str:
         return self.cfg.pool_dir
 
-    def start(self, timeout: float = 30.0) -> "ServerProcess":
-        self.proc = subprocess.Popen([sys.executable, "-m", "hpkv", "serve", *self.args], env=self.env,
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, start_new_session=True)
+    def start(self, timeout: float = 30.0) -> ServerProcess:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hpkv", "serve", *self.args],
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
         while not self.ready():
             if self.proc.poll() is not None:
@@ -122,13 +134,13 @@ class ServerProcess:
     def cleanup(self) -> None:
         self.stop()
         shutil.rmtree(self.pool_dir, ignore_errors=True)
-        if "HPKV_CONFIG_FILE_PATH" in self.env:    # private_env's empty config file
+        if "HPKV_CONFIG_FILE_PATH" in self.env:  # private_env's empty config file
             try:
                 os.unlink(self.env["HPKV_CONFIG_FILE_PATH"])
             except OSError:
                 pass
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -153,4 +165,3 @@ def assert_serves_correctly(srv: ServerProcess, timeout: float = 10.0) -> None:
         assert (c.pin(ns.ns_id, keys) == slots).all()
         c.unpin(ns.ns_id, keys)
     assert srv.proc.poll() is None, "the server died"
-

@@ -43,6 +43,7 @@ def hpkv_backend_args(extra_config: Mapping[str, Any] | None = None) -> list[str
     """CT-HPKV's flag, as a user types it (hpkv's SGLang plugin expands it), plus an optional
     extra config merged into hpkv's (e.g. ``{"prefetch_threshold": 64}``)."""
     import json
+
     args = ["--enable-ct-hpkv"]
     if extra_config:
         args += ["--hicache-storage-backend-extra-config", json.dumps(dict(extra_config))]
@@ -52,31 +53,66 @@ def hpkv_backend_args(extra_config: Mapping[str, Any] | None = None) -> list[str
 class SglangServer(VllmServer):
     """A ``sglang.launch_server`` subprocess on a loopback port, serving ``/generate``."""
 
-    def __init__(self, model: str | os.PathLike[str], *, extra_args: Iterable[str] = (),
-                 env: Mapping[str, str] | None = None, page_size: int = 16, max_total_tokens: int = 4096,
-                 hicache: bool = True, omp_threads: int = 1, python: str | None = None,
-                 ready_timeout: float = 300.0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        extra_args: Iterable[str] = (),
+        env: Mapping[str, str] | None = None,
+        page_size: int = 16,
+        max_total_tokens: int = 4096,
+        hicache: bool = True,
+        omp_threads: int = 1,
+        python: str | None = None,
+        ready_timeout: float = 300.0,
+        **kwargs: Any,
+    ) -> None:
         py = python or sglang_python()
         if py is None:
-            raise SglangServerError("no SGLang virtualenv: run scripts/setup-sglang.sh (or set "
-                                    "HPKV_SGLANG_PYTHON to an interpreter with sglang==0.5.23)")
-        super().__init__(model, extra_args=extra_args, env=env, python=py, ready_timeout=ready_timeout,
-                         **kwargs)
+            raise SglangServerError(
+                "no SGLang virtualenv: run scripts/setup-sglang.sh (or set "
+                "HPKV_SGLANG_PYTHON to an interpreter with sglang==0.5.23)"
+            )
+        super().__init__(
+            model, extra_args=extra_args, env=env, python=py, ready_timeout=ready_timeout, **kwargs
+        )
         self.page_size = page_size
         self.max_total_tokens = max_total_tokens
         self.hicache = hicache
         self.omp_threads = omp_threads
 
     def command(self) -> list[str]:
-        cmd = [self.python, "-m", "sglang.launch_server", "--model-path", self.model,
-               "--host", self.host, "--port", str(self.port), "--device", "cpu",
-               "--attention-backend", "torch_native", "--disable-overlap-schedule",
-               "--page-size", str(self.page_size), "--max-total-tokens", str(self.max_total_tokens),
-               "--skip-server-warmup"]
+        cmd = [
+            self.python,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "torch_native",
+            "--disable-overlap-schedule",
+            "--page-size",
+            str(self.page_size),
+            "--max-total-tokens",
+            str(self.max_total_tokens),
+            "--skip-server-warmup",
+        ]
         if self.hicache:
             # What HiCache runs with on the CPU (research note §5); --enable-ct-hpkv keeps these.
-            cmd += ["--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
-                    "--hicache-ratio", "2"]
+            cmd += [
+                "--hicache-io-backend",
+                "direct",
+                "--hicache-mem-layout",
+                "layer_first",
+                "--hicache-ratio",
+                "2",
+            ]
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
@@ -88,11 +124,15 @@ class SglangServer(VllmServer):
         e.update(self.extra_env)
         return e
 
-    def generate(self, prompt: str, max_new_tokens: int = 16, logprobs: bool = True,
-                 timeout: float = 300.0) -> dict[str, Any]:
+    def generate(
+        self, prompt: str, max_new_tokens: int = 16, logprobs: bool = True, timeout: float = 300.0
+    ) -> dict[str, Any]:
         """Greedy ``/generate``; the response JSON (``text``, ``meta_info``)."""
-        body = {"text": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
-                "return_logprob": logprobs}
+        body = {
+            "text": prompt,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
+            "return_logprob": logprobs,
+        }
         r = self._session.post(self.url + "/generate", json=body, timeout=timeout)
         if r.status_code != 200:
             raise SglangServerError(f"/generate returned HTTP {r.status_code}: {r.text[:500]}")
@@ -121,5 +161,9 @@ def cached_tokens(response: Mapping[str, Any]) -> dict[str, int]:
     """Which tier served the prompt's cached prefix, from SGLang's own report."""
     meta = response.get("meta_info", {})
     d = meta.get("cached_tokens_details") or {}
-    return {"device": int(d.get("device", 0)), "host": int(d.get("host", 0)),
-            "storage": int(d.get("storage", 0)), "total": int(meta.get("cached_tokens", 0))}
+    return {
+        "device": int(d.get("device", 0)),
+        "host": int(d.get("host", 0)),
+        "storage": int(d.get("storage", 0)),
+        "total": int(meta.get("cached_tokens", 0)),
+    }

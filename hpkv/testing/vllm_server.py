@@ -105,9 +105,7 @@ class VllmServer:
         self.python = python or sys.executable
         self.ready_timeout = ready_timeout
         if log_path is None:  # created by start(), not here
-            log_path = Path(tempfile.gettempdir()) / (
-                f"hpkv-vllm-{self.port}-{os.getpid()}-{id(self):x}.log"
-            )
+            log_path = Path(tempfile.gettempdir()) / (f"hpkv-vllm-{self.port}-{os.getpid()}-{id(self):x}.log")
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen[bytes] | None = None
         # Every process seen in the server's tree (server, EngineCore, workers);
@@ -232,7 +230,7 @@ class VllmServer:
         if self.is_running():
             raise VllmServerError(f"vLLM server already running (pid {self.pid}); stop() it first")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log_file = open(self.log_path, "ab", buffering=0)
+        self._log_file = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - closed by stop()
         self._log_file.write(f"\n=== start: {' '.join(self.command())}\n".encode())
         self.proc = subprocess.Popen(
             self.command(),
@@ -310,30 +308,36 @@ class VllmServer:
             for p in tree:
                 _signal(p, signal.SIGTERM)
             gone = _wait_gone(proc, others, max(0.0, deadline - time.monotonic()))
-        # 3. SIGKILL whatever is left.
-        if not gone:
-            if proc.returncode is None:
-                _signal_group(proc.pid, signal.SIGKILL)
-                proc.kill()
-            for p in others:
-                _signal(p, signal.SIGKILL)
-            if not _wait_gone(proc, others, 15.0):
-                left = ", ".join(str(p.pid) for p in self.leftover_processes())
-                raise VllmServerError(
-                    f"vLLM server processes survived SIGKILL (pids {left or proc.pid}); "
-                    "check them with ps and kill them by hand"
-                )
+        if not gone:  # 3. SIGKILL whatever is left.
+            self._kill(proc, others)
         rc = proc.returncode
-        if self._log_file is not None:
-            try:
-                self._log_file.write(f"=== stopped: rc={rc}\n".encode())
-                self._log_file.close()
-            except OSError:
-                pass
-            self._log_file = None
+        self._close_log(f"=== stopped: rc={rc}\n")
         with _live_lock:
             _live.discard(self)
         return rc
+
+    def _kill(self, proc: subprocess.Popen, others: list[psutil.Process]) -> None:
+        if proc.returncode is None:
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.kill()
+        for p in others:
+            _signal(p, signal.SIGKILL)
+        if not _wait_gone(proc, others, 15.0):
+            left = ", ".join(str(p.pid) for p in self.leftover_processes())
+            raise VllmServerError(
+                f"vLLM server processes survived SIGKILL (pids {left or proc.pid}); "
+                "check them with ps and kill them by hand"
+            )
+
+    def _close_log(self, last_line: str) -> None:
+        if self._log_file is None:
+            return
+        try:
+            self._log_file.write(last_line.encode())
+            self._log_file.close()
+        except OSError:
+            pass
+        self._log_file = None
 
     def interrupt(self, timeout: float = 120.0) -> int | None:
         """Ctrl-C, as in the terminal vLLM runs in: SIGINT to its whole foreground process group,
@@ -388,9 +392,7 @@ class VllmServer:
                 f"completion request failed ({exc}); server {alive}; log tail:\n{self.log_tail()}"
             ) from exc
         if r.status_code != 200:
-            raise VllmServerError(
-                f"completion request returned HTTP {r.status_code}: {r.text[:2000]}"
-            )
+            raise VllmServerError(f"completion request returned HTTP {r.status_code}: {r.text[:2000]}")
         return r.json()
 
     def get(self, path: str, timeout: float = 30.0) -> requests.Response:
@@ -419,9 +421,7 @@ def _signal(p: psutil.Process, sig: int) -> None:
         pass
 
 
-def _wait_gone(
-    proc: subprocess.Popen[bytes], others: list[psutil.Process], timeout: float
-) -> bool:
+def _wait_gone(proc: subprocess.Popen[bytes], others: list[psutil.Process], timeout: float) -> bool:
     """Wait up to ``timeout`` s until ``proc`` is reaped and ``others`` are gone."""
     deadline = time.monotonic() + timeout
     while True:
@@ -458,8 +458,13 @@ SEED_KV_TRANSFER_CONFIG = json.dumps({"kv_connector": "HpkvConnectorV1", "kv_rol
 
 def hpkv_status(env: dict[str, str]) -> dict[str, Any] | None:
     """``hpkv status --json`` of the server ``env`` points at; None when none runs."""
-    out = subprocess.run([sys.executable, "-m", "hpkv", "status", "--json"], env=env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "hpkv", "status", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return json.loads(out.stdout) if out.returncode == 0 else None
 
 

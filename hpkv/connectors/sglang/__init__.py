@@ -10,6 +10,7 @@ or, with hpkv's SGLang plugin (an ``sglang.srt.plugins`` entry point), simply
 ``--enable-ct-hpkv`` (see :mod:`hpkv.connectors.sglang.plugin`). Importing this package
 imports neither SGLang nor torch: the plugin loads it in every SGLang process.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -29,7 +30,8 @@ BACKEND_EXTRA_CONFIG: dict[str, Any] = {
 
 
 def __getattr__(name: str) -> Any:
-    if name == "HpkvHiCacheStorage":   # imports SGLang: only when SGLang asks for the class
+    if name == "HpkvHiCacheStorage":  # imports SGLang: only when SGLang asks for the class
         from hpkv.connectors.sglang.storage import HpkvHiCacheStorage
+
         return HpkvHiCacheStorage
     raise AttributeError(name)

@@ -15,6 +15,7 @@ applies the hooks they register. hpkv registers two:
 ``SGLANG_PLUGINS`` (a comma-separated allow-list) must name ``hpkv`` if it is set. Nothing
 here imports SGLang at module level: SGLang's hook registry does the patching.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,6 +35,7 @@ _TARGET = "sglang.srt.server_args.ServerArgs"
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point: register the two hooks (cheap, idempotent)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
     HookRegistry.register(f"{_TARGET}.add_cli_args", _add_cli_args, HookType.AROUND)
     HookRegistry.register(f"{_TARGET}.from_cli_args", _from_cli_args, HookType.AROUND)
 
@@ -41,14 +43,19 @@ def register() -> None:
 def _add_cli_args(original: Callable[..., Any], parser: argparse.ArgumentParser, *a: Any, **k: Any) -> Any:
     out = original(parser, *a, **k)
     if not any(FLAG in act.option_strings for act in parser._actions):
-        parser.add_argument(FLAG, action="store_true", default=False,
-                            help="hpkv (CT-HPKV) as HiCache's storage tier: turns on the hierarchical "
-                                 "cache with hpkv's storage backend (hpkv's DRAM pool, then its KV files)")
+        parser.add_argument(
+            FLAG,
+            action="store_true",
+            default=False,
+            help="hpkv (CT-HPKV) as HiCache's storage tier: turns on the hierarchical "
+            "cache with hpkv's storage backend (hpkv's DRAM pool, then its KV files)",
+        )
     return out
 
 
-def _from_cli_args(original: Callable[..., Any], cls: Any, args: argparse.Namespace,
-                   *a: Any, **k: Any) -> Any:
+def _from_cli_args(
+    original: Callable[..., Any], cls: Any, args: argparse.Namespace, *a: Any, **k: Any
+) -> Any:
     if getattr(args, "enable_ct_hpkv", False):
         apply_ct_hpkv(args)
     return original(cls, args, *a, **k)
@@ -60,45 +67,67 @@ def _load_extra_config(text: str | None) -> dict[str, Any]:
     if text.startswith("@"):
         path = text[1:]
         if not path.endswith(".json"):
-            raise ValueError(f"{FLAG}: --hicache-storage-backend-extra-config {text!r}: hpkv can merge its "
-                             f"settings only into a JSON string or @file.json; put them in that file "
-                             f"yourself (see hpkv's README) or pass JSON")
+            raise ValueError(
+                f"{FLAG}: --hicache-storage-backend-extra-config {text!r}: hpkv can merge its "
+                f"settings only into a JSON string or @file.json; put them in that file "
+                f"yourself (see hpkv's README) or pass JSON"
+            )
         with open(path, encoding="utf-8") as f:
             text = f.read()
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{FLAG}: --hicache-storage-backend-extra-config is not valid JSON ({exc}): "
-                         f"{text[:200]!r}") from None
+        raise ValueError(
+            f"{FLAG}: --hicache-storage-backend-extra-config is not valid JSON ({exc}): {text[:200]!r}"
+        ) from None
     if not isinstance(value, dict):
-        raise ValueError(f"{FLAG}: --hicache-storage-backend-extra-config must be a JSON object, not "
-                         f"{type(value).__name__}")
+        raise ValueError(
+            f"{FLAG}: --hicache-storage-backend-extra-config must be a JSON object, not "
+            f"{type(value).__name__}"
+        )
     return value
 
 
-def hicache_settings(storage_backend: str | None, extra_config: str | None,
-                     token_threshold: int) -> tuple[str, str]:
-    """(``--hicache-storage-backend``, ``--hicache-storage-backend-extra-config``) for hpkv."""
+def hicache_settings(
+    storage_backend: str | None, extra_config: str | None, token_threshold: int | None
+) -> tuple[str, str]:
+    """(``--hicache-storage-backend``, ``--hicache-storage-backend-extra-config``) for hpkv;
+    ``token_threshold`` None (``auto``) leaves SGLang's own prefetch threshold."""
     if storage_backend not in (None, "", "dynamic"):
-        raise ValueError(f"{FLAG} uses hpkv as HiCache's storage backend, but --hicache-storage-backend "
-                         f"is {storage_backend!r}: drop one of the two")
+        raise ValueError(
+            f"{FLAG} uses hpkv as HiCache's storage backend, but --hicache-storage-backend "
+            f"is {storage_backend!r}: drop one of the two"
+        )
     user = _load_extra_config(extra_config)
     merged: dict[str, Any] = {**BACKEND_EXTRA_CONFIG, **user}
     if merged.get("module_path") != BACKEND_EXTRA_CONFIG["module_path"] and "module_path" in user:
-        log.warning("hpkv: %s with a storage extra config naming module %r: that backend is used",
-                    FLAG, merged.get("module_path"))
-    merged.setdefault("prefetch_threshold", token_threshold)
+        log.warning(
+            "hpkv: %s with a storage extra config naming module %r: that backend is used",
+            FLAG,
+            merged.get("module_path"),
+        )
+    if token_threshold is not None:
+        merged.setdefault("prefetch_threshold", token_threshold)
     return "dynamic", json.dumps(merged, sort_keys=True)
 
 
 def apply_ct_hpkv(args: argparse.Namespace) -> None:
     """Rewrite parsed SGLang arguments so ``--enable-ct-hpkv`` means hpkv as HiCache's L3."""
     from hpkv.config import load_config
-    threshold = int(load_config()["VLLM_HPKV_TOKEN_THRESHOLD"])
-    backend, extra = hicache_settings(getattr(args, "hicache_storage_backend", None),
-                                      getattr(args, "hicache_storage_backend_extra_config", None), threshold)
+
+    threshold: int | None = load_config()["VLLM_HPKV_TOKEN_THRESHOLD"]
+    backend, extra = hicache_settings(
+        getattr(args, "hicache_storage_backend", None),
+        getattr(args, "hicache_storage_backend_extra_config", None),
+        threshold,
+    )
     args.enable_hierarchical_cache = True
     args.hicache_storage_backend = backend
     args.hicache_storage_backend_extra_config = extra
-    log.info("hpkv: %s: --enable-hierarchical-cache --hicache-storage-backend %s "
-             "--hicache-storage-backend-extra-config '%s'", FLAG, backend, extra)
+    log.info(
+        "hpkv: %s: --enable-hierarchical-cache --hicache-storage-backend %s "
+        "--hicache-storage-backend-extra-config '%s'",
+        FLAG,
+        backend,
+        extra,
+    )

@@ -29,6 +29,7 @@ never an exception into SGLang and never a wait longer than the client's call ti
 is a promote failure, hence a miss. A lost server is reconnected (auto-spawned) in the
 background, at most every ``RECONNECT_INTERVAL_S``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,15 +52,16 @@ from sglang.srt.mem_cache.hicache_storage import (
 from hpkv.client import HpkvClient, connect
 from hpkv.common import shm
 from hpkv.connectors.reconnect import Reconnecting
-from hpkv.protocol.keys import BlockKey, block_keys, namespace_fingerprint
+from hpkv.protocol.errors import ROW_MISSING, ROW_POOL_FULL, ROW_PRESENT
+from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.protocol.wire import MAX_KEYS_PER_CALL
 
 # A child of SGLang's logger, so our lines appear in SGLang's log with its format.
 log = logging.getLogger("sglang.hpkv")
 
 CALL_TIMEOUT_S = 5.0
-PROMOTE_TIMEOUT_S = 5.0       # a storage read that takes longer is a miss (SGLang recomputes)
-CONNECT_AT_START_S = 120.0    # the first connect may spawn the hpkv server
+PROMOTE_TIMEOUT_S = 5.0  # a storage read that takes longer is a miss (SGLang recomputes)
+CONNECT_AT_START_S = 120.0  # the first connect may spawn the hpkv server
 
 
 # ---------------------------------------------------------------------------- layout
@@ -68,6 +70,7 @@ class HostLayout:
     """Where page ``i`` of the host pool lies in its memfd: component ``c`` (a K or V run of
     one layer, or of all layers, depending on the layout) at ``bases[c] + i * stride``,
     ``page_bytes`` long. A pool slot holds the components one after another."""
+
     fd: int
     region_size: int
     bases: tuple[int, ...]
@@ -89,7 +92,8 @@ def describe_host_pool(pool: Any) -> HostLayout:
     if fd is None or not mms:
         raise ValueError(
             "SGLang's host pool is not in shared memory, so hpkv's transfer worker cannot reach it: add "
-            '"allocator":"shm" to --hicache-storage-backend-extra-config (--enable-ct-hpkv does)')
+            '"allocator":"shm" to --hicache-storage-backend-extra-config (--enable-ct-hpkv does)'
+        )
     mm = mms[0]
     base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
     size = len(mm)
@@ -102,8 +106,10 @@ def describe_host_pool(pool: Any) -> HostLayout:
     strides = {b - a for a, b in zip(p0, p1, strict=True)}
     page_bytes = set(sizes)
     if len(strides) != 1 or len(page_bytes) != 1:
-        raise ValueError(f"{type(pool).__name__} layout {getattr(pool, 'layout', '?')}: pages are not "
-                         f"evenly strided (strides {sorted(strides)}, sizes {sorted(page_bytes)})")
+        raise ValueError(
+            f"{type(pool).__name__} layout {getattr(pool, 'layout', '?')}: pages are not "
+            f"evenly strided (strides {sorted(strides)}, sizes {sorted(page_bytes)})"
+        )
     stride, nbytes = strides.pop(), page_bytes.pop()
     num_pages = int(pool.size) // page
     bases = tuple(p - base for p in p0)
@@ -129,22 +135,32 @@ def _model_identity(model: str) -> dict[str, Any]:
 def namespace_spec(cfg: HiCacheStorageConfig, pool: Any, data_path: str) -> dict[str, Any]:
     """Everything that changes the bytes of a stored page (see the module docstring)."""
     import sglang
+
     mla = bool(cfg.is_mla_model)
     model = str(cfg.model_name or "")
     spec: dict[str, Any] = {
         **_model_identity(model.split(":", 1)[0] if os.path.isdir(model.split(":", 1)[0]) else model),
-        "model_name": model, "engine": "sglang", "engine_version": sglang.__version__,
-        "torch": torch.__version__.split("+")[0], "hash_algo": "sglang-page-sha256",
-        "page_size": int(pool.page_size), "layout": str(getattr(pool, "layout", "")),
-        "data_path": data_path, "pool_class": type(pool).__name__, "dtype": str(pool.dtype),
-        "layers": int(getattr(pool, "layer_num", 0)), "heads": int(getattr(pool, "head_num", 0)),
-        "head_dim": int(getattr(pool, "head_dim", 0)), "mla": mla,
-        "pp": [cfg.pp_rank, cfg.pp_size], "cp": [cfg.attn_cp_rank, cfg.attn_cp_size],
+        "model_name": model,
+        "engine": "sglang",
+        "engine_version": sglang.__version__,
+        "torch": torch.__version__.split("+")[0],
+        "hash_algo": "sglang-page-sha256",
+        "page_size": int(pool.page_size),
+        "layout": str(getattr(pool, "layout", "")),
+        "data_path": data_path,
+        "pool_class": type(pool).__name__,
+        "dtype": str(pool.dtype),
+        "layers": int(getattr(pool, "layer_num", 0)),
+        "heads": int(getattr(pool, "head_num", 0)),
+        "head_dim": int(getattr(pool, "head_dim", 0)),
+        "mla": mla,
+        "pp": [cfg.pp_rank, cfg.pp_size],
+        "cp": [cfg.attn_cp_rank, cfg.attn_cp_size],
         "dcp": [cfg.dcp_rank, cfg.dcp_size],
     }
-    if mla:   # rank-replicated KV: every rank reads what the writer rank stored
+    if mla:  # rank-replicated KV: every rank reads what the writer rank stored
         spec["tp"] = "replicated"
-    else:     # each rank holds its own heads
+    else:  # each rank holds its own heads
         spec["tp"] = [cfg.tp_rank, cfg.tp_size]
     for k in ("kv_lora_rank", "qk_rope_head_dim"):
         if hasattr(pool, k):
@@ -169,35 +185,50 @@ class HpkvHiCacheStorage(HiCacheStorage):
         self.config = storage_config
         self.extra = dict(storage_config.extra_config or {})
         self.enabled = False
-        self.ns_id = -1          # set by _connect
+        self.ns_id = -1  # set by _connect
         self.fingerprint = ""
-        self.ns_name = ""        # set once the host pool is known: connecting needs both
+        self.ns_name = ""  # set once the host pool is known: connecting needs both
         self.page_size = 0
         self.layout: HostLayout | None = None
         self.mem_pool_host: Any = None
         self._device: Any = None
-        self._pool_map: np.ndarray | None = None      # this process's view of hpkv's pool (legacy API)
+        self._pool_map: np.ndarray | None = None  # this process's view of hpkv's pool (legacy API)
         self._legacy_page: tuple[torch.dtype, tuple[int, ...]] | None = None
         self._conn: Reconnecting[HpkvClient] = Reconnecting(
-            f"sglang rank {int(storage_config.tp_rank)}", self._connect, log)
+            f"sglang rank {int(storage_config.tp_rank)}", self._connect, log
+        )
         self._stat_lock = threading.Lock()
         self.stats: dict[str, int] = dict.fromkeys(
-            ("exists_calls", "hit_pages", "below_threshold", "loaded_pages", "load_failed_pages",
-             "saved_pages", "save_failed_pages", "already_stored_pages"), 0)
+            (
+                "exists_calls",
+                "hit_pages",
+                "below_threshold",
+                "loaded_pages",
+                "load_failed_pages",
+                "saved_pages",
+                "save_failed_pages",
+                "already_stored_pages",
+            ),
+            0,
+        )
         self.rank = 0 if storage_config.is_mla_model else int(storage_config.tp_rank)
         self.writer = bool(storage_config.is_storage_writer)
         self.interface_v1 = bool(self.extra.get("interface_v1", 0))
         try:
             from hpkv.config import ConfigError, load_config
+
             self.cfg = load_config()
         except ConfigError as exc:
             log.error("hpkv disabled: configuration error: %s", exc)
             return
         if not self.cfg["VLLM_ENABLE_HPKV"]:
-            log.warning("hpkv: VLLM_ENABLE_HPKV=0 (from %s): the storage backend stores and finds nothing",
-                        self.cfg.source("VLLM_ENABLE_HPKV"))
+            log.warning(
+                "hpkv: VLLM_ENABLE_HPKV=0 (from %s): the storage backend stores and finds nothing",
+                self.cfg.source("VLLM_ENABLE_HPKV"),
+            )
             return
-        self.threshold = int(self.cfg["VLLM_HPKV_TOKEN_THRESHOLD"])
+        # None ("auto"): no threshold of hpkv's own; SGLang's prefetch_threshold decides.
+        self.threshold: int | None = self.cfg["VLLM_HPKV_TOKEN_THRESHOLD"]
         self.enabled = True
 
     # ------------------------------------------------------------------ attach
@@ -228,24 +259,35 @@ class HpkvHiCacheStorage(HiCacheStorage):
         tp = "" if self.config.is_mla_model else f" tp{self.config.tp_size}r{self.config.tp_rank}"
         self.ns_name = f"{model}{tp} ps{self.page_size} {getattr(mem_pool_host, 'layout', '')}"[:60]
         self._conn.connect_now(timeout=CONNECT_AT_START_S)
-        log.info("hpkv storage backend: namespace %s (%s), token threshold %d (%s), %s, %s",
-                 self.fingerprint[:12], self.ns_name, self.threshold,
-                 self.cfg.source("VLLM_HPKV_TOKEN_THRESHOLD"),
-                 "zero-copy host pool" if self.interface_v1 else "legacy flat pages",
-                 "writer" if self.writer else "reader (MLA: another rank stores)")
+        log.info(
+            "hpkv storage backend: namespace %s (%s), token threshold %s (%s), %s, %s",
+            self.fingerprint[:12],
+            self.ns_name,
+            "auto (SGLang's prefetch_threshold)" if self.threshold is None else self.threshold,
+            self.cfg.source("VLLM_HPKV_TOKEN_THRESHOLD"),
+            "zero-copy host pool" if self.interface_v1 else "legacy flat pages",
+            "writer" if self.writer else "reader (MLA: another rank stores)",
+        )
 
     def _connect(self) -> HpkvClient:
         client = connect(self.cfg, name=f"sglang-r{self.rank}", call_timeout=CALL_TIMEOUT_S)
         try:
-            ns = client.attach_namespace(self.fingerprint, 1, self.shard_bytes, name=self.ns_name,
-                                         rank=0, block_tokens=self.page_size)
+            ns = client.attach_namespace(
+                self.fingerprint, 1, self.shard_bytes, name=self.ns_name, rank=0, block_tokens=self.page_size
+            )
             if self.layout is not None:
                 lay = self.layout
                 self._device = client.register_device(
-                    ns.ns_id, rank=0, device="cpu", numa_node=_current_numa_node(),
+                    ns.ns_id,
+                    rank=0,
+                    device="cpu",
+                    numa_node=_current_numa_node(),
                     regions=[{"path": f"/proc/{os.getpid()}/fd/{lay.fd}", "size": lay.region_size}],
-                    layer_bases=[(0, b) for b in lay.bases], block_stride=lay.stride,
-                    page_bytes=lay.page_bytes, num_blocks=lay.num_pages)
+                    layer_bases=[(0, b) for b in lay.bases],
+                    block_stride=lay.stride,
+                    page_bytes=lay.page_bytes,
+                    num_blocks=lay.num_pages,
+                )
             else:
                 self._pool_map = np.frombuffer(shm.map_file(client.pool_path), np.uint8)
             self.ns_id = ns.ns_id
@@ -257,7 +299,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
     def _client(self) -> HpkvClient | None:
         return self._conn.get() if self.enabled and self.ns_name else None
 
-    def _keys(self, keys: Sequence[str]) -> list[BlockKey]:
+    def _keys(self, keys: Sequence[str]) -> list[bytes]:
         return block_keys(self.fingerprint, [_raw_hash(k) for k in keys])
 
     def _count(self, **inc: int) -> None:
@@ -271,7 +313,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
         p = self.page_size
         if len(idx) < n * p:
             return None
-        first = idx[: n * p: p].astype(np.int64)
+        first = idx[: n * p : p].astype(np.int64)
         if (first % p).any():
             log.error("hpkv: host indices not page-aligned; pages treated as misses")
             return None
@@ -288,7 +330,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
         hit = 0
         try:
             for i in range(0, len(hkeys), MAX_KEYS_PER_CALL):
-                chunk = hkeys[i: i + MAX_KEYS_PER_CALL]
+                chunk = hkeys[i : i + MAX_KEYS_PER_CALL]
                 n, _ = client.lookup(self.ns_id, chunk)
                 hit += n
                 if n < len(chunk):
@@ -297,7 +339,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
             self._conn.lost(exc)
             return 0
         self._count(exists_calls=1)
-        if hit * self.page_size < self.threshold:
+        if hit * self.page_size < (self.threshold or 0):
             if hit:
                 self._count(below_threshold=1)
             return 0
@@ -316,24 +358,25 @@ class HpkvHiCacheStorage(HiCacheStorage):
         return n == 1
 
     # ------------------------------------------------------------------ loads
-    def _pin_or_promote(self, client: HpkvClient, hkeys: list[BlockKey]) -> tuple[np.ndarray, list[BlockKey]]:
+    def _pin_or_promote(self, client: HpkvClient, hkeys: list[bytes]) -> tuple[np.ndarray, list[bytes]]:
         """Pool offsets of the leading keys hpkv can deliver (DRAM ones pinned, storage ones
         promoted and pinned); -1 from the first it cannot. Returns (offsets, keys to unpin)."""
         offs = client.pin(self.ns_id, hkeys)[:, 0].copy()
-        pinned = [k for k, o in zip(hkeys, offs, strict=True) if o >= 0]
-        missing = np.flatnonzero(offs < 0)
+        pinned = [k for k, o in zip(hkeys, offs, strict=True) if o != ROW_MISSING]
+        missing = np.flatnonzero(offs == ROW_MISSING)
         if len(missing):
             # Only the prefix up to the first page that is in no tier can be used.
             got = client.promote(self.ns_id, [hkeys[i] for i in missing], timeout=PROMOTE_TIMEOUT_S)[:, 0]
             offs[missing] = got
-            pinned += [hkeys[i] for i, o in zip(missing, got, strict=True) if o >= 0]
+            pinned += [hkeys[i] for i, o in zip(missing, got, strict=True) if o != ROW_MISSING]
         bad = np.flatnonzero(offs < 0)
         if len(bad):
-            offs[bad[0]:] = -1
+            offs[bad[0] :] = -1
         return offs, pinned
 
-    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         """Copy the pages of ``keys`` from hpkv into the host pool at ``host_indices`` (the
         transfer worker does the copy). Per page: True when it arrived."""
         n = len(keys)
@@ -344,7 +387,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
         if pages is None:
             return [False] * n
         hkeys = self._keys(keys)
-        pinned: list[BlockKey] = []
+        pinned: list[bytes] = []
         ok = np.zeros(n, bool)
         try:
             offs, pinned = self._pin_or_promote(client, hkeys)
@@ -360,8 +403,9 @@ class HpkvHiCacheStorage(HiCacheStorage):
         self._count(loaded_pages=int(ok.sum()), load_failed_pages=n - int(ok.sum()))
         return ok.tolist()
 
-    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
-                  ) -> list[torch.Tensor | None]:
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
         """Legacy API: fill SGLang's flat page tensors from hpkv's pool (an in-process copy)."""
         n = len(keys)
         out: list[torch.Tensor | None] = [None] * n
@@ -370,14 +414,14 @@ class HpkvHiCacheStorage(HiCacheStorage):
         if client is None or pool is None or not n or target_locations is None:
             return out
         hkeys = self._keys(keys)
-        pinned: list[BlockKey] = []
+        pinned: list[bytes] = []
         try:
             offs, pinned = self._pin_or_promote(client, hkeys)
             for i, (t, o) in enumerate(zip(target_locations, offs, strict=False)):
                 if o < 0:
                     break
                 dst = t.view(torch.uint8).reshape(-1).numpy()
-                np.copyto(dst, pool[o: o + self.shard_bytes])
+                np.copyto(dst, pool[o : o + self.shard_bytes])
                 out[i] = t
         except Exception as exc:  # noqa: BLE001
             self._conn.lost(exc)
@@ -396,13 +440,14 @@ class HpkvHiCacheStorage(HiCacheStorage):
         return self.batch_get([key], [target_location])[0]
 
     # ------------------------------------------------------------------ saves
-    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         """Store the pages at ``host_indices`` under ``keys`` (DRAM now, storage write-through).
         Pages hpkv already has count as stored."""
         n = len(keys)
         if n and self.enabled and not self.writer:
-            return [True] * n    # MLA: the writer rank stores the same bytes
+            return [True] * n  # MLA: the writer rank stores the same bytes
         client = self._client()
         if client is None or self._device is None or n == 0:
             return [False] * n
@@ -414,7 +459,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
         already = 0
         try:
             offs = client.reserve(self.ns_id, hkeys)[:, 0]
-            res[offs == -1] = True                    # already stored (or being stored)
+            res[offs == ROW_PRESENT] = True  # already stored (or being stored)
             already = int(res.sum())
             new = np.flatnonzero(offs >= 0)
             if len(new):
@@ -427,12 +472,14 @@ class HpkvHiCacheStorage(HiCacheStorage):
         except Exception as exc:  # noqa: BLE001 - a lost save is a future miss
             self._conn.lost(exc)
             res[:] = False
-        self._count(saved_pages=int(res.sum()), save_failed_pages=n - int(res.sum()),
-                    already_stored_pages=already)
+        self._count(
+            saved_pages=int(res.sum()), save_failed_pages=n - int(res.sum()), already_stored_pages=already
+        )
         return res.tolist()
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
         """Legacy API: store SGLang's flat page tensors (an in-process copy into hpkv's pool)."""
         n = len(keys)
         if n and self.enabled and not self.writer:
@@ -444,7 +491,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
         hkeys = self._keys(keys)
         try:
             offs = client.reserve(self.ns_id, hkeys)[:, 0]
-            if (offs == -2).any():
+            if (offs == ROW_POOL_FULL).any():
                 good = offs >= 0
                 if good.any():
                     client.abort(self.ns_id, [k for k, g in zip(hkeys, good, strict=True) if g])
@@ -453,9 +500,10 @@ class HpkvHiCacheStorage(HiCacheStorage):
             for i in new:
                 src = values[i].contiguous().view(torch.uint8).reshape(-1).numpy()
                 if len(src) != self.shard_bytes:
-                    raise ValueError(f"a flat page of {len(src)} bytes, the namespace expects "
-                                     f"{self.shard_bytes}")
-                np.copyto(pool[offs[i]: offs[i] + self.shard_bytes], src)
+                    raise ValueError(
+                        f"a flat page of {len(src)} bytes, the namespace expects {self.shard_bytes}"
+                    )
+                np.copyto(pool[offs[i] : offs[i] + self.shard_bytes], src)
             if new:
                 client.commit(self.ns_id, [hkeys[i] for i in new], rank=0)
         except Exception as exc:  # noqa: BLE001
@@ -480,8 +528,11 @@ class HpkvHiCacheStorage(HiCacheStorage):
         except Exception as exc:  # noqa: BLE001
             self._conn.lost(exc)
             return
-        log.info("hpkv: clear dropped %d pages of namespace %s from the DRAM tier", dropped,
-                 (self.fingerprint or "")[:12])
+        log.info(
+            "hpkv: clear dropped %d pages of namespace %s from the DRAM tier",
+            dropped,
+            (self.fingerprint or "")[:12],
+        )
 
     def close(self) -> None:
         """SGLang detaches the backend or shuts down: say what hpkv did for it, drop the connection."""

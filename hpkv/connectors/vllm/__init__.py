@@ -5,6 +5,18 @@ cache description (:mod:`.layout`), and the plugin that registers the name (:mod
 
 ``kv_connector_module_path: hpkv.connectors.vllm`` keeps working: the class is exported here.
 """
-from hpkv.connectors.vllm.connector import HpkvConnectorV1
+
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["HpkvConnectorV1"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that the layout code (cuda_layout) imports on machines without vLLM (the device check).
+    if name == "HpkvConnectorV1":
+        from hpkv.connectors.vllm.connector import HpkvConnectorV1
+
+        return HpkvConnectorV1
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

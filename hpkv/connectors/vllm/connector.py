@@ -7,11 +7,13 @@ needs and delegates. Any failure (hpkv slow, dead or wrong) is reported as inval
 and vLLM recomputes them (the connector sets ``kv_load_failure_policy=recompute``).
 Importing this module starts nothing: vLLM's API server imports it too.
 """
+
 from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 # A child of vLLM's logger, so our lines appear in vLLM's log with its format.
@@ -57,19 +60,25 @@ class HpkvConnectorV1(KVConnectorBase_V1):
     if CacheHitSource is not None:
         _cache_hit_source = CacheHitSource.HOST
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig | None" = None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = _hpkv_config()
         self.enabled = bool(self.cfg["VLLM_ENABLE_HPKV"])
-        self.threshold = int(self.cfg["VLLM_HPKV_TOKEN_THRESHOLD"])
+        self.threshold: int | None = self.cfg["VLLM_HPKV_TOKEN_THRESHOLD"]  # None: auto
         self.layout: Layout | None = None
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._orphan_load_errors: set[int] = set()
+        self._idle_step = False
+        # CUDA: saves complete after wait_for_save returns, so finished requests' blocks are
+        # freed only once the workers report them (request_finished -> True, get_finished).
+        self._async_saves = str(vllm_config.device_config.device_type) == "cuda"
+        self._saving: set[str] = set()
         if not self.enabled:
-            log.warning("hpkv: VLLM_ENABLE_HPKV=0 (from %s): the connector does nothing",
-                        self.cfg.source("VLLM_ENABLE_HPKV"))
+            log.warning(
+                "hpkv: VLLM_ENABLE_HPKV=0 (from %s): the connector does nothing",
+                self.cfg.source("VLLM_ENABLE_HPKV"),
+            )
             return
         try:
             self.layout = derive_layout(vllm_config, kv_cache_config)
@@ -82,35 +91,74 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         else:
             self._worker = self._init_worker(vllm_config, self.layout)
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """On CUDA, BLNHC: a block of all layers is one run, one DMA descriptor (HPKV_CUDA_BLOCK_OUTERMOST)."""
+        from hpkv.connectors.vllm.cuda_layout import REQUESTED_LAYOUT
+
+        if str(vllm_config.device_config.device_type) != "cuda":
+            return None
+        try:
+            cfg = load_config()
+        except ConfigError:
+            return None  # the connector's constructor reports the configuration error
+        if not cfg["VLLM_ENABLE_HPKV"] or not cfg["HPKV_CUDA_BLOCK_OUTERMOST"]:
+            return None
+        return REQUESTED_LAYOUT
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a future miss, never an error
 
     # ======================================================================== scheduler
-    def _init_scheduler(self, vllm_config: "VllmConfig", layout: Layout) -> SchedulerSide:
+    def _init_scheduler(self, vllm_config: VllmConfig, layout: Layout) -> SchedulerSide:
         ktc = vllm_config.kv_transfer_config
-        if ktc is not None and ktc.kv_load_failure_policy != "recompute" and \
-                not ktc.get_from_extra_config("hpkv_fail_on_load_error", False):
+        if (
+            ktc is not None
+            and ktc.kv_load_failure_policy != "recompute"
+            and not ktc.get_from_extra_config("hpkv_fail_on_load_error", False)
+        ):
             # A cache miss must never fail a request: recompute what hpkv could not deliver.
             ktc.kv_load_failure_policy = "recompute"
             log.info("hpkv: kv_load_failure_policy set to 'recompute' (a failed hpkv load recomputes)")
-        if str(vllm_config.cache_config.prefix_caching_hash_algo).startswith("xxhash") and \
-                "PYTHONHASHSEED" not in os.environ:
-            log.warning("hpkv: prefix_caching_hash_algo=%s without PYTHONHASHSEED gives block hashes "
-                        "that change with every restart: storage hits will not survive restarts",
-                        vllm_config.cache_config.prefix_caching_hash_algo)
+        if (
+            str(vllm_config.cache_config.prefix_caching_hash_algo).startswith("xxhash")
+            and "PYTHONHASHSEED" not in os.environ
+        ):
+            log.warning(
+                "hpkv: prefix_caching_hash_algo=%s without PYTHONHASHSEED gives block hashes "
+                "that change with every restart: storage hits will not survive restarts",
+                vllm_config.cache_config.prefix_caching_hash_algo,
+            )
 
         def open_store() -> tuple[KvStore, int]:
             client = connect(self.cfg, name="vllm-scheduler", call_timeout=2.0)
-            ns = client.attach_namespace(layout.fingerprint, layout.world_size, layout.shard_bytes,
-                                         name=layout.name, block_tokens=layout.block_size)
+            ns = client.attach_namespace(
+                layout.fingerprint,
+                layout.world_size,
+                layout.shard_bytes,
+                name=layout.name,
+                block_tokens=layout.block_size,
+            )
             return client, ns.ns_id
 
-        side = SchedulerSide(layout, self.threshold, open_store, self._block_ids_of)
+        side = SchedulerSide(
+            layout,
+            self.threshold,
+            open_store,
+            self._block_ids_of,
+            # The CUDA path loads synchronously for now (its saves are the asynchronous part).
+            background_storage_loads=bool(self.cfg["HPKV_ASYNC_STORAGE_LOADS"])
+            and str(vllm_config.device_config.device_type) != "cuda",
+        )
         side.hpkv.connect_now(timeout=120.0)
-        log.info("hpkv scheduler connector: namespace %s (%s), token threshold %d (%s)",
-                 layout.fingerprint[:12], layout.name, self.threshold,
-                 self.cfg.source("VLLM_HPKV_TOKEN_THRESHOLD"))
+        log.info(
+            "hpkv scheduler connector: namespace %s (%s), token threshold %s (%s)",
+            layout.fingerprint[:12],
+            layout.name,
+            "auto (load where it beats recompute)" if self.threshold is None else self.threshold,
+            self.cfg.source("VLLM_HPKV_TOKEN_THRESHOLD"),
+        )
         return side
 
     def _block_ids_of(self, req_id: str) -> Sequence[int] | None:
@@ -118,23 +166,25 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             return None
         return self._kv_cache_manager.get_block_ids(req_id)[0]
 
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         if self._scheduler is not None:
             self._scheduler.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
-                                   ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         if self._scheduler is None:
             return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         if self._scheduler is not None:
             block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
             self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
 
-    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[Any, int]:
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         if CacheHitSource is None or num_external_tokens == 0 or self._scheduler is None:
             return {}
         dram, storage = self._scheduler.hit_tiers(request.request_id, num_external_tokens)
@@ -145,15 +195,27 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             out[CacheHitSource.DISK] = storage
         return out
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._scheduler is None:
             return HpkvMetadata()
-        return self._scheduler.build_connector_meta(scheduler_output)
+        meta = self._scheduler.build_connector_meta(scheduler_output)
+        if self._async_saves:
+            self._saving.update(op.req_id for op in meta.saves)
+            meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        return meta
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._scheduler is not None:
+            stats = connector_output.kv_connector_stats
+            self._scheduler.step_finished(stats.data if stats is not None else None)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         if self._scheduler is not None:
             self._scheduler.request_finished(request.request_id)
-        return False, None   # saves were copied synchronously in wait_for_save
+        if request.request_id in self._saving:  # CUDA: saves may still read its blocks (SaveTracker)
+            self._saving.discard(request.request_id)
+            return True, None
+        return False, None  # CPU: saves were copied synchronously in wait_for_save
 
     def reset_cache(self) -> bool | None:
         """``/reset_prefix_cache?reset_external=true``: drop this namespace from the DRAM tier (files stay)."""
@@ -162,7 +224,7 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         return self._scheduler.reset_cache()
 
     # ======================================================================== worker
-    def _init_worker(self, vllm_config: "VllmConfig", layout: Layout) -> WorkerSide:
+    def _init_worker(self, vllm_config: VllmConfig, layout: Layout) -> WorkerSide:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank() if layout.world_size > 1 else 0
@@ -170,17 +232,42 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         def open_store(device_spec: dict[str, Any]) -> Opened:
             client = connect(self.cfg, name=f"vllm-worker-r{rank}", call_timeout=5.0)
             try:
-                ns = client.attach_namespace(layout.fingerprint, layout.world_size, layout.shard_bytes,
-                                             name=layout.name, rank=rank, block_tokens=layout.block_size)
-                device = client.register_device(ns.ns_id, rank=rank, device="cpu",
-                                                numa_node=current_numa_node(), **device_spec)
+                ns = client.attach_namespace(
+                    layout.fingerprint,
+                    layout.world_size,
+                    layout.shard_bytes,
+                    name=layout.name,
+                    rank=rank,
+                    block_tokens=layout.block_size,
+                )
+                if device_spec.get("in_process"):  # CUDA without IPC: copies run in this process
+                    return client, ns.ns_id, None  # type: ignore[return-value]
+                spec = {"device": "cpu", "numa_node": current_numa_node(), **device_spec}  # CUDA: its own
+                device = client.register_device(ns.ns_id, rank=rank, **spec)
             except Exception:
                 client.close()
                 raise
             return client, ns.ns_id, device
 
-        return WorkerSide(layout, rank, self.cfg.pool_dir, str(vllm_config.device_config.device_type),
-                          open_store)
+        def open_load_store() -> tuple[KvStore, int]:
+            client = connect(self.cfg, name=f"vllm-worker-r{rank}-loads", call_timeout=5.0)
+            try:
+                ns = client.attach_namespace(
+                    layout.fingerprint, layout.world_size, layout.shard_bytes, name=layout.name
+                )
+            except Exception:
+                client.close()
+                raise
+            return client, ns.ns_id
+
+        device_type = str(vllm_config.device_config.device_type)
+        if device_type == "cuda":
+            from hpkv.connectors.vllm.cuda_worker import CudaWorkerSide
+
+            return CudaWorkerSide(
+                layout, rank, self.cfg.pool_dir, open_store, kv_cache_config=self._kv_cache_config
+            )
+        return WorkerSide(layout, rank, self.cfg.pool_dir, device_type, open_store, open_load_store)
 
     def get_mem_pool_context(self) -> Any:
         if self._worker is None or self._role != KVConnectorRole.WORKER:
@@ -191,10 +278,13 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.register_kv_caches(kv_caches)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        # vLLM runs a step without a forward pass (no attention metadata) just to poll
+        # connectors while requests wait for their KV: get_finished may then wait briefly.
+        self._idle_step = getattr(forward_context, "attn_metadata", None) is None
         meta = self._get_connector_metadata()
         if isinstance(meta, HpkvMetadata) and meta.loads:
-            if self._worker is None:    # hpkv off here but a load promised: vLLM must recompute
+            if self._worker is None:  # hpkv off here but a load promised: vLLM must recompute
                 self._orphan_load_errors.update(b for op in meta.loads for b in op.block_ids)
                 return
             self._worker.start_load_kv(meta)
@@ -202,7 +292,9 @@ class HpkvConnectorV1(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the forward
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return  # the KV of the whole step is copied in wait_for_save
 
     def wait_for_save(self) -> None:
@@ -211,6 +303,24 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if isinstance(meta, HpkvMetadata):
             self._worker.wait_for_save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """CUDA: requests whose saves completed. CPU: requests whose background (storage) load
+        ended (CPU saves are synchronous)."""
+        from hpkv.connectors.vllm.cuda_worker import CudaWorkerSide
+
+        if isinstance(self._worker, CudaWorkerSide):
+            return self._worker.get_finished(finished_req_ids)
+        if self._worker is None:
+            return None, None
+        return None, self._worker.take_finished_loads(idle_step=self._idle_step) or None
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        from hpkv.connectors.vllm.cuda_worker import CudaWorkerSide
+
+        meta = kv_connector_metadata
+        if isinstance(self._worker, CudaWorkerSide) and isinstance(meta, HpkvMetadata) and meta.preempted:
+            self._worker.handle_preemptions(meta.preempted)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._orphan_load_errors = self._orphan_load_errors, set()

@@ -1,10 +1,11 @@
 """The namespace both roles derive from vLLM's config, and the description of a KV cache
 that the transfer worker copies from (CPU backend: one shared-memory allocation)."""
+
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -31,15 +32,22 @@ class Layout:
         return self.num_layers * self.page_bytes
 
 
-def _cpu_isa(vllm_config: "VllmConfig") -> str:
+def _cpu_isa(vllm_config: VllmConfig) -> str:
     """The CPU attention kernel's page format tag (the bytes of a page depend on it)."""
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         mc = vllm_config.model_config
-        return str(_get_attn_isa(mc.dtype, vllm_config.cache_config.block_size, mc.get_head_size(),
-                                 vllm_config.cache_config.cache_dtype))
-    except Exception as exc:  # the tag only needs to be stable and distinct
+        dtype = cast(torch.dtype, mc.dtype)  # a torch.dtype once vLLM resolved the model config
+        return str(
+            _get_attn_isa(
+                dtype,
+                vllm_config.cache_config.block_size,
+                mc.get_head_size(),
+                vllm_config.cache_config.cache_dtype,
+            )
+        )
+    except Exception as exc:  # noqa: BLE001 - the tag only needs to be stable and distinct
         return f"unknown:{type(exc).__name__}"
 
 
@@ -56,7 +64,20 @@ def model_identity(model: str) -> dict[str, Any]:
     return {"model": os.path.abspath(model), "files": files}
 
 
-def derive_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> Layout:
+def _page_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, device: str) -> str:
+    """What the bytes of one pool page mean. The CPU backend keeps its historical tag (existing
+    namespaces stay valid). On other devices the in-page order (NHC or HNC) of vLLM's resolved
+    ``KVCacheLayout``: LBNHC and BLNHC pages are the same bytes, so a restart that changes only
+    the block/layer nesting keeps its hits, while NHC and HNC never mix."""
+    if device == "cpu":
+        return "per-layer-blocks"
+    from hpkv.connectors.vllm.cuda_layout import page_order_of
+
+    name = getattr(kv_cache_config, "kv_cache_layout", None) or vllm_config.cache_config.kv_cache_layout
+    return f"pages-{page_order_of(name)}"
+
+
+def derive_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> Layout:
     """The namespace of this engine's KV; NotImplementedError for set-ups hpkv cannot serve."""
     import vllm
 
@@ -64,7 +85,9 @@ def derive_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | N
     cc = vllm_config.cache_config
     mc = vllm_config.model_config
     if pc.pipeline_parallel_size != 1:
-        raise NotImplementedError("hpkv supports tensor parallelism; pipeline parallelism is not supported yet")
+        raise NotImplementedError(
+            "hpkv supports tensor parallelism; pipeline parallelism is not supported yet"
+        )
     if kv_cache_config is None:
         raise NotImplementedError("this vLLM gives connectors no KV cache config (vLLM >= 0.30 needed)")
     groups = kv_cache_config.kv_cache_groups
@@ -75,21 +98,32 @@ def derive_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | N
     num_layers = len(groups[0].layer_names)
     device = str(vllm_config.device_config.device_type)
     spec_dict = {
-        **model_identity(mc.model), "revision": mc.revision, "dtype": str(mc.dtype),
-        "kv_cache_dtype": str(cc.cache_dtype), "block_size": cc.block_size, "layers": num_layers,
-        "page_bytes": page_bytes, "tp": pc.tensor_parallel_size, "pp": pc.pipeline_parallel_size,
-        "layout": "per-layer-blocks", "device": device,
+        **model_identity(mc.model),
+        "revision": mc.revision,
+        "dtype": str(mc.dtype),
+        "kv_cache_dtype": str(cc.cache_dtype),
+        "block_size": cc.block_size,
+        "layers": num_layers,
+        "page_bytes": page_bytes,
+        "tp": pc.tensor_parallel_size,
+        "pp": pc.pipeline_parallel_size,
+        "layout": _page_format(vllm_config, kv_cache_config, device),
+        "device": device,
         "isa": _cpu_isa(vllm_config) if device == "cpu" else "",
-        "engine": "vllm", "engine_version": vllm.__version__, "torch": torch.__version__.split("+")[0],
+        "engine": "vllm",
+        "engine_version": vllm.__version__,
+        "torch": torch.__version__.split("+")[0],
         "hash_algo": str(cc.prefix_caching_hash_algo),
     }
     name = f"{os.path.basename(str(mc.model).rstrip('/'))} tp{pc.tensor_parallel_size} bs{cc.block_size}"
-    return Layout(namespace_fingerprint(spec_dict), name, pc.tensor_parallel_size, cc.block_size,
-                  num_layers, page_bytes)
+    return Layout(
+        namespace_fingerprint(spec_dict), name, pc.tensor_parallel_size, cc.block_size, num_layers, page_bytes
+    )
 
 
-def describe_kv(layout: Layout, kv_caches: dict[str, torch.Tensor], path: str, base: int,
-                size: int) -> dict[str, Any]:
+def describe_kv(
+    layout: Layout, kv_caches: dict[str, torch.Tensor], path: str, base: int, size: int
+) -> dict[str, Any]:
     """The ``register_device`` arguments for KV cache tensors that lie in the shared-memory
     allocation ``path`` (``size`` bytes mapped at address ``base``); ValueError if the layout
     is not one hpkv copies (each block of a layer one contiguous page, one stride for all)."""
@@ -104,11 +138,16 @@ def describe_kv(layout: Layout, kv_caches: dict[str, torch.Tensor], path: str, b
     for t in layers:
         elem = t.element_size()
         per_kernel_block = t[0].numel() * elem
-        k = layout.page_bytes // per_kernel_block   # kernel blocks per vLLM block
-        if k * per_kernel_block != layout.page_bytes or t.stride(0) * elem != per_kernel_block \
-                or not t[0].is_contiguous():
-            raise ValueError(f"unsupported KV cache tensor layout: shape {tuple(t.shape)}, strides "
-                             f"{t.stride()}, page {layout.page_bytes} bytes")
+        k = layout.page_bytes // per_kernel_block  # kernel blocks per vLLM block
+        if (
+            k * per_kernel_block != layout.page_bytes
+            or t.stride(0) * elem != per_kernel_block
+            or not t[0].is_contiguous()
+        ):
+            raise ValueError(
+                f"unsupported KV cache tensor layout: shape {tuple(t.shape)}, strides "
+                f"{t.stride()}, page {layout.page_bytes} bytes"
+            )
         off = t.data_ptr() - base
         if not 0 <= off < size:
             raise ValueError("a KV cache tensor lies outside hpkv's shared-memory allocation")
@@ -117,5 +156,10 @@ def describe_kv(layout: Layout, kv_caches: dict[str, torch.Tensor], path: str, b
         num_blocks = t.shape[0] // k
     if len(strides) != 1:
         raise ValueError(f"KV cache layers have different block strides {sorted(strides)}")
-    return dict(regions=[{"path": path, "size": size}], layer_bases=bases,
-                block_stride=strides.pop(), page_bytes=layout.page_bytes, num_blocks=num_blocks)
+    return dict(
+        regions=[{"path": path, "size": size}],
+        layer_bases=bases,
+        block_stride=strides.pop(),
+        page_bytes=layout.page_bytes,
+        num_blocks=num_blocks,
+    )

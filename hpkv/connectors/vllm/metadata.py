@@ -1,4 +1,5 @@
 """What the scheduler tells the workers each step, and the connector's stats."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,7 +14,8 @@ class LoadOp:
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
-    offsets: np.ndarray       # [n, world] pool byte offsets; ROW_MISSING: not in DRAM (promote)
+    offsets: np.ndarray  # [n, world] pool byte offsets; ROW_MISSING: not in DRAM (promote)
+    background: bool = False  # loaded while the engine steps (vLLM's async load); get_finished reports it
 
 
 @dataclass
@@ -21,17 +23,29 @@ class SaveOp:
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
-    offsets: np.ndarray       # [n, world] reserved pool byte offsets
+    offsets: np.ndarray  # [n, world] reserved pool byte offsets
 
 
 @dataclass
 class HpkvMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)  # CUDA: finish these requests' saves before reuse
 
 
-STAT_KEYS = ("loaded_tokens_dram", "loaded_tokens_storage", "loaded_bytes", "load_time_s",
-             "saved_tokens", "saved_bytes", "save_time_s", "load_failed_blocks", "save_failed_blocks")
+STAT_KEYS = (
+    "loaded_tokens_dram",
+    "loaded_tokens_storage",
+    "loaded_bytes",
+    "load_time_s",
+    "load_time_dram_s",  # of loads from DRAM only
+    "load_time_storage_s",  # of loads that needed storage (promote + copy)
+    "saved_tokens",
+    "saved_bytes",
+    "save_time_s",
+    "load_failed_blocks",
+    "save_failed_blocks",
+)
 
 
 @dataclass
@@ -45,7 +59,7 @@ class HpkvConnectorStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {k: 0 for k in STAT_KEYS}
 
-    def aggregate(self, other: KVConnectorStats) -> "HpkvConnectorStats":
+    def aggregate(self, other: KVConnectorStats) -> HpkvConnectorStats:
         for k in STAT_KEYS:
             self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
         return self

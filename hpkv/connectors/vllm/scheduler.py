@@ -5,11 +5,13 @@ tells the workers what to copy through the step's metadata. It talks to hpkv onl
 :class:`~hpkv.client.contract.KvStore`, so it is unit-tested against an in-memory store.
 Any hpkv failure means fewer hits or fewer saves, never a failed request.
 """
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -17,6 +19,7 @@ from hpkv.client.contract import KvStore
 from hpkv.connectors.reconnect import Reconnecting
 from hpkv.connectors.vllm.layout import Layout
 from hpkv.connectors.vllm.metadata import HpkvMetadata, LoadOp, SaveOp
+from hpkv.connectors.vllm.worth import LoadPolicy
 from hpkv.protocol.errors import ROW_MISSING
 from hpkv.protocol.keys import block_keys
 from hpkv.protocol.wire import Tier
@@ -27,8 +30,8 @@ log = logging.getLogger("vllm.hpkv")
 @dataclass
 class _ReqState:
     request: Any
-    saved_upto: int = 0                       # blocks [0, saved_upto) need no save
-    plan: tuple[int, list[bytes], list[int]] | None = None   # (first block, keys, tiers) of a hit
+    saved_upto: int = 0  # blocks [0, saved_upto) need no save
+    plan: tuple[int, list[bytes], list[int]] | None = None  # (first block, keys, tiers) of a hit
     pinned: list[bytes] = field(default_factory=list)
 
 
@@ -37,17 +40,24 @@ class SchedulerSide:
     ``block_ids_of(req_id)`` gives a request's KV cache block ids (None before vLLM binds its
     KV cache manager)."""
 
-    def __init__(self, layout: Layout, threshold: int, open_store: Callable[[], tuple[KvStore, int]],
-                 block_ids_of: Callable[[str], Sequence[int] | None]):
+    def __init__(
+        self,
+        layout: Layout,
+        threshold: int | None,
+        open_store: Callable[[], tuple[KvStore, int]],
+        block_ids_of: Callable[[str], Sequence[int] | None],
+        background_storage_loads: bool = True,
+    ):
         self.layout = layout
         self.block_size = layout.block_size
-        self.threshold = threshold
+        self.policy = LoadPolicy(threshold)  # threshold None: VLLM_HPKV_TOKEN_THRESHOLD=auto
+        self.background_storage_loads = background_storage_loads
         self.ns_id = -1
         self._open_store = open_store
         self._block_ids_of = block_ids_of
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[LoadOp] = []
-        self._hit_tiers: dict[str, tuple[int, int]] = {}   # req -> (dram tokens, storage tokens)
+        self._hit_tiers: dict[str, tuple[int, int]] = {}  # req -> (dram tokens, storage tokens)
         self.hpkv: Reconnecting[KvStore] = Reconnecting("scheduler", self._connect, log)
 
     def _connect(self) -> KvStore:
@@ -80,15 +90,21 @@ class SchedulerSide:
         keys = self._keys(request.block_hashes[first:last])
         try:
             n, tiers = client.lookup(self.ns_id, keys)
-        except Exception as exc:  # hpkv trouble means recompute
+        except Exception as exc:  # noqa: BLE001 - hpkv trouble means recompute
             self.hpkv.lost(exc)
             return 0, False
-        if n == 0 or n * self.block_size < self.threshold:
+        n = self.policy.blocks_to_load(tiers[:n], self.block_size) if n else 0
+        if n == 0:
             return 0, False
+        tiers = tiers[:n]
         st.plan = (first, keys[:n], tiers)
-        return n * self.block_size, False
+        # A hit that needs the disk loads in the background (vLLM's async load): the request
+        # waits, the others keep stepping. A DRAM-only hit costs milliseconds: synchronous.
+        return n * self.block_size, self.background_storage_loads and Tier.STORAGE in tiers[:n]
 
-    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Any, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
         """``block_ids``: the request's KV cache blocks (vLLM's first KV cache group)."""
         st = self._state(request)
         plan, st.plan = st.plan, None
@@ -97,16 +113,17 @@ class SchedulerSide:
         first, keys, tiers = plan
         n = num_external_tokens // self.block_size
         keys, tiers = keys[:n], tiers[:n]
-        targets = list(block_ids[first:first + n])
+        targets = list(block_ids[first : first + n])
         client = self.hpkv.get()
         offsets = np.full((n, self.layout.world_size), ROW_MISSING, np.int64)
         if client is not None:
             try:
                 offsets = client.pin(self.ns_id, keys)
                 st.pinned.extend(keys)
-            except Exception as exc:  # the worker reports the blocks failed
+            except Exception as exc:  # noqa: BLE001 - the worker reports the blocks failed
                 self.hpkv.lost(exc)
-        self._pending_loads.append(LoadOp(request.request_id, keys, targets, offsets))
+        background = self.background_storage_loads and Tier.STORAGE in tiers
+        self._pending_loads.append(LoadOp(request.request_id, keys, targets, offsets, background))
         dram = sum(1 for t in tiers if t == Tier.DRAM) * self.block_size
         self._hit_tiers[request.request_id] = (dram, num_external_tokens - dram)
         st.saved_upto = max(st.saved_upto, first + n)
@@ -117,23 +134,28 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> HpkvMetadata:
         meta = HpkvMetadata()
+        self.policy.step_scheduled(sum(scheduler_output.num_scheduled_tokens.values()))
         meta.loads, self._pending_loads = self._pending_loads, []
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
             if rid in self._reqs:
-                self._reqs[rid].saved_upto = 0   # its blocks were freed; new ones come on resume
+                self._reqs[rid].saved_upto = 0  # its blocks were freed; new ones come on resume
         client = self.hpkv.get()
         if client is None:
             return meta
-        computed: dict[str, int] = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        computed: dict[str, int] = {
+            r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs
+        }
         cached = scheduler_output.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
         for rid, n_sched in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(rid)
             if st is None:
                 continue
             req = st.request
-            full = min((computed.get(rid, req.num_computed_tokens) + n_sched) // self.block_size,
-                       len(req.block_hashes))
+            full = min(
+                (computed.get(rid, req.num_computed_tokens) + n_sched) // self.block_size,
+                len(req.block_hashes),
+            )
             if full <= st.saved_upto:
                 continue
             block_ids = self._block_ids_of(rid)
@@ -143,16 +165,23 @@ class SchedulerSide:
             keys = self._keys(req.block_hashes[first:full])
             try:
                 offsets = client.reserve(self.ns_id, keys)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - hpkv trouble: fewer hits, never a failed request
                 self.hpkv.lost(exc)
                 return meta
             st.saved_upto = full
             rows = np.flatnonzero((offsets >= 0).all(axis=1))
             if len(rows) == 0:
                 continue
-            meta.saves.append(SaveOp(rid, [keys[i] for i in rows], [block_ids[first + i] for i in rows],
-                                     offsets[rows]))
+            meta.saves.append(
+                SaveOp(rid, [keys[i] for i in rows], [block_ids[first + i] for i in rows], offsets[rows])
+            )
         return meta
+
+    def step_finished(self, stats: dict[str, float] | None) -> None:
+        """A step's output arrived, with the workers' connector stats (auto threshold)."""
+        self.policy.step_finished()
+        if stats:
+            self.policy.loads_measured(stats)
 
     def request_finished(self, request_id: str) -> None:
         st = self._reqs.pop(request_id, None)
@@ -163,7 +192,7 @@ class SchedulerSide:
         if client is not None:
             try:
                 client.unpin(self.ns_id, st.pinned)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - hpkv trouble: fewer hits, never a failed request
                 self.hpkv.lost(exc)
 
     def reset_cache(self) -> bool:
@@ -173,9 +202,12 @@ class SchedulerSide:
             return False
         try:
             dropped = client.clear(self.ns_id)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - hpkv trouble: fewer hits, never a failed request
             self.hpkv.lost(exc)
             return False
-        log.info("hpkv: reset_cache dropped %d blocks of namespace %s from the DRAM tier", dropped,
-                 self.layout.fingerprint[:12])
+        log.info(
+            "hpkv: reset_cache dropped %d blocks of namespace %s from the DRAM tier",
+            dropped,
+            self.layout.fingerprint[:12],
+        )
         return True

@@ -7,14 +7,18 @@ maps (:meth:`WorkerSide.shared_kv_allocation`). Loads are synchronous: a DRAM hi
 milliseconds, and a storage hit is promoted into the pool by the IO workers first. Blocks
 that cannot be delivered are reported, and vLLM recomputes them.
 """
+
 from __future__ import annotations
 
 import contextlib
 import logging
 import mmap
 import os
+import queue
+import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,10 +27,16 @@ from hpkv.client.contract import BlockMover, KvStore
 from hpkv.common import shm
 from hpkv.connectors.reconnect import Reconnecting
 from hpkv.connectors.vllm.layout import Layout, describe_kv
-from hpkv.connectors.vllm.metadata import HpkvConnectorStats, HpkvMetadata
+from hpkv.connectors.vllm.metadata import HpkvConnectorStats, HpkvMetadata, LoadOp
 from hpkv.protocol.wire import device_file_name
 
 log = logging.getLogger("vllm.hpkv")
+
+LOAD_CONNECT_TIMEOUT_S = 10.0  # a background load waits this long for an hpkv connection
+IDLE_STEP_WAIT_S = 0.02  # an empty step waits this long for a background load to finish
+# A background load's disk read may take longer than a step's (the request waits, the others
+# run); on a loaded machine a few blocks took over 5 s. Still bounded: it then recomputes.
+BACKGROUND_PROMOTE_TIMEOUT_S = 30.0
 
 #: (store, namespace id, block mover) of a connected worker.
 Opened = tuple[KvStore, int, BlockMover]
@@ -35,8 +45,15 @@ Opened = tuple[KvStore, int, BlockMover]
 class WorkerSide:
     """``open_store(device_spec)`` connects, attaches the namespace and registers the KV cache."""
 
-    def __init__(self, layout: Layout, rank: int, pool_dir: str, device_type: str,
-                 open_store: Callable[[dict[str, Any]], Opened]):
+    def __init__(
+        self,
+        layout: Layout,
+        rank: int,
+        pool_dir: str,
+        device_type: str,
+        open_store: Callable[[dict[str, Any]], Opened],
+        open_load_store: Callable[[], tuple[KvStore, int]] | None = None,
+    ):
         self.layout = layout
         self.rank = rank
         self.enabled = True
@@ -47,11 +64,13 @@ class WorkerSide:
         self._open_store = open_store
         self._device: BlockMover | None = None
         self._load_errors: set[int] = set()
+        self._lock = threading.Lock()  # errors and stats: the step thread and the background loads
         self._kv_file: str | None = None
         self._kv_mmap: mmap.mmap | None = None
         self._kv_base = 0
         self._device_spec: dict[str, Any] = {}
         self.hpkv: Reconnecting[KvStore] = Reconnecting(f"worker rank {rank}", self._connect, log)
+        self._background = BackgroundLoads(self, open_load_store)
 
     def _connect(self) -> KvStore:
         store, self.ns_id, self._device = self._open_store(self._device_spec)
@@ -72,15 +91,22 @@ class WorkerSide:
         # directory, which the transfer worker maps too. torch.zeros is patched only here.
         real_zeros = torch.zeros
 
-        def zeros(*size: Any, dtype: torch.dtype | None = None, device: Any = None, **kwargs: Any) -> torch.Tensor:
-            if (self._kv_file is None and dtype == torch.int8 and len(size) == 1
-                    and isinstance(size[0], int) and (device is None or torch.device(device).type == "cpu")):
+        def zeros(
+            *size: Any, dtype: torch.dtype | None = None, device: Any = None, **kwargs: Any
+        ) -> torch.Tensor:
+            if (
+                self._kv_file is None
+                and dtype == torch.int8
+                and len(size) == 1
+                and isinstance(size[0], int)
+                and (device is None or torch.device(device).type == "cpu")
+            ):
                 t = self._alloc_shared_kv(size[0])
                 if t is not None:
                     return t
             return real_zeros(*size, dtype=dtype, device=device, **kwargs)
 
-        torch.zeros = zeros  # type: ignore[assignment]
+        torch.zeros = zeros
         try:
             yield
         finally:
@@ -92,9 +118,14 @@ class WorkerSide:
             os.makedirs(self._pool_dir, mode=0o700, exist_ok=True)
             mm = shm.create(path, nbytes, exclusive=False)
         except OSError as exc:
-            log.error("hpkv: cannot place the %d-byte KV cache in shared memory at %s (%s): hpkv is "
-                      "disabled on this worker; free space in %s or lower --gpu-memory-utilization",
-                      nbytes, path, exc.strerror, self._pool_dir)
+            log.error(
+                "hpkv: cannot place the %d-byte KV cache in shared memory at %s (%s): hpkv is "
+                "disabled on this worker; free space in %s or lower --gpu-memory-utilization",
+                nbytes,
+                path,
+                exc.strerror,
+                self._pool_dir,
+            )
             with contextlib.suppress(OSError):
                 os.unlink(path)
             self.enabled = False
@@ -109,13 +140,17 @@ class WorkerSide:
         if not self.enabled:
             return
         if self._kv_file is None or self._kv_mmap is None:
-            log.error("hpkv: the KV cache was not allocated through hpkv's shared-memory context "
-                      "(device %s): hpkv is disabled on this worker", self._device_type)
+            log.error(
+                "hpkv: the KV cache was not allocated through hpkv's shared-memory context "
+                "(device %s): hpkv is disabled on this worker",
+                self._device_type,
+            )
             self.enabled = False
             return
         try:
-            self._device_spec = describe_kv(self.layout, kv_caches, self._kv_file, self._kv_base,
-                                            self._kv_mmap.size())
+            self._device_spec = describe_kv(
+                self.layout, kv_caches, self._kv_file, self._kv_base, self._kv_mmap.size()
+            )
         except ValueError as exc:
             log.error("hpkv disabled on this worker: %s", exc)
             self.enabled = False
@@ -124,53 +159,75 @@ class WorkerSide:
 
     # ---------------------------------------------------------------- copies
     def start_load_kv(self, meta: HpkvMetadata) -> None:
-        if not meta.loads:
-            return
-        blocks = [b for op in meta.loads for b in op.block_ids]
-        # The scheduler promised these blocks; if this worker cannot deliver them (hpkv
-        # disabled here, or unreachable), vLLM must recompute them, never read garbage.
-        client = self.hpkv.get() if self.enabled else None
+        now = [op for op in meta.loads if not op.background]
+        if now:
+            client = self.hpkv.get() if self.enabled else None
+            if client is None:
+                # The scheduler promised these blocks; if this worker cannot deliver them (hpkv
+                # disabled here, or unreachable), vLLM must recompute them, never read garbage.
+                self._fail_loads([b for op in now for b in op.block_ids], "no hpkv server")
+            else:
+                self.load(client, self.ns_id, now, self.hpkv.lost)
+        for op in meta.loads:
+            if op.background:
+                self._background.submit(op)
+
+    def load(
+        self,
+        client: KvStore,
+        ns_id: int,
+        ops: list[LoadOp],
+        lost: Callable[[BaseException], None],
+        promote_timeout: float | None = None,
+    ) -> None:
+        """Load ``ops`` into the KV cache: promote what is not in DRAM, copy, unpin what was
+        promoted for us. Blocks that could not be loaded are reported (vLLM recomputes them)."""
+        blocks = [b for op in ops for b in op.block_ids]
         device = self._device
-        if client is None or device is None:
+        if device is None:
             self._fail_loads(blocks, "no hpkv server")
             return
         t0 = time.perf_counter()
-        keys = [k for op in meta.loads for k in op.keys]
-        offsets = np.concatenate([op.offsets[:, self.rank] for op in meta.loads])
+        keys = [k for op in ops for k in op.keys]
+        offsets = np.concatenate([op.offsets[:, self.rank] for op in ops])
         missing = np.flatnonzero(offsets < 0)
         promoted: list[bytes] = []
         try:
             if len(missing):
-                got = client.promote(self.ns_id, [keys[i] for i in missing])
+                got = client.promote(ns_id, [keys[i] for i in missing], timeout=promote_timeout)
                 # Promoted blocks come back pinned for us; failed rows are not.
-                promoted = [keys[i] for i, row in zip(missing, got) if (row >= 0).all()]
+                promoted = [keys[i] for i, row in zip(missing, got, strict=True) if (row >= 0).all()]
                 offsets[missing] = got[:, self.rank]
             ok = offsets >= 0
             dst = np.asarray(blocks, np.int64)
             if ok.any() and not device.load(dst[ok], offsets[ok]):
                 ok[:] = False
-        except Exception as exc:  # recompute
-            self.hpkv.lost(exc)
+        except Exception as exc:  # noqa: BLE001 - whatever failed, vLLM recomputes
+            lost(exc)
             self._fail_loads(blocks, str(exc))
             return
         finally:
-            if promoted and self.hpkv.client is not None:
+            if promoted:
                 with contextlib.suppress(Exception):
-                    client.unpin(self.ns_id, promoted)
-        failed = [b for b, good in zip(blocks, ok) if not good]
+                    client.unpin(ns_id, promoted)
+        failed = [b for b, good in zip(blocks, ok, strict=True) if not good]
         if failed:
             self._fail_loads(failed, "blocks missing or copy failed")
         n_ok = int(ok.sum())
         n_storage = int(ok[missing].sum())
-        s = self.stats.data
-        s["loaded_tokens_dram"] += (n_ok - n_storage) * self.layout.block_size
-        s["loaded_tokens_storage"] += n_storage * self.layout.block_size
-        s["loaded_bytes"] += n_ok * self.layout.shard_bytes
-        s["load_time_s"] += time.perf_counter() - t0
+        with self._lock:
+            s = self.stats.data
+            s["loaded_tokens_dram"] += (n_ok - n_storage) * self.layout.block_size
+            s["loaded_tokens_storage"] += n_storage * self.layout.block_size
+            s["loaded_bytes"] += n_ok * self.layout.shard_bytes
+            elapsed = time.perf_counter() - t0
+            s["load_time_s"] += elapsed
+            s["load_time_storage_s" if len(missing) else "load_time_dram_s"] += elapsed
 
     def _fail_loads(self, block_ids: list[int], why: str) -> None:
-        self._load_errors.update(block_ids)
-        self.stats.data["load_failed_blocks"] += len(block_ids)
+        with self._lock:
+            self._load_errors.update(block_ids)
+            self.stats.data["load_failed_blocks"] += len(block_ids)
         log.warning("hpkv: %d block(s) could not be loaded (%s); vLLM recomputes them", len(block_ids), why)
 
     def wait_for_save(self, meta: HpkvMetadata) -> None:
@@ -195,26 +252,36 @@ class WorkerSide:
             else:
                 s["save_failed_blocks"] += len(keys)
                 client.abort(self.ns_id, keys)
-        except Exception as exc:  # a lost save is a future miss
+        except Exception as exc:  # noqa: BLE001 - a lost save is a future miss
             s["save_failed_blocks"] += len(keys)
             self.hpkv.lost(exc)
         s["save_time_s"] += time.perf_counter() - t0
 
     def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def take_finished_loads(self, idle_step: bool = False) -> set[str]:
+        """Requests whose background load ended (loaded or failed: their errors were recorded
+        first). In a step without a forward pass, wait up to ``IDLE_STEP_WAIT_S`` for one:
+        while a request waits for its load and nothing else runs, vLLM steps empty batches
+        back to back, and on a small CPU that spin starves the very processes doing the load."""
+        return self._background.take_finished(IDLE_STEP_WAIT_S if idle_step else 0.0)
+
     def take_stats(self) -> HpkvConnectorStats | None:
-        if not self.enabled or self.stats.is_empty():
-            return None
-        stats, self.stats = self.stats, HpkvConnectorStats()
+        with self._lock:
+            if not self.enabled or self.stats.is_empty():
+                return None
+            stats, self.stats = self.stats, HpkvConnectorStats()
         return stats
 
     def shutdown(self) -> None:
+        self._background.close()
         self.hpkv.close()
         if self._kv_file:
             with contextlib.suppress(OSError):
-                os.unlink(self._kv_file)   # the mapping stays valid while vLLM still uses it
+                os.unlink(self._kv_file)  # the mapping stays valid while vLLM still uses it
 
 
 def current_numa_node() -> int:
@@ -227,3 +294,69 @@ def current_numa_node() -> int:
     except (OSError, IndexError):
         pass
     return 0
+
+
+class BackgroundLoads:
+    """Loads that need the disk, run while the engine steps its other requests (vLLM's async
+    KV load): one thread, its own hpkv connection (a promote waits for the disk; the step
+    thread's calls must not queue behind it), the worker's device for the copy. Every load
+    ends, loaded or failed, within the client's bounds; the request is then reported finished
+    (after its failed blocks were reported) and vLLM recomputes what failed."""
+
+    def __init__(self, side: WorkerSide, open_store: Callable[[], tuple[KvStore, int]] | None):
+        self._side = side
+        self._open_store = open_store
+        self.ns_id = -1
+        self.hpkv: Reconnecting[KvStore] = Reconnecting(f"worker rank {side.rank} loads", self._connect, log)
+        self._queue: queue.SimpleQueue[LoadOp | None] = queue.SimpleQueue()
+        self._finished: set[str] = set()
+        self._pending = 0  # submitted, not yet finished
+        self._done = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def _connect(self) -> KvStore:
+        if self._open_store is None:
+            raise RuntimeError("background loads are not configured")
+        store, self.ns_id = self._open_store()
+        return store
+
+    def submit(self, op: LoadOp) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"hpkv-loads-r{self._side.rank}", daemon=True
+            )
+            self._thread.start()
+        with self._done:
+            self._pending += 1
+        self._queue.put(op)
+
+    def _run(self) -> None:
+        while (op := self._queue.get()) is not None:
+            try:
+                client = self.hpkv.get()
+                if client is None:
+                    self.hpkv.connect_now(timeout=LOAD_CONNECT_TIMEOUT_S)
+                    client = self.hpkv.client
+                if client is None or not self._side.enabled:
+                    self._side._fail_loads(op.block_ids, "no hpkv server")
+                else:
+                    self._side.load(client, self.ns_id, [op], self.hpkv.lost, BACKGROUND_PROMOTE_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - the request must end; vLLM recomputes
+                self._side._fail_loads(op.block_ids, f"background load failed: {exc}")
+            with self._done:
+                self._finished.add(op.req_id)
+                self._pending -= 1
+                self._done.notify_all()
+
+    def take_finished(self, wait_s: float = 0.0) -> set[str]:
+        with self._done:
+            if wait_s > 0 and self._pending and not self._finished:
+                self._done.wait(wait_s)
+            done, self._finished = self._finished, set()
+        return done
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=10.0)
+        self.hpkv.close()

@@ -1,12 +1,13 @@
 """Logging of the server and its workers: stderr plus ``server.log`` in the pool directory."""
+
 from __future__ import annotations
 
 import logging
 import os
 import sys
 
-from hpkv.protocol.wire import LOG_FILE
 from hpkv.common.security import InsecurePath, open_nofollow, open_private_dir
+from hpkv.protocol.wire import LOG_FILE
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
 
@@ -18,7 +19,7 @@ def setup_logging(directory: str, level: str, to_stderr: bool = True) -> None:
     root.handlers.clear()
     root.propagate = False
     path = os.path.join(directory, LOG_FILE)
-    if to_stderr and not _is_stderr(path):   # a spawned server's stderr is server.log itself
+    if to_stderr and not _is_stderr(path):  # a spawned server's stderr is server.log itself
         h = logging.StreamHandler(sys.stderr)
         h.setFormatter(fmt)
         root.addHandler(h)

@@ -6,6 +6,7 @@ when the server is gone, publishes its pid, state, heartbeat and counters in its
 row of the stats segment, and runs one loop: pop a descriptor, mark it in flight
 (so the server can fail it if we die), execute it, push the completion.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,10 +14,10 @@ import logging
 import os
 import signal
 import time
-from typing import Callable
+from collections.abc import Callable
 
+from hpkv.engine.logs import setup_logging
 from hpkv.protocol import wire as P
-from hpkv.common.logs import setup_logging
 from hpkv.protocol.stats import StatsSegment, W, WorkerState
 from hpkv.ring import Desc, PeerDead, Ring, RingError, RingTimeout
 
@@ -73,8 +74,14 @@ class WorkerRuntime:
                 if status:
                     row[W.JOBS_FAILED] += 1
                 try:
-                    resp.push(P.COMPLETION if status == 0 else P.ERROR, d.seq, nbytes, status=status,
-                              flags=flags, timeout=5.0)
+                    resp.push(
+                        P.COMPLETION if status == 0 else P.ERROR,
+                        d.seq,
+                        nbytes,
+                        status=status,
+                        flags=flags,
+                        timeout=5.0,
+                    )
                 except RingError as exc:
                     log.warning("cannot post the completion of seq %d: %s", d.seq, exc)
                 row[W.INFLIGHT_SEQ] = 0

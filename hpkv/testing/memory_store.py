@@ -1,0 +1,157 @@
+"""An in-memory :class:`~hpkv.client.contract.KvStore` with the server's semantics, for fast
+unit tests of connector bookkeeping (no server, no rings, no engine).
+
+It follows the index's rules: a reservation is written once per rank and becomes a DRAM
+block when every rank committed; pinned blocks are not evicted; ``clear`` drops a
+namespace's DRAM copies and keeps what storage holds; a promote moves a storage block back
+into DRAM, pinned for the caller. ``fail`` makes the named calls raise
+:class:`~hpkv.protocol.errors.HpkvUnavailable`, as a dead server would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hpkv.protocol.errors import ROW_MISSING, ROW_POOL_FULL, ROW_PRESENT, HpkvUnavailable, NotOwner
+from hpkv.protocol.wire import Tier
+
+
+@dataclass
+class _Block:
+    offset: int
+    committed: set[int] = field(default_factory=set)
+    in_dram: bool = False
+    stored: bool = False
+    pins: int = 0
+
+
+class MemoryKvStore:
+    def __init__(
+        self,
+        world_size: int = 1,
+        slot_bytes: int = 4096,
+        capacity_blocks: int = 1 << 20,
+        write_through: bool = True,
+    ):
+        self.server_pid = 0
+        self.world = world_size
+        self.slot_bytes = slot_bytes
+        self.capacity = capacity_blocks
+        self.write_through = write_through  # committed blocks are also "on storage"
+        self.blocks: dict[tuple[int, bytes], _Block] = {}
+        self.fail: set[str] = set()
+        self.calls: list[str] = []
+        self.closed = False
+        self._next_offset = 0
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        if name in self.fail or self.closed:
+            raise HpkvUnavailable(f"the in-memory hpkv store refuses {name!r}")
+
+    def _rows(self, n: int) -> np.ndarray:
+        return np.full((n, self.world), ROW_MISSING, np.int64)
+
+    def _row(self, b: _Block) -> np.ndarray:
+        return b.offset + np.arange(self.world, dtype=np.int64) * self.slot_bytes
+
+    def _dram_blocks(self) -> int:
+        return sum(1 for b in self.blocks.values() if b.in_dram or len(b.committed) < self.world)
+
+    # ---------------------------------------------------------------- KvStore
+    def lookup(self, ns_id: int, keys: Sequence[bytes]) -> tuple[int, list[int]]:
+        self._call("lookup")
+        tiers: list[int] = []
+        for k in keys:
+            b = self.blocks.get((ns_id, k))
+            if b is None or not (b.in_dram or b.stored):
+                break
+            tiers.append(Tier.DRAM if b.in_dram else Tier.STORAGE)
+        return len(tiers), tiers
+
+    def reserve(self, ns_id: int, keys: Sequence[bytes]) -> np.ndarray:
+        self._call("reserve")
+        rows = self._rows(len(keys))
+        for i, k in enumerate(keys):
+            if (ns_id, k) in self.blocks:
+                rows[i] = ROW_PRESENT
+            elif self._dram_blocks() >= self.capacity:
+                rows[i] = ROW_POOL_FULL
+            else:
+                b = self.blocks[(ns_id, k)] = _Block(self._next_offset)
+                self._next_offset += self.world * self.slot_bytes
+                rows[i] = self._row(b)
+        return rows
+
+    def commit(self, ns_id: int, keys: Sequence[bytes], rank: int = 0) -> int:
+        self._call("commit")
+        ready = 0
+        for k in keys:
+            b = self.blocks.get((ns_id, k))
+            if b is None or b.in_dram:
+                raise NotOwner(f"key {k.hex()} is not reserved")
+            b.committed.add(rank)
+            if len(b.committed) == self.world:
+                b.in_dram = True
+                b.stored = self.write_through
+                ready += 1
+        return ready
+
+    def abort(self, ns_id: int, keys: Sequence[bytes]) -> None:
+        self._call("abort")
+        for k in keys:
+            b = self.blocks.get((ns_id, k))
+            if b is not None and not b.in_dram:
+                del self.blocks[(ns_id, k)]
+
+    def pin(self, ns_id: int, keys: Sequence[bytes]) -> np.ndarray:
+        self._call("pin")
+        rows = self._rows(len(keys))
+        for i, k in enumerate(keys):
+            b = self.blocks.get((ns_id, k))
+            if b is not None and b.in_dram:
+                b.pins += 1
+                rows[i] = self._row(b)
+        return rows
+
+    def promote(self, ns_id: int, keys: Sequence[bytes], timeout: float | None = None) -> np.ndarray:
+        self._call("promote")
+        rows = self._rows(len(keys))
+        for i, k in enumerate(keys):
+            b = self.blocks.get((ns_id, k))
+            if b is not None and (b.in_dram or b.stored):
+                b.in_dram = True
+                b.pins += 1
+                rows[i] = self._row(b)
+        return rows
+
+    def unpin(self, ns_id: int, keys: Sequence[bytes]) -> None:
+        self._call("unpin")
+        for k in keys:
+            b = self.blocks.get((ns_id, k))
+            if b is not None and b.pins > 0:
+                b.pins -= 1
+
+    def clear(self, ns_id: int) -> int:
+        self._call("clear")
+        dropped = 0
+        for (ns, k), b in list(self.blocks.items()):
+            if ns == ns_id and b.in_dram:
+                b.in_dram = False
+                dropped += 1
+                if not b.stored:
+                    del self.blocks[(ns, k)]
+        return dropped
+
+    def close(self) -> None:
+        self.closed = True
+
+    # ---------------------------------------------------------------- for assertions
+    def pinned(self) -> int:
+        return sum(b.pins for b in self.blocks.values())
+
+    def ready(self, ns_id: int) -> int:
+        return sum(1 for (ns, _), b in self.blocks.items() if ns == ns_id and b.in_dram)

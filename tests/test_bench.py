@@ -1,0 +1,75 @@
+"""The benchmarks' own arithmetic: the seed's exact prompt, bytes per token of a model, the
+floors, and how hpkv's added time is set against them (no vLLM needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from hpkv.bench import ttft
+from hpkv.bench.floors import memcpy_gbps, raw_read_gbps
+
+
+def test_the_prompt_is_the_seeds_bytes_with_the_trailing_space():
+    # printf "A %.0s" $(seq 1 3)
+    assert ttft.prompt_for("A", 3) == "A A A "
+
+
+@pytest.mark.parametrize(
+    ("shape", "per_token"), [("tiny", 4 * 1024), ("qwen2.5-7b", 56 * 1024)], ids=["tiny", "qwen2.5-7b"]
+)
+def test_bytes_per_token_of_the_generated_shapes(tmp_path, shape, per_token):
+    # The config generate_model writes for each shape, without generating weights.
+    spec = {"hidden_size": 512, "num_layers": 8, "num_attention_heads": 8, "num_kv_heads": 2}
+    spec.update(ttft.SHAPES[shape])
+    config = {
+        "hidden_size": spec["hidden_size"],
+        "num_hidden_layers": spec["num_layers"],
+        "num_attention_heads": spec["num_attention_heads"],
+        "num_key_value_heads": spec["num_kv_heads"],
+        "torch_dtype": "bfloat16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert ttft.kv_bytes_per_token(str(tmp_path)) == per_token
+
+
+def test_added_time_is_set_against_the_floor_for_the_bytes_loaded():
+    res = {
+        "ttft": {"cold_no_hpkv": [10.0], "cold": [10.2], "gpu_hit": [0.1], "dram_hit": [0.15]},
+        "served_tokens": {"dram_hit": {"dram": 8192, "storage": 0}},
+        "requests": 1,
+        "tokens": 8192,
+        "model": "m",
+        "kv_bytes_per_token": 56 * 1024,
+        "dram_floor_gbps": {"threads_1": 10.0, "threads_2": 15.0, "best": 15.0},
+    }
+    s = ttft.summarize(res)
+    assert s["dram_added_ms"] == pytest.approx(50.0)
+    assert s["dram_floor_ms"] == pytest.approx(8192 * 56 * 1024 / 15e9 * 1000, abs=0.05)
+    assert s["dram_added_vs_floor"] == pytest.approx(50.0 / s["dram_floor_ms"], abs=0.01)
+    assert s["cold_vs_baseline"] == pytest.approx(1.02)
+    assert "storage_added_ms" not in s, "no storage phase, no storage columns"
+
+
+def test_floors_measure_something_real(tmp_path):
+    m = memcpy_gbps(8 << 20, directory="/dev/shm", threads=(1, 2), repeat=2)
+    assert m["best"] == max(m["threads_1"], m["threads_2"]) > 0.1
+    paths = []
+    for i in range(4):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(os.urandom(1 << 20))
+        paths.append(str(p))
+    r = raw_read_gbps(paths, threads=(1, 2), repeat=1)
+    assert r["best"] > 0.01 and set(r) == {"threads_1", "threads_2", "best", "o_direct"}
+
+
+def test_gap_statistics_cover_the_gaps_that_end_inside_the_window():
+    from hpkv.bench.interference import gap_stats
+
+    times = [0.0, 0.05, 0.10, 0.40, 0.45, 0.50]  # one 300 ms stall between 0.10 and 0.40
+    assert gap_stats(times) == {"p50_ms": 50.0, "max_ms": 300.0, "gaps": 5}
+    assert gap_stats(times, window=(0.2, 0.3))["max_ms"] == 300.0, "a stall that spans the window counts"
+    assert gap_stats(times, window=(0.46, 0.5)) == {"p50_ms": 50.0, "max_ms": 50.0, "gaps": 1}
+    assert gap_stats([1.0])["gaps"] == 0

@@ -1,0 +1,150 @@
+"""The import graph keeps the architecture (README, "Architecture"): imports point one way,
+connectors → client → protocol ← server, and worker processes load only protocol, shared
+primitives and their own kernels. Deferred imports (inside functions) count too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "hpkv"
+
+# room -> rooms it may import (besides itself)
+COMMON = {"common"}
+ALLOWED = {
+    "common": set(),
+    "protocol": COMMON,
+    "client": COMMON | {"protocol"},
+    "connectors": COMMON | {"protocol", "client"},
+    "monitor": COMMON | {"protocol"},
+    "io_workers": COMMON | {"protocol", "engine"},
+    "engine": COMMON | {"protocol", "io_workers", "hpkv.monitor.metrics"},  # the server hosts the exporter
+    "top": None,  # cli, bench, testing: may import anything
+}
+# The processes a worker runs must not load the server (nor clients, monitors, connectors).
+WORKER_MAINS = ("hpkv.engine.transfer_worker", "hpkv.io_workers.worker")
+SERVER_ONLY = ("hpkv.engine.server", "hpkv.engine.index", "hpkv.engine.workers", "hpkv.io_workers.tier")
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    if module in ("hpkv", "hpkv.config") or parts[1:2] in (["common"], ["ring"]):
+        return "common"
+    if parts[1] in ("cli", "__main__", "bench", "testing"):
+        return "top"
+    return parts[1]
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PKG.rglob("*.py") if "sglang_shims" not in p.parts}
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """hpkv modules ``path`` imports anywhere (resolved to the module, or its package)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name.startswith("hpkv"):
+                out.add(name)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {m: imports_of(p, known) - {m} for m, p in mods.items()}
+
+
+def test_rooms_import_only_downwards():
+    bad = []
+    for mod, deps in graph().items():
+        src = room(mod)
+        allowed = ALLOWED[src]
+        if allowed is None:
+            continue
+        for dep in deps:
+            if dep == "hpkv":
+                continue
+            dst = room(dep)
+            if dst == src or dst in allowed or dep in allowed:
+                continue
+            bad.append(f"{mod} ({src}) imports {dep} ({dst})")
+    assert not bad, "imports against the layering:\n" + "\n".join(sorted(bad))
+
+
+def test_nothing_below_the_top_imports_cli_bench_or_testing():
+    bad = [
+        f"{m} imports {d}"
+        for m, deps in graph().items()
+        if room(m) != "top"
+        for d in deps
+        if room(d) == "top"
+    ]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("main", WORKER_MAINS)
+def test_worker_processes_load_no_server_code(main):
+    g = graph()
+    seen, todo = set(), [main]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        todo.extend(g.get(m, ()))
+    loaded = sorted(
+        m for m in seen if m.startswith(SERVER_ONLY) or room(m) in ("client", "connectors", "monitor", "top")
+    )
+    assert not loaded, f"{main} loads {loaded}"
+
+
+def test_no_import_cycles():
+    g = graph()
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(g.get(m, ())):
+            # a package's __init__ importing its own submodules is how packages export names
+            if m == d.rpartition(".")[0] or d == m.rpartition(".")[0] and m.startswith(d + "."):
+                continue
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d) :] + [d])
+            elif d not in state:
+                visit(d, stack)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m, [])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_check_sees_a_violation(tmp_path):
+    """The checker itself: a client module importing the server is caught."""
+    p = tmp_path / "bad.py"
+    p.write_text("def f():\n    from hpkv.engine.server import Server\n")
+    assert imports_of(p, set(modules())) == {"hpkv.engine.server"}
+    assert room("hpkv.engine.server") not in ALLOWED["client"]

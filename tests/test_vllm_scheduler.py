@@ -1,0 +1,277 @@
+"""The vLLM connector's scheduler-side bookkeeping against an in-memory hpkv store:
+milliseconds, no vLLM server (the end-to-end tests in test_vllm_connector.py run real vLLM)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hpkv.connectors.vllm.layout import Layout
+from hpkv.connectors.vllm.scheduler import SchedulerSide
+from hpkv.connectors.vllm.worth import LoadPolicy
+from hpkv.protocol.errors import ROW_MISSING
+from hpkv.protocol.keys import block_keys
+from hpkv.protocol.wire import Tier
+from hpkv.testing.memory_store import MemoryKvStore
+
+BS = 16
+NS = 7
+LAYOUT = Layout(fingerprint="ab" * 16, name="unit", world_size=1, block_size=BS, num_layers=2, page_bytes=64)
+
+
+@dataclass
+class Req:
+    request_id: str
+    num_tokens: int
+    num_computed_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+
+
+def request(rid: str, tokens: int, prefix: str = "p") -> Req:
+    """A request whose full blocks hash by (prefix, block index): same prefix, same blocks."""
+    hashes = [hashlib.sha256(f"{prefix}/{i}".encode()).digest() for i in range(tokens // BS)]
+    return Req(rid, tokens, block_hashes=hashes)
+
+
+def step(*reqs: tuple[Req, int], preempted: tuple[str, ...] = ()) -> SimpleNamespace:
+    """A scheduler output scheduling ``n`` new tokens of each request (all new requests)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r.request_id, num_computed_tokens=r.num_computed_tokens) for r, _ in reqs
+        ],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={r.request_id: n for r, n in reqs},
+        preempted_req_ids=set(preempted),
+    )
+
+
+class Engine:
+    """The scheduler side wired to an in-memory store, with vLLM's block table faked: the
+    blocks of request ``r`` are 100*k .. for the k-th request seen."""
+
+    def __init__(self, threshold: int = 0, store: MemoryKvStore | None = None, background: bool = True):
+        self.store = store or MemoryKvStore()
+        self.tables: dict[str, list[int]] = {}
+        self.side = SchedulerSide(
+            LAYOUT, threshold, lambda: (self.store, NS), self.tables.get, background_storage_loads=background
+        )
+        self.background: dict[str, bool] = {}
+        self.side.hpkv.connect_now(timeout=5)
+        assert self.side.hpkv.client is self.store
+
+    def admit(self, r: Req) -> int:
+        """What vLLM does for a new request: ask for external tokens, allocate, get them."""
+        self.side.on_new_request(r)
+        n, self.background[r.request_id] = self.side.get_num_new_matched_tokens(r, r.num_computed_tokens)
+        self.tables[r.request_id] = [100 * len(self.tables) + i for i in range(r.num_tokens // BS + 1)]
+        self.side.update_state_after_alloc(r, self.tables[r.request_id], n)
+        return n
+
+    def save_all(self, meta) -> None:
+        """What the workers do with a step's saves: copy, then commit."""
+        for op in meta.saves:
+            self.store.commit(NS, op.keys)
+
+
+def test_a_miss_saves_every_full_block_once_and_the_next_request_hits_them():
+    e = Engine()
+    r = request("a", 5 * BS + 3)
+    assert e.admit(r) == 0
+    meta = e.side.build_connector_meta(step((r, r.num_tokens)))
+    assert meta.loads == []
+    (save,) = meta.saves
+    assert save.block_ids == e.tables["a"][:5]
+    assert save.keys == block_keys(LAYOUT.fingerprint, r.block_hashes)
+    assert save.offsets.shape == (5, 1) and (save.offsets >= 0).all()
+    e.save_all(meta)
+    r.num_computed_tokens = r.num_tokens
+    assert e.side.build_connector_meta(step((r, 1))).saves == [], "saved blocks are not saved again"
+    e.side.request_finished("a")
+
+    b = request("b", 5 * BS + 3)
+    assert e.admit(b) == 5 * BS
+    assert e.background["b"] is False, "a DRAM hit loads in the step (milliseconds)"
+    meta = e.side.build_connector_meta(step((b, 3)))
+    (load,) = meta.loads
+    assert load.block_ids == e.tables["b"][:5] and load.keys == save.keys
+    assert (load.offsets == save.offsets).all()
+    assert e.side.hit_tiers("b", 5 * BS) == (5 * BS, 0)
+    assert meta.saves == [], "blocks that came from hpkv are not saved back"
+    assert e.store.pinned() == 5
+    e.side.request_finished("b")
+    assert e.store.pinned() == 0, "a finished request unpins its hit"
+
+
+def test_a_hit_leaves_the_last_token_to_compute():
+    e = Engine()
+    r = request("a", 4 * BS)
+    e.admit(r)
+    e.save_all(e.side.build_connector_meta(step((r, r.num_tokens))))
+    assert e.store.ready(NS) == 4
+    assert e.admit(request("b", 4 * BS)) == 3 * BS, "a prompt of whole blocks recomputes its last block"
+
+
+def test_hits_below_the_threshold_load_nothing():
+    e = Engine(threshold=4 * BS)
+    r = request("a", 3 * BS + 1)
+    e.admit(r)
+    e.save_all(e.side.build_connector_meta(step((r, r.num_tokens))))
+    assert e.admit(request("b", 3 * BS + 1)) == 0
+    assert e.side.build_connector_meta(step()).loads == []
+    assert e.store.pinned() == 0
+
+
+def test_storage_hits_are_reported_per_tier_and_load_with_missing_rows():
+    e = Engine()
+    r = request("a", 4 * BS + 1)
+    e.admit(r)
+    e.save_all(e.side.build_connector_meta(step((r, r.num_tokens))))
+    assert e.side.reset_cache() and e.store.ready(NS) == 0, "reset drops the DRAM copies"
+    b = request("b", 4 * BS + 1)
+    assert e.admit(b) == 4 * BS
+    assert e.side.hit_tiers("b", 4 * BS) == (0, 4 * BS)
+    assert e.background["b"] is True, "a hit that needs the disk loads in the background"
+    (load,) = e.side.build_connector_meta(step((b, 1))).loads
+    assert (load.offsets == ROW_MISSING).all(), "not in DRAM: the worker promotes them"
+    assert load.background
+
+
+def test_dram_hits_and_async_off_load_in_the_step():
+    e = Engine(background=False)
+    r = request("a", 4 * BS + 1)
+    e.admit(r)
+    e.save_all(e.side.build_connector_meta(step((r, r.num_tokens))))
+    assert e.admit(request("b", 4 * BS + 1)) == 4 * BS and e.background["b"] is False
+    e.side.reset_cache()
+    assert e.admit(request("c", 4 * BS + 1)) == 4 * BS
+    assert e.background["c"] is False, "HPKV_ASYNC_STORAGE_LOADS=0: storage hits load in the step too"
+    assert not any(op.background for op in e.side.build_connector_meta(step()).loads)
+
+
+def test_a_full_pool_saves_what_fits():
+    e = Engine(store=MemoryKvStore(capacity_blocks=2))
+    r = request("a", 4 * BS + 1)
+    e.admit(r)
+    (save,) = e.side.build_connector_meta(step((r, r.num_tokens))).saves
+    assert save.block_ids == e.tables["a"][:2]
+
+
+def test_a_preempted_request_does_not_save_its_blocks_twice():
+    e = Engine()
+    r = request("a", 4 * BS + 1)
+    e.admit(r)
+    e.save_all(e.side.build_connector_meta(step((r, 2 * BS))))
+    r.num_computed_tokens = 0  # preempted: resumes from scratch with new blocks
+    e.tables["a"] = [900 + i for i in range(5)]
+    (save,) = e.side.build_connector_meta(step((r, r.num_tokens), preempted=("a",))).saves
+    assert save.block_ids == [902, 903], "blocks hpkv has are reserved as present, not rewritten"
+
+
+def test_no_block_table_yet_means_no_saves_and_no_error():
+    e = Engine()
+    r = request("a", 4 * BS + 1)
+    e.admit(r)
+    e.tables.clear()
+    assert e.side.build_connector_meta(step((r, r.num_tokens))).saves == []
+
+
+@pytest.mark.parametrize("failing", ["lookup", "pin", "reserve", "unpin", "clear"])
+def test_a_failing_hpkv_means_recompute_and_a_reconnect(failing):
+    e = Engine()
+    r = request("a", 4 * BS + 1)
+    e.admit(r)
+    e.save_all(e.side.build_connector_meta(step((r, r.num_tokens))))
+    e.store.fail.add(failing)
+    b = request("b", 6 * BS + 1)  # 4 blocks to load, 2 new ones to save
+    n = e.admit(b)
+    b.num_computed_tokens = n
+    meta = e.side.build_connector_meta(step((b, b.num_tokens - n)))
+    if failing in ("unpin", "clear"):  # still connected while the step is built
+        assert [op.block_ids for op in meta.saves] == [e.tables["b"][4:6]]
+    e.side.request_finished("b")
+    e.side.reset_cache()
+    if failing == "lookup":
+        assert n == 0 and meta.loads == []
+    elif failing == "pin":
+        (load,) = meta.loads
+        assert (load.offsets == ROW_MISSING).all(), "unpinned blocks are loaded by nobody: recompute"
+    assert e.side.hpkv.client is None, f"a failed {failing} drops the connection"
+    assert e.store.closed
+    assert e.admit(request("c", 4 * BS + 1)) == 0, "no store: a miss, no error"
+
+
+def test_reconnect_gets_a_new_store():
+    stores = [MemoryKvStore(), MemoryKvStore()]
+    side = SchedulerSide(LAYOUT, 0, lambda: (stores.pop(0), NS), lambda rid: [0] * 8)
+    side.hpkv.connect_now(timeout=5)
+    first = side.hpkv.client
+    side.hpkv.lost(RuntimeError("gone"))
+    side.hpkv._next_try = 0.0  # do not wait RECONNECT_INTERVAL_S in a unit test
+    side.hpkv.connect_now(timeout=5)
+    assert side.hpkv.client is not None and side.hpkv.client is not first
+    assert np.array_equal(side.hpkv.client.reserve(NS, [b"k" * 16]), [[0]])
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def measured_policy(prefill_tps: float, dram_tps: float | None, storage_tps: float | None) -> LoadPolicy:
+    """An auto policy that has seen steps at ``prefill_tps`` and loads at the given rates."""
+    clock = Clock()
+    p = LoadPolicy(None, clock=clock)
+    for _ in range(3):
+        p.step_scheduled(1024)
+        clock.t += 1024 / prefill_tps
+        p.step_finished()
+    p.step_scheduled(3)  # a decode step says nothing about the prefill rate
+    clock.t += 10.0
+    p.step_finished()
+    stats = {}
+    if dram_tps:
+        stats.update(loaded_tokens_dram=1024, load_time_dram_s=1024 / dram_tps)
+    if storage_tps:
+        stats.update(loaded_tokens_storage=1024, load_time_storage_s=1024 / storage_tps)
+    p.loads_measured(stats)
+    return p
+
+
+D, S = int(Tier.DRAM), int(Tier.STORAGE)
+
+
+def test_a_fixed_threshold_loads_all_or_nothing():
+    p = LoadPolicy(64)
+    assert p.blocks_to_load([S, S], BS) == 0 and p.blocks_to_load([D] * 4, BS) == 4
+
+
+def test_auto_loads_everything_until_rates_are_measured():
+    assert LoadPolicy(None).blocks_to_load([D, D, S, S], BS) == 4
+
+
+def test_auto_skips_a_storage_tier_slower_than_prefill_but_keeps_the_dram_prefix():
+    slow_disk = measured_policy(prefill_tps=2000, dram_tps=200_000, storage_tps=500)
+    assert slow_disk.prefill.tokens_per_s == pytest.approx(2000)
+    assert slow_disk.blocks_to_load([D, D, S, S, S], BS) == 2
+    assert slow_disk.blocks_to_load([S, S, S], BS) == 0
+    fast_disk = measured_policy(prefill_tps=2000, dram_tps=200_000, storage_tps=20_000)
+    assert fast_disk.blocks_to_load([D, D, S, S, S], BS) == 5
+
+
+def test_the_scheduler_in_auto_mode_loads_only_the_dram_part_of_a_hit_from_a_slow_disk():
+    e = Engine()
+    e.side.policy = measured_policy(prefill_tps=2000, dram_tps=200_000, storage_tps=500)
+    r = request("a", 6 * BS + 1)
+    e.admit(r)
+    e.save_all(e.side.build_connector_meta(step((r, r.num_tokens))))
+    e.side.reset_cache()  # all 6 blocks now only on storage
+    e.store.promote(NS, block_keys(LAYOUT.fingerprint, r.block_hashes[:2]))  # 2 back in DRAM
+    assert e.admit(request("b", 6 * BS + 1)) == 2 * BS
+    assert e.background["b"] is False, "the DRAM part loads in the step"
