@@ -17,8 +17,11 @@ STREAM_PROMPT_TOKENS = 64
 STREAM_TOKENS = 160
 
 
-def stream_token_times(url: str, model: str, prompt: str, max_tokens: int) -> list[float]:
-    """Arrival times (perf_counter) of each streamed token of one greedy completion."""
+def stream_token_times(
+    url: str, model: str, prompt: str, max_tokens: int, times: list[float] | None = None
+) -> list[float]:
+    """Arrival times (perf_counter) of each streamed token of one greedy completion, appended
+    to ``times`` as they arrive (another thread may watch it)."""
     import requests
 
     body = {
@@ -29,7 +32,7 @@ def stream_token_times(url: str, model: str, prompt: str, max_tokens: int) -> li
         "ignore_eos": True,
         "stream": True,
     }
-    times: list[float] = []
+    times = [] if times is None else times
     with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -62,7 +65,7 @@ def while_streaming(
     perf_counter window its disturbance lasted); the gap statistics over that window."""
     times: list[float] = []
     t = threading.Thread(
-        target=lambda: times.extend(stream_token_times(url, model, stream_prompt, STREAM_TOKENS)), daemon=True
+        target=stream_token_times, args=(url, model, stream_prompt, STREAM_TOKENS, times), daemon=True
     )
     t.start()
     deadline = time.monotonic() + 120
