@@ -56,3 +56,15 @@ def set_memory_node(node: int) -> str:
     if libc.syscall(SYS_set_mempolicy, MPOL_PREFERRED, ctypes.byref(mask), 64) != 0:
         return f"set_mempolicy(node {node}) failed: {os.strerror(ctypes.get_errno())}"
     return f"memory bound to node {node} (preferred)"
+
+
+def current_numa_node() -> int:
+    """The NUMA node of the CPUs this process runs on (an engine worker's transfer worker is placed there)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    try:
+        for entry in os.listdir(f"/sys/devices/system/cpu/cpu{cpus[0]}"):
+            if entry.startswith("node") and entry[4:].isdigit():
+                return int(entry[4:])
+    except (OSError, IndexError):
+        pass
+    return 0

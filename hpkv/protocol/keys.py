@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,3 +42,16 @@ def block_keys(fingerprint: str, block_hashes: Sequence[bytes | int]) -> list[by
 
 def block_key(fingerprint: str, block_hash: bytes | int) -> bytes:
     return block_keys(fingerprint, [block_hash])[0]
+
+
+def model_identity(model: str) -> dict[str, Any]:
+    """For a local model directory, the names, sizes and mtimes of its files: new weights, new namespace."""
+    if not os.path.isdir(model):
+        return {"model": model}
+    files = []
+    for name in sorted(os.listdir(model)):
+        p = os.path.join(model, name)
+        if os.path.isfile(p) and name.endswith((".json", ".safetensors", ".bin", ".model")):
+            st = os.stat(p)
+            files.append((name, st.st_size, int(st.st_mtime)))
+    return {"model": os.path.abspath(model), "files": files}

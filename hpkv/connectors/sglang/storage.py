@@ -51,9 +51,10 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from hpkv.client import HpkvClient, connect
 from hpkv.common import shm
+from hpkv.common.numa import current_numa_node
 from hpkv.connectors.reconnect import Reconnecting
 from hpkv.protocol.errors import ROW_MISSING, ROW_POOL_FULL, ROW_PRESENT
-from hpkv.protocol.keys import block_keys, namespace_fingerprint
+from hpkv.protocol.keys import block_keys, model_identity, namespace_fingerprint
 from hpkv.protocol.wire import MAX_KEYS_PER_CALL
 
 # A child of SGLang's logger, so our lines appear in SGLang's log with its format.
@@ -119,19 +120,6 @@ def describe_host_pool(pool: Any) -> HostLayout:
     return HostLayout(fd, size, bases, stride, nbytes, num_pages)
 
 
-def _model_identity(model: str) -> dict[str, Any]:
-    """For a local model directory, the names, sizes and mtimes of its files: new weights, new namespace."""
-    if not os.path.isdir(model):
-        return {"model": model}
-    files = []
-    for name in sorted(os.listdir(model)):
-        p = os.path.join(model, name)
-        if os.path.isfile(p) and name.endswith((".json", ".safetensors", ".bin", ".model")):
-            st = os.stat(p)
-            files.append((name, st.st_size, int(st.st_mtime)))
-    return {"model": os.path.abspath(model), "files": files}
-
-
 def namespace_spec(cfg: HiCacheStorageConfig, pool: Any, data_path: str) -> dict[str, Any]:
     """Everything that changes the bytes of a stored page (see the module docstring)."""
     import sglang
@@ -139,7 +127,7 @@ def namespace_spec(cfg: HiCacheStorageConfig, pool: Any, data_path: str) -> dict
     mla = bool(cfg.is_mla_model)
     model = str(cfg.model_name or "")
     spec: dict[str, Any] = {
-        **_model_identity(model.split(":", 1)[0] if os.path.isdir(model.split(":", 1)[0]) else model),
+        **model_identity(model.split(":", 1)[0] if os.path.isdir(model.split(":", 1)[0]) else model),
         "model_name": model,
         "engine": "sglang",
         "engine_version": sglang.__version__,
@@ -281,7 +269,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
                     ns.ns_id,
                     rank=0,
                     device="cpu",
-                    numa_node=_current_numa_node(),
+                    numa_node=current_numa_node(),
                     regions=[{"path": f"/proc/{os.getpid()}/fd/{lay.fd}", "size": lay.region_size}],
                     layer_bases=[(0, b) for b in lay.bases],
                     block_stride=lay.stride,
@@ -541,15 +529,3 @@ class HpkvHiCacheStorage(HiCacheStorage):
                 st = dict(self.stats)
             log.info("hpkv storage backend closing: %s", ", ".join(f"{k} {v}" for k, v in st.items()))
         self._conn.close()
-
-
-def _current_numa_node() -> int:
-    """The NUMA node of the CPUs this SGLang process runs on (its transfer worker is placed there)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    try:
-        for entry in os.listdir(f"/sys/devices/system/cpu/cpu{cpus[0]}"):
-            if entry.startswith("node") and entry[4:].isdigit():
-                return int(entry[4:])
-    except (OSError, IndexError):
-        pass
-    return 0

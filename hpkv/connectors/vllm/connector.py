@@ -25,11 +25,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from hpkv.client import connect
 from hpkv.client.contract import KvStore
+from hpkv.common.numa import current_numa_node
 from hpkv.config import Config, ConfigError, load_config
 from hpkv.connectors.vllm.layout import Layout, derive_layout
 from hpkv.connectors.vllm.metadata import HpkvConnectorStats, HpkvMetadata
 from hpkv.connectors.vllm.scheduler import SchedulerSide
-from hpkv.connectors.vllm.worker import Opened, WorkerSide, current_numa_node
+from hpkv.connectors.vllm.worker import Opened, WorkerSide
 
 try:  # vLLM >= 0.30
     from vllm.v1.metrics.cache_hit_source import CacheHitSource

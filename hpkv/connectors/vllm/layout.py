@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from hpkv.protocol.keys import namespace_fingerprint
+from hpkv.protocol.keys import model_identity, namespace_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,19 +49,6 @@ def _cpu_isa(vllm_config: VllmConfig) -> str:
         )
     except Exception as exc:  # noqa: BLE001 - the tag only needs to be stable and distinct
         return f"unknown:{type(exc).__name__}"
-
-
-def model_identity(model: str) -> dict[str, Any]:
-    """For a local model directory, the names, sizes and mtimes of its files: new weights, new namespace."""
-    if not os.path.isdir(model):
-        return {"model": model}
-    files = []
-    for name in sorted(os.listdir(model)):
-        p = os.path.join(model, name)
-        if os.path.isfile(p) and name.endswith((".json", ".safetensors", ".bin", ".model")):
-            st = os.stat(p)
-            files.append((name, st.st_size, int(st.st_mtime)))
-    return {"model": os.path.abspath(model), "files": files}
 
 
 def _page_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, device: str) -> str:

@@ -284,18 +284,6 @@ class WorkerSide:
                 os.unlink(self._kv_file)  # the mapping stays valid while vLLM still uses it
 
 
-def current_numa_node() -> int:
-    """The NUMA node of the CPUs this engine worker runs on (its transfer worker is placed there)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    try:
-        for entry in os.listdir(f"/sys/devices/system/cpu/cpu{cpus[0]}"):
-            if entry.startswith("node") and entry[4:].isdigit():
-                return int(entry[4:])
-    except (OSError, IndexError):
-        pass
-    return 0
-
-
 class BackgroundLoads:
     """Loads that need the disk, run while the engine steps its other requests (vLLM's async
     KV load): one thread, its own hpkv connection (a promote waits for the disk; the step
