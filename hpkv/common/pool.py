@@ -8,12 +8,14 @@ development VM (``hpkv bench pool``, 2 vCPUs):
 * page tables for pages that already exist, in another process: 0.12 s/GiB with
   MAP_POPULATE, 0.3 s/GiB with MADV_POPULATE_WRITE, 0.47 s/GiB by faulting on use.
 
-So nothing waits for it: the server creates the file sparse (instant) and a
-background thread at idle CPU priority reserves the pages (fallocate) and locks
-them (mlock) chunk by chunk, lowest offsets first, as the allocator hands slots
-out. Workers map the file without populating and fill their page tables the same
-way in the background. A copy that reaches a page before the warmer only pays the
-first-touch cost itself; it never waits for the warmer.
+So nothing waits for it: the server creates the file sparse (instant) and
+background threads reserve the pages (fallocate) and lock them (mlock) chunk by
+chunk: at normal priority up to 1 GiB beyond the highest slot the allocator has
+handed out, so a copy into a new slot finds its memory ready, and the rest from
+the top down at idle priority. Workers map the file without populating and fill
+their page tables up to what the server has warmed, in the background. A copy
+that reaches a page before the warmer pays the first-touch cost itself; it never
+waits for the warmer.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
-WARM_CHUNK = 64 << 20
+WARM_CHUNK = 16 << 20  # short holds of the mmap lock
+WARM_AHEAD = 1 << 30  # warmed at normal priority beyond the allocator's high-water mark
+WARM_POLL_S = 0.1
 SCHED_IDLE = getattr(os, "SCHED_IDLE", 5)
 
 
@@ -63,7 +67,8 @@ class PoolFile:
         self.address = int(self.array.ctypes.data)
         self._fd = fd  # kept by the creator, for the warmer's fallocate
         self._stop = threading.Event()
-        self._warmer: threading.Thread | None = None
+        self._warmers: list[threading.Thread] = []
+        self._done_bytes = 0
 
     @classmethod
     def create(cls, path: str, size: int) -> PoolFile:
@@ -81,71 +86,139 @@ class PoolFile:
             raise
 
     @classmethod
-    def attach(cls, path: str, warm: bool = True) -> PoolFile:
-        """Map an existing pool (workers); ``warm`` fills the page tables in the background."""
+    def attach(cls, path: str, warm_limit: Callable[[], int] | None = None) -> PoolFile:
+        """Map an existing pool (workers). With ``warm_limit`` a background thread fills this
+        process's page tables for the pool's first ``warm_limit()`` bytes as that bound grows
+        (the server's warm progress); without it pages are mapped by faults on first use."""
         fd = os.open(path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
             pool = cls(path, mmap.mmap(fd, size, flags=mmap.MAP_SHARED), size)
         finally:
             os.close(fd)
-        if warm:
-            pool.warm_in_background(lock=False)
+        if warm_limit is not None:
+            pool._start(pool._follow, warm_limit)
         return pool
 
-    def warm_in_background(self, lock: bool, progress: Callable[[int], None] | None = None) -> None:
-        """Start the warmer thread: reserve (creator only), lock or populate, chunk by chunk."""
-        self._warmer = threading.Thread(
-            target=self._warm, args=(lock, progress), name="pool-warm", daemon=True
-        )
-        self._warmer.start()
+    def warm_in_background(
+        self,
+        lock: bool,
+        progress: Callable[[int], None] | None = None,
+        needed_until: Callable[[], int] | None = None,
+    ) -> None:
+        """Start warming (creator: reserve, then lock or populate), chunk by chunk.
 
-    def _warm(self, lock: bool, progress: Callable[[int], None] | None) -> None:
+        Pages below ``needed_until()`` (the allocator's high-water mark plus
+        :data:`WARM_AHEAD`) are warmed at normal priority, lowest first, so a copy into
+        a freshly handed-out slot finds its memory ready: on a busy CPU (vLLM on the CPU
+        busy-polls a core even when idle) an idle-priority thread gets no time at all, and a
+        copy that faults fresh pages runs at 0.05-0.3 GB/s. The rest is warmed from the top
+        down at idle priority. ``progress(n)``: the first ``n`` bytes are ready."""
+        self._lo, self._hi = 0, self.size  # [lo, hi) is not warm yet
+        self._claim = threading.Lock()
+        self._locking = lock
+        self._progress = progress
+        self._t0 = time.monotonic()
+        self._start(self._warm_needed, needed_until or (lambda: self.size))
+        self._start(self._warm_rest, None)
+
+    def _start(self, target: Callable[..., None], arg: object) -> None:
+        t = threading.Thread(target=target, args=(arg,), name="pool-warm", daemon=True)
+        self._warmers.append(t)
+        t.start()
+
+    def _warm_needed(self, needed_until: Callable[[], int]) -> None:
+        while not self._stop.is_set():
+            with self._claim:
+                if self._lo >= self._hi:
+                    return
+                if self._lo >= needed_until():
+                    start = None
+                else:
+                    start, self._lo = self._lo, min(self._lo + WARM_CHUNK, self._hi)
+            if start is None:
+                self._stop.wait(WARM_POLL_S)
+            elif not self._warm_range(start, min(start + WARM_CHUNK, self.size)):
+                return
+
+    def _warm_rest(self, _: object) -> None:
         _idle_priority()
-        t0 = time.monotonic()
-        done = 0
-        locking = lock
+        while not self._stop.is_set():
+            with self._claim:
+                if self._lo >= self._hi:
+                    return
+                end, self._hi = self._hi, max(self._hi - WARM_CHUNK, self._lo)
+                start = self._hi
+            if not self._warm_range(start, end):
+                return
+
+    def _warm_range(self, start: int, end: int) -> bool:
+        """Reserve and lock (or populate) ``[start, end)``; False when warming must stop."""
+        n = end - start
         try:
-            while done < self.size and not self._stop.is_set():
-                n = min(WARM_CHUNK, self.size - done)
-                if self._fd is not None:
-                    try:
-                        os.posix_fallocate(self._fd, done, n)
-                    except OSError as exc:
-                        log.error(
-                            "pool %s: cannot reserve memory at offset %d (%s): the file system of "
-                            "the pool is full; lower HPKV_KV_MEM_POOL_SIZE or free space in it. "
-                            "Copies into the pool may fail (and are recomputed) meanwhile",
-                            self.path,
-                            done,
-                            exc.strerror,
-                        )
-                        return
-                addr = ctypes.c_void_p(self.address + done)
-                if locking and _libc.mlock(addr, ctypes.c_size_t(n)) != 0:
-                    self._lock_failed(ctypes.get_errno())
-                    locking = False
-                if not locking and _libc.madvise(addr, ctypes.c_size_t(n), MADV_POPULATE_WRITE) != 0:
-                    return  # an older kernel: pages are faulted in on first use instead
-                done += n
-                if done >= self.size:
-                    self.locked = locking
-                if progress is not None:
-                    progress(done)
-            if done >= self.size and lock:
-                log.info(
-                    "pool %s: %d bytes allocated%s in %.1fs (background, idle priority)",
-                    self.path,
-                    self.size,
-                    " and locked" if locking else "",
-                    time.monotonic() - t0,
-                )
+            if self._fd is not None:
+                try:
+                    os.posix_fallocate(self._fd, start, n)
+                except OSError as exc:
+                    log.error(
+                        "pool %s: cannot reserve memory at offset %d (%s): the file system of "
+                        "the pool is full; lower HPKV_KV_MEM_POOL_SIZE or free space in it. "
+                        "Copies into the pool may fail (and are recomputed) meanwhile",
+                        self.path,
+                        start,
+                        exc.strerror,
+                    )
+                    return False
+            addr = ctypes.c_void_p(self.address + start)
+            if self._locking and _libc.mlock(addr, ctypes.c_size_t(n)) != 0:
+                with self._claim:
+                    if self._locking:
+                        self._locking = False
+                        self._lock_failed(ctypes.get_errno())
+            if not self._locking and _libc.madvise(addr, ctypes.c_size_t(n), MADV_POPULATE_WRITE) != 0:
+                return False  # an older kernel: pages are faulted in on first use instead
         except ValueError:
-            pass  # the mapping was closed under us at shutdown
-        finally:
+            return False  # the mapping was closed under us at shutdown
+        self._warmed(start, end)
+        return True
+
+    def _warmed(self, start: int, end: int) -> None:
+        with self._claim:
+            self._done_bytes += end - start
+            finished = self._done_bytes >= self.size
+            ready = self.size if finished else self._lo
+        if self._progress is not None:
+            self._progress(ready)
+        if finished:
+            self.locked = self._locking
+            log.info(
+                "pool %s: %d bytes allocated%s in %.1fs (background)",
+                self.path,
+                self.size,
+                " and locked" if self._locking else "",
+                time.monotonic() - self._t0,
+            )
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+    def _follow(self, warm_limit: Callable[[], int]) -> None:
+        """Fill page tables up to ``warm_limit()`` (memory the server already allocated)."""
+        done = 0
+        while done < self.size and not self._stop.is_set():
+            limit = min(int(warm_limit()), self.size)
+            if done >= limit:
+                self._stop.wait(WARM_POLL_S)
+                continue
+            n = min(WARM_CHUNK, limit - done)
+            try:
+                if _libc.madvise(
+                    ctypes.c_void_p(self.address + done), ctypes.c_size_t(n), MADV_POPULATE_WRITE
+                ):
+                    return
+            except ValueError:
+                return
+            done += n
 
     def _lock_failed(self, err: int) -> None:
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
@@ -160,8 +233,12 @@ class PoolFile:
 
     def stop_warming(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        if self._warmer is not None:
-            self._warmer.join(timeout)
+        deadline = time.monotonic() + timeout
+        for t in self._warmers:
+            t.join(max(deadline - time.monotonic(), 0.0))
+        if self._fd is not None and not any(t.is_alive() for t in self._warmers):
+            os.close(self._fd)
+            self._fd = None
 
     def close(self) -> None:
         self.stop_warming()

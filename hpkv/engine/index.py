@@ -64,6 +64,7 @@ class PoolAllocator:
         self._starts: list[int] = [0] if capacity else []  # sorted free-range starts
         self._sizes: dict[int, int] = {0: capacity} if capacity else {}
         self.used = 0
+        self.high_water = 0  # end of the highest range ever handed out
 
     def alloc(self, size: int) -> int | None:
         """A range of ``size`` bytes starting at a multiple of ``size``.
@@ -87,6 +88,7 @@ class PoolAllocator:
                 self._starts.insert(i, start)
                 self._sizes[start] = begin - start
             self.used += size
+            self.high_water = max(self.high_water, begin + size)
             return begin
         return None
 

@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
             log.warning("cannot pin to CPUs %s: %s", cpus, exc)
     placement = set_memory_node(int(spec.get("numa_node", 0)))
 
-    pool = PoolFile.attach(spec["pool"])
+    pool = PoolFile.attach(spec["pool"], warm_limit=rt.pool_warm_bytes)
     if "cuda" in spec:  # the engine's KV cache is on a GPU (or the host stand-in of one)
         from hpkv.engine.cuda_worker import serve_cuda
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from hpkv.engine.logs import setup_logging
 from hpkv.protocol import wire as P
-from hpkv.protocol.stats import StatsSegment, W, WorkerState
+from hpkv.protocol.stats import G, StatsSegment, W, WorkerState
 from hpkv.ring import Desc, PeerDead, Ring, RingError, RingTimeout
 
 #: A job handler: the descriptor → (status, bytes moved, completion flags).
@@ -36,6 +36,10 @@ class WorkerRuntime:
         self.parent = os.getppid()
         self.stats = StatsSegment.attach(self.spec["dir"], writable=True)
         self.row = self.stats.workers[self.spec["slot"]]
+
+    def pool_warm_bytes(self) -> int:
+        """How much of the pool, from its start, the server has allocated so far."""
+        return int(self.stats.glob[G.POOL_WARM])
 
     def _on_term(self, signum, _frame) -> None:
         self.stopping = True

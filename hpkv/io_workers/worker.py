@@ -34,7 +34,7 @@ log = logging.getLogger("hpkv.io")
 def main(argv: list[str]) -> int:
     rt = WorkerRuntime(argv, log)
     spec, row = rt.spec, rt.row
-    pool = PoolFile.attach(spec["pool"])
+    pool = PoolFile.attach(spec["pool"], warm_limit=rt.pool_warm_bytes)
     io = KvFileIO(
         spec["storage"],
         memoryview(pool.mm),
