@@ -439,6 +439,23 @@ def test_cli_version_and_usage_errors():
         assert "usage: hpkv" in out.stderr
 
 
+def test_cli_output_into_a_closed_pipe_ends_quietly(env):
+    """`hpkv config | head -1`: the reader is gone before hpkv writes; no traceback."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "hpkv", "config"],
+            stdout=w,
+            stderr=subprocess.PIPE,
+            env={**os.environ, **env},
+            timeout=60,
+        )
+    finally:
+        os.close(w)
+    assert out.returncode == 141 and out.stderr == b"", out.stderr.decode()
+
+
 def test_the_token_threshold_takes_auto_and_names_the_form_when_wrong(tmp_path):
     env = {"HOME": str(tmp_path)}
     assert load_config(env={**env, "VLLM_HPKV_TOKEN_THRESHOLD": "auto"})["VLLM_HPKV_TOKEN_THRESHOLD"] is None
