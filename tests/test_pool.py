@@ -31,9 +31,7 @@ def pool_path():
 @pytest.fixture
 def busy_cpus():
     """One spinning process per CPU, at the test's own priority."""
-    hogs = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)
-    ]
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
     try:
         yield
     finally:
