@@ -15,7 +15,7 @@ import numpy as np
 import psutil
 import pytest
 
-from hpkv.client.connection import HpkvUnavailable, connect
+from hpkv.client.connection import HpkvUnavailable, connect, ensure_server
 from hpkv.common.pool import PoolFile
 from hpkv.config import load_config
 from hpkv.protocol import wire as P
@@ -161,6 +161,26 @@ def test_auto_spawn_without_a_config_file_works_and_stop_leaves_only_the_log(tmp
             stop
         )
         assert os.listdir(env["HPKV_SHARE_MEM_FILE_PATH"]) == ["server.log"]
+    finally:
+        ServerProcess(env).cleanup()
+
+
+def test_an_engine_can_start_the_server_early_and_attach_later_to_the_same_one(tmp_path):
+    """The vLLM worker starts the server when it is constructed (the pool warms while vLLM
+    compiles) and attaches at KV-cache registration: one server, no client until then."""
+    env = _new_user_env(tmp_path, HPKV_KV_MEM_POOL_SIZE="64m")
+    cfg = load_config(env)
+    try:
+        ensure_server(cfg, env=env)
+        ensure_server(cfg, env=env)  # finds it
+        status = json.loads(
+            subprocess.run(
+                [sys.executable, "-m", "hpkv", "status", "--json"], env=env, capture_output=True, timeout=60
+            ).stdout
+        )
+        assert status["clients"] == [], "starting it attaches nothing"
+        with connect(cfg, env=env, spawn=False) as c:
+            assert c.server_pid == status["server"]["pid"]
     finally:
         ServerProcess(env).cleanup()
 

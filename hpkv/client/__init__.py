@@ -4,7 +4,7 @@
 starts one (:mod:`.spawn`); :mod:`.contract` types the hot calls; :mod:`.control` stops a server.
 """
 
-from hpkv.client.connection import DeviceHandle, HpkvClient, NamespaceHandle, connect
+from hpkv.client.connection import DeviceHandle, HpkvClient, NamespaceHandle, connect, ensure_server
 from hpkv.client.contract import BlockMover, KvStore
 from hpkv.protocol.errors import HpkvError, HpkvUnavailable
 
@@ -17,4 +17,5 @@ __all__ = [
     "KvStore",
     "NamespaceHandle",
     "connect",
+    "ensure_server",
 ]

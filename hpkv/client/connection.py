@@ -479,10 +479,23 @@ def connect(
     cfg = cfg or load_config(env)
     sock_path = os.path.join(cfg.pool_dir, P.SOCKET_FILE)
     sock = _try_connect(sock_path, 5.0)
-    if sock is not None:
-        return _hello(cfg, sock, name, call_timeout)
-    if not spawn:
-        raise HpkvUnavailable(f"no hpkv server is running for {cfg.pool_dir}")
+    if sock is None:
+        if not spawn:
+            raise HpkvUnavailable(f"no hpkv server is running for {cfg.pool_dir}")
+        sock = _spawn_and_reach(cfg, env, timeout)
+    return _hello(cfg, sock, name, call_timeout)
+
+
+def ensure_server(cfg: Config, *, timeout: float = 60.0, env: Mapping[str, str] | None = None) -> None:
+    """Start the pool directory's server if none runs, without attaching to it: an engine
+    calls this early in its start-up so the pool's memory is ready by its first request."""
+    sock = _try_connect(os.path.join(cfg.pool_dir, P.SOCKET_FILE), 5.0) or _spawn_and_reach(cfg, env, timeout)
+    sock.close()
+
+
+def _spawn_and_reach(cfg: Config, env: Mapping[str, str] | None, timeout: float) -> socket.socket:
+    """Spawn a server unless another spawner does; a socket connected to it."""
+    sock_path = os.path.join(cfg.pool_dir, P.SOCKET_FILE)
     deadline = time.monotonic() + timeout
     lock_fd = open_in_pool_dir(cfg, P.SPAWN_LOCK_FILE, os.O_RDWR | os.O_CREAT)
     try:
@@ -518,4 +531,4 @@ def connect(
                 sock = _try_connect(sock_path, 5.0)
     finally:
         os.close(lock_fd)
-    return _hello(cfg, sock, name, call_timeout)
+    return sock

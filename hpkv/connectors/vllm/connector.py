@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from hpkv.client import connect
+from hpkv.client import connect, ensure_server
 from hpkv.client.contract import KvStore
 from hpkv.common.numa import current_numa_node
 from hpkv.config import Config, ConfigError, load_config
@@ -225,10 +226,19 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         return self._scheduler.reset_cache()
 
     # ======================================================================== worker
+    def _start_server_early(self) -> None:
+        try:
+            ensure_server(self.cfg)
+        except Exception as exc:  # noqa: BLE001 - the connection at KV-cache registration reports it
+            log.debug("hpkv: early server start failed (%s); retried at KV cache registration", exc)
+
     def _init_worker(self, vllm_config: VllmConfig, layout: Layout) -> WorkerSide:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank() if layout.world_size > 1 else 0
+        # The server's pool needs its memory before the first hit (first touches cost 2.5-4 s
+        # per GiB on a VM): start the server now, while vLLM loads and compiles the model.
+        threading.Thread(target=self._start_server_early, name="hpkv-early-start", daemon=True).start()
 
         def open_store(device_spec: dict[str, Any]) -> Opened:
             client = connect(self.cfg, name=f"vllm-worker-r{rank}", call_timeout=5.0)
