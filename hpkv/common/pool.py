@@ -10,7 +10,7 @@ development VM (``hpkv bench pool``, 2 vCPUs):
 
 So nothing waits for it: the server creates the file sparse (instant) and
 background threads reserve the pages (fallocate) and lock them (mlock) chunk by
-chunk: at normal priority up to 1 GiB beyond the highest slot the allocator has
+chunk: at normal priority up to 2 GiB beyond the highest slot the allocator has
 handed out, so a copy into a new slot finds its memory ready, and the rest from
 the top down at idle priority. Workers map the file without populating and fill
 their page tables up to what the server has warmed, in the background. A copy
@@ -38,7 +38,7 @@ _libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 WARM_CHUNK = 16 << 20  # short holds of the mmap lock
-WARM_AHEAD = 1 << 30  # warmed at normal priority beyond the allocator's high-water mark
+WARM_AHEAD = 2 << 30  # warmed at normal priority beyond the allocator's high-water mark
 WARM_POLL_S = 0.1
 SCHED_IDLE = getattr(os, "SCHED_IDLE", 5)
 
