@@ -64,7 +64,7 @@ def test_memory_the_allocator_needs_next_is_warmed_while_every_cpu_is_busy(pool_
             got.set()
 
     try:
-        pool.warm_in_background(lock=False, progress=progress, needed_until=lambda: 64 * MIB)
+        pool.warm_in_background(lock=False, progress=progress, high_water=lambda: 0)
         # An idle-priority warmer gets ~0.3% of a CPU next to the spinners: 64 MiB of first
         # touches would take minutes. At normal priority it is a second or two.
         assert got.wait(60), f"only {max(ready, default=0) // MIB} MiB ready after 60 s"
@@ -77,7 +77,7 @@ def test_the_whole_pool_is_warmed_and_reported_when_the_cpus_are_free(pool_path)
     pool = PoolFile.create(pool_path, 64 * MIB)
     ready: list[int] = []
     try:
-        pool.warm_in_background(lock=False, progress=ready.append, needed_until=lambda: 0)
+        pool.warm_in_background(lock=False, progress=ready.append, high_water=lambda: 0)
         deadline = time.monotonic() + 60
         while (not ready or ready[-1] < pool.size) and time.monotonic() < deadline:
             time.sleep(0.05)

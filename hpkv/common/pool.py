@@ -10,9 +10,9 @@ development VM (``hpkv bench pool``, 2 vCPUs):
 
 So nothing waits for it: the server creates the file sparse (instant) and
 background threads reserve the pages (fallocate) and lock them (mlock) chunk by
-chunk: at normal priority up to 2 GiB beyond the highest slot the allocator has
-handed out, so a copy into a new slot finds its memory ready, and the rest from
-the top down at idle priority. Workers map the file without populating and fill
+chunk: up to 2 GiB beyond the highest slot the allocator has handed out at
+normal priority or nice 10, so a copy into a new slot finds its memory ready, and
+the rest from the top down at idle priority. Workers map the file without populating and fill
 their page tables up to what the server has warmed, in the background. A copy
 that reaches a page before the warmer pays the first-touch cost itself; it never
 waits for the warmer.
@@ -20,6 +20,7 @@ waits for the warmer.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -38,7 +39,9 @@ _libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 WARM_CHUNK = 16 << 20  # short holds of the mmap lock
-WARM_AHEAD = 2 << 30  # warmed at normal priority beyond the allocator's high-water mark
+WARM_URGENT = 256 << 20  # warmed at normal priority beyond the allocator's high-water mark
+WARM_AHEAD = 2 << 30  # warmed at nice WARM_AHEAD_NICE beyond it
+WARM_AHEAD_NICE = 10
 WARM_POLL_S = 0.1
 SCHED_IDLE = getattr(os, "SCHED_IDLE", 5)
 
@@ -104,22 +107,25 @@ class PoolFile:
         self,
         lock: bool,
         progress: Callable[[int], None] | None = None,
-        needed_until: Callable[[], int] | None = None,
+        high_water: Callable[[], int] | None = None,
     ) -> None:
         """Start warming (creator: reserve, then lock or populate), chunk by chunk.
 
-        Pages below ``needed_until()`` (the allocator's high-water mark plus
-        :data:`WARM_AHEAD`) are warmed at normal priority, lowest first, so a copy into
-        a freshly handed-out slot finds its memory ready: on a busy CPU (vLLM on the CPU
-        busy-polls a core even when idle) an idle-priority thread gets no time at all, and a
-        copy that faults fresh pages runs at 0.05-0.3 GB/s. The rest is warmed from the top
-        down at idle priority. ``progress(n)``: the first ``n`` bytes are ready."""
+        ``high_water()`` is the end of the highest slot the allocator has handed out. The
+        pool is warmed lowest first: up to :data:`WARM_URGENT` beyond it at normal priority
+        (a copy into a fresh slot must not pay the first touch: 0.05-0.3 GB/s on a VM), up
+        to :data:`WARM_AHEAD` beyond it at nice 10 (mostly the CPU vLLM leaves free while it
+        starts, yet some CPU even next to vLLM on the CPU, which busy-polls a core when idle
+        and so starves an idle-priority thread), and the rest from the top down at idle
+        priority. ``progress(n)``: the first ``n`` bytes are ready."""
         self._lo, self._hi = 0, self.size  # [lo, hi) is not warm yet
         self._claim = threading.Lock()
         self._locking = lock
         self._progress = progress
         self._t0 = time.monotonic()
-        self._start(self._warm_needed, needed_until or (lambda: self.size))
+        hw = high_water or (lambda: 0)
+        self._start(self._warm_up_to, (lambda: hw() + WARM_URGENT, 0))
+        self._start(self._warm_up_to, (lambda: hw() + WARM_AHEAD, WARM_AHEAD_NICE))
         self._start(self._warm_rest, None)
 
     def _start(self, target: Callable[..., None], arg: object) -> None:
@@ -127,12 +133,16 @@ class PoolFile:
         self._warmers.append(t)
         t.start()
 
-    def _warm_needed(self, needed_until: Callable[[], int]) -> None:
+    def _warm_up_to(self, bound_and_nice: tuple[Callable[[], int], int]) -> None:
+        bound, nice = bound_and_nice
+        if nice:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)  # this thread
         while not self._stop.is_set():
             with self._claim:
                 if self._lo >= self._hi:
                     return
-                if self._lo >= needed_until():
+                if self._lo >= bound():
                     start = None
                 else:
                     start, self._lo = self._lo, min(self._lo + WARM_CHUNK, self._hi)

@@ -37,7 +37,7 @@ import numpy as np
 
 from hpkv.common import shm
 from hpkv.common.numa import device_cpus
-from hpkv.common.pool import WARM_AHEAD, PoolFile
+from hpkv.common.pool import PoolFile
 from hpkv.common.proc import PID_MAX, pid_alive, valid_pid
 from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.common.security import open_nofollow, open_private_dir, peer_allowed, peer_credentials
@@ -366,7 +366,7 @@ class Server:
         self.pool.warm_in_background(
             lock=True,
             progress=self._pool_warm_progress,
-            needed_until=lambda: self.index.alloc.high_water + WARM_AHEAD,
+            high_water=lambda: self.index.alloc.high_water,
         )
         self.stats.glob[G.POOL_CAPACITY] = size
         self.doorbell = Doorbell.create(self.dir, "server")
