@@ -12,8 +12,8 @@ So nothing waits for it: the server creates the file sparse (instant) and
 background threads reserve the pages (fallocate) and lock them (mlock) chunk by
 chunk: up to 2 GiB beyond the highest slot the allocator has handed out at
 normal priority or nice 10, so a copy into a new slot finds its memory ready, and
-the rest from the top down at idle priority. Workers map the file without populating and fill
-their page tables up to what the server has warmed, in the background. A copy
+the rest from the top down at idle priority. Workers map the file without
+populating and fill their page tables up to what the server has warmed. A copy
 that reaches a page before the warmer pays the first-touch cost itself; it never
 waits for the warmer.
 """
@@ -72,6 +72,8 @@ class PoolFile:
         self._stop = threading.Event()
         self._warmers: list[threading.Thread] = []
         self._done_bytes = 0
+        self._done_ranges: dict[int, int] = {}  # warmed, not yet part of the ready prefix
+        self._ready = 0  # [0, ready) is warm
 
     @classmethod
     def create(cls, path: str, size: int) -> PoolFile:
@@ -196,7 +198,10 @@ class PoolFile:
         with self._claim:
             self._done_bytes += end - start
             finished = self._done_bytes >= self.size
-            ready = self.size if finished else self._lo
+            self._done_ranges[start] = end
+            while self._ready in self._done_ranges:  # chunks end in any order
+                self._ready = self._done_ranges.pop(self._ready)
+            ready = self._ready
         if self._progress is not None:
             self._progress(ready)
         if finished:
