@@ -71,7 +71,6 @@ class PoolFile:
         self._fd = fd  # kept by the creator, for the warmer's fallocate
         self._stop = threading.Event()
         self._warmers: list[threading.Thread] = []
-        self._done_bytes = 0
         self._done_ranges: dict[int, int] = {}  # warmed, not yet part of the ready prefix
         self._ready = 0  # [0, ready) is warm
 
@@ -126,17 +125,16 @@ class PoolFile:
         self._progress = progress
         self._t0 = time.monotonic()
         hw = high_water or (lambda: 0)
-        self._start(self._warm_up_to, (lambda: hw() + WARM_URGENT, 0))
-        self._start(self._warm_up_to, (lambda: hw() + WARM_AHEAD, WARM_AHEAD_NICE))
-        self._start(self._warm_rest, None)
+        self._start(self._warm_up_to, lambda: hw() + WARM_URGENT, 0)
+        self._start(self._warm_up_to, lambda: hw() + WARM_AHEAD, WARM_AHEAD_NICE)
+        self._start(self._warm_rest)
 
-    def _start(self, target: Callable[..., None], arg: object) -> None:
-        t = threading.Thread(target=target, args=(arg,), name="pool-warm", daemon=True)
+    def _start(self, target: Callable[..., None], *args: object) -> None:
+        t = threading.Thread(target=target, args=args, name="pool-warm", daemon=True)
         self._warmers.append(t)
         t.start()
 
-    def _warm_up_to(self, bound_and_nice: tuple[Callable[[], int], int]) -> None:
-        bound, nice = bound_and_nice
+    def _warm_up_to(self, bound: Callable[[], int], nice: int) -> None:
         if nice:
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)  # this thread
@@ -153,7 +151,7 @@ class PoolFile:
             elif not self._warm_range(start, min(start + WARM_CHUNK, self.size)):
                 return
 
-    def _warm_rest(self, _: object) -> None:
+    def _warm_rest(self) -> None:
         _idle_priority()
         while not self._stop.is_set():
             with self._claim:
@@ -196,15 +194,13 @@ class PoolFile:
 
     def _warmed(self, start: int, end: int) -> None:
         with self._claim:
-            self._done_bytes += end - start
-            finished = self._done_bytes >= self.size
             self._done_ranges[start] = end
             while self._ready in self._done_ranges:  # chunks end in any order
                 self._ready = self._done_ranges.pop(self._ready)
             ready = self._ready
         if self._progress is not None:
             self._progress(ready)
-        if finished:
+        if ready >= self.size:  # the ranges tile the pool: the prefix reaches the end last
             self.locked = self._locking
             log.info(
                 "pool %s: %d bytes allocated%s in %.1fs (background)",
