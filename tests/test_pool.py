@@ -73,6 +73,29 @@ def test_memory_the_allocator_needs_next_is_warmed_while_every_cpu_is_busy(pool_
         pool.close()
 
 
+def test_an_engine_still_starting_gets_the_busy_cpus_and_warming_starts_in_earnest_after(
+    pool_path, busy_cpus
+):
+    pool = PoolFile.create(pool_path, 512 * MIB)
+    ready = [0]
+    started = threading.Event()
+    try:
+        pool.warm_in_background(
+            lock=False, progress=ready.append, high_water=lambda: 0, engine_started=started.is_set
+        )
+        time.sleep(3)
+        # Ungated, the normal-priority tier makes 64 MiB ready in a second or two here; at
+        # idle priority next to the spinners a 16 MiB chunk takes far longer than 3 s.
+        assert ready[-1] < 64 * MIB, f"{ready[-1] // MIB} MiB warmed while the engine was starting"
+        started.set()
+        deadline = time.monotonic() + 60
+        while ready[-1] < 64 * MIB and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready[-1] >= 64 * MIB, f"only {ready[-1] // MIB} MiB ready 60 s after the engine started"
+    finally:
+        pool.close()
+
+
 def test_the_whole_pool_is_warmed_and_reported_when_the_cpus_are_free(pool_path):
     pool = PoolFile.create(pool_path, 64 * MIB)
     ready: list[int] = []

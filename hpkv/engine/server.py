@@ -251,6 +251,7 @@ class Server:
         self._closing: list[Client] = []
         self._next_cid = 1
         self._next_dev = 1
+        self._device_registered = False
         self._lock_fd: int | None = None
         self._catalog_dirty = True
         self._last_client_seen = time.monotonic()
@@ -367,6 +368,7 @@ class Server:
             lock=True,
             progress=self._pool_warm_progress,
             high_water=lambda: self.index.alloc.high_water,
+            engine_started=lambda: self._device_registered or self.index.alloc.high_water > 0,
         )
         self.stats.glob[G.POOL_CAPACITY] = size
         self.doorbell = Doorbell.create(self.dir, "server")
@@ -1202,6 +1204,7 @@ class Server:
             answer.append({"req": w.req_name, "resp": w.resp_name, "jobs": w.jobs_path})
         c.devices.append(dev)
         c.writer_ranks.add((ns.ns_id, rank))
+        self._device_registered = True  # the pool is about to be used: warm it in earnest
         self._catalog_dirty = True
         log.info(
             "client %d registered device %s (rank %d, NUMA node %s, CPUs %s): %d transfer worker(s)",
