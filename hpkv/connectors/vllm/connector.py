@@ -58,6 +58,30 @@ def _hpkv_config() -> Config:
         raise ValueError(f"hpkv configuration error: {exc}") from None
 
 
+_early_start = threading.Lock()
+_early_started = False
+
+
+def _start_server_early(cfg: Config) -> None:
+    """Start the pool directory's server in the background, once per process, without attaching.
+
+    The pool needs its memory before the first hit (first touches cost 2.5-4 s per GiB on a
+    VM) and its workers a few seconds to start: the earlier, the less of it vLLM waits for."""
+    global _early_started
+    with _early_start:
+        if _early_started:
+            return
+        _early_started = True
+
+    def run() -> None:
+        try:
+            ensure_server(cfg)
+        except Exception as exc:  # noqa: BLE001 - the connection at KV-cache registration reports it
+            log.debug("hpkv: early server start failed (%s); retried at KV cache registration", exc)
+
+    threading.Thread(target=run, name="hpkv-early-start", daemon=True).start()
+
+
 class HpkvConnectorV1(KVConnectorBase_V1):
     if CacheHitSource is not None:
         _cache_hit_source = CacheHitSource.HOST
@@ -95,16 +119,21 @@ class HpkvConnectorV1(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        """On CUDA, BLNHC: a block of all layers is one run, one DMA descriptor (HPKV_CUDA_BLOCK_OUTERMOST)."""
+        """On CUDA, BLNHC: a block of all layers is one run, one DMA descriptor (HPKV_CUDA_BLOCK_OUTERMOST).
+
+        vLLM asks this in each worker while it loads the model, 15-20 s before it builds
+        the connector (after compiling): the first moment hpkv's server can start without
+        competing with vLLM for the CPU, so it is started here."""
         from hpkv.connectors.vllm.cuda_layout import REQUESTED_LAYOUT
 
-        if str(vllm_config.device_config.device_type) != "cuda":
-            return None
         try:
             cfg = load_config()
         except ConfigError:
             return None  # the connector's constructor reports the configuration error
-        if not cfg["VLLM_ENABLE_HPKV"] or not cfg["HPKV_CUDA_BLOCK_OUTERMOST"]:
+        if not cfg["VLLM_ENABLE_HPKV"]:
+            return None
+        _start_server_early(cfg)
+        if str(vllm_config.device_config.device_type) != "cuda" or not cfg["HPKV_CUDA_BLOCK_OUTERMOST"]:
             return None
         return REQUESTED_LAYOUT
 
@@ -226,19 +255,11 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         return self._scheduler.reset_cache()
 
     # ======================================================================== worker
-    def _start_server_early(self) -> None:
-        try:
-            ensure_server(self.cfg)
-        except Exception as exc:  # noqa: BLE001 - the connection at KV-cache registration reports it
-            log.debug("hpkv: early server start failed (%s); retried at KV cache registration", exc)
-
     def _init_worker(self, vllm_config: VllmConfig, layout: Layout) -> WorkerSide:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank() if layout.world_size > 1 else 0
-        # The server's pool needs its memory before the first hit (first touches cost 2.5-4 s
-        # per GiB on a VM): start the server now, while vLLM loads and compiles the model.
-        threading.Thread(target=self._start_server_early, name="hpkv-early-start", daemon=True).start()
+        _start_server_early(self.cfg)  # usually started already (get_required_kvcache_layout)
 
         def open_store(device_spec: dict[str, Any]) -> Opened:
             client = connect(self.cfg, name=f"vllm-worker-r{rank}", call_timeout=5.0)
