@@ -5,8 +5,10 @@ vLLM is started with CT-HPKV's command line, alternately with hpkv disabled
 same way) and enabled, with a fresh pool directory each time so the connector
 auto-spawns a server with the configured pool (by default the documented 8 GiB). A
 first, unmeasured start fills vLLM's compile cache. Reported per round: seconds from
-launch to ``/health`` answering, and from the hpkv server's first log line to its
-``serving`` line and to its last worker's ``ready`` line (server.log).
+launch to ``/health`` answering; from server.log, how soon the server served and its IO
+workers were ready, and how soon after vLLM registered its KV cache the transfer
+worker was; and the CPU seconds hpkv's processes had used by the time vLLM answered
+(on a machine whose cores vLLM keeps busy while it starts, roughly what hpkv adds).
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
 def _log_times(path: str) -> dict[str, float]:
-    """Seconds from the server's first log line to 'serving' and to the last worker 'ready'."""
-    first = serving = ready = None
+    """From server.log: seconds from the server's first line to 'serving' and to its last IO
+    worker's 'ready', and from the device registration to the transfer worker's 'ready'."""
+    first = serving = io_ready = registered = transfer_ready = None
     with open(path) as f:
         for line in f:
             m = _STAMP.match(line)
@@ -46,13 +49,50 @@ def _log_times(path: str) -> dict[str, float]:
             first = first if first is not None else t
             if "hpkv.server" in line and " serving " in line:
                 serving = t
-            if "worker ready" in line:
-                ready = t
+            elif "IO worker ready" in line:
+                io_ready = t
+            elif "registered device" in line and registered is None:
+                registered = t
+            elif "transfer worker ready" in line:
+                transfer_ready = t
     out: dict[str, float] = {}
     if first is not None and serving is not None:
         out["server_serving_s"] = round(serving - first, 3)
-    if first is not None and ready is not None:
-        out["workers_ready_s"] = round(ready - first, 3)
+    if first is not None and io_ready is not None:
+        out["io_workers_ready_s"] = round(io_ready - first, 3)
+    if registered is not None and transfer_ready is not None:
+        out["transfer_ready_after_registration_s"] = round(transfer_ready - registered, 3)
+    return out
+
+
+def _hpkv_cpu_s(pool_dir: str) -> dict[str, float]:
+    """CPU seconds used so far by the pool directory's server and its workers, per process name."""
+    import psutil
+
+    from hpkv.engine.workers import WORKER_MODULES
+    from hpkv.protocol.wire import live_server_pid
+
+    kinds = {module: f"{kind}_workers" for kind, module in WORKER_MODULES.items()}
+
+    pid = live_server_pid(pool_dir)
+    if pid is None:
+        return {}
+    out: dict[str, float] = {}
+    try:
+        server = psutil.Process(pid)
+        procs = [server, *server.children(recursive=True)]
+    except psutil.Error:
+        return {}
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            cmd = p.cmdline()
+            name = "server" if p.pid == pid else (cmd[2] if len(cmd) > 2 else p.name())
+        except psutil.Error:
+            continue
+        key = f"cpu_{kinds.get(name, name)}_s"
+        out[key] = round(out.get(key, 0.0) + t.user + t.system, 2)
+    out["cpu_hpkv_s"] = round(sum(out.values()), 2)
     return out
 
 
@@ -89,8 +129,10 @@ def run(args: argparse.Namespace) -> int:
         )
         t0 = time.monotonic()
         try:
-            srv.start().wait_ready(timeout=900)
+            srv.start().wait_ready(timeout=900, poll_s=0.2)
             row: dict[str, Any] = {"run": tag, "hpkv": hpkv, "ready_s": round(time.monotonic() - t0, 2)}
+            if hpkv:
+                row.update(_hpkv_cpu_s(pool_dir))
             srv.interrupt()
         finally:
             srv.stop()

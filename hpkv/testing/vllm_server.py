@@ -247,8 +247,8 @@ class VllmServer:
             _live.add(self)
         return self
 
-    def wait_ready(self, timeout: float | None = None) -> VllmServer:
-        """Poll ``/health`` until it answers 200; raise early if the process exits."""
+    def wait_ready(self, timeout: float | None = None, poll_s: float = 1.0) -> VllmServer:
+        """Poll ``/health`` every ``poll_s`` until it answers 200; raise early if the process exits."""
         if self.proc is None:
             raise VllmServerError("vLLM server was not started; call start() first")
         timeout = self.ready_timeout if timeout is None else timeout
@@ -273,7 +273,7 @@ class VllmServer:
                     f"(log {self.log_path}); the machine may be overloaded, or raise the "
                     f"timeout:\n{self.log_tail()}"
                 )
-            time.sleep(1.0)
+            time.sleep(poll_s)
 
     def stop(self, timeout: float = 60.0) -> int | None:
         """Stop the server and all its descendants; return the server's exit code.
