@@ -1,7 +1,8 @@
 """HpkvConnectorV1 end to end: real vLLM on the CPU, the generated tiny model, real hpkv processes.
 
-One vLLM server is shared by the tests of this module, in file order (the later
-tests restart it and finally kill hpkv under it). Prompts are short; the block
+One vLLM server is shared by the tests of this module, in file order (the last one
+kills hpkv under it). A restart on CT-HPKV's own command line is tested in
+test_quickstart.py, VLLM_ENABLE_HPKV=0 in test_vllm_smoke.py. Prompts are short; the block
 size is 32 tokens and the load threshold 64 tokens, so every tier is exercised
 in seconds. hpkv's own counters (``hpkv status --json``) prove which tier served.
 """
@@ -34,7 +35,6 @@ MODULE_PATH_FORM = {
     "kv_role": "kv_both",
     "kv_connector_module_path": "hpkv.connectors.vllm",
 }
-SEED_FORM = {"kv_connector": "HpkvConnectorV1", "kv_role": "kv_both"}  # CT-HPKV's own command line
 
 
 def vllm_args(ktc: dict) -> list[str]:
@@ -261,22 +261,6 @@ def test_concurrent_requests_with_overlapping_prefixes_get_the_same_outputs(serv
     assert delta(before, loaded(hpkv_env))["dram"] > 0
 
 
-def test_restarted_vllm_loads_from_storage_with_the_seed_command_line(server, hpkv_env, tiny_model):
-    prompt = letters(170, seed=7)
-    files = kv_files(hpkv_env)
-    cold_text, _ = complete(server, prompt)
-    wait_for_files(hpkv_env, files + 5)  # `hpkv stop` drops unwritten spills
-    server.stop()
-    # A restarted engine with a restarted hpkv: the DRAM pool is gone, the files are not.
-    subprocess.run([sys.executable, "-m", "hpkv", "stop"], env=hpkv_env, capture_output=True, timeout=60)
-    server.extra_args = vllm_args(SEED_FORM)  # no module path: the vLLM plugin
-    server.start().wait_ready()
-    before = loaded(hpkv_env)
-    text, _ = complete(server, prompt)
-    assert delta(before, loaded(hpkv_env)) == {"dram": 0, "storage": 5 * BLOCK}
-    assert text == cold_text
-
-
 def test_killed_hpkv_server_means_recompute_not_errors(server, hpkv_env):
     prompt = letters(150, seed=8)
     expected, _ = complete(server, prompt)
@@ -305,21 +289,3 @@ def test_killed_hpkv_server_means_recompute_not_errors(server, hpkv_env):
         time.sleep(1.0)
     log = server.log_tail(100_000)
     assert log.count("lost the hpkv server") + log.count("cannot reach the hpkv server") == 2, log[-6000:]
-
-
-def test_vllm_enable_hpkv_0_makes_the_connector_a_logged_noop(tiny_model):
-    env = private_env(storage="", VLLM_ENABLE_HPKV="0")
-    srv = VllmServer(tiny_model, extra_args=vllm_args(SEED_FORM), env=env, max_model_len=4096)
-    try:
-        srv.start().wait_ready()
-        prompt = letters(100, seed=9)
-        assert complete(srv, prompt)[0] == complete(srv, prompt)[0]
-        status = subprocess.run(
-            [sys.executable, "-m", "hpkv", "status"], env=env, capture_output=True, text=True, timeout=60
-        )
-        assert status.returncode == 1, "no hpkv server was started"
-        assert "VLLM_ENABLE_HPKV=0 (from environment): the connector does nothing" in srv.log_tail(10_000)
-    finally:
-        srv.stop()
-        shutil.rmtree(env["HPKV_SHARE_MEM_FILE_PATH"], ignore_errors=True)
-        os.unlink(env["HPKV_CONFIG_FILE_PATH"])

@@ -1,6 +1,8 @@
 """A real vLLM server serves the tiny model, and VllmServer cleans up after it.
 
-The ``vllm``-marked test starts the real server (≈ 2 minutes on 2 cores). The
+The ``vllm``-marked test starts the real server (≈ 2 minutes on 2 cores) with
+CT-HPKV's connector configured and ``VLLM_ENABLE_HPKV=0``: vLLM serves as without
+hpkv, the connector says once that it does nothing, and no hpkv server starts. The
 other tests drive VllmServer against a fake ``vllm.entrypoints.openai.api_server``
 module (shadowing the real one through PYTHONPATH) that starts in a second, so
 the stop/kill/reap logic is tested cheaply, including children that ignore
@@ -9,16 +11,21 @@ SIGTERM and grandchildren orphaned by a server that exits first.
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
-from hpkv.testing.vllm_server import VllmServer, VllmServerError
+from hpkv.testing.server import private_env
+from hpkv.testing.vllm_server import SEED_KV_TRANSFER_CONFIG, VllmServer, VllmServerError
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -27,12 +34,26 @@ def _port_open(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+@pytest.fixture
+def hpkv_disabled_env() -> Iterator[dict[str, str]]:
+    env = private_env(storage="", VLLM_ENABLE_HPKV="0")
+    try:
+        yield env
+    finally:
+        shutil.rmtree(env["HPKV_SHARE_MEM_FILE_PATH"], ignore_errors=True)
+        os.unlink(env["HPKV_CONFIG_FILE_PATH"])
+
+
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
-def test_vllm_serves_tiny_model_and_stops_cleanly(vllm_server: Callable[..., VllmServer]) -> None:
+def test_vllm_with_hpkv_disabled_serves_the_tiny_model_and_stops_cleanly(
+    vllm_server: Callable[..., VllmServer], hpkv_disabled_env: dict[str, str]
+) -> None:
+    env = hpkv_disabled_env
     t0 = time.monotonic()
-    srv = vllm_server()
+    srv = vllm_server(extra_args=["--kv-transfer-config", SEED_KV_TRANSFER_CONFIG], env=env)
     print(f"vLLM ready after {time.monotonic() - t0:.1f} s at {srv.url}")
+    assert "VLLM_ENABLE_HPKV=0 (from environment): the connector does nothing" in srv.log_tail(100_000)
 
     tree = srv.process_tree()
     names = [p.name() for p in tree]
@@ -48,6 +69,12 @@ def test_vllm_serves_tiny_model_and_stops_cleanly(vllm_server: Callable[..., Vll
 
     long = srv.completion(" ".join(["A"] * 1000), max_tokens=1, ignore_eos=True)
     assert long["usage"]["prompt_tokens"] == 1000
+    again = srv.completion(" ".join(["A"] * 1000), max_tokens=1, ignore_eos=True)
+    assert again["choices"][0]["text"] == long["choices"][0]["text"]
+    status = subprocess.run(
+        [sys.executable, "-m", "hpkv", "status"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert status.returncode == 1, f"no hpkv server was started: {status.stdout}"
 
     models = srv.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [srv.model_name]
