@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -15,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hpkv.config import Config, load_config
-from hpkv.protocol.wire import LOG_FILE, SOCKET_FILE, read_lock_pid
+from hpkv.protocol.wire import LOG_FILE, SOCKET_FILE, live_server_pid, read_lock_pid
 
 
 def env_without_hpkv() -> dict[str, str]:
@@ -131,8 +132,28 @@ class ServerProcess:
             if self.proc.stderr:
                 self.proc.stderr.close()
 
+    def stop_spawned(self, timeout: float = 15.0) -> None:
+        """End a server the pool directory's lock names that this object did not start (an
+        auto-spawned one, detached into a session of its own), and its workers."""
+        import psutil
+
+        pid = live_server_pid(self.pool_dir)
+        if pid is None or (self.proc is not None and pid == self.proc.pid):
+            return
+        try:
+            server = psutil.Process(pid)
+            procs = [server, *server.children(recursive=True)]
+            server.terminate()  # drains, stops its workers, removes its files
+        except psutil.NoSuchProcess:
+            return
+        _, alive = psutil.wait_procs(procs, timeout=timeout)
+        for p in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+
     def cleanup(self) -> None:
         self.stop()
+        self.stop_spawned()
         shutil.rmtree(self.pool_dir, ignore_errors=True)
         if "HPKV_CONFIG_FILE_PATH" in self.env:  # private_env's empty config file
             try:
