@@ -16,10 +16,9 @@ core it can get, and its KV-cache allocation runs 5x slower next to the warmer).
 Once an engine is about to use the pool, up to 2 GiB beyond the highest slot the
 allocator has handed out is warmed at normal priority or nice 10, so a copy into a
 new slot finds its memory ready, and the rest from the top down at idle priority.
-Workers map the file without
-populating and fill their page tables up to what the server has warmed. A copy
-that reaches a page before the warmer pays the first-touch cost itself; it never
-waits for the warmer.
+Workers map the file without populating and fill their page tables up to what the
+server has warmed. A copy that reaches a page before the warmer pays the
+first-touch cost itself; it never waits for the warmer.
 """
 
 from __future__ import annotations

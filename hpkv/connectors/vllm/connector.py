@@ -121,9 +121,10 @@ class HpkvConnectorV1(KVConnectorBase_V1):
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         """On CUDA, BLNHC: a block of all layers is one run, one DMA descriptor (HPKV_CUDA_BLOCK_OUTERMOST).
 
-        vLLM asks this in each worker while it loads the model, 15-20 s before it builds
-        the connector (after compiling): the first moment hpkv's server can start without
-        competing with vLLM for the CPU, so it is started here."""
+        vLLM's EngineCore asks this once, right after its workers loaded the model and
+        before it profiles and compiles, 13-20 s before the connectors are built: the
+        first moment hpkv's server can start without competing with vLLM for the CPU, so
+        it is started here."""
         from hpkv.connectors.vllm.cuda_layout import REQUESTED_LAYOUT
 
         try:
@@ -259,7 +260,7 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank() if layout.world_size > 1 else 0
-        _start_server_early(self.cfg)  # usually started already (get_required_kvcache_layout)
+        _start_server_early(self.cfg)  # usually running already (EngineCore, get_required_kvcache_layout)
 
         def open_store(device_spec: dict[str, Any]) -> Opened:
             client = connect(self.cfg, name=f"vllm-worker-r{rank}", call_timeout=5.0)
