@@ -936,7 +936,11 @@ class Server:
             handler = self._control_handlers.get(op) if isinstance(op, str) else None
             if handler is None:
                 raise ValueError(f"unknown op {msg.get('op')!r}")
-            return handler(conn, msg)
+            reply = handler(conn, msg)
+            # What the call changed (a namespace, a client) is in the catalog before the
+            # caller hears back: `hpkv status` right after it must see it.
+            self._publish_catalog_if_dirty()
+            return reply
         except HpkvError as exc:
             return refusal(exc.status, str(exc))
         except (ValueError, KeyError, TypeError, RecursionError, MemoryError) as exc:
@@ -982,9 +986,7 @@ class Server:
         }
 
     def _ctl_stats(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
-        with self.lock:
-            if self._catalog_dirty:
-                self._publish_catalog()
+        self._publish_catalog_if_dirty()
         return {"ok": True, "stats": self.stats.snapshot()}
 
     def _ctl_shutdown(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
@@ -1266,6 +1268,11 @@ class Server:
             log.info("no client for %.0fs (HPKV_SERVER_IDLE_EXIT): exiting", self.idle_exit)
             self.stop_event.set()
             self.doorbell.ring()
+
+    def _publish_catalog_if_dirty(self) -> None:
+        with self.lock:
+            if self._catalog_dirty:
+                self._publish_catalog()
 
     def _publish_catalog(self) -> None:
         self._catalog_dirty = False
