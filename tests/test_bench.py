@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -44,13 +45,38 @@ def test_added_time_is_set_against_the_floor_for_the_bytes_loaded():
         "model": "m",
         "kv_bytes_per_token": 56 * 1024,
         "dram_floor_gbps": {"threads_1": 10.0, "threads_2": 15.0, "best": 15.0},
+        "cpu_s_per_request": {"cold": {"engine": 12.5, "hpkv": 0.25}},
     }
     s = ttft.summarize(res)
+    assert s["cold_hpkv_cpu_vs_engine"] == pytest.approx(0.02)
     assert s["dram_added_ms"] == pytest.approx(50.0)
     assert s["dram_floor_ms"] == pytest.approx(8192 * 56 * 1024 / 15e9 * 1000, abs=0.05)
     assert s["dram_added_vs_floor"] == pytest.approx(50.0 / s["dram_floor_ms"], abs=0.01)
     assert s["cold_vs_baseline"] == pytest.approx(1.02)
     assert "storage_added_ms" not in s, "no storage phase, no storage columns"
+
+
+def test_the_cpu_meter_counts_a_process_tree_and_no_server_as_zero(tmp_path):
+    import subprocess
+    import sys
+
+    meter = ttft.CpuMeter(str(tmp_path / "no-pool"), requests=2)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; t = time.process_time()\nwhile time.process_time() - t < 0.6: pass\ntime.sleep(30)",
+        ]
+    )
+    try:
+        meter.start("cold", child.pid)
+        time.sleep(3)  # the child's 0.6 s of CPU ends well within it, even on a busy machine
+        meter.stop("cold", child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    per = meter.per_request["cold"]
+    assert per["hpkv"] == 0.0 and 0.1 <= per["engine"] <= 0.4, per
 
 
 def test_floors_measure_something_real(tmp_path):
