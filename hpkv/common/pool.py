@@ -13,9 +13,10 @@ background threads reserve the pages (fallocate) and lock them (mlock) chunk by
 chunk. While the engine that spawned the server is still starting, only idle CPU
 time is used, and only for the lowest 2 GiB (vLLM starting on the CPU needs every
 core it can get, and its KV-cache allocation runs 5x slower next to the warmer).
-Once an engine is about to use the pool, up to 2 GiB beyond the highest slot the
-allocator has handed out is warmed at normal priority or nice 10, so a copy into a
-new slot finds its memory ready, and the rest from the top down at idle priority.
+Once an engine is about to use the pool, 256 MiB beyond the highest slot the
+allocator has handed out is warmed at normal priority and the lowest 2 GiB at nice 10,
+so a copy into a new slot finds its memory ready, and the rest from the top down at
+idle priority.
 Workers map the file without populating and fill their page tables up to what the
 server has warmed. A copy that reaches a page before the warmer pays the
 first-touch cost itself; it never waits for the warmer.
@@ -47,6 +48,12 @@ WARM_AHEAD = 2 << 30  # warmed at nice WARM_AHEAD_NICE beyond it
 WARM_AHEAD_NICE = 10
 WARM_POLL_S = 0.1
 SCHED_IDLE = getattr(os, "SCHED_IDLE", 5)
+
+
+def populate(address: int, nbytes: int) -> bool:
+    """Fill this process's page tables for ``[address, address + nbytes)`` of a shared mapping
+    (its pages exist); False where the kernel lacks MADV_POPULATE_WRITE."""
+    return _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), MADV_POPULATE_WRITE) == 0
 
 
 def _idle_priority() -> None:
@@ -123,12 +130,12 @@ class PoolFile:
         starts, yet some CPU even next to vLLM on the CPU, which busy-polls a core when idle
         and so starves an idle-priority thread), and the rest from the top down at idle
         priority. The nice-10 tier does not follow the high-water mark: warming 2 GiB ahead
-        of the saves of a cold prefill took a quarter of the CPU that prefill had (7B
-        shape, 8192 tokens: 8.6 s instead of 7.0 s). Until ``engine_started()`` is true (an engine registered its KV cache or
-        took a slot) only the idle-priority thread runs, and only for the lowest
-        :data:`WARM_AHEAD` bytes: an engine that is still starting gets every busy CPU, and
-        its own allocation of its KV cache is not slowed by ours (2 GiB took 7 s instead of
-        1.5 s next to the warmer). ``progress(n)``: the first ``n`` bytes are ready."""
+        of the saves of a cold prefill took a quarter of the CPU samples of that prefill (7B
+        shape, 8192 tokens, perf). Until ``engine_started()`` is true (an engine registered
+        its KV cache or took a slot) only the idle-priority thread runs, and only for the
+        lowest :data:`WARM_AHEAD` bytes: an engine that is still starting gets every busy
+        CPU, and its own allocation of its KV cache is not slowed by ours (2 GiB took 7 s
+        instead of 1.5 s next to the warmer). ``progress(n)``: the first ``n`` bytes are ready."""
         self._lo, self._hi = 0, self.size  # [lo, hi) is not warm yet
         self._claim = threading.Lock()
         self._locking = lock
@@ -205,7 +212,7 @@ class PoolFile:
                     if self._locking:
                         self._locking = False
                         self._lock_failed(ctypes.get_errno())
-            if not self._locking and _libc.madvise(addr, ctypes.c_size_t(n), MADV_POPULATE_WRITE) != 0:
+            if not self._locking and not populate(self.address + start, n):
                 return False  # an older kernel: pages are faulted in on first use instead
         except ValueError:
             return False  # the mapping was closed under us at shutdown
@@ -243,9 +250,7 @@ class PoolFile:
                 continue
             n = min(WARM_CHUNK, limit - done)
             try:
-                if _libc.madvise(
-                    ctypes.c_void_p(self.address + done), ctypes.c_size_t(n), MADV_POPULATE_WRITE
-                ):
+                if not populate(self.address + done, n):
                     return
             except ValueError:
                 return
