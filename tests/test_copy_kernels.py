@@ -9,6 +9,7 @@ import mmap
 import numpy as np
 import pytest
 
+from hpkv.engine import copy as copy_module
 from hpkv.engine.copy import BlockCopier, BlockIndexError, BlockLayout, set_nt_threshold
 
 
@@ -140,7 +141,28 @@ def test_lists_and_other_int_dtypes() -> None:
         copier.save(np.array([1.0]), [0])
 
 
-@pytest.mark.parametrize("direction", ["save", "load"])
+@pytest.mark.parametrize("kind", ["per_layer", "padded"])
+def test_a_large_load_split_over_threads_copies_the_same_bytes(kind, store_path, monkeypatch) -> None:
+    monkeypatch.setattr(copy_module, "SPLIT_MIN_BYTES", 1)  # split even this small batch
+    rng = np.random.default_rng(5)
+    L, NB, NS, n = 3, 40, 36, 31
+    cache = Cache(kind, rng, L, NB, 4096 + 64)
+    pool = _random(rng, NS * cache.layout.slot_bytes)
+    copier = BlockCopier(cache.layout, pool, cache.layout.slot_bytes, NS)
+    targets = rng.permutation(NB)[:n].astype(np.int64)
+    slots = rng.permutation(NS)[:n].astype(np.int64)
+    untouched = np.setdiff1d(np.arange(NB), targets)
+    before = [np.concatenate([cache.page_of(b, ly) for ly in range(L)]) for b in untouched]
+    copier.load(targets, slots, threads=3)
+    for t, slot in zip(targets, slots, strict=True):
+        got = np.concatenate([cache.page_of(t, ly) for ly in range(L)])
+        np.testing.assert_array_equal(got, pool.reshape(NS, -1)[slot])
+    for b, was in zip(untouched, before, strict=True):
+        np.testing.assert_array_equal(np.concatenate([cache.page_of(b, ly) for ly in range(L)]), was)
+    assert copier._helper_threads == 2, "the calling thread copies one part itself"
+
+
+@pytest.mark.parametrize("direction", ["save", "load", "split_load"])
 @pytest.mark.parametrize(
     "bad_blocks,bad_slots,which,pos,value",
     [
@@ -151,14 +173,21 @@ def test_lists_and_other_int_dtypes() -> None:
         ([0, 99, 2, 3], [0, 1, 77, 3], "dev_blocks", 1, 99),  # first bad pair wins
     ],
 )
-def test_bad_index_copies_nothing(direction, bad_blocks, bad_slots, which, pos, value, store_path) -> None:
+def test_bad_index_copies_nothing(
+    direction, bad_blocks, bad_slots, which, pos, value, store_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(copy_module, "SPLIT_MIN_BYTES", 1)
     rng = np.random.default_rng(11)
     cache = Cache("per_layer", rng, 2, 8, 2048)
     pool = _random(rng, 4 * cache.layout.slot_bytes)
     copier = BlockCopier(cache.layout, pool, cache.layout.slot_bytes, 4)
     dev_before, pool_before = cache.snapshot(), pool.copy()
     with pytest.raises(BlockIndexError) as ei:
-        getattr(copier, direction)(np.array(bad_blocks, np.int64), np.array(bad_slots, np.int64))
+        b, s = np.array(bad_blocks, np.int64), np.array(bad_slots, np.int64)
+        if direction == "split_load":
+            copier.load(b, s, threads=4)
+        else:
+            getattr(copier, direction)(b, s)
     err = ei.value
     assert (err.which, err.position, err.value) == (which, pos, value)
     assert f"{which}[{pos}] = {value}" in str(err) and "nothing" in str(err)

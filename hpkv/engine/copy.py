@@ -14,8 +14,10 @@ built from bare integer addresses, keeping the mapping alive is the caller's job
 
 from __future__ import annotations
 
+import itertools
 import mmap
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +38,8 @@ SAVE: int = lib.HPKV_SAVE  # device -> pool
 LOAD: int = lib.HPKV_LOAD  # pool -> device
 
 _U64_LIMIT = 1 << 64
+#: A load batch smaller than this is copied by one thread: the hand-off costs more than it saves.
+SPLIT_MIN_BYTES = 8 << 20
 
 
 class BlockIndexError(IndexError):
@@ -291,14 +295,52 @@ class BlockCopier:
         self._c_pool = ffi.cast("uint8_t *", addr)
         self._copy = lib.hpkv_copy_blocks
         self._from_buffer = ffi.from_buffer
+        self._pool_threads: ThreadPoolExecutor | None = None  # split loads, made on first use
+        self._helper_threads = 0
 
     def save(self, dev_blocks: Any, slots: Any) -> None:
         """Device blocks ``dev_blocks[i]`` -> pool slots ``slots[i]``."""
         self._run(dev_blocks, slots, SAVE)
 
-    def load(self, dev_blocks: Any, slots: Any) -> None:
-        """Pool slots ``slots[i]`` -> device blocks ``dev_blocks[i]``."""
-        self._run(dev_blocks, slots, LOAD)
+    def load(self, dev_blocks: Any, slots: Any, threads: int = 1) -> None:
+        """Pool slots ``slots[i]`` -> device blocks ``dev_blocks[i]``; a batch of at least
+        :data:`SPLIT_MIN_BYTES` is split over up to ``threads`` threads (the engine waits for
+        a load: its cores are free). Every id is checked before anything is copied."""
+        n = len(dev_blocks)
+        parts = min(threads, n * self.layout.slot_bytes // SPLIT_MIN_BYTES, n)
+        if parts <= 1:
+            self._run(dev_blocks, slots, LOAD)
+            return
+        b, s = _index_array(dev_blocks, "dev_blocks"), _index_array(slots, "slots")
+        self._check(b, s)
+        (lo, hi), *spans = itertools.pairwise([n * i // parts for i in range(parts + 1)])
+        helpers = self._helpers(parts - 1)
+        rest = [helpers.submit(self._run, b[a:z], s[a:z], LOAD) for a, z in spans]
+        try:
+            self._run(b[lo:hi], s[lo:hi], LOAD)
+        finally:
+            wait(rest)  # never return while a helper still writes the KV cache
+        for f in rest:
+            f.result()
+
+    def _helpers(self, n: int) -> ThreadPoolExecutor:
+        if self._helper_threads < n:
+            if self._pool_threads is not None:
+                self._pool_threads.shutdown(wait=False)
+            self._pool_threads = ThreadPoolExecutor(n, thread_name_prefix="hpkv-copy")
+            self._helper_threads = n
+        assert self._pool_threads is not None
+        return self._pool_threads
+
+    def _check(self, b: np.ndarray, s: np.ndarray) -> None:
+        """Raise the error the native copy would for the first bad pair."""
+        if len(b) != len(s):
+            raise ValueError(f"dev_blocks has {len(b)} ids but slots has {len(s)}; they pair up one to one")
+        bad = (b < 0) | (b >= self.layout.num_blocks) | (s < 0) | (s >= self.num_slots)
+        if bad.any():
+            pos = int(np.argmax(bad))
+            kind = lib.HPKV_COPY_EBLOCK if not 0 <= b[pos] < self.layout.num_blocks else lib.HPKV_COPY_ESLOT
+            self._raise(-(pos * lib.HPKV_COPY_ERR_STRIDE - kind), b, s)
 
     def _run(self, dev_blocks: Any, slots: Any, direction: int) -> None:
         # Hot path: int64 1-D arrays go straight to from_buffer, which also rejects

@@ -25,6 +25,7 @@ from hpkv.protocol.errors import Status
 from hpkv.protocol.stats import W
 
 log = logging.getLogger("hpkv.transfer")
+MAX_LOAD_THREADS = 4  # memcpy between shared mappings stops scaling about there
 
 
 def main(argv: list[str]) -> int:
@@ -54,14 +55,17 @@ def main(argv: list[str]) -> int:
     )
     slot_bytes = int(spec["slot_bytes"])
     copier = BlockCopier(layout, pool.address, slot_stride=slot_bytes, num_slots=pool.size // slot_bytes)
+    # The engine waits for a load with its cores idle: a large one uses up to that many.
+    load_threads = max(1, min(len(cpus) or os.cpu_count() or 1, MAX_LOAD_THREADS))
     jobs_mm = map_file(spec["jobs"])
     jobs = np.frombuffer(jobs_mm, dtype=np.int64).reshape(P.JOB_SLOTS, P.JOB_SLOT_BYTES // 8)
     log.info(
-        "transfer worker ready: %d layers x %d B pages, %d blocks; CPUs %s; %s",
+        "transfer worker ready: %d layers x %d B pages, %d blocks; CPUs %s (loads over up to %d); %s",
         layout.num_layers,
         layout.page_bytes,
         layout.num_blocks,
         cpus,
+        load_threads,
         placement,
     )
 
@@ -79,7 +83,7 @@ def main(argv: list[str]) -> int:
                 copier.save(blocks, slots)
                 row[W.BYTES_SAVED] += n * layout.slot_bytes
             else:
-                copier.load(blocks, slots)
+                copier.load(blocks, slots, threads=load_threads)
                 row[W.BYTES_LOADED] += n * layout.slot_bytes
         except (ValueError, IndexError) as exc:
             log.error("copy batch seq %d rejected: %s", d.seq, exc)
