@@ -16,6 +16,7 @@ import pytest
 from hpkv.common import pool as pool_module
 from hpkv.common.pool import PoolFile
 from hpkv.engine.index import PoolAllocator
+from hpkv.testing.memory import resident_bytes_of_mapping
 
 MIB = 1 << 20
 
@@ -39,19 +40,6 @@ def busy_cpus():
         for p in hogs:
             p.kill()
             p.wait()
-
-
-def _rss_of_mapping(address: int) -> int:
-    """Resident bytes of this process's mapping that starts at ``address`` (smaps)."""
-    with open("/proc/self/smaps") as f:
-        inside = False
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                inside = int(head.split("-")[0], 16) == address
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no mapping at {address:#x}")
 
 
 def test_memory_the_allocator_needs_next_is_warmed_while_every_cpu_is_busy(pool_path, busy_cpus):
@@ -143,14 +131,14 @@ def test_a_worker_maps_only_what_the_server_has_made_ready(pool_path):
         def rss_reaches(n: int) -> bool:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
-                if _rss_of_mapping(pool.address) >= n:
+                if resident_bytes_of_mapping(pool.address) >= n:
                     return True
                 time.sleep(0.05)
             return False
 
         assert rss_reaches(16 * MIB)
         time.sleep(0.3)
-        assert _rss_of_mapping(pool.address) < 32 * MIB, "nothing beyond the server's progress"
+        assert resident_bytes_of_mapping(pool.address) < 32 * MIB, "nothing beyond the server's progress"
         limit[0] = 64 * MIB
         assert rss_reaches(64 * MIB), "follows the progress as it grows"
     finally:

@@ -9,20 +9,9 @@ import os
 import torch
 
 from hpkv.connectors.vllm.worker import WorkerSide
+from hpkv.testing.memory import resident_bytes_of_mapping
 
 MIB = 1 << 20
-
-
-def _rss_of_mapping(address: int) -> int:
-    with open("/proc/self/smaps") as f:
-        inside = False
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                inside = int(head.split("-")[0], 16) == address
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no mapping at {address:#x}")
 
 
 def _worker(pool_dir: str) -> WorkerSide:
@@ -40,7 +29,7 @@ def test_the_kv_cache_lands_in_the_pool_directory_with_every_page_mapped(tmp_pat
         other = torch.zeros(4, dtype=torch.float32)  # anything else stays ordinary memory
     (name,) = os.listdir(tmp_path)
     assert ws._kv_file == str(tmp_path / name) and os.path.getsize(ws._kv_file) == 64 * MIB
-    assert _rss_of_mapping(kv.data_ptr()) == 64 * MIB, "page tables filled at allocation"
+    assert resident_bytes_of_mapping(kv.data_ptr()) == 64 * MIB, "page tables filled at allocation"
     assert kv.data_ptr() == ws._kv_base and not kv.any()
     assert torch.zeros is real_zeros and other.sum() == 0
     kv[::4096] = 1
