@@ -6,7 +6,9 @@
  *  - For batches beyond L2, streaming (non-temporal) stores beat glibc memcpy by
  *    1.2-1.7x: they skip the read-for-ownership of the destination.
  *  - Pages are moved by our own vector loops, not memcpy (see the rep movsb note
- *    below). AVX2 is picked at run time (the build targets x86-64-v2 = SSE4.2).
+ *    below). AVX2 is picked at run time (the build targets x86-64-v2 = SSE4.2), and
+ *    AVX-512F for streaming stores: on an AVX-512 VM a 448 MiB load (256 KiB pages)
+ *    ran at 8.6 GB/s with 512-bit streaming stores, 7.4 with 256-bit, 9-10 for glibc.
  *  - Software prefetch and layer-outer ordering measured no gain; not used.
  */
 #include "copy.h"
@@ -76,16 +78,20 @@ COPY_LOOP(copy_sse2, , 64, __m128i, _mm_loadu_si128, _mm_storeu_si128)
 COPY_LOOP(copy_sse2_nt, , 64, __m128i, _mm_loadu_si128, _mm_stream_si128)
 COPY_LOOP(copy_avx2, AVX2, 128, __m256i, _mm256_loadu_si256, _mm256_storeu_si256)
 COPY_LOOP(copy_avx2_nt, AVX2, 128, __m256i, _mm256_loadu_si256, _mm256_stream_si256)
+#define AVX512 __attribute__((target("avx512f")))
+COPY_LOOP(copy_avx512_nt, AVX512, 256, __m512i, _mm512_loadu_si512, _mm512_stream_si512)
 
 static page_copy_fn pick(int streaming)
 {
-    static int have_avx2 = -1; /* benign race: every thread computes the same value */
-    int a = __atomic_load_n(&have_avx2, __ATOMIC_RELAXED);
+    static int isa = -1; /* 0 SSE2, 1 AVX2, 2 AVX-512F; benign race: all compute the same */
+    int a = __atomic_load_n(&isa, __ATOMIC_RELAXED);
     if (a < 0) {
         __builtin_cpu_init();
-        a = __builtin_cpu_supports("avx2") ? 1 : 0;
-        __atomic_store_n(&have_avx2, a, __ATOMIC_RELAXED);
+        a = __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
+        __atomic_store_n(&isa, a, __ATOMIC_RELAXED);
     }
+    if (a == 2 && streaming)
+        return copy_avx512_nt;
     if (a)
         return streaming ? copy_avx2_nt : copy_avx2;
     return streaming ? copy_sse2_nt : copy_sse2;
