@@ -65,7 +65,7 @@ def _log_times(path: str) -> dict[str, float]:
     return out
 
 
-def hpkv_cpu_s(pool_dir: str) -> dict[str, float]:
+def _hpkv_cpu_s(pool_dir: str) -> dict[str, float]:
     """CPU seconds used so far by the pool directory's server and its workers, per process name."""
     import psutil
 
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
             srv.start().wait_ready(timeout=900, poll_s=0.2)
             row: dict[str, Any] = {"run": tag, "hpkv": hpkv, "ready_s": round(time.monotonic() - t0, 2)}
             if hpkv:
-                row.update(hpkv_cpu_s(pool_dir))
+                row.update(_hpkv_cpu_s(pool_dir))
             srv.interrupt()
         finally:
             srv.stop()

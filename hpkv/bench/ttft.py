@@ -214,9 +214,10 @@ class CpuMeter:
         self.per_request: dict[str, dict[str, float]] = {}
 
     def _now(self, engine_pid: int | None) -> dict[str, float]:
-        from hpkv.bench.startup import hpkv_cpu_s
+        from hpkv.protocol.wire import live_server_pid
 
-        return {"engine": _tree_cpu_s(engine_pid), "hpkv": hpkv_cpu_s(self.pool_dir).get("cpu_hpkv_s", 0.0)}
+        # hpkv's workers are the server's children; the auto-spawned server is no engine's
+        return {"engine": _tree_cpu_s(engine_pid), "hpkv": _tree_cpu_s(live_server_pid(self.pool_dir))}
 
     def start(self, phase: str, engine_pid: int | None) -> None:
         self.started[phase] = self._now(engine_pid)

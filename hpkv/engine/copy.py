@@ -295,7 +295,7 @@ class BlockCopier:
         self._c_pool = ffi.cast("uint8_t *", addr)
         self._copy = lib.hpkv_copy_blocks
         self._from_buffer = ffi.from_buffer
-        self._pool_threads: ThreadPoolExecutor | None = None  # split loads, made on first use
+        self._helper_executor: ThreadPoolExecutor | None = None  # split loads, made on first use
         self._helper_threads = 0
 
     def save(self, dev_blocks: Any, slots: Any) -> None:
@@ -325,12 +325,12 @@ class BlockCopier:
 
     def _helpers(self, n: int) -> ThreadPoolExecutor:
         if self._helper_threads < n:
-            if self._pool_threads is not None:
-                self._pool_threads.shutdown(wait=False)
-            self._pool_threads = ThreadPoolExecutor(n, thread_name_prefix="hpkv-copy")
+            if self._helper_executor is not None:
+                self._helper_executor.shutdown(wait=False)
+            self._helper_executor = ThreadPoolExecutor(n, thread_name_prefix="hpkv-copy")
             self._helper_threads = n
-        assert self._pool_threads is not None
-        return self._pool_threads
+        assert self._helper_executor is not None
+        return self._helper_executor
 
     def _check(self, b: np.ndarray, s: np.ndarray) -> None:
         """Raise the error the native copy would for the first bad pair."""
