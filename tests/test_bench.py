@@ -99,3 +99,26 @@ def test_gap_statistics_cover_the_gaps_that_end_inside_the_window():
     assert gap_stats(times, window=(0.2, 0.3))["max_ms"] == 300.0, "a stall that spans the window counts"
     assert gap_stats(times, window=(0.46, 0.5)) == {"p50_ms": 50.0, "max_ms": 50.0, "gaps": 1}
     assert gap_stats([1.0])["gaps"] == 0
+    # The write-through window opens after the prefill: the gap already running then is the
+    # prefill's, not the write-through's.
+    assert gap_stats(times, window=(0.2, 0.46), starting_inside=True) == {
+        "p50_ms": 50.0,
+        "max_ms": 50.0,
+        "gaps": 2,
+    }
+    assert gap_stats(times, window=(0.2, 0.3), starting_inside=True)["gaps"] == 0
+
+
+def test_the_interference_poll_reads_the_same_spill_gauge_as_hpkv_status(tmp_path):
+    # The write-through window polls this every 20 ms while a client streams: it must read
+    # the segment in-process (not start `hpkv status`) and agree with what status reports.
+    from hpkv.protocol.stats import G, StatsSegment, spills_pending
+
+    assert spills_pending(str(tmp_path)) == 0, "no server: nothing pending"
+    seg = StatsSegment.create(str(tmp_path))
+    try:
+        seg.glob[G.STORAGE_SPILLS_PENDING] = 7
+        assert spills_pending(str(tmp_path)) == 7
+        assert seg.snapshot()["storage"]["spills_pending"] == 7
+    finally:
+        seg.close()

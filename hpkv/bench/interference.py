@@ -45,21 +45,32 @@ def stream_token_times(
     return times
 
 
-def gap_stats(times: list[float], window: tuple[float, float] | None = None) -> dict[str, float]:
+def gap_stats(
+    times: list[float], window: tuple[float, float] | None = None, starting_inside: bool = False
+) -> dict[str, float]:
     """p50 and max of the gaps between consecutive tokens (ms), over the gaps that end inside
-    ``window`` (perf_counter seconds) if given."""
-    gaps = [
-        (b - a) * 1000
-        for a, b in zip(times, times[1:], strict=False)
-        if window is None or window[0] <= b <= window[1] + (b - a)
-    ]
+    ``window`` (perf_counter seconds) if given, or with ``starting_inside`` over those that
+    start inside it (a gap that was already running when the window opened is not its doing)."""
+
+    def counts(a: float, b: float) -> bool:
+        if window is None:
+            return True
+        if starting_inside:
+            return window[0] <= a <= window[1]
+        return window[0] <= b <= window[1] + (b - a)
+
+    gaps = [(b - a) * 1000 for a, b in zip(times, times[1:], strict=False) if counts(a, b)]
     if not gaps:
         return {"p50_ms": 0.0, "max_ms": 0.0, "gaps": 0}
     return {"p50_ms": round(statistics.median(gaps), 1), "max_ms": round(max(gaps), 1), "gaps": len(gaps)}
 
 
 def while_streaming(
-    url: str, model: str, stream_prompt: str, other: Callable[[], tuple[float, float]]
+    url: str,
+    model: str,
+    stream_prompt: str,
+    other: Callable[[], tuple[float, float]],
+    starting_inside: bool = False,
 ) -> dict:
     """Stream ``STREAM_TOKENS`` tokens; once the stream runs, call ``other`` (which returns the
     perf_counter window its disturbance lasted); the gap statistics over that window."""
@@ -73,7 +84,7 @@ def while_streaming(
         time.sleep(0.01)  # the stream is in its decode phase
     window = other()
     t.join(600)
-    return {**gap_stats(times, window), "window_s": round(window[1] - window[0], 3)}
+    return {**gap_stats(times, window, starting_inside), "window_s": round(window[1] - window[0], 3)}
 
 
 def measure(
@@ -85,8 +96,13 @@ def measure(
     ttft: Callable[[str], float],
 ) -> dict[str, Any]:
     """Gaps alone, during a storage hit of ``hit_prompt``, and during the write-through of
-    ``cold_prompt`` (computed first; only the spills overlap the stream). ``ttft(prompt)``
-    sends one request and returns its time to first byte."""
+    ``cold_prompt``. ``ttft(prompt)`` sends one request and returns its time to first byte;
+    ``spills_pending()`` must be cheap (it is polled every 20 ms while the client streams).
+
+    The cold prompt is sent while the client streams, and its window opens at its first byte:
+    its prefill is the engine's compute, not hpkv's, and hpkv writes through as the prefill
+    runs, so only what is left at the first byte overlaps the window. If nothing is left, the
+    write-through kept pace with the prefill and there is nothing to measure."""
     stream_prompt = "W " * STREAM_PROMPT_TOKENS
     alone = stream_token_times(url, model, stream_prompt, STREAM_TOKENS)
     out: dict[str, Any] = {"alone": gap_stats(alone[4:])}
@@ -98,18 +114,27 @@ def measure(
 
     out["during_storage_hit"] = while_streaming(url, model, stream_prompt, storage_hit)
 
-    ttft(cold_prompt)  # its prefill is compute, not hpkv: done before the stream starts
+    tail: dict[str, Any] = {}
 
     def write_through() -> tuple[float, float]:
+        tail["cold_ttft_s"] = round(ttft(cold_prompt), 3)
         t0 = time.perf_counter()
-        while spills_pending() > 0 and time.perf_counter() - t0 < 120:
+        tail["spills_left_at_first_byte"] = pending = spills_pending()
+        while pending > 0 and time.perf_counter() - t0 < 120:
             time.sleep(0.02)
+            pending = spills_pending()
         return t0, time.perf_counter()
 
-    if spills_pending() > 0:
-        out["during_write_through"] = while_streaming(url, model, stream_prompt, write_through)
+    during = while_streaming(url, model, stream_prompt, write_through, starting_inside=True)
+    if during["gaps"]:
+        out["during_write_through"] = {**during, **tail}
     else:
-        out["during_write_through"] = {"skipped": "the write-through had ended before the stream started"}
+        out["during_write_through"] = {
+            "skipped": f"the write-through kept pace with the prefill: {tail['spills_left_at_first_byte']} "
+            f"spills were left at the cold prompt's first byte, done within {during['window_s']} s "
+            "(less than one token)",
+            **tail,
+        }
     base = out["alone"]["max_ms"] or 1.0
     for k in ("during_storage_hit", "during_write_through"):
         if "max_ms" in out[k]:
