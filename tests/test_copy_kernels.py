@@ -142,6 +142,27 @@ def test_lists_and_other_int_dtypes() -> None:
 
 
 @pytest.mark.parametrize("kind", ["per_layer", "padded"])
+def test_a_large_save_split_over_threads_copies_the_same_bytes(kind, store_path, monkeypatch) -> None:
+    monkeypatch.setattr(copy_module, "SPLIT_MIN_BYTES", 1)
+    rng = np.random.default_rng(6)
+    L, NB, NS, n = 3, 40, 36, 31
+    cache = Cache(kind, rng, L, NB, 4096 + 64)
+    pool = _random(rng, NS * cache.layout.slot_bytes)
+    before = pool.copy().reshape(NS, -1)
+    copier = BlockCopier(cache.layout, pool, cache.layout.slot_bytes, NS)
+    sources = rng.permutation(NB)[:n].astype(np.int64)
+    slots = rng.permutation(NS)[:n].astype(np.int64)
+    copier.save(sources, slots, threads=3)
+    for b, slot in zip(sources, slots, strict=True):
+        np.testing.assert_array_equal(
+            pool.reshape(NS, -1)[slot], np.concatenate([cache.page_of(b, ly) for ly in range(L)])
+        )
+    untouched = np.setdiff1d(np.arange(NS), slots)
+    np.testing.assert_array_equal(pool.reshape(NS, -1)[untouched], before[untouched])
+    assert copier._helper_threads == 2
+
+
+@pytest.mark.parametrize("kind", ["per_layer", "padded"])
 def test_a_large_load_split_over_threads_copies_the_same_bytes(kind, store_path, monkeypatch) -> None:
     monkeypatch.setattr(copy_module, "SPLIT_MIN_BYTES", 1)  # split even this small batch
     rng = np.random.default_rng(5)
@@ -162,7 +183,7 @@ def test_a_large_load_split_over_threads_copies_the_same_bytes(kind, store_path,
     assert copier._helper_threads == 2, "the calling thread copies one part itself"
 
 
-@pytest.mark.parametrize("direction", ["save", "load", "split_load"])
+@pytest.mark.parametrize("direction", ["save", "load", "split_save", "split_load"])
 @pytest.mark.parametrize(
     "bad_blocks,bad_slots,which,pos,value",
     [
@@ -184,8 +205,8 @@ def test_bad_index_copies_nothing(
     dev_before, pool_before = cache.snapshot(), pool.copy()
     with pytest.raises(BlockIndexError) as ei:
         b, s = np.array(bad_blocks, np.int64), np.array(bad_slots, np.int64)
-        if direction == "split_load":
-            copier.load(b, s, threads=4)
+        if direction.startswith("split_"):
+            getattr(copier, direction.removeprefix("split_"))(b, s, threads=4)
         else:
             getattr(copier, direction)(b, s)
     err = ei.value

@@ -38,7 +38,7 @@ SAVE: int = lib.HPKV_SAVE  # device -> pool
 LOAD: int = lib.HPKV_LOAD  # pool -> device
 
 _U64_LIMIT = 1 << 64
-#: A load batch smaller than this is copied by one thread: the hand-off costs more than it saves.
+#: A batch smaller than this is copied by one thread: the hand-off costs more than it saves.
 SPLIT_MIN_BYTES = 8 << 20
 
 
@@ -295,31 +295,34 @@ class BlockCopier:
         self._c_pool = ffi.cast("uint8_t *", addr)
         self._copy = lib.hpkv_copy_blocks
         self._from_buffer = ffi.from_buffer
-        self._helper_executor: ThreadPoolExecutor | None = None  # split loads, made on first use
+        self._helper_executor: ThreadPoolExecutor | None = None  # split copies, made on first use
         self._helper_threads = 0
 
-    def save(self, dev_blocks: Any, slots: Any) -> None:
-        """Device blocks ``dev_blocks[i]`` -> pool slots ``slots[i]``."""
-        self._run(dev_blocks, slots, SAVE)
+    def save(self, dev_blocks: Any, slots: Any, threads: int = 1) -> None:
+        """Device blocks ``dev_blocks[i]`` -> pool slots ``slots[i]``; split like :meth:`load`."""
+        self._split(dev_blocks, slots, SAVE, threads)
 
     def load(self, dev_blocks: Any, slots: Any, threads: int = 1) -> None:
         """Pool slots ``slots[i]`` -> device blocks ``dev_blocks[i]``; a batch of at least
         :data:`SPLIT_MIN_BYTES` is split over up to ``threads`` threads (the engine waits for
-        a load: its cores are free). Every id is checked before anything is copied."""
+        the copy: its cores are free). Every id is checked before anything is copied."""
+        self._split(dev_blocks, slots, LOAD, threads)
+
+    def _split(self, dev_blocks: Any, slots: Any, direction: int, threads: int) -> None:
         n = len(dev_blocks)
         parts = min(threads, n * self.layout.slot_bytes // SPLIT_MIN_BYTES, n)
         if parts <= 1:
-            self._run(dev_blocks, slots, LOAD)
+            self._run(dev_blocks, slots, direction)
             return
         b, s = _index_array(dev_blocks, "dev_blocks"), _index_array(slots, "slots")
         self._check(b, s)
         (lo, hi), *spans = itertools.pairwise([n * i // parts for i in range(parts + 1)])
         helpers = self._helpers(parts - 1)
-        rest = [helpers.submit(self._run, b[a:z], s[a:z], LOAD) for a, z in spans]
+        rest = [helpers.submit(self._run, b[a:z], s[a:z], direction) for a, z in spans]
         try:
-            self._run(b[lo:hi], s[lo:hi], LOAD)
+            self._run(b[lo:hi], s[lo:hi], direction)
         finally:
-            wait(rest)  # never return while a helper still writes the KV cache
+            wait(rest)  # never return while a helper still writes the KV cache or the pool
         for f in rest:
             f.result()
 

@@ -25,7 +25,7 @@ from hpkv.protocol.errors import Status
 from hpkv.protocol.stats import W
 
 log = logging.getLogger("hpkv.transfer")
-MAX_LOAD_THREADS = 4  # memcpy between shared mappings stops scaling about there
+MAX_COPY_THREADS = 4  # memcpy between shared mappings stops scaling about there
 
 
 def main(argv: list[str]) -> int:
@@ -55,17 +55,18 @@ def main(argv: list[str]) -> int:
     )
     slot_bytes = int(spec["slot_bytes"])
     copier = BlockCopier(layout, pool.address, slot_stride=slot_bytes, num_slots=pool.size // slot_bytes)
-    # The engine waits for a load with its cores idle: a large one uses up to that many.
-    load_threads = max(1, min(len(cpus) or os.cpu_count() or 1, MAX_LOAD_THREADS))
+    # The engine waits for every copy (a load before its forward, a save after it): a large
+    # one uses up to that many threads.
+    copy_threads = max(1, min(len(cpus) or os.cpu_count() or 1, MAX_COPY_THREADS))
     jobs_mm = map_file(spec["jobs"])
     jobs = np.frombuffer(jobs_mm, dtype=np.int64).reshape(P.JOB_SLOTS, P.JOB_SLOT_BYTES // 8)
     log.info(
-        "transfer worker ready: %d layers x %d B pages, %d blocks; CPUs %s (loads over up to %d); %s",
+        "transfer worker ready: %d layers x %d B pages, %d blocks; CPUs %s (copies over up to %d); %s",
         layout.num_layers,
         layout.page_bytes,
         layout.num_blocks,
         cpus,
-        load_threads,
+        copy_threads,
         placement,
     )
 
@@ -80,10 +81,10 @@ def main(argv: list[str]) -> int:
             blocks = job[:n]
             slots = job[n : 2 * n] // slot_bytes
             if d.kind == P.COPY_SAVE:
-                copier.save(blocks, slots)
+                copier.save(blocks, slots, threads=copy_threads)
                 row[W.BYTES_SAVED] += n * layout.slot_bytes
             else:
-                copier.load(blocks, slots, threads=load_threads)
+                copier.load(blocks, slots, threads=copy_threads)
                 row[W.BYTES_LOADED] += n * layout.slot_bytes
         except (ValueError, IndexError) as exc:
             log.error("copy batch seq %d rejected: %s", d.seq, exc)
