@@ -14,6 +14,10 @@
 
 uint32_t hpkv_crc32c(uint32_t crc, const void *buf, uint64_t len);
 
+/* hpkv_crc32c(crc, src, len), and src[0..len) copied to dst (no overlap) on the way: chunk
+ * by chunk, so the source is read from memory once, not once to sum and once to copy. */
+uint32_t hpkv_crc32c_copy(uint32_t crc, void *dst, const void *src, uint64_t len);
+
 /* Table-driven path, always compiled: for tests and non-SSE4.2 hosts. */
 uint32_t hpkv_crc32c_sw(uint32_t crc, const void *buf, uint64_t len);
 

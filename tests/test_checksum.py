@@ -116,3 +116,25 @@ def test_against_the_crc32c_package() -> None:
     for n in (0, 1, 100, 4096, 100_003):
         data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
         assert crc32c(data) == reference.crc32c(data)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 65535, 65536, 65537, 3 * 65536 + 24583])
+def test_checksum_while_copying_sums_and_copies_every_byte(n) -> None:
+    from hpkv.io_workers.checksum import crc32c_copy
+
+    rng = np.random.default_rng(n)
+    src = rng.integers(0, 256, n + 5, dtype=np.uint8)[5:]  # unaligned start
+    dst = np.zeros(n + 16, np.uint8)
+    assert crc32c_copy(dst[3 : 3 + n], src) == crc32c(src)
+    np.testing.assert_array_equal(dst[3 : 3 + n], src)
+    assert not dst[:3].any() and not dst[3 + n :].any(), "nothing outside the destination is written"
+    assert crc32c_copy(dst[3 : 3 + n], src, crc=0x1234) == crc32c(src, 0x1234)
+
+
+def test_checksum_while_copying_refuses_a_wrong_sized_or_read_only_destination() -> None:
+    from hpkv.io_workers.checksum import crc32c_copy
+
+    with pytest.raises(ValueError, match="destination of 9 bytes for a source of 10"):
+        crc32c_copy(bytearray(9), bytes(10))
+    with pytest.raises((TypeError, BufferError)):
+        crc32c_copy(bytes(10), bytes(10))

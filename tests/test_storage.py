@@ -231,11 +231,11 @@ def test_one_flipped_byte_anywhere_in_a_kv_file_is_detected(tmp_path, pool_buf, 
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0x01]))
-    before = bytes(pool_buf[8192 : 8192 + length])
+    # The slot may hold the bad bytes afterwards (O_DIRECT reads into it; a bounce read is
+    # summed while it is copied there): the promote fails, so the server frees the slot
+    # unread (test_flipped_byte_is_quarantined_and_the_load_reported_failed).
     with pytest.raises(CorruptFile):
         io.read(FP, BLOCK, 8192, length)
-    if bounce:
-        assert bytes(pool_buf[8192 : 8192 + length]) == before, "unverified bytes never reach the pool"
 
 
 def test_a_file_of_another_block_or_length_is_rejected(tmp_path, pool_buf):
@@ -388,9 +388,10 @@ def test_worker_killed_during_a_large_write_leaves_no_partial_file(tmp_path):
         w.close()
 
 
+@pytest.mark.parametrize("bounce", ["0", "1"], ids=["direct", "bounce"])
 @pytest.mark.parametrize("offset", [20, 4096 + 777], ids=["header", "payload"])
-def test_flipped_byte_is_quarantined_and_the_load_reported_failed(tmp_path, offset):
-    with running(private_env(storage=str(tmp_path))) as srv:
+def test_flipped_byte_is_quarantined_and_the_load_reported_failed(tmp_path, offset, bounce):
+    with running(private_env(storage=str(tmp_path), HPKV_STORAGE_READ_BOUNCE=bounce)) as srv:
         w = Writer(srv)
         keys = w.keys(range(3))
         w.put(keys)

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from hpkv.common.security import PRIVATE_FILE_MODE, makedirs_private
-from hpkv.io_workers.checksum import crc32c
+from hpkv.io_workers.checksum import crc32c, crc32c_copy
 from hpkv.protocol.keys import FORMAT_VERSION, KEY_BYTES
 
 MAGIC = b"HPKVBLK1"
@@ -309,10 +309,15 @@ class KvFileIO:
             raise CorruptFile(f"payload length {h.payload_len}, expected {length}")
         if dest[length:] != bytes(padded - length):
             raise CorruptFile("non-zero padding after the payload")
-        if crc32c(dest[:length]) != h.payload_crc:
+        if dest is payload:
+            crc = crc32c(payload[:length])
+        else:
+            # Summed while copied into the pool (one pass over the bounce buffer). A bad
+            # file's bytes in the slot are harmless: its promote fails and frees the slot.
+            crc = crc32c_copy(payload[:length], dest[:length])
+            payload[length:] = dest[length:]
+        if crc != h.payload_crc:
             raise CorruptFile("payload checksum mismatch")
-        if dest is not payload:
-            payload[:] = dest  # verified bytes only ever reach the pool
         return want
 
     def _bounce_for(self, n: int) -> memoryview:
