@@ -110,7 +110,11 @@ def test_concurrent_auto_spawn_ends_with_exactly_one_server():
         assert len(pids) == 1
         (pid,) = pids
         server = psutil.Process(pid)
-        assert os.getsid(pid) == pid, "the auto-spawned server runs in its own session"
+        assert os.getpgid(pid) == pid, "the auto-spawned server runs in its own process group"
+        assert os.getsid(pid) == os.getsid(0), (
+            "it stays in the engine's session: its scheduling group where the kernel groups by "
+            "session, so its idle-priority work stays idle next to the engine"
+        )
         assert server.ppid() not in {p.pid for p in procs}, (
             "the auto-spawned server is no descendant of its spawner (it detaches)"
         )

@@ -1,7 +1,7 @@
 """Client library of the hpkv server, used by the connectors, the CLI and the tests.
 
 ``connect(cfg)`` attaches to the server of the configured pool directory, or
-starts one (``hpkv serve --auto``, detached in its own session) and waits for it
+starts one (``hpkv serve --auto``, detached into its own process group) and waits for it
 with a bound. Every call is bounded too: a slow or dead server raises
 :class:`HpkvUnavailable`, and the caller (the connector) falls back to recomputing.
 """

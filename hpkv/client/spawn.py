@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from hpkv.common.security import open_nofollow, open_private_dir
 from hpkv.config import Config
@@ -32,9 +33,13 @@ def spawn_server(
 ) -> int:
     """Start ``hpkv serve --auto`` detached from the caller; returns its pid once it serves.
 
-    The server double-forks (``--detach``): it is neither our child nor in our session,
-    so an engine's shutdown, which kills its whole process tree (vLLM's
-    ``kill_process_tree``), or a Ctrl-C in the engine's terminal never reaches it. It
+    The server double-forks (``--detach``): it is neither our child nor in our process
+    group, so an engine's shutdown, which kills its whole process tree (vLLM's
+    ``kill_process_tree``), or a Ctrl-C in the engine's terminal never reaches it. It stays
+    in our session: with autogroup scheduling (most distributions' kernels) a session is a
+    scheduling group, and a server in a session of its own would get as much CPU as the
+    whole engine whenever both want it, so its idle-priority work (pool warming) and its
+    write-through would take half of the engine's CPUs, nice values notwithstanding. It
     gets the configuration we resolved (:meth:`Config.to_env`), writes its output to
     ``server.log``, and reports ``ready`` or the reason it could not start through a pipe.
     Raises :class:`HpkvUnavailable` with that reason. Returns 0 when another server
@@ -45,6 +50,8 @@ def spawn_server(
     log_path = os.path.join(cfg.pool_dir, P.LOG_FILE)
     log_fd = open_in_pool_dir(cfg, P.LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     ready_r, ready_w = os.pipe()
+    # Out of the engine's process group at once (Ctrl-C); --detach does it again.
+    own_group: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {}
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "hpkv", "serve", "--auto", "--detach", f"--ready-fd={ready_w}"],
@@ -52,7 +59,7 @@ def spawn_server(
             stdin=subprocess.DEVNULL,
             stdout=log_fd,
             stderr=log_fd,
-            start_new_session=True,
+            **own_group,
             close_fds=True,
             pass_fds=(ready_w,),
         )

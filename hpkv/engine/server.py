@@ -1339,12 +1339,15 @@ class ReadyPipe:
 
 def detach() -> None:
     """Leave the caller's process tree: fork, the parent exits at once, the child goes on
-    in a session of its own, re-parented to init. An engine that kills its descendants at
-    shutdown (vLLM does, with SIGKILL) then no longer reaches this server."""
+    in a process group of its own, re-parented to init. An engine that kills its descendants
+    at shutdown (vLLM does, with SIGKILL) then no longer reaches this server, nor does a
+    Ctrl-C in its terminal (SIGINT goes to the foreground process group). It stays in the
+    engine's session, its scheduling group where the kernel groups by session (autogroup):
+    see :func:`hpkv.client.spawn.spawn_server`."""
     if os.fork() > 0:
         os._exit(0)
     with contextlib.suppress(OSError):
-        os.setsid()
+        os.setpgid(0, 0)
 
 
 def serve(

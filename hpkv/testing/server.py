@@ -134,7 +134,7 @@ class ServerProcess:
 
     def stop_spawned(self, timeout: float = 15.0) -> None:
         """End a server the pool directory's lock names that this object did not start (an
-        auto-spawned one, detached into a session of its own), and its workers."""
+        auto-spawned one, detached into a process group of its own), and its workers."""
         import psutil
 
         pid = live_server_pid(self.pool_dir)

@@ -184,12 +184,12 @@ class VllmServer:
         return set(self._seen)
 
     def _remember(self, procs: Iterable[psutil.Process]) -> None:
-        # Only the server's own session: a process that detached into a session of its own
-        # (hpkv's auto-spawned server) is not vLLM's, and neither Ctrl-C nor stop() reaches it.
-        sid = self.proc.pid if self.proc is not None else None
+        # Only the server's own process group: a process that detached into a group of its
+        # own (hpkv's auto-spawned server) is not vLLM's, and neither Ctrl-C nor stop() reaches it.
+        pgid = self.proc.pid if self.proc is not None else None
         for p in procs:
             try:
-                if sid is not None and os.getsid(p.pid) != sid:
+                if pgid is not None and os.getpgid(p.pid) != pgid:
                     continue
             except OSError:
                 continue
@@ -288,9 +288,9 @@ class VllmServer:
             return None
         self.process_tree()
         # Descendants may have left the tree already (re-parented when their
-        # parent died); the session id and the pids seen before still find them.
+        # parent died); the process group id and the pids seen before still find them.
         if proc.returncode is None:
-            self._remember(_session_members(proc.pid))
+            self._remember(_group_members(proc.pid))
         tree = self.leftover_processes()
         # The server is our child: reap it through Popen (keeps its exit code);
         # the others are watched through psutil (zombies count as gone).
@@ -440,12 +440,12 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _session_members(sid: int) -> list[psutil.Process]:
-    """Live processes whose session id is ``sid`` (the server started a new session)."""
+def _group_members(pgid: int) -> list[psutil.Process]:
+    """Live processes of process group ``pgid`` (the server started a new session and group)."""
     out = []
     for p in psutil.process_iter():
         try:
-            if os.getsid(p.pid) == sid:
+            if os.getpgid(p.pid) == pgid:
                 out.append(p)
         except (OSError, psutil.Error):
             continue
