@@ -129,10 +129,15 @@ def measure(
     if during["gaps"]:
         out["during_write_through"] = {**during, **tail}
     else:
+        left = tail["spills_left_at_first_byte"]
+        why = (
+            f"{left} spills were left at the cold prompt's first byte, done within {during['window_s']} s "
+            "(less than one token)"
+            if left
+            else "nothing was left to write at the cold prompt's first byte"
+        )
         out["during_write_through"] = {
-            "skipped": f"the write-through kept pace with the prefill: {tail['spills_left_at_first_byte']} "
-            f"spills were left at the cold prompt's first byte, done within {during['window_s']} s "
-            "(less than one token)",
+            "skipped": f"the write-through kept pace with the prefill: {why}",
             **tail,
         }
     base = out["alone"]["max_ms"] or 1.0
