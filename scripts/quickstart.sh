@@ -75,5 +75,5 @@ for i in $(seq 0 $((N - 1))); do
     done
 done
 "$PY" -m hpkv status | sed -n '/^NAMESPACE/,/^$/p' || true
-grep -c "cannot reach the hpkv server" "$LOG" | sed 's/^/"cannot reach the hpkv server" lines in vLLM log: /'
+echo "\"cannot reach the hpkv server\" lines in vLLM log: $(grep -c "cannot reach the hpkv server" "$LOG" || true)"
 echo "logs: $LOG and the pool directory's server.log"
