@@ -149,10 +149,8 @@ def _next_to_a_busy_poller(args: argparse.Namespace, pool_size: int, poller: str
     import sys
 
     from hpkv.client.connection import connect
-    from hpkv.testing.server import ServerProcess, private_env
 
-    extra = {"HPKV_NUM_TRANSFER_WORKERS": args.workers} if args.workers else {}
-    srv = ServerProcess(private_env(pool_size=str(pool_size), **extra)).start()
+    srv = _start_server(args, pool_size)
     busy = subprocess.Popen([sys.executable, "-c", BUSY_POLLERS[poller]])
     try:
         with connect(srv.cfg, spawn=False, call_timeout=30.0) as client:
@@ -163,16 +161,22 @@ def _next_to_a_busy_poller(args: argparse.Namespace, pool_size: int, poller: str
         srv.cleanup()
 
 
+def _start_server(args: argparse.Namespace, pool_size: int) -> Any:
+    """A private ``hpkv serve`` with ``--workers`` transfer workers per device."""
+    from hpkv.testing.server import ServerProcess, private_env
+
+    extra = {"HPKV_NUM_TRANSFER_WORKERS": args.workers} if args.workers else {}
+    return ServerProcess(private_env(pool_size=str(pool_size), **extra)).start()
+
+
 def run(args: argparse.Namespace) -> int:
 
     from hpkv.client.connection import connect
     from hpkv.protocol.keys import block_keys, namespace_fingerprint
-    from hpkv.testing.server import ServerProcess, private_env
 
     largest = max(p * ly * b for p, ly, b in CASES)
-    extra = {"HPKV_NUM_TRANSFER_WORKERS": args.workers} if args.workers else {}
     pool_size = 2 * largest + (64 << 20)
-    srv = ServerProcess(private_env(pool_size=str(pool_size), **extra)).start()
+    srv = _start_server(args, pool_size)
     try:
         client = connect(srv.cfg, spawn=False, call_timeout=30.0)
         results = [_measure_case(client, srv.pool_dir, *case, repeat=args.repeat) for case in CASES]

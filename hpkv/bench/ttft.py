@@ -152,17 +152,19 @@ def reset_prefix_cache(url: str) -> None:
         )
 
 
-def wait_for_write_through(env: dict[str, str], timeout: float = 600.0) -> float:
+def wait_for_write_through(pool_dir: str, timeout: float = 600.0) -> float:
     """Wait until hpkv has no spill queued or running (the hit phases measure reads only);
-    returns the seconds waited. Raises TimeoutError naming what is still pending."""
-    from hpkv.testing.vllm_server import hpkv_status
+    returns the seconds waited. Raises TimeoutError naming what is still pending. Reads the
+    stats segment in this process: the cold phase's CPU is metered until this returns."""
+    from hpkv.protocol.stats import spills_pending
+    from hpkv.protocol.wire import live_server_pid
 
     t0 = time.monotonic()
     quiet = 0
     while True:
-        st = hpkv_status(env)
-        pending = (st or {}).get("storage", {}).get("spills_pending", 0)
-        quiet = quiet + 1 if st is not None and pending == 0 else 0
+        served = live_server_pid(pool_dir) is not None
+        pending = spills_pending(pool_dir)
+        quiet = quiet + 1 if served and pending == 0 else 0
         if quiet >= 2:  # two polls in a row: nothing was committed in between
             return time.monotonic() - t0
         if time.monotonic() - t0 > timeout:
@@ -425,7 +427,7 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
             phase("cold", srv)
             if args.interference:  # a prompt that the restarted engine finds on storage only
                 ttft(srv.url, srv.model_name, prompt_for(INTERFERENCE_HIT, args.tokens))
-            results["write_through_wait_s"] = round(wait_for_write_through(env), 2)
+            results["write_through_wait_s"] = round(wait_for_write_through(pool_dir), 2)
             cpu.stop("cold", srv.pid)  # again: hpkv's work for the cold phase ends with this
             phase("gpu_hit", srv)
             reset_engine_cache(engine, srv.url)
