@@ -238,6 +238,32 @@ def test_one_flipped_byte_anywhere_in_a_kv_file_is_detected(tmp_path, pool_buf, 
         io.read(FP, BLOCK, 8192, length)
 
 
+def test_a_fetched_file_is_verified_later_while_its_read_slot_fetches_a_larger_one(tmp_path, pool_buf):
+    # The IO worker verifies a fetched file on one thread while the next one is read on
+    # another; a slot's bounce buffer grows for a larger file even while a view of the old
+    # one is still held (closing it then raised BufferError: promotes failed with EIO).
+    small, large = 8192, 300_000
+    data = os.urandom(large)
+    pool_buf[:large] = data
+    io = KvFileIO(str(tmp_path), pool_buf, o_direct=True, bounce_reads=True)
+    big_block = BLOCK._replace(key=b"\x08" * 16)
+    io.write(FP, BLOCK, 0, small)
+    io.write(FP, big_block, 0, large)
+    pool_buf[: 1 << 20] = bytes(1 << 20)
+    slot = kvfile.ReadSlot()
+    try:
+        first = io.fetch(FP, BLOCK, 4096 * 100, small, slot)
+        assert pool_buf[4096 * 100 : 4096 * 100 + small] == bytes(small), "nothing in the pool before verify"
+        second = io.fetch(FP, big_block, 4096 * 110, large, slot)
+        assert io.verify(second) == kvfile.file_size(large)
+        assert pool_buf[4096 * 110 : 4096 * 110 + large] == data
+        assert second.dest.obj is not first.dest.obj, "the grown buffer is a new one"
+        del first, second
+    finally:
+        slot.close()
+    io.close()
+
+
 def test_a_file_of_another_block_or_length_is_rejected(tmp_path, pool_buf):
     io = KvFileIO(str(tmp_path), pool_buf, o_direct=True)
     io.write(FP, BLOCK, 0, 8192)
@@ -289,6 +315,32 @@ def test_random_payloads_round_trip_byte_exact_through_the_io_workers(tmp_path, 
         assert sum(x["bytes_saved"] for x in io_rows) == s["bytes_written"]
         assert sum(x["bytes_loaded"] for x in io_rows) == s["bytes"]
         w.close()
+
+
+def test_promotes_of_growing_file_sizes_through_one_io_worker_are_all_loaded(tmp_path):
+    # One worker, bounce reads: its two read slots are reused for files of 64 KiB, then
+    # 1 MiB, then 64 KiB again while the verifier thread still holds the last file it checked.
+    env = private_env(
+        pool_size="64m", storage=str(tmp_path), HPKV_STORAGE_READ_BOUNCE="1", HPKV_NUM_IO_WORKERS="1"
+    )
+    with running(env) as srv:
+        writers = [
+            Writer(srv, shard=shard, fp=namespace_fingerprint({"storage-test": shard}), seed=shard)
+            for shard in (65536, 1 << 20)
+        ]
+        for w in writers:
+            w.put(w.keys(range(12)))
+        writers[0].wait_spilled(24)
+        for w in writers + writers[:1]:
+            keys = w.keys(range(12))
+            w.c.clear(w.ns.ns_id)
+            w.check_rows(keys, w.c.promote(w.ns.ns_id, keys))
+            w.c.unpin(w.ns.ns_id, keys)
+        s = writers[0].storage()
+        assert s["io_errors"] == 0 and s["promotes"] == 36, s
+        assert "failed" not in srv.log()
+        for w in writers:
+            w.close()
 
 
 def test_io_workers_spill_at_the_lowest_io_priority(tmp_path):

@@ -4,7 +4,8 @@ Started by the server with one JSON argument (the spec), a worker sets up
 logging, ignores Ctrl-C (the server decides when it stops), stops on SIGTERM or
 when the server is gone, publishes its pid, state, heartbeat and counters in its
 row of the stats segment, and runs one loop: pop a descriptor, mark it in flight
-(so the server can fail it if we die), execute it, push the completion.
+(so the server can fail it if we die), execute it, push the completion. A handler may
+also hand a job on to a thread of its own, which completes it later (:meth:`finish`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 
@@ -21,8 +23,9 @@ from hpkv.protocol import wire as P
 from hpkv.protocol.stats import G, StatsSegment, W, WorkerState
 from hpkv.ring import Desc, PeerDead, Ring, RingError, RingTimeout
 
-#: A job handler: the descriptor → (status, bytes moved, completion flags).
-Handler = Callable[[Desc], "tuple[int, int, int]"]
+#: A job handler: the descriptor → (status, bytes moved, completion flags), or None when it
+#: handed the job on and calls :meth:`WorkerRuntime.finish` for it later.
+Handler = Callable[[Desc], "tuple[int, int, int] | None"]
 
 
 class WorkerRuntime:
@@ -36,6 +39,10 @@ class WorkerRuntime:
         self.parent = os.getppid()
         self.stats = StatsSegment.attach(self.spec["dir"], writable=True)
         self.row = self.stats.workers[self.spec["slot"]]
+        self._resp: Ring | None = None
+        self._finish_lock = threading.Lock()  # the completion ring and the job counters
+        self._active = 0  # jobs taken, not finished
+        self._busy_since = 0
 
     def pool_warm_bytes(self) -> int:
         """How much of the pool, from its start, the server has allocated so far."""
@@ -44,11 +51,42 @@ class WorkerRuntime:
     def _on_term(self, signum, _frame) -> None:
         self.stopping = True
 
-    def serve(self, handle: Handler, *, exit_when_producer_gone: bool) -> int:
-        """Run the job loop until SIGTERM, the server's exit, or (IO workers) the server closing the ring."""
+    def finish(self, d: Desc, status: int, nbytes: int, flags: int = 0) -> None:
+        """Push the completion of job ``d`` and count it; any thread may call it, once per job."""
+        with self._finish_lock:
+            self._active -= 1
+            row = self.row
+            if not self._active:  # busy = time with at least one job taken
+                row[W.BUSY_NS] += time.perf_counter_ns() - self._busy_since
+            row[W.JOBS] += 1
+            if status:
+                row[W.JOBS_FAILED] += 1
+            try:
+                assert self._resp is not None
+                self._resp.push(
+                    P.COMPLETION if status == 0 else P.ERROR,
+                    d.seq,
+                    nbytes,
+                    status=status,
+                    flags=flags,
+                    timeout=5.0,
+                )
+            except RingError as exc:
+                self.log.warning("cannot post the completion of seq %d: %s", d.seq, exc)
+
+    def serve(
+        self,
+        handle: Handler,
+        *,
+        exit_when_producer_gone: bool,
+        drain: Callable[[], None] | None = None,
+    ) -> int:
+        """Run the job loop until SIGTERM, the server's exit, or (IO workers) the server closing
+        the ring. ``drain`` runs after the loop, while the completion ring is still open: it
+        finishes the jobs the handler handed on."""
         spec, row, log = self.spec, self.row, self.log
         req = Ring.attach(spec["dir"], spec["req"], role="consumer", slice_ms=50)
-        resp = Ring.attach(spec["dir"], spec["resp"], role="producer")
+        resp = self._resp = Ring.attach(spec["dir"], spec["resp"], role="producer")
         row[W.PID] = os.getpid()
         row[W.STATE] = WorkerState.RUNNING
         try:
@@ -71,25 +109,17 @@ class WorkerRuntime:
                     log.error("request ring failed: %s", exc)
                     break
                 row[W.INFLIGHT_SEQ] = d.seq
-                t0 = time.perf_counter_ns()
-                status, nbytes, flags = handle(d)
-                row[W.BUSY_NS] += time.perf_counter_ns() - t0
-                row[W.JOBS] += 1
-                if status:
-                    row[W.JOBS_FAILED] += 1
-                try:
-                    resp.push(
-                        P.COMPLETION if status == 0 else P.ERROR,
-                        d.seq,
-                        nbytes,
-                        status=status,
-                        flags=flags,
-                        timeout=5.0,
-                    )
-                except RingError as exc:
-                    log.warning("cannot post the completion of seq %d: %s", d.seq, exc)
+                with self._finish_lock:
+                    if not self._active:
+                        self._busy_since = time.perf_counter_ns()
+                    self._active += 1
+                done = handle(d)
+                if done is not None:
+                    self.finish(d, *done)
                 row[W.INFLIGHT_SEQ] = 0
         finally:
+            if drain is not None:
+                drain()
             row[W.STATE] = WorkerState.STOPPED
             req.close()
             resp.close()

@@ -184,13 +184,58 @@ def fingerprint_bytes(fingerprint: str) -> bytes:
 
 
 # ------------------------------------------------------------------ one file
+class ReadSlot:
+    """The buffers of one read in flight: its header page and, for bounce reads, a private
+    payload buffer (grown on demand). Page-aligned, as O_DIRECT wants."""
+
+    def __init__(self) -> None:
+        self._hdr_mm = mmap.mmap(-1, HEADER_BYTES)
+        self.hdr = memoryview(self._hdr_mm)
+        self._bounce_mm: mmap.mmap | None = None
+        self._bounce: memoryview | None = None
+
+    def bounce(self, n: int) -> memoryview:
+        if self._bounce is None or len(self._bounce) < n:
+            # Dropped, not closed: a fetched file's view may still hold the old buffer (close
+            # would raise BufferError); it is unmapped with the last view.
+            self._bounce = self._bounce_mm = None
+            mm = self._bounce_mm = mmap.mmap(-1, n)
+            self._bounce = memoryview(mm)
+        return self._bounce[:n]
+
+    def _release_bounce(self) -> None:
+        if self._bounce is not None:
+            self._bounce.release()
+            self._bounce = None
+        if self._bounce_mm is not None:
+            self._bounce_mm.close()
+            self._bounce_mm = None
+
+    def close(self) -> None:
+        self.hdr.release()
+        self._hdr_mm.close()
+        self._release_bounce()
+
+
+@dataclass(frozen=True)
+class FetchedFile:
+    """A KV file read by :meth:`KvFileIO.fetch`, not yet verified."""
+
+    block: BlockId
+    length: int
+    payload: memoryview  # the pool range it promotes into
+    dest: memoryview  # where the payload was read: ``payload``, or the slot's bounce buffer
+    slot: ReadSlot
+
+
 class KvFileIO:
     """Writes and reads KV files straight between a pool mapping and the file system.
 
     ``pool`` is a writable memoryview of the whole pool (page-aligned; slots are
     4096-aligned), so with O_DIRECT the payload moves between the pool and the
     device with no bounce buffer; only the 4096-byte header uses a buffer of ours.
-    One instance per thread.
+    One instance per thread, except that :meth:`verify` of a fetched file may run in another
+    thread while this one fetches into a different :class:`ReadSlot`.
     """
 
     def __init__(
@@ -201,10 +246,9 @@ class KvFileIO:
         self.o_direct = o_direct
         self.fsync = fsync
         self.bounce_reads = bounce_reads
-        self._bounce_mm: mmap.mmap | None = None
-        self._bounce: memoryview | None = None
         self._hdr_mm = mmap.mmap(-1, HEADER_BYTES)  # page-aligned, as O_DIRECT wants
-        self.hdr = memoryview(self._hdr_mm)
+        self.hdr = memoryview(self._hdr_mm)  # the header of the file being written
+        self._read_slot = ReadSlot()
         self.fell_back = False  # O_DIRECT refused at run time → buffered
 
     def _flags(self) -> int:
@@ -279,6 +323,15 @@ class KvFileIO:
         :class:`CorruptFile` when anything in it does not match ``block``/``length``
         (the caller quarantines it), OSError for IO errors.
         """
+        return self.verify(self.fetch(fingerprint, block, offset, length, self._read_slot))
+
+    def fetch(
+        self, fingerprint: str, block: BlockId, offset: int, length: int, slot: ReadSlot
+    ) -> FetchedFile:
+        """The IO half of :meth:`read`: the file's bytes into ``slot`` (header, and the payload
+        with bounce reads) and the pool (the payload otherwise), nothing checked but the file's
+        size. :meth:`verify` finishes it, possibly in another thread while this one fetches the
+        next file into another slot."""
         final = file_path(self.root, fingerprint, block.key, block.rank)
         want = file_size(length)
         padded = align_up(length)
@@ -292,19 +345,28 @@ class KvFileIO:
                 raise
             self._fall_back()
             fd = os.open(final, os.O_RDONLY | os.O_CLOEXEC)
-        dest = self._bounce_for(padded) if self.bounce_reads else payload
+        dest = slot.bounce(padded) if self.bounce_reads else payload
         try:
             size = os.fstat(fd).st_size
             if size != want:
                 raise CorruptFile(f"file is {size} bytes, expected {want} for a {length}-byte payload")
-            got = _pread_all(fd, [self.hdr, dest])
+            got = _pread_all(fd, [slot.hdr, dest])
         finally:
             os.close(fd)
         if got != want:
             raise CorruptFile(f"short read: {got} of {want} bytes")
-        h = unpack_header(self.hdr)
-        if h.block != block:
-            raise CorruptFile(f"header names {h.block}, expected {block}")
+        return FetchedFile(block, length, payload, dest, slot)
+
+    @staticmethod
+    def verify(f: FetchedFile) -> int:
+        """The check half of :meth:`read`: header, padding and payload checksum of a fetched
+        file, and with bounce reads its copy into the pool. Returns the file's bytes; raises
+        :class:`CorruptFile`. Touches only ``f``'s slot and pool range."""
+        length, payload, dest = f.length, f.payload, f.dest
+        padded = len(payload)
+        h = unpack_header(f.slot.hdr)
+        if h.block != f.block:
+            raise CorruptFile(f"header names {h.block}, expected {f.block}")
         if h.payload_len != length:
             raise CorruptFile(f"payload length {h.payload_len}, expected {length}")
         if dest[length:] != bytes(padded - length):
@@ -318,14 +380,7 @@ class KvFileIO:
             payload[length:] = dest[length:]
         if crc != h.payload_crc:
             raise CorruptFile("payload checksum mismatch")
-        return want
-
-    def _bounce_for(self, n: int) -> memoryview:
-        if self._bounce is None or len(self._bounce) < n:
-            self._release_bounce()
-            mm = self._bounce_mm = mmap.mmap(-1, n)
-            self._bounce = memoryview(mm)
-        return self._bounce[:n]
+        return file_size(length)
 
     def quarantine(self, fingerprint: str, block: BlockId) -> str:
         """Move the block's file out of the way; returns where it went."""
@@ -342,15 +397,7 @@ class KvFileIO:
     def close(self) -> None:
         self.hdr.release()
         self._hdr_mm.close()
-        self._release_bounce()
-
-    def _release_bounce(self) -> None:
-        if self._bounce is not None:
-            self._bounce.release()
-            self._bounce = None
-        if self._bounce_mm is not None:
-            self._bounce_mm.close()
-            self._bounce_mm = None
+        self._read_slot.close()
 
 
 def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:

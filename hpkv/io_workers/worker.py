@@ -8,8 +8,12 @@ pushes a COMPLETION or an ERROR carrying the job's seq, the bytes moved and the
 -errno (or E_CORRUPT after it quarantined a bad file). The server's end of the
 completion ring is bound to the server's doorbell, so a completion wakes it.
 
-The worker keeps no state the server needs: if it dies, the server fails the job
-it had taken (``INFLIGHT_SEQ`` / the ring's order), removes its temporary file and
+A promote's checks (header, padding, CRC32C, the copy out of the bounce buffer) run on a
+second thread while the job loop reads the next file (:class:`ReadAhead`), so one read per
+worker is always on its way to the device; completions may leave out of order.
+
+The worker keeps no state the server needs: if it dies, the server fails the jobs
+it had taken (the ring's order tells which), removes its temporary file and
 starts a replacement on the same rings.
 """
 
@@ -17,13 +21,17 @@ from __future__ import annotations
 
 import errno
 import logging
+import queue
 import sys
+import threading
+from collections.abc import Callable
+from typing import Any
 
 from hpkv.common.pool import PoolFile
 from hpkv.common.priority import BE_DEFAULT, BE_LOWEST, set_io_priority
 from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.engine.worker_process import WorkerRuntime
-from hpkv.io_workers.kvfile import BlockId, CorruptFile, KvFileIO
+from hpkv.io_workers.kvfile import BlockId, CorruptFile, FetchedFile, KvFileIO, ReadSlot
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status
 from hpkv.protocol.stats import W
@@ -61,8 +69,21 @@ def main(argv: list[str]) -> int:
         ", reads through a private buffer" if io.bounce_reads else "",
     )
 
-    def job(d) -> tuple[int, int, int]:
+    def verified(d, fetched: FetchedFile, fp: str, flags: int) -> None:
+        """Second half of a promote, on the verifier thread (see ReadAhead)."""
+        try:
+            nbytes = io.verify(fetched)
+        except Exception as exc:  # noqa: BLE001 - every job is answered
+            rt.finish(d, _failure_status(exc, d, fp, fetched.block, io, errors), 0, flags)
+            return
+        row[W.BYTES_LOADED] += nbytes
+        rt.finish(d, 0, nbytes, flags)
+
+    read_ahead = ReadAhead(io, verified)
+
+    def job(d) -> tuple[int, int, int] | None:
         status, nbytes, flags = 0, 0, 0
+        fetched: FetchedFile | None = None
         ns, key, rank, world, offset, length = P.decode_io_job(d.flags, d.args)
         block = BlockId(ns, key, rank, world)
         fp = ns.hex()
@@ -75,41 +96,11 @@ def main(argv: list[str]) -> int:
                 row[W.BYTES_SAVED] += nbytes
             elif d.kind == P.PROMOTE:
                 io_priority(BE_DEFAULT)
-                nbytes = io.read(fp, block, offset, length)
-                row[W.BYTES_LOADED] += nbytes
+                fetched = read_ahead.fetch(fp, block, offset, length)
             else:
                 status = Status.BAD_REQUEST
-        except CorruptFile as exc:
-            status = Status.CORRUPT
-            try:
-                dest = io.quarantine(fp, block)
-                errors.log(
-                    logging.ERROR,
-                    "corrupt",
-                    "KV file %s-r%d of namespace %s is corrupt (%s): "
-                    "moved to %s; the block will be recomputed",
-                    key.hex(),
-                    rank,
-                    fp,
-                    exc,
-                    dest,
-                )
-            except OSError as qexc:
-                errors.log(
-                    logging.ERROR,
-                    "corrupt",
-                    "KV file %s-r%d of namespace %s is corrupt (%s) and could not be quarantined: %s",
-                    key.hex(),
-                    rank,
-                    fp,
-                    exc,
-                    qexc,
-                )
-        except OSError as exc:
-            status = -(exc.errno or errno.EIO)
-        except ValueError as exc:  # a job outside the pool: a server bug, never a file problem
-            errors.log(logging.ERROR, "bad-job", "IO job seq %d rejected: %s", d.seq, exc)
-            status = Status.BAD_REQUEST
+        except Exception as exc:  # noqa: BLE001 - every job is answered
+            status = _failure_status(exc, d, fp, block, io, errors)
         if was_direct and not io.o_direct:
             flags |= P.IO_DIRECT_FALLBACK
             log.warning(
@@ -117,13 +108,107 @@ def main(argv: list[str]) -> int:
                 "passed: this worker uses buffered IO from now on",
                 spec["storage"],
             )
+        if fetched is not None:
+            read_ahead.verify_later(d, fetched, fp, flags)  # that thread answers the job
+            return None
         return status, nbytes, flags
 
     try:
         # The server owns the request ring: when it closes it, we are done.
-        return rt.serve(job, exit_when_producer_gone=True)
+        return rt.serve(job, exit_when_producer_gone=True, drain=read_ahead.close)
     finally:
         io.close()
+
+
+def _failure_status(
+    exc: BaseException, d: Any, fp: str, block: BlockId, io: KvFileIO, errors: RateLimitedLog
+) -> int:
+    """The status of a job that raised ``exc``; a corrupt file is quarantined first."""
+    if isinstance(exc, CorruptFile):
+        try:
+            dest = io.quarantine(fp, block)
+            errors.log(
+                logging.ERROR,
+                "corrupt",
+                "KV file %s-r%d of namespace %s is corrupt (%s): moved to %s; the block will be recomputed",
+                block.key.hex(),
+                block.rank,
+                fp,
+                exc,
+                dest,
+            )
+        except OSError as qexc:
+            errors.log(
+                logging.ERROR,
+                "corrupt",
+                "KV file %s-r%d of namespace %s is corrupt (%s) and could not be quarantined: %s",
+                block.key.hex(),
+                block.rank,
+                fp,
+                exc,
+                qexc,
+            )
+        return Status.CORRUPT
+    if isinstance(exc, OSError):
+        return -(exc.errno or errno.EIO)
+    if isinstance(exc, ValueError):  # a job outside the pool: a server bug, never a file problem
+        errors.log(logging.ERROR, "bad-job", "IO job seq %d rejected: %s", d.seq, exc)
+        return Status.BAD_REQUEST
+    errors.log(logging.ERROR, "bug", "IO job seq %d failed: %r", d.seq, exc)
+    return -errno.EIO
+
+
+class ReadAhead:
+    """Reads the next KV file while the last one is verified.
+
+    A promote is IO (open, read) then CPU (header and padding checks, the payload's
+    CRC32C, with bounce reads its copy into the pool: about a quarter of a 1 MiB promote on
+    the dev VM). The job loop fetches a file into one of two :class:`ReadSlot` s and hands it
+    to a verifier thread, which checks it and answers the job, while the loop reads the next
+    file into the other slot: one read per worker on the device at a time, as before, and
+    the checks off its path. Both halves drop the GIL for their long parts (the read, the
+    native CRC)."""
+
+    def __init__(self, io: KvFileIO, verified: Callable[[Any, FetchedFile, str, int], None], depth: int = 2):
+        self.io = io
+        self._verified = verified
+        self._slots: queue.SimpleQueue[ReadSlot] = queue.SimpleQueue()
+        self._owned = [ReadSlot() for _ in range(depth)]
+        for slot in self._owned:
+            self._slots.put(slot)
+        self._todo: queue.SimpleQueue[tuple[Any, FetchedFile, str, int] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="verify", daemon=True)
+        self._thread.start()
+
+    def fetch(self, fp: str, block: BlockId, offset: int, length: int) -> FetchedFile:
+        """Read a block's file into a free slot (waits for one); raises what the read raised
+        (the slot is then free again). Hand the result to :meth:`verify_later`."""
+        slot = self._slots.get()
+        try:
+            return self.io.fetch(fp, block, offset, length, slot)
+        except BaseException:
+            self._slots.put(slot)
+            raise
+
+    def verify_later(self, d: Any, fetched: FetchedFile, fp: str, flags: int) -> None:
+        self._todo.put((d, fetched, fp, flags))
+
+    def _run(self) -> None:
+        while (item := self._todo.get()) is not None:
+            d, fetched, fp, flags = item
+            slot = fetched.slot
+            try:
+                self._verified(d, fetched, fp, flags)
+            finally:
+                del item, fetched  # its views of the slot's buffers, before the slot is reused
+                self._slots.put(slot)
+
+    def close(self) -> None:
+        """Verify and answer what was fetched, then free the slots."""
+        self._todo.put(None)
+        self._thread.join()
+        for slot in self._owned:
+            slot.close()
 
 
 if __name__ == "__main__":
