@@ -50,10 +50,52 @@ def test_added_time_is_set_against_the_floor_for_the_bytes_loaded():
     s = ttft.summarize(res)
     assert s["cold_hpkv_cpu_vs_engine"] == pytest.approx(0.02)
     assert s["dram_added_ms"] == pytest.approx(50.0)
+    # No CPU figures for the hit phases: the floor is the best memcpy of all.
     assert s["dram_floor_ms"] == pytest.approx(8192 * 56 * 1024 / 15e9 * 1000, abs=0.05)
     assert s["dram_added_vs_floor"] == pytest.approx(50.0 / s["dram_floor_ms"], abs=0.01)
+    assert "dram_floor_cpus" not in s
     assert s["cold_vs_baseline"] == pytest.approx(1.02)
     assert "storage_added_ms" not in s, "no storage phase, no storage columns"
+
+
+@pytest.mark.parametrize(
+    "engine_cpu_s,free,gbps",
+    [(0.244, 1, 10.0), (0.21, 2, 15.0), (0.40, 1, 10.0)],
+    ids=["engine-polls-a-cpu", "engine-idle", "engine-busier-than-all-cpus"],
+)
+def test_the_dram_floor_counts_only_the_cpus_the_engine_leaves_free(engine_cpu_s, free, gbps, capsys):
+    # GPU hit 0.1 s at 0.2 CPU-s; the DRAM hit adds 50 ms. An engine that burns 0.044 CPU-s
+    # more (0.88 CPUs during the load) leaves 1 of 2 CPUs to the copy; one that burns 0.01
+    # more leaves both.
+    res = {
+        "ttft": {"gpu_hit": [0.1], "dram_hit": [0.15]},
+        "served_tokens": {"dram_hit": {"dram": 8192, "storage": 0}},
+        "requests": 1,
+        "tokens": 8192,
+        "model": "m",
+        "cpus": 2,
+        "kv_bytes_per_token": 56 * 1024,
+        "dram_floor_gbps": {"threads_1": 10.0, "threads_2": 15.0, "best": 15.0},
+        "cpu_s_per_request": {"gpu_hit": {"engine": 0.2, "hpkv": 0.0}, "dram_hit": {"engine": engine_cpu_s}},
+    }
+    s = ttft.summarize(res)
+    nbytes = 8192 * 56 * 1024
+    assert s["dram_floor_cpus"] == free
+    assert s["dram_engine_cpus_during_load"] == pytest.approx((engine_cpu_s - 0.2) / 0.05, abs=0.01)
+    assert s["dram_floor_ms"] == pytest.approx(nbytes / (gbps * 1e9) * 1000, abs=0.05)
+    assert s["dram_floor_all_cpus_ms"] == pytest.approx(nbytes / 15e9 * 1000, abs=0.05)
+    assert s["dram_added_vs_floor_all_cpus"] == pytest.approx(50.0 / s["dram_floor_all_cpus_ms"], abs=0.01)
+    ttft.print_table(s)
+    out = capsys.readouterr().out
+    assert f"on the {free} of 2 CPU(s) the engine leaves free" in out
+    assert "against all 2 CPUs, as if the engine used none" in out
+
+
+def test_memcpy_floor_thread_counts_stop_at_the_cpus_and_eight():
+    assert ttft.memcpy_thread_counts(1) == (1,)
+    assert ttft.memcpy_thread_counts(2) == (1, 2)
+    assert ttft.memcpy_thread_counts(6) == (1, 2, 4)
+    assert ttft.memcpy_thread_counts(64) == (1, 2, 4, 8)
 
 
 def test_the_cpu_meter_counts_a_process_tree_and_no_server_as_zero(tmp_path):
