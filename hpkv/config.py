@@ -328,6 +328,14 @@ KEYS: dict[str, Key] = {
             "capacity of the storage tier; least recently used files are evicted above it",
         ),
         Key(
+            "HPKV_PROMOTE_PART_SIZE",
+            "16m",
+            parse_size,
+            SIZE_FORM + "; 0 = one part",
+            "a storage hit is read from disk in up to 8 parts of at least this size, each copied "
+            "into the engine's KV cache while the next is read",
+        ),
+        Key(
             "HPKV_STORAGE_READ_BOUNCE",
             "auto",
             parse_auto_bool,

@@ -48,6 +48,7 @@ def hpkv_env():
         pool_size="512m",
         storage=storage,
         VLLM_HPKV_TOKEN_THRESHOLD=str(THRESHOLD),
+        HPKV_PROMOTE_PART_SIZE="256k",  # 2 blocks: a 7-block storage hit is read in 3 parts
         HPKV_SERVER_IDLE_EXIT="30",
         HPKV_LOG_LEVEL="INFO",
     )

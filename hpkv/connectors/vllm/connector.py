@@ -116,6 +116,7 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             self._scheduler = self._init_scheduler(vllm_config, self.layout)
         else:
             self._worker = self._init_worker(vllm_config, self.layout)
+            self._worker.promote_part_bytes = int(self.cfg["HPKV_PROMOTE_PART_SIZE"])
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

@@ -1,0 +1,170 @@
+"""The vLLM connector's worker-side loads against an in-memory hpkv store and a recording
+block mover: how a storage load is split into parts, that each part's copy runs while the
+next part is read, and that every pin is released whatever fails (milliseconds; the
+end-to-end tests in test_vllm_connector.py run the same code in real vLLM, in parts)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from hpkv.connectors.vllm.layout import Layout
+from hpkv.connectors.vllm.metadata import LoadOp
+from hpkv.connectors.vllm.worker import PROMOTE_PARTS, WorkerSide, promote_parts
+from hpkv.protocol.errors import ROW_MISSING, HpkvUnavailable
+from hpkv.protocol.keys import block_keys
+from hpkv.testing.memory_store import MemoryKvStore
+
+NS = 3
+LAYOUT = Layout(
+    fingerprint="cd" * 16, name="unit", world_size=1, block_size=16, num_layers=2, page_bytes=2048
+)
+SHARD = LAYOUT.shard_bytes
+
+
+class Store(MemoryKvStore):
+    """Records each promote's keys; ``fail_promote`` makes that promote call (1-based) raise."""
+
+    def __init__(self, fail_promote: int = 0):
+        super().__init__(slot_bytes=SHARD)
+        self.promotes: list[list[bytes]] = []
+        self.entered = threading.Condition()
+        self.fail_promote = fail_promote
+
+    def promote(self, ns_id, keys, timeout=None):
+        with self.entered:
+            self.promotes.append(list(keys))
+            self.entered.notify_all()
+        if len(self.promotes) == self.fail_promote:
+            raise HpkvUnavailable("the disk went away")
+        return super().promote(ns_id, keys, timeout)
+
+
+class Mover:
+    """Copies nothing; records each load (``fail_copy``: that load, 1-based, fails). With
+    ``promotes_after``, the k-th copy of a load whose storage blocks come in that many parts
+    ends only once the k-th promote has begun (or after 2 s, recorded as False): it ran while
+    the part after it was being read. A load that promotes first and copies after never
+    lets the k-th promote begin before the k-th copy ends."""
+
+    def __init__(self, store: Store, fail_copy: int = 0, promotes_after: int = 0):
+        self.store, self.fail_copy, self.promotes_after = store, fail_copy, promotes_after
+        self.loads: list[list[int]] = []
+        self.beside_next_promote: list[bool] = []
+
+    def load(self, blocks, offsets) -> bool:
+        self.loads.append([int(b) for b in blocks])
+        k = len(self.loads)
+        if k <= self.promotes_after:
+            with self.store.entered:
+                self.beside_next_promote.append(
+                    self.store.entered.wait_for(lambda: len(self.store.promotes) >= k, timeout=2.0)
+                )
+        return k != self.fail_copy
+
+    def save(self, blocks, offsets) -> bool:
+        return True
+
+
+def stored_blocks(store: Store, n: int, in_dram: int = 0) -> tuple[list[bytes], np.ndarray]:
+    """``n`` blocks on storage only, except the first ``in_dram`` (pinned, as the scheduler does)."""
+    keys = block_keys(LAYOUT.fingerprint, [f"b{i}".encode() for i in range(n)])
+    store.reserve(NS, keys)
+    store.commit(NS, keys)
+    store.clear(NS)
+    offsets = np.full((n, 1), ROW_MISSING, np.int64)
+    if in_dram:
+        offsets[:in_dram] = store.promote(NS, keys[:in_dram])
+        store.promotes.clear()
+    return keys, offsets
+
+
+def worker(store: Store, mover: Mover, part_blocks: int) -> WorkerSide:
+    side = WorkerSide(LAYOUT, 0, "/nonexistent", "cpu", open_store=lambda spec: (store, NS, mover))
+    side._device = mover  # connected (open_store would do it on first use)
+    side.promote_part_bytes = part_blocks * SHARD
+    return side
+
+
+def load(side: WorkerSide, store: Store, keys: list[bytes], offsets: np.ndarray) -> list[BaseException]:
+    lost: list[BaseException] = []
+    op = LoadOp("r1", keys, list(range(100, 100 + len(keys))), offsets, background=True)
+    side.load(store, NS, [op], lost.append)
+    return lost
+
+
+def test_parts_are_at_least_the_part_size_and_at_most_eight():
+    missing = np.arange(64)
+    seven_mib = 7 << 20  # Qwen2.5-7B: one 128-token block
+    assert [len(p) for p in promote_parts(missing, seven_mib, 16 << 20)] == [8] * PROMOTE_PARTS
+    assert len(promote_parts(np.arange(10), 512 << 10, 16 << 20)) == 1, "5 MiB in all: one part"
+    assert [len(p) for p in promote_parts(np.arange(7), SHARD, 2 * SHARD)] == [3, 2, 2]
+    assert [len(p) for p in promote_parts(missing, seven_mib, 0)] == [64], "0: one part"
+    assert promote_parts(np.arange(0), SHARD, SHARD) == []
+    parts = promote_parts(np.arange(100, 164), SHARD, SHARD)
+    assert np.array_equal(np.concatenate(parts), np.arange(100, 164)), "every block, in order"
+
+
+def test_each_parts_copy_runs_while_the_next_part_is_promoted():
+    store = Store()
+    keys, offsets = stored_blocks(store, 8, in_dram=2)
+    mover = Mover(store, promotes_after=3)
+    side = worker(store, mover, part_blocks=2)
+    assert load(side, store, keys, offsets) == []
+    assert store.promotes == [keys[2:4], keys[4:6], keys[6:8]], "the storage blocks, in 3 parts"
+    assert mover.loads == [[100, 101], [102, 103], [104, 105], [106, 107]], "DRAM blocks first"
+    # The DRAM blocks were copied while part 1 was promoted, part 1 while part 2 was, part 2
+    # while part 3 was.
+    assert mover.beside_next_promote == [True, True, True]
+    assert side.take_load_errors() == set()
+    assert store.pinned() == 2, "the promoted blocks are unpinned; the scheduler's 2 pins stay its own"
+    s = side.stats.data
+    assert (s["loaded_tokens_dram"], s["loaded_tokens_storage"]) == (2 * 16, 6 * 16)
+
+
+def test_a_load_in_one_part_promotes_once_on_the_calling_thread():
+    store = Store()
+    keys, offsets = stored_blocks(store, 5)
+    mover = Mover(store)
+    side = worker(store, mover, part_blocks=8)
+    before = threading.active_count()
+    assert load(side, store, keys, offsets) == []
+    assert store.promotes == [keys] and mover.loads == [[100, 101, 102, 103, 104]]
+    assert threading.active_count() == before and store.pinned() == 0
+
+
+@pytest.mark.parametrize("failing", [1, 2, 3])
+def test_a_promote_that_fails_mid_load_reports_every_block_and_leaves_no_pin(failing):
+    store = Store(fail_promote=failing)
+    keys, offsets = stored_blocks(store, 6)
+    mover = Mover(store)
+    side = worker(store, mover, part_blocks=2)
+    lost = load(side, store, keys, offsets)
+    assert len(lost) == 1 and "the disk went away" in str(lost[0])
+    assert side.take_load_errors() == set(range(100, 106)), "vLLM recomputes all of it"
+    assert len(store.promotes) == failing, "no promote is started after one failed"
+    assert len(mover.loads) == failing - 1, "the parts promoted before it were copied"
+    assert store.pinned() == 0, "what was promoted before the failure is unpinned"
+
+
+def test_a_failed_copy_of_one_part_fails_only_that_part():
+    store = Store()
+    keys, offsets = stored_blocks(store, 6)
+    mover = Mover(store, fail_copy=2)
+    side = worker(store, mover, part_blocks=2)
+    assert load(side, store, keys, offsets) == []
+    assert side.take_load_errors() == {102, 103}
+    assert side.stats.data["loaded_tokens_storage"] == 4 * 16 and store.pinned() == 0
+
+
+def test_a_block_no_promote_could_load_is_neither_copied_nor_pinned():
+    store = Store()
+    keys, offsets = stored_blocks(store, 6)
+    del store.blocks[(NS, keys[3])]  # its file is gone
+    mover = Mover(store)
+    side = worker(store, mover, part_blocks=2)
+    assert load(side, store, keys, offsets) == []
+    assert mover.loads == [[100, 101], [102], [104, 105]]
+    assert side.take_load_errors() == {103} and store.pinned() == 0
