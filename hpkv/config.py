@@ -332,8 +332,9 @@ KEYS: dict[str, Key] = {
             "16m",
             parse_size,
             SIZE_FORM + "; 0 = one part",
-            "a storage hit is read from disk in up to 8 parts of at least this size, each copied "
-            "into the engine's KV cache while the next is read",
+            "a storage hit is read from disk in up to 8 parts of at least this size (of one "
+            "rank's shards), each copied into the engine's KV cache while the next is read; CPU "
+            "engines (vLLM on CUDA reads in one part)",
         ),
         Key(
             "HPKV_STORAGE_READ_BOUNCE",

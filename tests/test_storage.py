@@ -319,7 +319,7 @@ def test_random_payloads_round_trip_byte_exact_through_the_io_workers(tmp_path, 
 
 def test_promotes_of_growing_file_sizes_through_one_io_worker_are_all_loaded(tmp_path):
     # One worker, bounce reads: its two read slots are reused for files of 64 KiB, then
-    # 1 MiB, then 64 KiB again while the verifier thread still holds the last file it checked.
+    # 1 MiB, then 64 KiB again (each slot's bounce buffer grows once, between two files).
     env = private_env(
         pool_size="64m", storage=str(tmp_path), HPKV_STORAGE_READ_BOUNCE="1", HPKV_NUM_IO_WORKERS="1"
     )

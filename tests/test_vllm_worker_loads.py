@@ -49,8 +49,9 @@ class Mover:
     the part after it was being read. A load that promotes first and copies after never
     lets the k-th promote begin before the k-th copy ends."""
 
-    def __init__(self, store: Store, fail_copy: int = 0, promotes_after: int = 0):
+    def __init__(self, store: Store, fail_copy: int = 0, promotes_after: int = 0, raise_copy: int = 0):
         self.store, self.fail_copy, self.promotes_after = store, fail_copy, promotes_after
+        self.raise_copy = raise_copy  # that load (1-based) raises, as a dead transfer worker's does
         self.loads: list[list[int]] = []
         self.beside_next_promote: list[bool] = []
 
@@ -62,6 +63,10 @@ class Mover:
                 self.beside_next_promote.append(
                     self.store.entered.wait_for(lambda: len(self.store.promotes) >= k, timeout=2.0)
                 )
+        if k == self.raise_copy:
+            with self.store.entered:  # the next part's promote is under way: its pins must not leak
+                assert self.store.entered.wait_for(lambda: len(self.store.promotes) > k - 1, timeout=2.0)
+            raise HpkvUnavailable("transfer worker 0 answered nothing for 10s")
         return k != self.fail_copy
 
     def save(self, blocks, offsets) -> bool:
@@ -168,3 +173,15 @@ def test_a_block_no_promote_could_load_is_neither_copied_nor_pinned():
     assert load(side, store, keys, offsets) == []
     assert mover.loads == [[100, 101], [102], [104, 105]]
     assert side.take_load_errors() == {103} and store.pinned() == 0
+
+
+def test_a_copy_that_raises_while_the_next_part_is_read_unpins_that_part_too():
+    store = Store()
+    keys, offsets = stored_blocks(store, 6)
+    mover = Mover(store, raise_copy=1)  # part 1's copy raises while part 2 is being promoted
+    side = worker(store, mover, part_blocks=2)
+    lost = load(side, store, keys, offsets)
+    assert len(lost) == 1 and "answered nothing" in str(lost[0])
+    assert side.take_load_errors() == set(range(100, 106))
+    assert store.promotes == [keys[0:2], keys[2:4]], "part 3 is never started"
+    assert store.pinned() == 0, "parts 1 and 2 were promoted (pinned for us) and are unpinned"

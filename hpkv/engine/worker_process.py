@@ -42,7 +42,7 @@ class WorkerRuntime:
         self._resp: Ring | None = None
         self._finish_lock = threading.Lock()  # the completion ring and the job counters
         self._active = 0  # jobs taken, not finished
-        self._busy_since = 0
+        self._busy_mark = 0  # when BUSY_NS was last brought up to date
 
     def pool_warm_bytes(self) -> int:
         """How much of the pool, from its start, the server has allocated so far."""
@@ -54,10 +54,8 @@ class WorkerRuntime:
     def finish(self, d: Desc, status: int, nbytes: int, flags: int = 0) -> None:
         """Push the completion of job ``d`` and count it; any thread may call it, once per job."""
         with self._finish_lock:
-            self._active -= 1
+            self._count_busy(-1)
             row = self.row
-            if not self._active:  # busy = time with at least one job taken
-                row[W.BUSY_NS] += time.perf_counter_ns() - self._busy_since
             row[W.JOBS] += 1
             if status:
                 row[W.JOBS_FAILED] += 1
@@ -73,6 +71,15 @@ class WorkerRuntime:
                 )
             except RingError as exc:
                 self.log.warning("cannot post the completion of seq %d: %s", d.seq, exc)
+
+    def _count_busy(self, change: int) -> None:
+        """Busy = time with at least one job taken, brought up to date at every job's start and
+        end (lock held), so the monitor's rate stays 0..1 while jobs overlap."""
+        now = time.perf_counter_ns()
+        if self._active:
+            self.row[W.BUSY_NS] += now - self._busy_mark
+        self._busy_mark = now
+        self._active += change
 
     def serve(
         self,
@@ -110,9 +117,7 @@ class WorkerRuntime:
                     break
                 row[W.INFLIGHT_SEQ] = d.seq
                 with self._finish_lock:
-                    if not self._active:
-                        self._busy_since = time.perf_counter_ns()
-                    self._active += 1
+                    self._count_busy(+1)
                 done = handle(d)
                 if done is not None:
                     self.finish(d, *done)

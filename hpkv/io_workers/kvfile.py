@@ -208,7 +208,10 @@ class ReadSlot:
             self._bounce.release()
             self._bounce = None
         if self._bounce_mm is not None:
-            self._bounce_mm.close()
+            try:
+                self._bounce_mm.close()
+            except BufferError:
+                pass  # a fetched file's view still holds it: unmapped with that view
             self._bounce_mm = None
 
     def close(self) -> None:

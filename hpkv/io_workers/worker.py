@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import queue
 import sys
 import threading
@@ -155,7 +156,7 @@ def _failure_status(
         errors.log(logging.ERROR, "bad-job", "IO job seq %d rejected: %s", d.seq, exc)
         return Status.BAD_REQUEST
     errors.log(logging.ERROR, "bug", "IO job seq %d failed: %r", d.seq, exc)
-    return -errno.EIO
+    return Status.INTERNAL
 
 
 class ReadAhead:
@@ -199,6 +200,9 @@ class ReadAhead:
             slot = fetched.slot
             try:
                 self._verified(d, fetched, fp, flags)
+            except BaseException:  # noqa: BLE001 - a dead verifier would leave jobs unanswered
+                log.critical("verifier thread failed on IO job seq %d: exiting", d.seq, exc_info=True)
+                os._exit(70)  # the server fails the jobs this worker took and starts another
             finally:
                 del item, fetched  # its views of the slot's buffers, before the slot is reused
                 self._slots.put(slot)

@@ -116,7 +116,6 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             self._scheduler = self._init_scheduler(vllm_config, self.layout)
         else:
             self._worker = self._init_worker(vllm_config, self.layout)
-            self._worker.promote_part_bytes = int(self.cfg["HPKV_PROMOTE_PART_SIZE"])
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -301,7 +300,11 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             return CudaWorkerSide(
                 layout, rank, self.cfg.pool_dir, open_store, kv_cache_config=self._kv_cache_config
             )
-        return WorkerSide(layout, rank, self.cfg.pool_dir, device_type, open_store, open_load_store)
+        worker = WorkerSide(layout, rank, self.cfg.pool_dir, device_type, open_store, open_load_store)
+        # CPU only for now: on CUDA each part's copy takes an engine event and its own timeout
+        # (one part there until that is measured on a GPU).
+        worker.promote_part_bytes = int(self.cfg["HPKV_PROMOTE_PART_SIZE"])
+        return worker
 
     def get_mem_pool_context(self) -> Any:
         if self._worker is None or self._role != KVConnectorRole.WORKER:
