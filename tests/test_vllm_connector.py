@@ -115,7 +115,7 @@ def wait_for_files(env, n: int, timeout: float = 60.0) -> None:
 
 
 def assert_same_up_to_noise(
-    got: list[tuple[str, list]], expected: list[tuple[str, list]], tol: float = 0.15
+    got: list[tuple[str, list]], expected: list[tuple[str, list]], tol: float = 0.25
 ) -> None:
     """Batched outputs, compared where batching may differ: vLLM's frontend hands the prompts of one
     call to the engine one by one, so a step may batch them differently from run to run, and the
@@ -123,7 +123,9 @@ def assert_same_up_to_noise(
     top-logprob shared by both runs agrees within ``tol`` up to the first differing token, and a
     differing token is a near tie (both candidates within ``tol`` of each other in both runs).
     Differently batched bf16 steps differed by up to 0.09 on an AVX-512 host (0.05 sufficed on
-    AVX2); exact equality is checked where the batching is fixed (single requests, every tier)."""
+    AVX2), once by 0.166 (2026-12-01, a decode step's near-tie token, every other logprob of the
+    request equal to 1e-5); wrong KV moves logprobs by whole nats and changes the text. Exact
+    equality is checked where the batching is fixed (single requests, every tier)."""
     assert len(got) == len(expected)
     for i, ((text_g, lp_g), (text_e, lp_e)) in enumerate(zip(got, expected, strict=True)):
         for pos, (g, e) in enumerate(zip(lp_g, lp_e, strict=False)):
