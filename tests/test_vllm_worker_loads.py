@@ -6,6 +6,7 @@ end-to-end tests in test_vllm_connector.py run the same code in real vLLM, in pa
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -30,12 +31,14 @@ class Store(MemoryKvStore):
     def __init__(self, fail_promote: int = 0):
         super().__init__(slot_bytes=SHARD)
         self.promotes: list[list[bytes]] = []
+        self.timeouts: list[float | None] = []
         self.entered = threading.Condition()
         self.fail_promote = fail_promote
 
     def promote(self, ns_id, keys, timeout=None):
         with self.entered:
             self.promotes.append(list(keys))
+            self.timeouts.append(timeout)
             self.entered.notify_all()
         if len(self.promotes) == self.fail_promote:
             raise HpkvUnavailable("the disk went away")
@@ -49,8 +52,16 @@ class Mover:
     the part after it was being read. A load that promotes first and copies after never
     lets the k-th promote begin before the k-th copy ends."""
 
-    def __init__(self, store: Store, fail_copy: int = 0, promotes_after: int = 0, raise_copy: int = 0):
+    def __init__(
+        self,
+        store: Store,
+        fail_copy: int = 0,
+        promotes_after: int = 0,
+        raise_copy: int = 0,
+        copy_s: float = 0.0,
+    ):
         self.store, self.fail_copy, self.promotes_after = store, fail_copy, promotes_after
+        self.copy_s = copy_s  # each load takes this long
         self.raise_copy = raise_copy  # that load (1-based) raises, as a dead transfer worker's does
         self.loads: list[list[int]] = []
         self.beside_next_promote: list[bool] = []
@@ -58,6 +69,7 @@ class Mover:
     def load(self, blocks, offsets) -> bool:
         self.loads.append([int(b) for b in blocks])
         k = len(self.loads)
+        time.sleep(self.copy_s)
         if k <= self.promotes_after:
             with self.store.entered:
                 self.beside_next_promote.append(
@@ -93,10 +105,12 @@ def worker(store: Store, mover: Mover, part_blocks: int) -> WorkerSide:
     return side
 
 
-def load(side: WorkerSide, store: Store, keys: list[bytes], offsets: np.ndarray) -> list[BaseException]:
+def load(
+    side: WorkerSide, store: Store, keys: list[bytes], offsets: np.ndarray, timeout: float | None = None
+) -> list[BaseException]:
     lost: list[BaseException] = []
     op = LoadOp("r1", keys, list(range(100, 100 + len(keys))), offsets, background=True)
-    side.load(store, NS, [op], lost.append)
+    side.load(store, NS, [op], lost.append, timeout)
     return lost
 
 
@@ -185,3 +199,17 @@ def test_a_copy_that_raises_while_the_next_part_is_read_unpins_that_part_too():
     assert side.take_load_errors() == set(range(100, 106))
     assert store.promotes == [keys[0:2], keys[2:4]], "part 3 is never started"
     assert store.pinned() == 0, "parts 1 and 2 were promoted (pinned for us) and are unpinned"
+
+
+def test_the_parts_share_one_promote_deadline():
+    # Three parts, each copy 0.3 s, 1 s for the whole load: the third promote starts after
+    # two copies and gets what is left, not a fresh second.
+    store = Store()
+    keys, offsets = stored_blocks(store, 6)
+    side = worker(store, Mover(store, copy_s=0.3), part_blocks=2)
+    assert load(side, store, keys, offsets, timeout=1.0) == []
+    timeouts = [t for t in store.timeouts if t is not None]
+    assert len(timeouts) == 3, f"every part gets a bound: {store.timeouts}"
+    first, second, third = timeouts
+    assert 1.0 >= first >= second >= third > 0
+    assert third <= 0.75, store.timeouts
