@@ -494,7 +494,7 @@ def memcpy_thread_counts(cpus: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def engine_cores_during_load(res: dict[str, Any], hit: str, added_s: float) -> float | None:
+def engine_cpus_during_load(res: dict[str, Any], hit: str, added_s: float) -> float | None:
     """How many CPUs the engine kept busy during the time a hit phase adds to the GPU hit: its
     CPU seconds per request beyond the GPU hit's, per second added. vLLM's EngineCore polls
     its worker (``sched_yield``) while the worker waits for hpkv's copy."""
@@ -521,7 +521,7 @@ def _floor_columns(out: dict[str, Any], res: dict[str, Any], tier: str, hit: str
     added = (out[f"{hit}_s"] - out["gpu_hit_s"]) * 1000
     gbps = best
     if tier == "dram":
-        busy = engine_cores_during_load(res, hit, added / 1000)
+        busy = engine_cpus_during_load(res, hit, added / 1000)
         cpus = int(res.get("cpus") or 0)
         if busy is not None and cpus:
             free = min(cpus, max(1, round(cpus - busy)))

@@ -196,9 +196,7 @@ class ReadSlot:
 
     def bounce(self, n: int) -> memoryview:
         if self._bounce is None or len(self._bounce) < n:
-            # Dropped, not closed: a fetched file's view may still hold the old buffer (close
-            # would raise BufferError); it is unmapped with the last view.
-            self._bounce = self._bounce_mm = None
+            self._release_bounce()
             mm = self._bounce_mm = mmap.mmap(-1, n)
             self._bounce = memoryview(mm)
         return self._bounce[:n]
@@ -211,7 +209,7 @@ class ReadSlot:
             try:
                 self._bounce_mm.close()
             except BufferError:
-                pass  # a fetched file's view still holds it: unmapped with that view
+                pass  # a fetched file's view may still hold it: unmapped with the last view
             self._bounce_mm = None
 
     def close(self) -> None:

@@ -70,12 +70,13 @@ def main(argv: list[str]) -> int:
         ", reads through a private buffer" if io.bounce_reads else "",
     )
 
-    def verified(d, fetched: FetchedFile, fp: str, flags: int) -> None:
+    def verified(d, fetched: FetchedFile, flags: int) -> None:
         """Second half of a promote, on the verifier thread (see ReadAhead)."""
         try:
             nbytes = io.verify(fetched)
         except Exception as exc:  # noqa: BLE001 - every job is answered
-            rt.finish(d, _failure_status(exc, d, fp, fetched.block, io, errors), 0, flags)
+            status = _failure_status(exc, d, fetched.block.namespace.hex(), fetched.block, io, errors)
+            rt.finish(d, status, 0, flags)
             return
         row[W.BYTES_LOADED] += nbytes
         rt.finish(d, 0, nbytes, flags)
@@ -110,7 +111,7 @@ def main(argv: list[str]) -> int:
                 spec["storage"],
             )
         if fetched is not None:
-            read_ahead.verify_later(d, fetched, fp, flags)  # that thread answers the job
+            read_ahead.verify_later(d, fetched, flags)  # that thread answers the job
             return None
         return status, nbytes, flags
 
@@ -170,14 +171,14 @@ class ReadAhead:
     the checks off its path. Both halves drop the GIL for their long parts (the read, the
     native CRC)."""
 
-    def __init__(self, io: KvFileIO, verified: Callable[[Any, FetchedFile, str, int], None], depth: int = 2):
+    def __init__(self, io: KvFileIO, verified: Callable[[Any, FetchedFile, int], None], depth: int = 2):
         self.io = io
         self._verified = verified
         self._slots: queue.SimpleQueue[ReadSlot] = queue.SimpleQueue()
         self._owned = [ReadSlot() for _ in range(depth)]
         for slot in self._owned:
             self._slots.put(slot)
-        self._todo: queue.SimpleQueue[tuple[Any, FetchedFile, str, int] | None] = queue.SimpleQueue()
+        self._todo: queue.SimpleQueue[tuple[Any, FetchedFile, int] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="verify", daemon=True)
         self._thread.start()
 
@@ -191,15 +192,15 @@ class ReadAhead:
             self._slots.put(slot)
             raise
 
-    def verify_later(self, d: Any, fetched: FetchedFile, fp: str, flags: int) -> None:
-        self._todo.put((d, fetched, fp, flags))
+    def verify_later(self, d: Any, fetched: FetchedFile, flags: int) -> None:
+        self._todo.put((d, fetched, flags))
 
     def _run(self) -> None:
         while (item := self._todo.get()) is not None:
-            d, fetched, fp, flags = item
+            d, fetched, flags = item
             slot = fetched.slot
             try:
-                self._verified(d, fetched, fp, flags)
+                self._verified(d, fetched, flags)
             except BaseException:  # noqa: BLE001 - a dead verifier would leave jobs unanswered
                 log.critical("verifier thread failed on IO job seq %d: exiting", d.seq, exc_info=True)
                 os._exit(70)  # the server fails the jobs this worker took and starts another
