@@ -5,6 +5,9 @@ handling that copies nothing."""
 from __future__ import annotations
 
 import mmap
+import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -181,6 +184,63 @@ def test_a_large_load_split_over_threads_copies_the_same_bytes(kind, store_path,
     for b, was in zip(untouched, before, strict=True):
         np.testing.assert_array_equal(np.concatenate([cache.page_of(b, ly) for ly in range(L)]), was)
     assert copier._helper_threads == 2, "the calling thread copies one part itself"
+
+
+def test_a_thread_slowed_by_a_busy_cpu_copies_fewer_chunks_of_a_split_load(monkeypatch) -> None:
+    # The chunks of a split copy are taken in turn: when the calling thread shares its CPU
+    # with a busy engine thread, the helper takes over the chunks it does not get to.
+    monkeypatch.setattr(copy_module, "SPLIT_MIN_BYTES", 1)
+    rng = np.random.default_rng(8)
+    L, NB, n = 2, 16, 16
+    cache = Cache("per_layer", rng, L, NB, 4096)
+    pool = _random(rng, n * cache.layout.slot_bytes)
+    copier = BlockCopier(cache.layout, pool, cache.layout.slot_bytes, n)
+    caller = threading.get_ident()
+    copied_by: dict[int, int] = {}
+    real_run = copier._run
+
+    def run(b, s, direction):
+        if threading.get_ident() == caller:
+            time.sleep(0.05)  # the caller's CPU is busy
+        copied_by[threading.get_ident()] = copied_by.get(threading.get_ident(), 0) + len(b)
+        real_run(b, s, direction)
+
+    monkeypatch.setattr(copier, "_run", run)
+    targets = rng.permutation(NB).astype(np.int64)
+    copier.load(targets, np.arange(n), threads=2)
+    for t, slot in zip(targets, range(n), strict=True):
+        got = np.concatenate([cache.page_of(t, ly) for ly in range(L)])
+        np.testing.assert_array_equal(got, pool.reshape(n, -1)[slot])
+    assert sum(copied_by.values()) == n
+    helper = next(t for t in copied_by if t != caller)
+    assert copied_by[helper] > copied_by.get(caller, 0), copied_by
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin to")
+def test_the_helpers_of_a_split_copy_run_on_the_cpus_given_to_them(monkeypatch) -> None:
+    # Next to a sched_yield busy-poller the scheduler stacks unpinned copy threads on one
+    # CPU; each thread gets a CPU set of its own instead.
+    monkeypatch.setattr(copy_module, "SPLIT_MIN_BYTES", 1)
+    cpus = sorted(os.sched_getaffinity(0))
+    groups = [{cpus[0]}, {cpus[1]}, set(cpus[2:]) or {cpus[0]}]
+    rng = np.random.default_rng(9)
+    cache = Cache("per_layer", rng, 2, 16, 4096)
+    pool = _random(rng, 16 * cache.layout.slot_bytes)
+    copier = BlockCopier(cache.layout, pool, cache.layout.slot_bytes, 16, thread_cpus=groups)
+    caller = threading.get_ident()
+    seen: dict[int, set[int]] = {}
+    real_run = copier._run
+
+    def run(b, s, direction):
+        seen[threading.get_ident()] = os.sched_getaffinity(0)
+        time.sleep(0.02)  # every thread gets chunks
+        real_run(b, s, direction)
+
+    monkeypatch.setattr(copier, "_run", run)
+    copier.load(np.arange(16), np.arange(16), threads=3)
+    helpers = sorted(map(frozenset, (cpus_ for t, cpus_ in seen.items() if t != caller)), key=sorted)
+    assert helpers == sorted(map(frozenset, groups[1:]), key=sorted)
+    assert seen[caller] == os.sched_getaffinity(0), "the caller pins its own thread"
 
 
 @pytest.mark.parametrize("direction", ["save", "load", "split_save", "split_load"])

@@ -144,13 +144,14 @@ BUSY_POLLERS = {
 
 
 def _next_to_a_busy_poller(args: argparse.Namespace, pool_size: int, poller: str) -> dict[str, Any]:
-    """The 7B batch through a fresh server while a busy-polling process competes for the CPUs."""
+    """The 7B batch through a fresh server while a busy-polling process competes for the CPUs,
+    both in this session, like vLLM and the server it spawned."""
     import subprocess
     import sys
 
     from hpkv.client.connection import connect
 
-    srv = _start_server(args, pool_size)
+    srv = _start_server(args, pool_size, same_session=True)
     busy = subprocess.Popen([sys.executable, "-c", BUSY_POLLERS[poller]])
     try:
         with connect(srv.cfg, spawn=False, call_timeout=30.0) as client:
@@ -161,12 +162,12 @@ def _next_to_a_busy_poller(args: argparse.Namespace, pool_size: int, poller: str
         srv.cleanup()
 
 
-def _start_server(args: argparse.Namespace, pool_size: int) -> Any:
+def _start_server(args: argparse.Namespace, pool_size: int, same_session: bool = False) -> Any:
     """A private ``hpkv serve`` with ``--workers`` transfer workers per device."""
     from hpkv.testing.server import ServerProcess, private_env
 
     extra = {"HPKV_NUM_TRANSFER_WORKERS": args.workers} if args.workers else {}
-    return ServerProcess(private_env(pool_size=str(pool_size), **extra)).start()
+    return ServerProcess(private_env(pool_size=str(pool_size), **extra), same_session=same_session).start()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -242,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
     big = results[-1]
     print(
         f"{big['mib']:.0f} MiB batch (alone: save {big['save_gbps']:.2f}, load {big['load_gbps']:.2f} GB/s) "
-        "next to a process of another session that busy-polls like vLLM while it waits for a copy:"
+        "next to a process of the same session that busy-polls like vLLM while it waits for a copy:"
     )
     for poller, r in polled.items():
         print(f"  {poller:>11}: save {r['save_gbps']:.2f} GB/s, load {r['load_gbps']:.2f} GB/s")

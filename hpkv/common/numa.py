@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 
 def numa_nodes() -> list[int]:
@@ -41,6 +42,13 @@ def device_cpus(device: str, numa_node: int | None) -> tuple[int, list[int]]:
     except OSError:
         cpus = []
     return node, cpus or allowed
+
+
+def spread_cpus(cpus: Sequence[int], n: int) -> list[set[int]]:
+    """``cpus`` dealt into ``min(n, len(cpus))`` disjoint sets, one per thread that must never
+    share a CPU with another of them."""
+    n = max(1, min(n, len(cpus)))
+    return [set(cpus[i::n]) for i in range(n)]
 
 
 def set_memory_node(node: int) -> str:

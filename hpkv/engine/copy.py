@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import itertools
 import mmap
-from collections.abc import Sequence
+import os
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,9 @@ LOAD: int = lib.HPKV_LOAD  # pool -> device
 _U64_LIMIT = 1 << 64
 #: A batch smaller than this is copied by one thread: the hand-off costs more than it saves.
 SPLIT_MIN_BYTES = 8 << 20
+#: A split batch is cut into this many chunks per thread, taken in turn: a thread that shares
+#: its CPU with a busy engine thread copies fewer of them.
+CHUNKS_PER_THREAD = 4
 
 
 class BlockIndexError(IndexError):
@@ -259,9 +263,22 @@ class BlockCopier:
     ``pool``: the address of slot 0 (int) or the object that owns the pool mapping
     (mmap, numpy array, CPU torch tensor); slot ``s`` is at ``pool + s * slot_stride``.
     Safe to call from several threads at once (the GIL is released during the copy).
+
+    ``thread_cpus``: the CPUs of each copy thread, disjoint sets. Helper ``k`` of a split
+    copy runs on ``thread_cpus[k + 1]``; the caller pins its own thread to ``thread_cpus[0]``.
+    Without it the scheduler places the threads, and next to a process that busy-polls with
+    sched_yield (vLLM's engine while it waits for a copy) it stacks both of a 2-CPU machine's
+    copy threads on one CPU: the split copy then takes as long as one thread's.
     """
 
-    def __init__(self, layout: BlockLayout, pool: Any, slot_stride: int, num_slots: int):
+    def __init__(
+        self,
+        layout: BlockLayout,
+        pool: Any,
+        slot_stride: int,
+        num_slots: int,
+        thread_cpus: Sequence[Collection[int]] = (),
+    ):
         if slot_stride < layout.slot_bytes:
             raise ValueError(
                 f"slot_stride ({slot_stride}) is smaller than one block of all layers "
@@ -297,6 +314,8 @@ class BlockCopier:
         self._from_buffer = ffi.from_buffer
         self._helper_executor: ThreadPoolExecutor | None = None  # split copies, made on first use
         self._helper_threads = 0
+        self._thread_cpus = [set(c) for c in thread_cpus]
+        self._helpers_pinned = itertools.count(1)
 
     def save(self, dev_blocks: Any, slots: Any, threads: int = 1) -> None:
         """Device blocks ``dev_blocks[i]`` -> pool slots ``slots[i]``; split like :meth:`load`."""
@@ -316,11 +335,18 @@ class BlockCopier:
             return
         b, s = _index_array(dev_blocks, "dev_blocks"), _index_array(slots, "slots")
         self._check(b, s)
-        (lo, hi), *spans = itertools.pairwise([n * i // parts for i in range(parts + 1)])
+        chunks = min(n, parts * CHUNKS_PER_THREAD)
+        bounds = [n * i // chunks for i in range(chunks + 1)]
+        taken = itertools.count()  # next() is atomic under the GIL
+
+        def copy_chunks() -> None:
+            while (i := next(taken)) < chunks:
+                self._run(b[bounds[i] : bounds[i + 1]], s[bounds[i] : bounds[i + 1]], direction)
+
         helpers = self._helpers(parts - 1)
-        rest = [helpers.submit(self._run, b[a:z], s[a:z], direction) for a, z in spans]
+        rest = [helpers.submit(copy_chunks) for _ in range(parts - 1)]
         try:
-            self._run(b[lo:hi], s[lo:hi], direction)
+            copy_chunks()
         finally:
             wait(rest)  # never return while a helper still writes the KV cache or the pool
         for f in rest:
@@ -330,10 +356,21 @@ class BlockCopier:
         if self._helper_threads < n:
             if self._helper_executor is not None:
                 self._helper_executor.shutdown(wait=False)
-            self._helper_executor = ThreadPoolExecutor(n, thread_name_prefix="hpkv-copy")
+            self._helpers_pinned = itertools.count(1)
+            self._helper_executor = ThreadPoolExecutor(
+                n, thread_name_prefix="hpkv-copy", initializer=self._pin_helper
+            )
             self._helper_threads = n
         assert self._helper_executor is not None
         return self._helper_executor
+
+    def _pin_helper(self) -> None:
+        if self._thread_cpus:
+            cpus = self._thread_cpus[next(self._helpers_pinned) % len(self._thread_cpus)]
+            try:
+                os.sched_setaffinity(0, cpus)  # this thread
+            except OSError:
+                pass  # a CPU went offline or the cgroup shrank: the scheduler places it
 
     def _check(self, b: np.ndarray, s: np.ndarray) -> None:
         """Raise the error the native copy would for the first bad pair."""

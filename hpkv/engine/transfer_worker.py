@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from hpkv.common.numa import set_memory_node
+from hpkv.common.numa import set_memory_node, spread_cpus
 from hpkv.common.pool import PoolFile
 from hpkv.common.shm import map_file
 from hpkv.engine.copy import BlockCopier, BlockLayout
@@ -54,19 +54,33 @@ def main(argv: list[str]) -> int:
         owners=tuple(regions),
     )
     slot_bytes = int(spec["slot_bytes"])
-    copier = BlockCopier(layout, pool.address, slot_stride=slot_bytes, num_slots=pool.size // slot_bytes)
     # The engine waits for every copy (a load before its forward, a save after it): a large
-    # one uses up to that many threads.
+    # one uses up to that many threads, each on CPUs of its own (see BlockCopier).
     copy_threads = max(1, min(len(cpus) or os.cpu_count() or 1, MAX_COPY_THREADS))
+    thread_cpus = spread_cpus(cpus, copy_threads) if cpus else []
+    copier = BlockCopier(
+        layout,
+        pool.address,
+        slot_stride=slot_bytes,
+        num_slots=pool.size // slot_bytes,
+        thread_cpus=thread_cpus,
+    )
+    if thread_cpus:  # last: the threads started before (the pool's) keep all the node's CPUs
+        try:
+            os.sched_setaffinity(0, thread_cpus[0])
+        except OSError as exc:
+            log.warning("cannot pin the copy thread to CPUs %s: %s", sorted(thread_cpus[0]), exc)
     jobs_mm = map_file(spec["jobs"])
     jobs = np.frombuffer(jobs_mm, dtype=np.int64).reshape(P.JOB_SLOTS, P.JOB_SLOT_BYTES // 8)
     log.info(
-        "transfer worker ready: %d layers x %d B pages, %d blocks; CPUs %s (copies over up to %d); %s",
+        "transfer worker ready: %d layers x %d B pages, %d blocks; CPUs %s (copies over up to %d "
+        "threads on CPUs %s); %s",
         layout.num_layers,
         layout.page_bytes,
         layout.num_blocks,
         cpus,
         copy_threads,
+        " | ".join(_cpu_list(c) for c in thread_cpus) or "any",
         placement,
     )
 
@@ -93,6 +107,10 @@ def main(argv: list[str]) -> int:
 
     # A client that went away leaves its ring; the server stops us when it notices.
     return rt.serve(copy, exit_when_producer_gone=False)
+
+
+def _cpu_list(cpus: set[int]) -> str:
+    return ",".join(map(str, sorted(cpus)))
 
 
 if __name__ == "__main__":

@@ -44,10 +44,20 @@ def private_env(pool_size: str = "64m", storage: str | None = None, **extra: str
     return env
 
 
-class ServerProcess:
-    """Starts ``hpkv serve`` with ``env``; ``stop()`` always ends it (SIGTERM, then SIGKILL)."""
+def _own_group() -> dict[str, Any]:
+    return {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 
-    def __init__(self, env: Mapping[str, str], args: tuple[str, ...] = ()):
+
+class ServerProcess:
+    """Starts ``hpkv serve`` with ``env``; ``stop()`` always ends it (SIGTERM, then SIGKILL).
+
+    The server gets a process group of its own (``stop()`` kills the group) and, unless
+    ``same_session``, a session of its own. An auto-spawned server stays in its engine's
+    session, which the kernel's autogroup scheduling treats as one group: ``same_session``
+    places it like that."""
+
+    def __init__(self, env: Mapping[str, str], args: tuple[str, ...] = (), same_session: bool = False):
+        self.same_session = same_session
         self.env = dict(env)
         self.cfg: Config = load_config(self.env)
         self.args = args
@@ -64,7 +74,7 @@ class ServerProcess:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            start_new_session=True,
+            **(_own_group() if self.same_session else {"start_new_session": True}),
         )
         deadline = time.monotonic() + timeout
         while not self.ready():
