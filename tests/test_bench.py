@@ -58,6 +58,32 @@ def test_added_time_is_set_against_the_floor_for_the_bytes_loaded():
     assert "storage_added_ms" not in s, "no storage phase, no storage columns"
 
 
+def test_the_added_time_pairs_each_hit_with_the_gpu_hit_of_its_repeat(capsys):
+    # The machine slowed down between the GPU-hit phase (0.08 s) and the DRAM-hit phase,
+    # where a GPU hit took 0.12 s: phase means would say the DRAM hit adds nothing; the pairs
+    # say 40 ms (their median: one outlier pair does not move it).
+    res = {
+        "ttft": {
+            "gpu_hit": [0.08, 0.08, 0.08],
+            "dram_hit": [0.16, 0.16, 0.30],
+            "dram_hit_repeat": [0.12, 0.12, 0.12],
+        },
+        "served_tokens": {"dram_hit": {"dram": 3 * 8192, "storage": 0}},
+        "requests": 3,
+        "tokens": 8192,
+        "model": "m",
+        "kv_bytes_per_token": 56 * 1024,
+        "dram_floor_gbps": {"threads_1": 10.0, "best": 10.0},
+    }
+    s = ttft.summarize(res)
+    assert s["dram_added_ms"] == pytest.approx(40.0)
+    assert s["dram_hit_repeat_s"] == pytest.approx(0.12)
+    ttft.print_table(s)
+    assert "median of hit − the same prompt again, a GPU hit: mean 0.120 s" in capsys.readouterr().out
+    del res["ttft"]["dram_hit_repeat"]  # --url: no repeats, the phases' means
+    assert ttft.summarize(res)["dram_added_ms"] == pytest.approx((0.62 / 3 - 0.08) * 1000, abs=0.1)
+
+
 @pytest.mark.parametrize(
     "engine_cpu_s,free,gbps",
     [(0.244, 1, 10.0), (0.21, 2, 15.0), (0.40, 1, 10.0)],
@@ -119,6 +145,24 @@ def test_the_cpu_meter_counts_a_process_tree_and_no_server_as_zero(tmp_path):
         child.wait()
     per = meter.per_request["cold"]
     assert per["hpkv"] == 0.0 and 0.1 <= per["engine"] <= 0.4, per
+
+
+def test_the_cpu_meter_leaves_a_paused_stretch_out(tmp_path):
+    import subprocess
+    import sys
+
+    meter = ttft.CpuMeter(str(tmp_path / "no-pool"), requests=1)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)\nwhile True: pass"])
+    try:
+        meter.start("dram_hit", child.pid)
+        time.sleep(1.0)  # idle: counted
+        with meter.paused("dram_hit", child.pid):
+            time.sleep(2.5)  # the child spins from 1.5 s on: left out
+        meter.stop("dram_hit", child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert meter.per_request["dram_hit"]["engine"] < 0.3, meter.per_request
 
 
 def test_floors_measure_something_real(tmp_path):

