@@ -28,8 +28,8 @@ SHARD = LAYOUT.shard_bytes
 class Store(MemoryKvStore):
     """Records each promote's keys; ``fail_promote`` makes that promote call (1-based) raise."""
 
-    def __init__(self, fail_promote: int = 0):
-        super().__init__(slot_bytes=SHARD)
+    def __init__(self, fail_promote: int = 0, world_size: int = 1):
+        super().__init__(world_size=world_size, slot_bytes=SHARD)
         self.promotes: list[list[bytes]] = []
         self.timeouts: list[float | None] = []
         self.entered = threading.Condition()
@@ -64,10 +64,12 @@ class Mover:
         self.copy_s = copy_s  # each load takes this long
         self.raise_copy = raise_copy  # that load (1-based) raises, as a dead transfer worker's does
         self.loads: list[list[int]] = []
+        self.offsets: list[list[int]] = []
         self.beside_next_promote: list[bool] = []
 
     def load(self, blocks, offsets) -> bool:
         self.loads.append([int(b) for b in blocks])
+        self.offsets.append([int(o) for o in offsets])
         k = len(self.loads)
         time.sleep(self.copy_s)
         if k <= self.promotes_after:
@@ -213,3 +215,28 @@ def test_the_parts_share_one_promote_deadline():
     first, second, third = timeouts
     assert 1.0 >= first >= second >= third > 0
     assert third <= 0.75, store.timeouts
+
+
+def test_rank_1_of_two_copies_its_own_shards_of_each_part():
+    # Tensor parallel 2: each rank loads its own shard of every block; the parts are sized
+    # by one rank's shard bytes, and rank 1 copies from rank 1's pool offsets.
+    layout = Layout(
+        fingerprint="ef" * 16, name="tp2", world_size=2, block_size=16, num_layers=2, page_bytes=2048
+    )
+    store = Store(world_size=2)
+    keys = block_keys(layout.fingerprint, [f"b{i}".encode() for i in range(6)])
+    store.reserve(NS, keys)
+    for rank in (0, 1):
+        store.commit(NS, keys, rank=rank)
+    store.clear(NS)
+    mover = Mover(store)
+    side = WorkerSide(layout, 1, "/nonexistent", "cpu", open_store=lambda spec: (store, NS, mover))
+    side._device = mover
+    side.promote_part_bytes = 2 * layout.shard_bytes
+    op = LoadOp("r1", keys, list(range(100, 106)), np.full((6, 2), ROW_MISSING, np.int64), background=True)
+    side.load(store, NS, [op], lambda exc: pytest.fail(f"lost: {exc}"))
+    assert store.promotes == [keys[0:2], keys[2:4], keys[4:6]]
+    assert mover.loads == [[100, 101], [102, 103], [104, 105]]
+    rank1 = [int(store.blocks[(NS, k)].offset + SHARD) for k in keys]
+    assert sum(mover.offsets, []) == rank1, "rank 1's shards, not rank 0's"
+    assert side.take_load_errors() == set() and store.pinned() == 0
