@@ -55,6 +55,7 @@ def hpkv_env() -> Iterator[dict[str, str]]:
         VLLM_HPKV_TOKEN_THRESHOLD=str(THRESHOLD),
         HPKV_SERVER_IDLE_EXIT="60",
         HPKV_LOG_LEVEL="INFO",
+        HPKV_PROMOTE_PART_SIZE="128k",  # storage hits promote in parts of 2 pages of the tiny model
     )
     try:
         yield env

@@ -1,7 +1,8 @@
-"""The vLLM connector's worker-side loads against an in-memory hpkv store and a recording
-block mover: how a storage load is split into parts, that each part's copy runs while the
-next part is read, and that every pin is released whatever fails (milliseconds; the
-end-to-end tests in test_vllm_connector.py run the same code in real vLLM, in parts)."""
+"""Storage loads in parts (hpkv.connectors.promote), mostly through the vLLM connector's
+worker-side loads, against an in-memory hpkv store and a recording block mover: how a storage
+load is split into parts, that each part's copy runs while the next part is read, and that
+every pin is released whatever fails (milliseconds; the end-to-end tests in
+test_vllm_connector.py and test_sglang.py run the same code in real vLLM and SGLang)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import time
 import numpy as np
 import pytest
 
+from hpkv.connectors.promote import PROMOTE_PARTS, load_in_parts, promote_parts
 from hpkv.connectors.vllm.layout import Layout
 from hpkv.connectors.vllm.metadata import LoadOp
-from hpkv.connectors.vllm.worker import PROMOTE_PARTS, WorkerSide, promote_parts
+from hpkv.connectors.vllm.worker import WorkerSide
 from hpkv.protocol.errors import ROW_MISSING, HpkvUnavailable
 from hpkv.protocol.keys import block_keys
 from hpkv.testing.memory_store import MemoryKvStore
@@ -240,3 +242,22 @@ def test_rank_1_of_two_copies_its_own_shards_of_each_part():
     rank1 = [int(store.blocks[(NS, k)].offset + SHARD) for k in keys]
     assert sum(mover.offsets, []) == rank1, "rank 1's shards, not rank 0's"
     assert side.take_load_errors() == set() and store.pinned() == 0
+
+
+def test_a_prefix_load_starts_no_promote_after_a_part_that_came_back_short():
+    # SGLang uses the leading pages that arrived: once a part misses a page (its file is
+    # gone), the pages after it are of no use. The part already promoted ahead is unpinned.
+    store = Store()
+    keys, offsets = stored_blocks(store, 8)
+    del store.blocks[(NS, keys[3])]
+    copies: list[list[int]] = []
+
+    def copy(idx, offs):
+        copies.append([int(i) for i in idx])
+        return True
+
+    ok = load_in_parts(store, NS, keys, offsets[:, 0].copy(), 0, SHARD, 2 * SHARD, 5.0, copy, True)
+    assert store.promotes == [keys[0:2], keys[2:4], keys[4:6]], "part 4 is never started"
+    assert copies == [[0, 1], [2]]
+    assert ok.tolist() == [True, True, True] + [False] * 5
+    assert store.pinned() == 0

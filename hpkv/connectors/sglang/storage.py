@@ -10,7 +10,9 @@ that memory with the hpkv server as a *device* exactly as the vLLM CPU path regi
 vLLM's KV cache: hpkv's transfer worker maps it and copies whole pages between the host
 pool and pool slots, one native call per batch, with no Python copy per page. A page is
 one hpkv block: ``page_size`` tokens of every layer, K and V, in the host pool's own byte
-order (the layout is part of the namespace, so bytes never cross layouts).
+order (the layout is part of the namespace, so bytes never cross layouts). A load whose
+pages only storage holds promotes them in parts (``HPKV_PROMOTE_PART_SIZE``), each copied
+into the host pool while the next is read (:mod:`hpkv.connectors.promote`).
 
 The legacy ``batch_get``/``batch_set`` (flat page tensors, used without ``interface_v1``)
 copy in-process between the flat tensors and this process's mapping of the hpkv pool,
@@ -52,6 +54,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from hpkv.client import HpkvClient, connect
 from hpkv.common import shm
 from hpkv.common.numa import current_numa_node
+from hpkv.connectors.promote import load_in_parts
 from hpkv.connectors.reconnect import Reconnecting
 from hpkv.protocol.errors import ROW_MISSING, ROW_POOL_FULL, ROW_PRESENT
 from hpkv.protocol.keys import block_keys, model_identity, namespace_fingerprint
@@ -173,6 +176,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
         self.config = storage_config
         self.extra = dict(storage_config.extra_config or {})
         self.enabled = False
+        self.promote_part_bytes = 0  # one part; HPKV_PROMOTE_PART_SIZE once configured
         self.ns_id = -1  # set by _connect
         self.fingerprint = ""
         self.ns_name = ""  # set once the host pool is known: connecting needs both
@@ -217,6 +221,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
             return
         # None ("auto"): no threshold of hpkv's own; SGLang's prefetch_threshold decides.
         self.threshold: int | None = self.cfg["VLLM_HPKV_TOKEN_THRESHOLD"]
+        self.promote_part_bytes = int(self.cfg["HPKV_PROMOTE_PART_SIZE"])
         self.enabled = True
 
     # ------------------------------------------------------------------ attach
@@ -375,19 +380,34 @@ class HpkvHiCacheStorage(HiCacheStorage):
         if pages is None:
             return [False] * n
         hkeys = self._keys(keys)
-        pinned: list[bytes] = []
+        device = self._device
         ok = np.zeros(n, bool)
+        pinned: list[bytes] = []
         try:
-            offs, pinned = self._pin_or_promote(client, hkeys)
-            k = int((offs >= 0).sum())
-            if k and self._device.load(pages[:k], offs[:k]):
-                ok[:k] = True
+            offs = client.pin(self.ns_id, hkeys)[:, 0].copy()
+            pinned = [k for k, o in zip(hkeys, offs, strict=True) if o >= 0]
+            ok = load_in_parts(
+                client,
+                self.ns_id,
+                hkeys,
+                offs,
+                0,
+                self.shard_bytes,
+                self.promote_part_bytes,
+                PROMOTE_TIMEOUT_S,
+                lambda idx, offsets: device.load(pages[idx], offsets),
+                stop_after_short_part=True,  # SGLang uses the leading pages that arrived
+            )
         except Exception as exc:  # noqa: BLE001 - a miss; SGLang recomputes
             self._conn.lost(exc)
+            ok[:] = False
         finally:
             if pinned and self._conn.client is client:
                 with contextlib.suppress(Exception):
                     client.unpin(self.ns_id, pinned)
+        short = np.flatnonzero(~ok)
+        if len(short):
+            ok[short[0] :] = False
         self._count(loaded_pages=int(ok.sum()), load_failed_pages=n - int(ok.sum()))
         return ok.tolist()
 

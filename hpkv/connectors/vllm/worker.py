@@ -18,9 +18,7 @@ import os
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -29,6 +27,7 @@ import torch
 from hpkv.client.connection import promote_timeout as default_promote_timeout
 from hpkv.client.contract import BlockMover, KvStore
 from hpkv.common import shm
+from hpkv.connectors.promote import load_in_parts
 from hpkv.connectors.reconnect import Reconnecting
 from hpkv.connectors.vllm.layout import Layout, describe_kv
 from hpkv.connectors.vllm.metadata import HpkvConnectorStats, HpkvMetadata, LoadOp
@@ -41,10 +40,6 @@ IDLE_STEP_WAIT_S = 0.02  # an empty step waits this long for a background load t
 # A background load's disk read may take longer than a step's (the request waits, the others
 # run); on a loaded machine a few blocks took over 5 s. Still bounded: it then recomputes.
 BACKGROUND_PROMOTE_TIMEOUT_S = 30.0
-# A storage load is promoted in up to this many parts of at least HPKV_PROMOTE_PART_SIZE,
-# each copied into the KV cache while the next is read (Qwen2.5-7B's 8192-token prompt:
-# 8 parts of 56 MiB at the default 16 MiB).
-PROMOTE_PARTS = 8
 
 #: (store, namespace id, block mover) of a connected worker.
 Opened = tuple[KvStore, int, BlockMover]
@@ -192,8 +187,8 @@ class WorkerSide:
         """Load ``ops`` into the KV cache: promote what is not in DRAM, copy, unpin what was
         promoted for us. Blocks that could not be loaded are reported (vLLM recomputes them).
 
-        A large storage load is promoted in parts (:func:`promote_parts`), each copied into
-        the KV cache while the next one is read from disk; the copies stay on this thread."""
+        A large storage load is promoted in parts, each copied into the KV cache while the
+        next one is read from disk; the copies stay on this thread (:func:`load_in_parts`)."""
         blocks = [b for op in ops for b in op.block_ids]
         device = self._device
         if device is None:
@@ -208,29 +203,22 @@ class WorkerSide:
                 len(missing) * self.layout.shard_bytes * self.layout.world_size
             )
         dst = np.asarray(blocks, np.int64)
-        ok = np.zeros(len(blocks), bool)
-        parts = promote_parts(missing, self.layout.shard_bytes, self.promote_part_bytes)
-        ahead = PromoteAhead(client, ns_id, keys, parts, promote_timeout)
-
-        def copy(idx: np.ndarray) -> None:
-            idx = idx[offsets[idx] >= 0]
-            if len(idx):
-                ok[idx] = device.load(dst[idx], offsets[idx])
-
         try:
-            with ahead:
-                copy(np.flatnonzero(offsets >= 0))  # DRAM blocks, while the first part is read
-                for part, rows in ahead.results():
-                    offsets[part] = rows[:, self.rank]
-                    copy(part)
+            ok = load_in_parts(
+                client,
+                ns_id,
+                keys,
+                offsets,
+                self.rank,
+                self.layout.shard_bytes,
+                self.promote_part_bytes,
+                promote_timeout,
+                lambda idx, offs: device.load(dst[idx], offs),
+            )
         except Exception as exc:  # noqa: BLE001 - whatever failed, vLLM recomputes
             lost(exc)
             self._fail_loads(blocks, str(exc))
             return
-        finally:
-            if ahead.promoted:  # every promote has ended (PromoteAhead's exit waits for them)
-                with contextlib.suppress(Exception):
-                    client.unpin(ns_id, ahead.promoted)
         failed = [b for b, good in zip(blocks, ok, strict=True) if not good]
         if failed:
             self._fail_loads(failed, "blocks missing or copy failed")
@@ -303,82 +291,6 @@ class WorkerSide:
         if self._kv_file:
             with contextlib.suppress(OSError):
                 os.unlink(self._kv_file)  # the mapping stays valid while vLLM still uses it
-
-
-def promote_parts(missing: np.ndarray, shard_bytes: int, min_part_bytes: int) -> list[np.ndarray]:
-    """The parts a storage load is promoted in: up to PROMOTE_PARTS, none under
-    ``min_part_bytes`` (0: one part). A part's copy into the KV cache overlaps the next
-    part's read; each part costs a round trip to the server and a drain of the IO workers."""
-    if not len(missing):
-        return []
-    if min_part_bytes <= 0:
-        return [missing]
-    min_blocks = max(1, -(-min_part_bytes // max(1, shard_bytes)))
-    n = max(1, min(PROMOTE_PARTS, len(missing) // min_blocks))
-    return [p for p in np.array_split(missing, n) if len(p)]
-
-
-class PromoteAhead:
-    """Promotes the parts of a load one after the other on a thread of its own, one part ahead
-    of the caller, who copies each part while the next is read. On exit every promote that
-    was started has ended and ``promoted`` lists the keys pinned for the caller (to unpin),
-    also when a part failed or the caller stopped early."""
-
-    def __init__(
-        self, client: KvStore, ns_id: int, keys: list[bytes], parts: list[np.ndarray], timeout: float
-    ):
-        """``timeout`` bounds all the parts' promotes together."""
-        self.client, self.ns_id, self.keys, self.parts = client, ns_id, keys, parts
-        self._deadline = time.monotonic() + timeout
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: deque[tuple[np.ndarray, Future[np.ndarray]]] = deque()
-        self.promoted: list[bytes] = []
-
-    def _answered(self, part: np.ndarray, rows: np.ndarray) -> None:
-        self.promoted.extend(self.keys[i] for i, row in zip(part, rows, strict=True) if (row >= 0).all())
-
-    def __enter__(self) -> PromoteAhead:
-        """With several parts, starts the first part's promote (the caller copies its DRAM
-        blocks meanwhile)."""
-        if len(self.parts) > 1:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hpkv-promote")
-            self._start(self.parts[0])
-        return self
-
-    def _left(self) -> float:
-        return max(0.001, self._deadline - time.monotonic())
-
-    def _start(self, part: np.ndarray) -> None:
-        assert self._pool is not None
-        keys = [self.keys[i] for i in part]
-        self._pending.append(
-            (part, self._pool.submit(self.client.promote, self.ns_id, keys, timeout=self._left()))
-        )
-
-    def results(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(part, its rows) in order."""
-        if self._pool is None:  # one part: no thread
-            for part in self.parts:
-                rows = self.client.promote(self.ns_id, [self.keys[i] for i in part], timeout=self._left())
-                self._answered(part, rows)
-                yield part, rows
-            return
-        for nxt in [*self.parts[1:], None]:
-            part, fut = self._pending.popleft()
-            rows = fut.result()
-            self._answered(part, rows)
-            if nxt is not None:
-                self._start(nxt)
-            yield part, rows
-
-    def __exit__(self, *exc: object) -> None:
-        if self._pool is None:
-            return
-        for part, fut in self._pending:  # started, never collected: its pins are ours too
-            with contextlib.suppress(Exception):
-                self._answered(part, fut.result())
-        self._pending.clear()
-        self._pool.shutdown(wait=True)
 
 
 class BackgroundLoads:
