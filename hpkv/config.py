@@ -333,8 +333,8 @@ KEYS: dict[str, Key] = {
             parse_size,
             SIZE_FORM + "; 0 = one part",
             "a storage hit is read from disk in up to 8 parts of at least this size (of one "
-            "rank's shards), each copied into vLLM's KV cache while the next is read (vLLM on the "
-            "CPU; on CUDA a storage hit is read in one part)",
+            "rank's shards), each copied into vLLM's KV cache or SGLang's host pool while the "
+            "next is read (vLLM on the CPU, and SGLang; vLLM on CUDA reads a storage hit in one part)",
         ),
         Key(
             "HPKV_STORAGE_READ_BOUNCE",
