@@ -59,6 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--repeat", type=int, default=4, help="timed repetitions per case (median is reported)")
     p.add_argument("--workers", default="1,2,4", help="IO worker counts for the read scaling run")
+    p.add_argument(
+        "--io-workers",
+        type=int,
+        help="IO workers of the server the size cases run on (HPKV_NUM_IO_WORKERS, which the bench's "
+        "private server does not take from the environment; default: hpkv's default)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the files")
 
 
@@ -73,6 +79,7 @@ class _Bench:
         self.storage = os.path.join(root, "hpkv")
         self.raw_root = os.path.join(root, "raw")
         self.o_direct = True
+        self.io_workers = 0
 
     # ------------------------------------------------------------ servers
     def server(self, workers: int | None = None):
@@ -169,10 +176,12 @@ class _Bench:
         a = self.args
         results = []
         headline_keys: dict = {}
-        srv = self.server()
+        srv = self.server(workers=self.args.io_workers)
         try:
             client = connect(srv.cfg, spawn=False, call_timeout=60.0)
-            st = client.stats()["storage"]
+            stats = client.stats()
+            self.io_workers = sum(1 for w in stats["workers"] if w["kind"] == "io")
+            st = stats["storage"]
             self.o_direct = st["o_direct"]
             self.fs_note = st["o_direct_reason"]
             seg = StatsSegment.attach(srv.pool_dir)
@@ -317,6 +326,7 @@ def run(args: argparse.Namespace) -> int:
         "o_direct": bench.o_direct,
         "o_direct_reason": bench.fs_note,
         "read_bounce": bench.read_bounce,
+        "io_workers": bench.io_workers,
         "fs_type": fs,
         "dir": root,
         "mib_per_case": args.mib,
@@ -329,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(
         f"hpkv bench io: {args.mib} MiB per case on {fs} ({'O_DIRECT' if bench.o_direct else 'buffered'}"
-        f"{', reads via a private buffer' if bench.read_bounce else ''}), "
+        f"{', reads via a private buffer' if bench.read_bounce else ''}, {bench.io_workers} IO workers), "
         f"median of {args.repeat}; raw = one thread, open+pwritev/preadv+close, same files and sizes"
     )
     print(
