@@ -60,7 +60,7 @@ def test_added_time_is_set_against_the_floor_for_the_bytes_loaded():
 
 def test_the_added_time_pairs_each_hit_with_the_gpu_hit_of_its_repeat(capsys):
     # The machine slowed down between the GPU-hit phase (0.08 s) and the DRAM-hit phase,
-    # where a GPU hit took 0.12 s: phase means would say the DRAM hit adds nothing; the pairs
+    # where a GPU hit took 0.12 s: phase means would say the DRAM hit adds 127 ms; the pairs
     # say 40 ms (their median: one outlier pair does not move it).
     res = {
         "ttft": {

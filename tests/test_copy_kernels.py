@@ -198,10 +198,14 @@ def test_a_thread_slowed_by_a_busy_cpu_copies_fewer_chunks_of_a_split_load(monke
     caller = threading.get_ident()
     copied_by: dict[int, int] = {}
     real_run = copier._run
+    helper_started = threading.Event()
 
     def run(b, s, direction):
         if threading.get_ident() == caller:
+            assert helper_started.wait(10), "the helper thread never took a chunk"
             time.sleep(0.05)  # the caller's CPU is busy
+        else:
+            helper_started.set()
         copied_by[threading.get_ident()] = copied_by.get(threading.get_ident(), 0) + len(b)
         real_run(b, s, direction)
 
@@ -230,17 +234,20 @@ def test_the_helpers_of_a_split_copy_run_on_the_cpus_given_to_them(monkeypatch) 
     caller = threading.get_ident()
     seen: dict[int, set[int]] = {}
     real_run = copier._run
+    all_started = threading.Barrier(3, timeout=10)  # every thread takes a chunk
 
     def run(b, s, direction):
-        seen[threading.get_ident()] = os.sched_getaffinity(0)
-        time.sleep(0.02)  # every thread gets chunks
+        me = threading.get_ident()
+        if me not in seen:
+            seen[me] = os.sched_getaffinity(0)
+            all_started.wait()
         real_run(b, s, direction)
 
     monkeypatch.setattr(copier, "_run", run)
     copier.load(np.arange(16), np.arange(16), threads=3)
     helpers = sorted(map(frozenset, (cpus_ for t, cpus_ in seen.items() if t != caller)), key=sorted)
     assert helpers == sorted(map(frozenset, groups[1:]), key=sorted)
-    assert seen[caller] == os.sched_getaffinity(0), "the caller pins its own thread"
+    assert seen[caller] == os.sched_getaffinity(0), "the caller's CPUs are the caller's business"
 
 
 @pytest.mark.parametrize("direction", ["save", "load", "split_save", "split_load"])

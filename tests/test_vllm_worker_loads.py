@@ -244,9 +244,10 @@ def test_rank_1_of_two_copies_its_own_shards_of_each_part():
     assert side.take_load_errors() == set() and store.pinned() == 0
 
 
-def test_a_prefix_load_starts_no_promote_after_a_part_that_came_back_short():
+def test_a_prefix_load_stops_after_a_part_that_came_back_short():
     # SGLang uses the leading pages that arrived: once a part misses a page (its file is
-    # gone), the pages after it are of no use. The part already promoted ahead is unpinned.
+    # gone), the pages after it are of no use. The part already being read ahead completes
+    # and is unpinned; the one after it never starts.
     store = Store()
     keys, offsets = stored_blocks(store, 8)
     del store.blocks[(NS, keys[3])]
@@ -257,7 +258,7 @@ def test_a_prefix_load_starts_no_promote_after_a_part_that_came_back_short():
         return True
 
     ok = load_in_parts(store, NS, keys, offsets[:, 0].copy(), 0, SHARD, 2 * SHARD, 5.0, copy, True)
-    assert store.promotes == [keys[0:2], keys[2:4], keys[4:6]], "part 4 is never started"
+    assert store.promotes == [keys[0:2], keys[2:4], keys[4:6]], "part 3 was read ahead; part 4 never starts"
     assert copies == [[0, 1], [2]]
     assert ok.tolist() == [True, True, True] + [False] * 5
     assert store.pinned() == 0

@@ -44,11 +44,14 @@ def device_cpus(device: str, numa_node: int | None) -> tuple[int, list[int]]:
     return node, cpus or allowed
 
 
-def spread_cpus(cpus: Sequence[int], n: int) -> list[set[int]]:
+def spread_cpus(cpus: Sequence[int], n: int, first: int = 0) -> list[set[int]]:
     """``cpus`` dealt into ``min(n, len(cpus))`` disjoint sets, one per thread that must never
-    share a CPU with another of them."""
+    share a CPU with another of them, starting with set ``first`` (modulo their number): workers
+    that start at different sets spread their first threads over the CPUs."""
     n = max(1, min(n, len(cpus)))
-    return [set(cpus[i::n]) for i in range(n)]
+    sets = [set(cpus[i::n]) for i in range(n)]
+    k = first % n
+    return sets[k:] + sets[:k]
 
 
 def set_memory_node(node: int) -> str:

@@ -117,8 +117,9 @@ def load_in_parts(
     copies those keys (one batch) and says whether it succeeded. The DRAM keys are copied
     while the first part of the others is promoted (:func:`promote_parts` of ``part_bytes``),
     each part while the next is, all on this thread; ``timeout`` bounds all the promotes.
-    ``stop_after_short_part``: start no promote after a part came back with a key missing,
-    and copy nothing more (a caller that can use only a prefix). The keys promoted here are unpinned before it
+    ``stop_after_short_part``: once a part came back with a key missing, copy nothing more and
+    start no further promote (a caller that can use only a prefix; the part already being read
+    ahead still completes, and is unpinned). The keys promoted here are unpinned before it
     returns, also when it raises (what ``copy`` or a promote raised)."""
     ok = np.zeros(len(keys), bool)
     parts = promote_parts(np.flatnonzero(offsets < 0), shard_bytes, part_bytes)

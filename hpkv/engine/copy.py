@@ -14,10 +14,12 @@ built from bare integer addresses, keeping the mapping alive is the caller's job
 
 from __future__ import annotations
 
+import functools
 import itertools
 import mmap
 import os
-from collections.abc import Collection, Sequence
+import threading
+from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -314,8 +316,8 @@ class BlockCopier:
         self._from_buffer = ffi.from_buffer
         self._helper_executor: ThreadPoolExecutor | None = None  # split copies, made on first use
         self._helper_threads = 0
+        self._helper_lock = threading.Lock()
         self._thread_cpus = [set(c) for c in thread_cpus]
-        self._helpers_pinned = itertools.count(1)
 
     def save(self, dev_blocks: Any, slots: Any, threads: int = 1) -> None:
         """Device blocks ``dev_blocks[i]`` -> pool slots ``slots[i]``; split like :meth:`load`."""
@@ -343,8 +345,9 @@ class BlockCopier:
             while (i := next(taken)) < chunks:
                 self._run(b[bounds[i] : bounds[i + 1]], s[bounds[i] : bounds[i + 1]], direction)
 
-        helpers = self._helpers(parts - 1)
-        rest = [helpers.submit(copy_chunks) for _ in range(parts - 1)]
+        with self._helper_lock:  # never submit to a pool another caller is replacing
+            helpers = self._helpers(parts - 1)
+            rest = [helpers.submit(copy_chunks) for _ in range(parts - 1)]
         try:
             copy_chunks()
         finally:
@@ -356,21 +359,28 @@ class BlockCopier:
         if self._helper_threads < n:
             if self._helper_executor is not None:
                 self._helper_executor.shutdown(wait=False)
-            self._helpers_pinned = itertools.count(1)
             self._helper_executor = ThreadPoolExecutor(
-                n, thread_name_prefix="hpkv-copy", initializer=self._pin_helper
+                n,
+                thread_name_prefix="hpkv-copy",
+                initializer=functools.partial(self._pin_helper, itertools.count(1)),
             )
             self._helper_threads = n
         assert self._helper_executor is not None
         return self._helper_executor
 
-    def _pin_helper(self) -> None:
-        if self._thread_cpus:
-            cpus = self._thread_cpus[next(self._helpers_pinned) % len(self._thread_cpus)]
+    def _pin_helper(self, helper_numbers: Iterator[int]) -> None:
+        """A new helper thread takes the next CPU set (helper k: ``thread_cpus[k]``)."""
+        if not self._thread_cpus:
+            return
+        cpus = self._thread_cpus[next(helper_numbers) % len(self._thread_cpus)]
+        try:
+            os.sched_setaffinity(0, cpus)  # this thread
+        except OSError:  # a CPU went offline or the cgroup shrank
+            # Not the CPUs of the thread that started it (the caller's set): all of them.
             try:
-                os.sched_setaffinity(0, cpus)  # this thread
+                os.sched_setaffinity(0, set().union(*self._thread_cpus))
             except OSError:
-                pass  # a CPU went offline or the cgroup shrank: the scheduler places it
+                pass
 
     def _check(self, b: np.ndarray, s: np.ndarray) -> None:
         """Raise the error the native copy would for the first bad pair."""

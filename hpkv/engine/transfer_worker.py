@@ -55,9 +55,11 @@ def main(argv: list[str]) -> int:
     )
     slot_bytes = int(spec["slot_bytes"])
     # The engine waits for every copy (a load before its forward, a save after it): a large
-    # one uses up to that many threads, each on CPUs of its own (see BlockCopier).
+    # one uses up to that many threads, each on CPUs of its own (see BlockCopier). Workers of
+    # the same node (tensor-parallel ranks, other engines) start at different CPU sets, so
+    # their copies below the split size do not all land on the same CPUs.
     copy_threads = max(1, min(len(cpus) or os.cpu_count() or 1, MAX_COPY_THREADS))
-    thread_cpus = spread_cpus(cpus, copy_threads) if cpus else []
+    thread_cpus = spread_cpus(cpus, copy_threads, first=int(spec.get("slot", 0))) if cpus else []
     copier = BlockCopier(
         layout,
         pool.address,

