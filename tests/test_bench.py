@@ -208,3 +208,22 @@ def test_the_interference_poll_reads_the_same_spill_gauge_as_hpkv_status(tmp_pat
         assert seg.snapshot()["storage"]["spills_pending"] == 7
     finally:
         seg.close()
+
+
+def test_bench_io_refuses_a_directory_without_room_for_its_files_and_leaves_nothing(tmp_path):
+    # Its files stay until the end of the run: a disk that fills half-way would pause hpkv's
+    # spilling and leave the bench waiting. It says so up front instead.
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "hpkv", "bench", "io", "--dir", str(tmp_path), "--repeat", "100000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if "is on tmpfs" in out.stdout:
+        pytest.skip("the test directory is on tmpfs")
+    assert out.returncode == 2, out
+    assert "MiB free; the run writes about" in out.stdout and "--mib" in out.stdout
+    assert os.listdir(tmp_path) == []

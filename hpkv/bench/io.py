@@ -36,6 +36,7 @@ from hpkv.bench.floors import drop_caches, read_files
 SIZES = [128 << 10, 1 << 20, 4 << 20]
 HEADLINE = 1 << 20
 MAX_FILES = 1024  # per case: keeps the small-file case (per-file costs dominate) under ~20 s
+SPILL_WAIT_S = 300.0  # a case's write-through that takes longer is reported, not waited for
 
 
 def _default_dir() -> str:
@@ -115,6 +116,18 @@ class _Bench:
         while int(seg.glob[G.STORAGE_SPILLS]) < target:
             if int(seg.glob[G.STORAGE_IO_ERRORS]) != errors:
                 raise RuntimeError(f"spills failed: {client.stats()['storage']}")
+            if seg.glob[G.STORAGE_SPILL_PAUSED]:
+                st = client.stats()["storage"]
+                raise RuntimeError(
+                    f"hpkv paused spilling: {st['free_bytes'] >> 20} MiB free of "
+                    f"{st['capacity_bytes'] >> 20} MiB in {self.storage} (HPKV_STORAGE_MIN_FREE); "
+                    "give --dir more room or lower --mib / --repeat"
+                )
+            if time.perf_counter() - t0 > SPILL_WAIT_S:
+                raise RuntimeError(
+                    f"{target - int(seg.glob[G.STORAGE_SPILLS])} of {len(keys)} spills not written "
+                    f"after {SPILL_WAIT_S:g} s: {client.stats()['storage']}"
+                )
             time.sleep(0.002)
         return time.perf_counter() - t0
 
@@ -189,7 +202,7 @@ class _Bench:
             pool = PoolFile.attach(os.path.join(srv.pool_dir, P.POOL_FILE))
             rng = np.random.default_rng(0)
             for size in SIZES:
-                n = max(1, min(MAX_FILES, (a.mib << 20) // size))
+                n = files_per_case(a.mib, size)
                 fp = namespace_fingerprint({"bench": "io", "size": size})
                 ns = client.attach_namespace(fp, 1, size, name=f"bench-io-{size >> 10}k")
                 stamp = rng.integers(0, 256, size, dtype=np.uint8)
@@ -279,6 +292,10 @@ class _Bench:
         return out
 
 
+def files_per_case(mib: int, payload: int) -> int:
+    return max(1, min(MAX_FILES, (mib << 20) // payload))
+
+
 def _checksum_gbps(repeat: int) -> float:
     import numpy as np
 
@@ -302,6 +319,21 @@ def run(args: argparse.Namespace) -> int:
     fs = filesystem_type(root)
     if fs in ("tmpfs", "ramfs"):
         print(f"hpkv bench io: {root} is on {fs}; put --dir on a real disk", flush=True)
+        os.rmdir(root)
+        return 2
+    # hpkv's files of every repetition of every size stay until the end: check the room first.
+    from hpkv.io_workers import kvfile
+
+    need = sum((args.repeat + 1) * files_per_case(args.mib, size) * kvfile.file_size(size) for size in SIZES)
+    need = need * 21 // 20  # and the raw loop's files, one case at a time
+    free = shutil.disk_usage(root).free
+    if free < need:
+        print(
+            f"hpkv bench io: {root} has {free >> 20} MiB free; the run writes about {need >> 20} MiB "
+            "(lower --mib or --repeat, or use a --dir with more room)",
+            flush=True,
+        )
+        shutil.rmtree(root, ignore_errors=True)
         return 2
     bench = _Bench(args, root)
     t_start = time.monotonic()
