@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 
 def numa_nodes() -> list[int]:
@@ -25,6 +25,11 @@ def parse_cpulist(text: str) -> list[int]:
         lo, _, hi = part.partition("-")
         cpus.extend(range(int(lo), int(hi or lo) + 1))
     return cpus
+
+
+def format_cpulist(cpus: Iterable[int]) -> str:
+    """``cpus`` as a comma-separated list, in order (for logs and tables)."""
+    return ",".join(map(str, sorted(cpus)))
 
 
 def device_cpus(device: str, numa_node: int | None) -> tuple[int, list[int]]:

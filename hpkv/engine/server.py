@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from hpkv.common import shm
-from hpkv.common.numa import device_cpus
+from hpkv.common.numa import device_cpus, format_cpulist
 from hpkv.common.pool import PoolFile
 from hpkv.common.proc import PID_MAX, pid_alive, valid_pid
 from hpkv.common.ratelimit import RateLimitedLog
@@ -1214,7 +1214,7 @@ class Server:
             device,
             dev.rank,
             node,
-            _cpu_list(cpus),
+            format_cpulist(cpus),
             n_workers,
         )
         return {"ok": True, "device_id": dev_id, "workers": answer}
@@ -1315,10 +1315,6 @@ class Server:
                 "storage": self.storage.describe() if self.storage is not None else {"path": None},
             }
         )
-
-
-def _cpu_list(cpus: list[int]) -> str:
-    return ",".join(map(str, cpus))
 
 
 class ReadyPipe:

@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from hpkv.common.numa import set_memory_node, spread_cpus
+from hpkv.common.numa import format_cpulist, set_memory_node, spread_cpus
 from hpkv.common.pool import PoolFile
 from hpkv.common.shm import map_file
 from hpkv.engine.copy import BlockCopier, BlockLayout
@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
         layout.num_blocks,
         cpus,
         copy_threads,
-        " | ".join(_cpu_list(c) for c in thread_cpus) or "any",
+        " | ".join(map(format_cpulist, thread_cpus)) or "any",
         placement,
     )
 
@@ -109,10 +109,6 @@ def main(argv: list[str]) -> int:
 
     # A client that went away leaves its ring; the server stops us when it notices.
     return rt.serve(copy, exit_when_producer_gone=False)
-
-
-def _cpu_list(cpus: set[int]) -> str:
-    return ",".join(map(str, sorted(cpus)))
 
 
 if __name__ == "__main__":

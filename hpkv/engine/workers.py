@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from hpkv.common.native import ffi, lib
+from hpkv.common.numa import format_cpulist
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status
 from hpkv.protocol.stats import StatsSegment, W, WorkerState
@@ -183,7 +184,7 @@ class WorkerProcess:
             self.proc.pid,
             self.device,
             self.spec.get("numa_node"),
-            ",".join(map(str, self.spec.get("cpus", []))),
+            format_cpulist(self.spec.get("cpus", [])),
         )
 
     def stop(self, timeout: float = 3.0) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+from hpkv.common.numa import format_cpulist
 from hpkv.config import Config, format_size
 from hpkv.protocol.stats import StatsSegment
 from hpkv.protocol.wire import live_server_pid
@@ -46,7 +47,7 @@ def format_status(s: dict) -> str:
         )
     lines += ["", "WORKER  KIND      PID      DEVICE  NODE  CPUS    STATE     JOBS  FAILED  RESTARTS"]
     for w in s["workers"]:
-        cpus = ",".join(map(str, w["cpus"]))
+        cpus = format_cpulist(w["cpus"])
         lines.append(
             f"{w['slot']:6}  {w['kind']:8}  {w['pid']:7}  {w['device']:6}  {w['numa_node']!s:4}  {cpus[:6]:6}"
             f"  {w['state']:8}  {w['jobs']:4}  {w['jobs_failed']:6}  {w['restarts']:8}"
