@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import pytest
 import requests
@@ -79,7 +80,11 @@ def letters(n: int, seed: int) -> str:
 
 
 def complete(srv: VllmServer, prompt: str) -> tuple[str, list]:
-    out = srv.completion(prompt, max_tokens=16, temperature=0, logprobs=5)
+    return complete_with(srv, prompt)
+
+
+def complete_with(srv: VllmServer, prompt: str, **body: Any) -> tuple[str, list]:
+    out = srv.completion(prompt, max_tokens=16, temperature=0, logprobs=5, **body)
     choice = out["choices"][0]
     return choice["text"], choice["logprobs"]["top_logprobs"]
 
@@ -231,6 +236,28 @@ def test_hit_below_the_threshold_loads_nothing(server, hpkv_env):
     short = " ".join(prompt.split()[:BLOCK]) + " " + letters(60, seed=5)  # shares 1 block = 32 < 64 tokens
     complete(server, short)
     assert delta(before, loaded(hpkv_env)) == {"dram": 0, "storage": 0}
+
+
+def commits(env) -> int:
+    """Blocks hpkv has committed (saved) so far, all namespaces."""
+    return sum(ns.get("commits", 0) for ns in hpkv_status(env)["namespaces"])
+
+
+def test_a_request_with_hpkv_skip_is_neither_loaded_nor_saved(server, hpkv_env):
+    prompt = letters(200, seed=7)
+    skip = {"kv_transfer_params": {"hpkv_skip": True}}
+    before, saved = loaded(hpkv_env), commits(hpkv_env)
+    text, lp = complete_with(server, prompt, **skip)
+    assert commits(hpkv_env) == saved, "a skipped request's blocks were saved"
+    assert complete(server, prompt)[0] == text  # an ordinary request: hpkv saves the blocks now
+    assert commits(hpkv_env) > saved
+
+    reset(server)  # vLLM's cache only: hpkv keeps the blocks in DRAM
+    assert complete_with(server, prompt, **skip) == (text, lp)
+    assert delta(before, loaded(hpkv_env)) == {"dram": 0, "storage": 0}, "a skipped request loaded"
+    reset(server)
+    assert complete(server, prompt)[0] == text
+    assert delta(before, loaded(hpkv_env)) == {"dram": HIT_TOKENS, "storage": 0}
 
 
 def batch(srv: VllmServer, prompts: list[str]) -> list[tuple[str, list]]:

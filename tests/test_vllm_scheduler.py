@@ -29,6 +29,7 @@ class Req:
     num_tokens: int
     num_computed_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
+    kv_transfer_params: dict | None = None
 
 
 def request(rid: str, tokens: int, prefix: str = "p") -> Req:
@@ -104,6 +105,30 @@ def test_a_miss_saves_every_full_block_once_and_the_next_request_hits_them():
     assert e.store.pinned() == 5
     e.side.request_finished("b")
     assert e.store.pinned() == 0, "a finished request unpins its hit"
+
+
+def test_a_request_that_asks_hpkv_to_skip_it_neither_loads_nor_saves():
+    e = Engine()
+    r = request("a", 4 * BS + 1)
+    e.admit(r)
+    e.save_all(e.side.build_connector_meta(step((r, r.num_tokens))))
+    assert e.store.ready(NS) == 4
+
+    hit = request("b", 4 * BS + 1)
+    hit.kv_transfer_params = {"hpkv_skip": True}
+    assert e.admit(hit) == 0, "blocks hpkv holds are not loaded for it"
+    assert e.store.pinned() == 0
+    miss = request("c", 6 * BS + 1, prefix="other")
+    miss.kv_transfer_params = {"hpkv_skip": True, "something_else": 1}
+    assert e.admit(miss) == 0
+    meta = e.side.build_connector_meta(step((hit, hit.num_tokens), (miss, miss.num_tokens)))
+    assert meta.loads == [] and meta.saves == [], "nothing of it is saved"
+
+    again = request("d", 6 * BS + 1, prefix="other")
+    again.kv_transfer_params = {"hpkv_skip": False}
+    assert e.admit(again) == 0
+    (save,) = e.side.build_connector_meta(step((again, again.num_tokens))).saves
+    assert len(save.keys) == 6, "hpkv_skip false is an ordinary request"
 
 
 def test_a_hit_leaves_the_last_token_to_compute():

@@ -26,10 +26,23 @@ from hpkv.protocol.wire import Tier
 
 log = logging.getLogger("vllm.hpkv")
 
+#: ``kv_transfer_params`` key of a request that hpkv leaves alone: nothing is looked up or loaded
+#: for it, nothing of it is saved (a prompt that must not reach the pool or the disk; the
+#: benchmark's baseline). vLLM takes it in the request body: ``"kv_transfer_params":
+#: {"hpkv_skip": true}``.
+SKIP_PARAM = "hpkv_skip"
+
+
+def skipped(request: Any) -> bool:
+    """Whether the request asked hpkv to leave it alone (:data:`SKIP_PARAM`)."""
+    params = getattr(request, "kv_transfer_params", None)
+    return isinstance(params, dict) and bool(params.get(SKIP_PARAM))
+
 
 @dataclass
 class _ReqState:
     request: Any
+    skip: bool = False  # the request asked hpkv to leave it alone
     saved_upto: int = 0  # blocks [0, saved_upto) need no save
     plan: tuple[int, list[bytes], list[int]] | None = None  # (first block, keys, tiers) of a hit
     pinned: list[bytes] = field(default_factory=list)
@@ -70,18 +83,20 @@ class SchedulerSide:
     def _state(self, request: Any) -> _ReqState:
         st = self._reqs.get(request.request_id)
         if st is None:
-            st = self._reqs[request.request_id] = _ReqState(request)
+            st = self._reqs[request.request_id] = _ReqState(request, skip=skipped(request))
         return st
 
     def on_new_request(self, request: Any) -> None:
-        self._reqs[request.request_id] = _ReqState(request)
+        self._reqs[request.request_id] = _ReqState(request, skip=skipped(request))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._state(request)
+        st.plan = None
+        if st.skip:
+            return 0, False
         client = self.hpkv.get()
         if client is None:
             return 0, False
-        st = self._state(request)
-        st.plan = None
         first = num_computed_tokens // self.block_size
         # A synchronous hit must leave at least one token to compute.
         last = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
@@ -149,7 +164,7 @@ class SchedulerSide:
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
         for rid, n_sched in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(rid)
-            if st is None:
+            if st is None or st.skip:
                 continue
             req = st.request
             full = min(
