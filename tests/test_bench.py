@@ -88,14 +88,17 @@ def test_the_paired_cold_ratio_is_the_median_of_the_pairs_so_a_slow_minute_cance
         "tokens": 8192,
         "model": "m",
         "cold_paired": True,
+        "cold_save_ms": 40.0,
     }
     s = ttft.summarize(res)
     assert s["cold_vs_baseline"] == pytest.approx(1.02)
+    assert s["cold_save_share"] == pytest.approx(0.04 / 20.4, abs=1e-4)
     ttft.print_table(s)
     out = capsys.readouterr().out
     assert (
         "cold with hpkv / baseline: 1.020, median of the paired prompts' ratios (target <= 1.03: met)" in out
     )
+    assert "save copies on the engine's path: 40.0 ms per cold request (0.20% of its TTFT)" in out
     with pytest.raises(ValueError):  # a pair that lost a half is a bug, not a shorter median
         ttft.cold_vs_baseline({"cold_no_hpkv": [1.0, 1.0], "cold": [1.0]}, paired=True)
 
@@ -266,6 +269,20 @@ def test_the_interference_poll_reads_the_same_spill_gauge_as_hpkv_status(tmp_pat
         seg.glob[G.STORAGE_SPILLS_PENDING] = 7
         assert spills_pending(str(tmp_path)) == 7
         assert seg.snapshot()["storage"]["spills_pending"] == 7
+    finally:
+        seg.close()
+
+
+def test_the_save_time_of_a_cold_request_is_the_transfer_workers_busy_time(tmp_path):
+    from hpkv.protocol.stats import StatsSegment, W
+
+    assert ttft.transfer_busy_s(str(tmp_path)) == 0.0, "no server: nothing copied"
+    seg = StatsSegment.create(str(tmp_path))
+    try:
+        seg.write_catalog({"workers": [{"slot": 0, "kind": "transfer"}, {"slot": 1, "kind": "io"}]})
+        seg.workers[0][W.BUSY_NS] = 35_000_000
+        seg.workers[1][W.BUSY_NS] = 900_000_000  # an IO worker's spills are not on the engine's path
+        assert ttft.transfer_busy_s(str(tmp_path)) == pytest.approx(0.035)
     finally:
         seg.close()
 
