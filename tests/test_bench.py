@@ -131,13 +131,13 @@ def test_the_added_time_pairs_each_hit_with_the_gpu_hit_of_its_repeat(capsys):
 
 @pytest.mark.parametrize(
     "engine_cpu_s,free,gbps",
-    [(0.244, 1, 10.0), (0.21, 2, 15.0), (0.40, 1, 10.0)],
-    ids=["engine-polls-a-cpu", "engine-idle", "engine-busier-than-all-cpus"],
+    [(0.244, 1.12, 10.6), (0.21, 1.8, 14.0), (0.40, 1, 10.0), (0.2, 2, 15.0)],
+    ids=["engine-polls-a-cpu", "engine-nearly-idle", "engine-busier-than-all-cpus", "engine-idle"],
 )
 def test_the_dram_floor_counts_only_the_cpus_the_engine_leaves_free(engine_cpu_s, free, gbps, capsys):
     # GPU hit 0.1 s at 0.2 CPU-s; the DRAM hit adds 50 ms. An engine that burns 0.044 CPU-s
-    # more (0.88 CPUs during the load) leaves 1 of 2 CPUs to the copy; one that burns 0.01
-    # more leaves both.
+    # more (0.88 CPUs during the load) leaves 1.12 of 2 CPUs to the copy, whose floor is
+    # between the 1- and 2-thread memcpy; one that burns 0.01 more leaves 1.8.
     res = {
         "ttft": {"gpu_hit": [0.1], "dram_hit": [0.15]},
         "served_tokens": {"dram_hit": {"dram": 8192, "storage": 0}},
@@ -158,7 +158,7 @@ def test_the_dram_floor_counts_only_the_cpus_the_engine_leaves_free(engine_cpu_s
     assert s["dram_added_vs_floor_all_cpus"] == pytest.approx(50.0 / s["dram_floor_all_cpus_ms"], abs=0.01)
     ttft.print_table(s)
     out = capsys.readouterr().out
-    assert f"on the {free} of 2 CPU(s) the engine leaves free" in out
+    assert f"on the {free:g} of 2 CPU(s) the engine leaves free" in out
     assert "against all 2 CPUs, as if the engine used none" in out
 
 
@@ -177,6 +177,16 @@ def test_the_engines_cpu_during_a_load_is_set_against_the_gpu_hit_right_after_it
     assert ttft.engine_cpus_during_load(res, "dram_hit", 0.05) == pytest.approx(0.88)
     del res["cpu_s_per_request"]["dram_hit_repeat"]
     assert ttft.engine_cpus_during_load(res, "dram_hit", 0.05) == 0.0
+
+
+def test_the_memcpy_rate_on_a_fraction_of_the_cpus_is_interpolated():
+    rates = {1: 10.0, 2: 16.0, 4: 15.0}
+    assert ttft.rate_on_cpus(rates, 1.0) == 10.0
+    assert ttft.rate_on_cpus(rates, 1.5) == pytest.approx(13.0)
+    assert ttft.rate_on_cpus(rates, 3.0) == 16.0, "never below a thread count that fits"
+    assert ttft.rate_on_cpus(rates, 8.0) == 16.0
+    assert ttft.rate_on_cpus(rates, 0.5) == 10.0
+    assert ttft.rate_on_cpus({}, 2.0) is None
 
 
 def test_memcpy_floor_thread_counts_stop_at_the_cpus_and_eight():

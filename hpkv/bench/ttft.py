@@ -750,13 +750,35 @@ def added_ms(ttfts: dict[str, list[float]], hit: str) -> float | None:
     return None
 
 
+def rate_on_cpus(by_threads: dict[int, float], cpus: float) -> float | None:
+    """The memcpy rate on ``cpus`` CPUs (a fraction where an engine keeps part of one busy):
+    interpolated linearly between the thread counts measured, the best of them measured at or
+    below ``cpus`` beyond the last; None when nothing was measured."""
+    points = sorted(by_threads.items())
+    if not points:
+        return None
+    below = [(t, v) for t, v in points if t <= cpus]
+    above = [(t, v) for t, v in points if t > cpus]
+    if not below:
+        return points[0][1]
+    (t0, v0), best = below[-1], max(v for _, v in below)
+    if not above:
+        return best
+    t1, v1 = above[0]
+    return max(best, v0 + (v1 - v0) * (cpus - t0) / (t1 - t0))
+
+
 def _floor_columns(out: dict[str, Any], res: dict[str, Any], tier: str, hit: str) -> None:
     """``<tier>_added_ms`` (:func:`added_ms`), ``<tier>_floor_ms`` (the bytes it loaded per
     request at the floor's rate) and their ratio.
 
     The DRAM floor is the best memcpy on the CPUs the engine leaves free while hpkv copies
-    (at least one): the issue's definition. Beside it, ``dram_floor_all_cpus_ms`` and its
-    ratio: the same bytes at the best memcpy on every CPU, as if the engine used none."""
+    (at least one): the issue's definition. The engine keeps a fraction of a CPU busy (its
+    polling), so the CPUs left are a fraction too, and the floor's rate is interpolated
+    between the thread counts measured (:func:`rate_on_cpus`) rather than rounded to a
+    whole CPU, which moved the floor by 2x for 0.1 CPU either side of a half. Beside it,
+    ``dram_floor_all_cpus_ms`` and its ratio: the same bytes at the best memcpy on every
+    CPU, as if the engine used none."""
     rates = res.get(f"{tier}_floor_gbps") or {}
     best = rates.get("best")
     tokens = res.get("served_tokens", {}).get(hit, {}).get(tier, 0)
@@ -769,14 +791,14 @@ def _floor_columns(out: dict[str, Any], res: dict[str, Any], tier: str, hit: str
         busy = engine_cpus_during_load(res, hit, added / 1000)
         cpus = int(res.get("cpus") or 0)
         if busy is not None and cpus:
-            free = min(cpus, max(1, round(cpus - busy)))
+            free = min(float(cpus), max(1.0, cpus - busy))
             measured = {int(k[len("threads_") :]): v for k, v in rates.items() if k.startswith("threads_")}
-            gbps = max((v for t, v in measured.items() if t <= free), default=best)
+            gbps = rate_on_cpus(measured, free) or best
             all_cpus = nbytes / (best * 1e9) * 1000
             out.update(
                 {
                     "dram_engine_cpus_during_load": round(busy, 2),
-                    "dram_floor_cpus": free,
+                    "dram_floor_cpus": round(free, 2),
                     "dram_floor_all_cpus_ms": round(all_cpus, 1),
                     "dram_added_vs_floor_all_cpus": round(added / all_cpus, 3),
                 }
@@ -874,7 +896,7 @@ def print_table(s: dict[str, Any]) -> None:
             where = ""
             if tier == "dram" and "dram_floor_cpus" in s:
                 where = (
-                    f" on the {s['dram_floor_cpus']} of {s['cpus']} CPU(s) the engine leaves free (it kept "
+                    f" on the {s['dram_floor_cpus']:g} of {s['cpus']} CPU(s) the engine leaves free (it kept "
                     f"{s['dram_engine_cpus_during_load']:.2f} busy during the load)"
                 )
             after = s.get(f"{tier}_hit_repeat_s")
