@@ -124,11 +124,27 @@ def test_a_request_that_asks_hpkv_to_skip_it_neither_loads_nor_saves():
     meta = e.side.build_connector_meta(step((hit, hit.num_tokens), (miss, miss.num_tokens)))
     assert meta.loads == [] and meta.saves == [], "nothing of it is saved"
 
-    again = request("d", 6 * BS + 1, prefix="other")
-    again.kv_transfer_params = {"hpkv_skip": False}
-    assert e.admit(again) == 0
-    (save,) = e.side.build_connector_meta(step((again, again.num_tokens))).saves
-    assert len(save.keys) == 6, "hpkv_skip false is an ordinary request"
+    # Preempted and scheduled again (vLLM keeps the request object): still left alone.
+    miss.num_computed_tokens = 0
+    e.side.build_connector_meta(step(preempted=("c",)))
+    assert e.side.get_num_new_matched_tokens(miss, 0) == (0, False)
+    assert e.side.build_connector_meta(step((miss, miss.num_tokens))).saves == []
+
+    for i, value in enumerate((False, "true", 1)):  # only JSON true skips
+        again = request(f"d{i}", 6 * BS + 1, prefix=f"other{i}")
+        again.kv_transfer_params = {"hpkv_skip": value}
+        assert e.admit(again) == 0
+        (save,) = e.side.build_connector_meta(step((again, again.num_tokens))).saves
+        assert len(save.keys) == 6, f"hpkv_skip {value!r} is an ordinary request"
+
+
+def test_a_skipped_request_vllm_never_announced_is_still_left_alone():
+    e = Engine()
+    r = request("a", 4 * BS + 1)
+    r.kv_transfer_params = {"hpkv_skip": True}
+    assert e.side.get_num_new_matched_tokens(r, 0) == (0, False)  # no on_new_request first
+    e.tables["a"] = list(range(5))
+    assert e.side.build_connector_meta(step((r, r.num_tokens))).saves == []
 
 
 def test_a_hit_leaves_the_last_token_to_compute():

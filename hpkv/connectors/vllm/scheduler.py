@@ -36,7 +36,7 @@ SKIP_PARAM = "hpkv_skip"
 def skipped(request: Any) -> bool:
     """Whether the request asked hpkv to leave it alone (:data:`SKIP_PARAM`)."""
     params = getattr(request, "kv_transfer_params", None)
-    return isinstance(params, dict) and bool(params.get(SKIP_PARAM))
+    return isinstance(params, dict) and params.get(SKIP_PARAM) is True  # JSON true, not "false"
 
 
 @dataclass
