@@ -14,22 +14,22 @@ tail); ``--shape qwen2.5-7b`` generates a model with Qwen2.5-7B's KV shape (56 K
 token); the pool is sized from the model's bytes per token. The baseline runs on the same
 vLLM engine as hpkv: each cold prompt is paired with the same prompt in lowercase letters
 (as many tokens) sent with ``kv_transfer_params`` ``{"hpkv_skip": true}``, which hpkv
-neither looks up nor saves, one right after the other; cold with hpkv / baseline is the
-median of the pairs' ratios. Two engine instances differ by up to 15% in prefill speed on
-this VM (two of them side by side: one ran every prompt 0.85x the other's time), and the
-machine's speed drifts between minutes: neither moves a pair. What the engine-wide set-up
-costs (the KV cache in a shared-memory file, the connector's hooks each step) is in both
-halves; ``--no-connector-too`` adds a cold phase on an engine with no connector at all.
-SGLang has no per-request switch: its baseline is a second SGLang with
-``VLLM_ENABLE_HPKV=0``, run before. Hit phases start once hpkv's write-through has finished.
-Beside each hit phase the time hpkv adds is set against the physical floor for the same
-bytes, measured in the same run. The time added is the median over the phase's prompts of
-(hit − the same prompt sent again right after it, a GPU prefix-cache hit): pairs a second
-apart, so a shared machine whose speed drifts between phases does not move it. The floor is
-the best memcpy between two shared-memory mappings on the CPUs the engine leaves free during
-the load (its CPU seconds beyond the GPU hit's tell how many it kept busy; the floor on
-every CPU is printed beside), and the best raw O_DIRECT read of the KV files written (1..8
-threads).
+neither looks up nor saves, one right after the other; cold with hpkv / baseline is the mean
+of the baseline-first and the hpkv-first pairs' median ratios. Two engine instances differ
+by up to 15% in prefill speed on this VM (two of them side by side: one ran every prompt
+0.85x the other's time), and the machine's speed drifts between minutes: neither moves a
+pair. What the engine-wide set-up costs (the KV cache in a shared-memory file, the
+connector's hooks each step) is in both halves; ``--no-connector-too`` adds a cold phase on
+an engine with no connector at all. SGLang has no per-request switch: its baseline is a
+second SGLang with ``VLLM_ENABLE_HPKV=0``, run before. Hit phases start once hpkv's write-
+through has finished. Beside each hit phase the time hpkv adds is set against the physical
+floor for the same bytes, measured in the same run. The time added is the median over the
+phase's prompts of (hit − the same prompt sent again right after it, a GPU prefix-cache
+hit): pairs a second apart, so a shared machine whose speed drifts between phases does not
+move it. The floor is the best memcpy between two shared-memory mappings on the CPUs the
+engine leaves free during the load (its CPU seconds beyond the GPU hit's tell how many it
+kept busy; the floor on every CPU is printed beside), and the best raw O_DIRECT read of the
+KV files written (1..8 threads).
 
 With ``--url`` only the request phases run, against a server you started
 (as the seed's shell script does): cold, GPU hit, and DRAM hit if the server
@@ -55,7 +55,8 @@ LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXY"
 WARMUP_LETTER = "Z"  # never measured
 INTERFERENCE_HIT, INTERFERENCE_COLD = "Y", "X"  # --interference: never among the measured letters
 WARMUP_TOKENS = 2304  # > vLLM's default prefill chunk (2048 tokens)
-COLD_SETTLE_S = 1.0  # after a cold prompt, before the other engine's: its OpenMP threads go idle
+COLD_SETTLE_S = 1.0  # after a cold prompt, before the next: the engine's OpenMP threads go idle
+HIT_SETTLE_S = 0.3  # after a hit or its repeat, inside its CPU window: the step's threads go idle
 READY_TIMEOUT_S = 1200.0  # the first start at a new model shape compiles (minutes on a busy 2-core machine)
 PHASES = ("cold_no_connector", "cold_no_hpkv", "cold", "gpu_hit", "dram_hit", "storage_hit")
 #: Model shapes ``--shape`` generates (hpkv.testing.model.generate_model arguments).
@@ -176,20 +177,24 @@ def run_phase(
     while_repeating: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> list[float]:
     """TTFT of each letter's prompt. With ``repeats``, each prompt is sent again right after
-    it (then a GPU prefix-cache hit) inside ``while_repeating()``, its TTFT appended there."""
+    it (then a GPU prefix-cache hit) inside ``while_repeating()``, its TTFT appended there;
+    each request is then followed by ``HIT_SETTLE_S`` in its own CPU window, so that neither
+    takes the CPU the other's threads spend winding down."""
     times = []
     for letter in letters:
         prompt = prompt_for(letter, tokens)
         times.append(ttft(url, model, prompt))
         if repeats is not None:
+            time.sleep(HIT_SETTLE_S)
             with while_repeating():
                 repeats.append(ttft(url, model, prompt))
+                time.sleep(HIT_SETTLE_S)
     return times
 
 
 def cold_pair_order(letters: str) -> list[tuple[str, str]]:
-    """(phase, letter) in the order the paired cold phases send them: each letter to both
-    engines, the baseline first for even pairs and hpkv first for odd ones."""
+    """(phase, letter) in the order the paired cold phases send them: each letter's pair, the
+    baseline half first for even pairs and hpkv's first for odd ones."""
     out = []
     for i, letter in enumerate(letters):
         pair = [("cold_no_hpkv", letter), ("cold", letter)]
@@ -198,14 +203,18 @@ def cold_pair_order(letters: str) -> list[tuple[str, str]]:
 
 
 def cold_vs_baseline(ttfts: dict[str, list[float]], paired: bool) -> float | None:
-    """Cold TTFT with hpkv over the baseline's: the median of the per-prompt ratios when the
-    phases were paired, else the ratio of the phases' means."""
+    """Cold TTFT with hpkv over the baseline's: when the phases were paired (see
+    :func:`cold_pair_order`), the mean of the per-prompt ratios' medians over each order,
+    else the ratio of the phases' means."""
     hpkv, base = ttfts.get("cold"), ttfts.get("cold_no_hpkv")
     if not hpkv or not base:
         return None
-    if paired:
-        return statistics.median(h / b for b, h in zip(base, hpkv, strict=True))
-    return statistics.mean(hpkv) / statistics.mean(base)
+    if not paired:
+        return statistics.mean(hpkv) / statistics.mean(base)
+    ratios = [h / b for b, h in zip(base, hpkv, strict=True)]
+    # The mean of the medians of the baseline-first and the hpkv-first pairs: with 3 pairs, 2
+    # go baseline first, and an order effect must not pass for hpkv's.
+    return statistics.mean(statistics.median(ratios[first::2]) for first in (0, 1) if ratios[first::2])
 
 
 def reset_prefix_cache(url: str) -> None:
@@ -239,19 +248,28 @@ def wait_for_write_through(pool_dir: str, timeout: float = 600.0) -> float:
         time.sleep(0.25)
 
 
-def transfer_busy_s(pool_dir: str) -> float:
-    """Seconds hpkv's transfer workers have spent copying between the engine's KV cache and the
-    pool, from the stats segment in this process (0 without a server)."""
+def transfer_busy_s(pool_dir: str) -> dict[int, float]:
+    """Seconds each of hpkv's transfer workers (by stats slot) has spent copying between an
+    engine's KV cache and the pool, from the stats segment in this process (empty without a
+    server)."""
     from hpkv.protocol.stats import StatsSegment
 
     try:
         seg = StatsSegment.attach(pool_dir)
     except FileNotFoundError:
-        return 0.0
+        return {}
     try:
-        return sum(w["busy_ns"] for w in seg.snapshot()["workers"] if w.get("kind") == "transfer") / 1e9
+        return {
+            w["slot"]: w["busy_ns"] / 1e9 for w in seg.snapshot()["workers"] if w.get("kind") == "transfer"
+        }
     finally:
         seg.close()
+
+
+def busiest_since(before: dict[int, float], now: dict[int, float]) -> float:
+    """The most any one transfer worker copied between two :func:`transfer_busy_s` readings:
+    workers of several ranks copy side by side, so the engine waits for the longest."""
+    return max((v - before.get(k, 0.0) for k, v in now.items()), default=0.0)
 
 
 def storage_files(storage: str) -> list[str]:
@@ -266,51 +284,56 @@ def storage_files(storage: str) -> list[str]:
     ]
 
 
-def _tree_cpu_s(pid: int | None) -> float:
+def _tree_cpu_s(pid: int | None, seen: dict[int, float] | None = None) -> float:
     """CPU seconds used so far by process ``pid`` and its descendants (0 when it is gone).
 
-    Summed over their threads' ``schedstat`` (nanoseconds), where the kernel keeps it: the
-    clock-tick counts of ``/proc/PID/stat`` move in 10 ms steps per process, as much as a DRAM
-    hit adds. A thread that ends inside a window takes its time with it; the engine's and
-    hpkv's threads live as long as their processes."""
+    From their threads' ``schedstat`` (nanoseconds) where the kernel keeps it: the clock-tick
+    counts of ``/proc/PID/stat`` move in 10 ms steps per process, as much as a DRAM hit adds.
+    A thread that has ended is no longer listed: with ``seen`` (thread id -> its last reading,
+    kept by the caller across calls) it still counts with what it had run when last seen,
+    so a total never goes back."""
     import psutil
 
     if pid is None:
-        return 0.0
+        return sum(seen.values()) if seen else 0.0
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.Error:
-        return 0.0
+        procs = []
     total = 0.0
+    live: dict[int, float] = {}
     for p in procs:
-        ns = _threads_run_ns(p.pid)
-        if ns is not None:
-            total += ns / 1e9
+        threads = _threads_run_s(p.pid)
+        if threads is not None:
+            live.update(threads)
             continue
         try:
             t = p.cpu_times()
         except psutil.Error:
             continue
         total += t.user + t.system
-    return total
+    if seen is None:
+        return total + sum(live.values())
+    seen.update(live)
+    return total + sum(seen.values())
 
 
-def _threads_run_ns(pid: int) -> int | None:
-    """Nanoseconds the threads of ``pid`` have run (``/proc/PID/task/*/schedstat``); None
-    where the kernel does not keep it or the process is gone."""
+def _threads_run_s(pid: int) -> dict[int, float] | None:
+    """Seconds each thread of ``pid`` has run (``/proc/PID/task/*/schedstat``); None where the
+    kernel keeps no such count (the file is missing or reads all zero) or the process is gone."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return None
-    total = 0
+    out: dict[int, float] = {}
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
+                out[int(tid)] = int(f.read().split()[0]) / 1e9
         except (OSError, ValueError, IndexError):
             continue  # the thread ended meanwhile
-    return total if tids else None
+    return out if any(out.values()) else None
 
 
 class CpuMeter:
@@ -322,12 +345,17 @@ class CpuMeter:
         self.pool_dir, self.requests = pool_dir, requests
         self.started: dict[str, dict[str, float]] = {}
         self.per_request: dict[str, dict[str, float]] = {}
+        self._into: dict[str, dict[str, float]] = {}  # paused CPU counted elsewhere, unrounded
+        self._seen: dict[str, dict[int, float]] = {"engine": {}, "hpkv": {}}  # see _tree_cpu_s
 
     def _now(self, engine_pid: int | None) -> dict[str, float]:
         from hpkv.protocol.wire import live_server_pid
 
         # hpkv's workers are the server's children; the auto-spawned server is no engine's
-        return {"engine": _tree_cpu_s(engine_pid), "hpkv": _tree_cpu_s(live_server_pid(self.pool_dir))}
+        return {
+            "engine": _tree_cpu_s(engine_pid, self._seen["engine"]),
+            "hpkv": _tree_cpu_s(live_server_pid(self.pool_dir), self._seen["hpkv"]),
+        }
 
     def start(self, phase: str, engine_pid: int | None) -> None:
         self.started[phase] = self._now(engine_pid)
@@ -343,9 +371,10 @@ class CpuMeter:
             now, started = self._now(engine_pid), self.started[phase]
             self.started[phase] = {k: started[k] + now[k] - before[k] for k in now}
             if into is not None:
-                got = self.per_request.setdefault(into, dict.fromkeys(now, 0.0))
+                got = self._into.setdefault(into, dict.fromkeys(now, 0.0))
                 for k in now:
-                    got[k] = round(got[k] + (now[k] - before[k]) / self.requests, 3)
+                    got[k] += now[k] - before[k]
+                self.per_request[into] = {k: round(v / self.requests, 3) for k, v in got.items()}
 
     def stop(self, phase: str, engine_pid: int | None) -> None:
         """From :meth:`start` to now (a later call extends the window)."""
@@ -399,22 +428,30 @@ def paired_cold(
             prompt_tokens[name].append(n)
             if name == "cold":
                 write_through_s = max(write_through_s, wait_for_write_through(pool_dir))
-                save_s.append(transfer_busy_s(pool_dir) - busy)
+                save_s.append(busiest_since(busy, transfer_busy_s(pool_dir)))
             time.sleep(COLD_SETTLE_S)  # the engine's compute threads stop spinning
     for name in times:
         cpu.stop(name, srv.pid)
-    if prompt_tokens["cold"] != prompt_tokens["cold_no_hpkv"]:
-        raise RuntimeError(f"the baseline prompts are not as long as hpkv's: {prompt_tokens}")
+    if prompt_tokens["cold"] != prompt_tokens["cold_no_hpkv"] or None in prompt_tokens["cold"]:
+        raise RuntimeError(
+            f"the baseline prompts are not as long as hpkv's (server's counts): {prompt_tokens}"
+        )
     after = loads()
     ratios = [h / b for b, h in zip(times["cold_no_hpkv"], times["cold"], strict=True)]
     _log(f"paired cold: hpkv / baseline per prompt {', '.join(f'{r:.3f}' for r in ratios)}")
     extra = {
         "cold_paired": True,
         "write_through_wait_s": round(write_through_s, 2),
-        # the save copies the engine's worker waits for at the end of each step
+        # the save copies the engine's worker waits for at the end of each step (vLLM on the
+        # CPU; on CUDA the saves overlap the next step)
         "cold_save_ms": round(statistics.median(save_s) * 1000, 1),
     }
     return times, {t: after[t] - before[t] for t in ("dram", "storage")}, extra
+
+
+def _check_gpu_hits(served: dict[str, int]) -> None:
+    if any(served.values()):
+        _log(f"warning: hpkv served {served} in the GPU-hit phase: vLLM's KV cache did not hold its prompts")
 
 
 @contextlib.contextmanager
@@ -511,7 +548,8 @@ def start_vllm(
         kv_cache_space_gib=kv_space_gib,
         log_path=os.path.join(work, f"vllm-{tag}.log"),
     ).start()
-    srv.wait_ready(timeout=READY_TIMEOUT_S)
+    with _stopped_on_error(srv):
+        srv.wait_ready(timeout=READY_TIMEOUT_S)
     _log(f"vLLM ready in {time.monotonic() - t0:.0f}s")
     return srv
 
@@ -600,8 +638,9 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
         # phases. A bit more than one chunk is enough, and cheap next to a full prompt.
         # Sent twice: the repeat is a hit, which compiles the short-step kernels every hit
         # phase needs (its tail is one partial block, like theirs).
-        for _ in range(2):
-            ttft(srv.url, srv.model_name, prompt_for(WARMUP_LETTER, min(args.tokens, WARMUP_TOKENS)))
+        with _stopped_on_error(srv):
+            for _ in range(2):
+                ttft(srv.url, srv.model_name, prompt_for(WARMUP_LETTER, min(args.tokens, WARMUP_TOKENS)))
         return srv
 
     def phase(name: str, srv: VllmServer, repeat: bool = False) -> None:
@@ -664,6 +703,7 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
             for letter in letters:
                 ttft(srv.url, srv.model_name, prompt_for(letter, args.tokens))
             phase("gpu_hit", srv)
+            _check_gpu_hits(served["gpu_hit"])
             reset_engine_cache(engine, srv.url)
             phase("dram_hit", srv, repeat=True)
             threads = memcpy_thread_counts(results["cpus"])
@@ -909,13 +949,13 @@ def print_table(s: dict[str, Any]) -> None:
                 )
                 + " for "
                 f"{s[f'{tier}_bytes_per_request'] / 2**20:.0f} MiB; floor {s[f'{tier}_floor_ms']:.1f} ms{where} "
-                f"({rates} GB/s) -> {s[f'{tier}_added_vs_floor']:.2f}x the floor "
+                f"({rates} GB/s) -> {s[f'{tier}_added_vs_floor']:.3f}x the floor "
                 f"(target <= 1.3x: {'met' if s[f'{tier}_added_vs_floor'] <= 1.3 else 'NOT met'})"
             )
             if tier == "dram" and "dram_floor_all_cpus_ms" in s:
                 print(
                     f"    against all {s['cpus']} CPUs, as if the engine used none: floor "
-                    f"{s['dram_floor_all_cpus_ms']:.1f} ms -> {s['dram_added_vs_floor_all_cpus']:.2f}x"
+                    f"{s['dram_floor_all_cpus_ms']:.1f} ms -> {s['dram_added_vs_floor_all_cpus']:.3f}x"
                 )
     for label, key in (
         ("during a storage hit", "during_storage_hit"),
@@ -943,7 +983,7 @@ def print_table(s: dict[str, Any]) -> None:
 def _print_cold(s: dict[str, Any]) -> None:
     if "cold_vs_baseline" in s:
         ok = "met" if s["cold_vs_baseline"] <= 1.03 else "NOT met"
-        how = "median of the paired prompts' ratios" if s.get("cold_paired") else "ratio of the means"
+        how = "paired prompts, both orders alike" if s.get("cold_paired") else "ratio of the means"
         print(f"  cold with hpkv / baseline: {s['cold_vs_baseline']:.3f}, {how} (target <= 1.03: {ok})")
     if "cold_save_ms" in s:
         print(
