@@ -56,7 +56,6 @@ WARMUP_LETTER = "Z"  # never measured
 INTERFERENCE_HIT, INTERFERENCE_COLD = "Y", "X"  # --interference: never among the measured letters
 WARMUP_TOKENS = 2304  # > vLLM's default prefill chunk (2048 tokens)
 COLD_SETTLE_S = 1.0  # after a cold prompt, before the next: the engine's OpenMP threads go idle
-HIT_SETTLE_S = 0.3  # after a hit or its repeat, inside its CPU window: the step's threads go idle
 READY_TIMEOUT_S = 1200.0  # the first start at a new model shape compiles (minutes on a busy 2-core machine)
 PHASES = ("cold_no_connector", "cold_no_hpkv", "cold", "gpu_hit", "dram_hit", "storage_hit")
 #: Model shapes ``--shape`` generates (hpkv.testing.model.generate_model arguments).
@@ -177,18 +176,18 @@ def run_phase(
     while_repeating: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> list[float]:
     """TTFT of each letter's prompt. With ``repeats``, each prompt is sent again right after
-    it (then a GPU prefix-cache hit) inside ``while_repeating()``, its TTFT appended there;
-    each request is then followed by ``HIT_SETTLE_S`` in its own CPU window, so that neither
-    takes the CPU the other's threads spend winding down."""
+    it (then a GPU prefix-cache hit) inside ``while_repeating()``, its TTFT appended there.
+    Back to back: each window takes the other's wind-down (the engine's threads spin on
+    for a while after a step), so the two kinds of windows get alike amounts of it. Waiting
+    out each wind-down inside its own window instead added ~0.3 CPU-s of spinning to both,
+    whose spread swamped the ~0.02 CPU-s the engine spends polling during a DRAM load."""
     times = []
     for letter in letters:
         prompt = prompt_for(letter, tokens)
         times.append(ttft(url, model, prompt))
         if repeats is not None:
-            time.sleep(HIT_SETTLE_S)
             with while_repeating():
                 repeats.append(ttft(url, model, prompt))
-                time.sleep(HIT_SETTLE_S)
     return times
 
 
