@@ -4,6 +4,7 @@ milliseconds, no vLLM server (the end-to-end tests in test_vllm_connector.py run
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -255,6 +256,33 @@ def test_reconnect_gets_a_new_store():
     side.hpkv.connect_now(timeout=5)
     assert side.hpkv.client is not None and side.hpkv.client is not first
     assert np.array_equal(side.hpkv.client.reserve(NS, [b"k" * 16]), [[0]])
+
+
+def test_a_failed_connection_is_retried_soon_then_less_often():
+    import logging
+
+    from hpkv.connectors.reconnect import Reconnecting
+
+    attempts: list[float] = []
+
+    def connect() -> MemoryKvStore:
+        attempts.append(time.monotonic())
+        if len(attempts) <= 3:
+            raise ConnectionResetError(104, "Connection reset by peer")  # a start-up race
+        return MemoryKvStore()
+
+    conn = Reconnecting("test", connect, logging.getLogger("test"), interval_s=0.8, first_retry_s=0.1)
+    deadline = time.monotonic() + 10
+    while conn.get() is None:  # what every engine step does
+        assert time.monotonic() < deadline, attempts
+        time.sleep(0.01)
+    waits = [b - a for a, b in zip(attempts, attempts[1:], strict=False)]
+    # 0.1, 0.2 and 0.4 s after each failure (not 0.8 s each): up in ~0.7 s, not 2.4 s
+    assert len(waits) == 3, waits
+    for waited, want in zip(waits, (0.1, 0.2, 0.4), strict=True):
+        assert want - 0.02 <= waited < want + 0.3, waits
+    conn.lost(RuntimeError("gone"))
+    assert conn._failures == 0, "a success starts the back-off over"
 
 
 class Clock:

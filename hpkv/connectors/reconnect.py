@@ -17,6 +17,10 @@ from typing import Generic, TypeVar
 from hpkv.client.contract import KvStore
 
 RECONNECT_INTERVAL_S = 10.0
+#: The first retry after a failed attempt; each further one waits twice as long, up to
+#: RECONNECT_INTERVAL_S. A start-up race (a connection reset while the server comes up)
+#: then costs a second of recomputing, not ten or more.
+FIRST_RETRY_S = 1.0
 
 C = TypeVar("C", bound=KvStore)
 
@@ -28,12 +32,15 @@ class Reconnecting(Generic[C]):
         connect_fn: Callable[[], C],
         log: logging.Logger,
         interval_s: float = RECONNECT_INTERVAL_S,
+        first_retry_s: float = FIRST_RETRY_S,
     ):
         self.what = what
         self.client: C | None = None
         self._connect_fn = connect_fn
         self._log = log
         self._interval = interval_s
+        self._first_retry = min(first_retry_s, interval_s)
+        self._failures = 0  # attempts failed in a row
         self._lock = threading.Lock()
         self._next_try = 0.0
         self._thread: threading.Thread | None = None
@@ -64,18 +71,25 @@ class Reconnecting(Generic[C]):
         try:
             client = self._connect_fn()
         except Exception as exc:  # noqa: BLE001 - any failure means: recompute, retry later
+            with self._lock:
+                self._failures += 1
+                wait = min(self._interval, self._first_retry * 2 ** (self._failures - 1))
+                self._next_try = time.monotonic() + wait
             if self._down_since is None:
                 self._down_since = time.monotonic()
                 self._log.warning(
                     "hpkv %s: cannot reach the hpkv server (%s); the engine recomputes "
-                    "until it is back (retrying every %.0fs; logged again when it is back)",
+                    "until it is back (retrying after %gs, then less often, at least every %.0fs; "
+                    "logged again when it is back)",
                     self.what,
                     exc,
+                    self._first_retry,
                     self._interval,
                 )
             else:
                 self._log.debug("hpkv %s: still no hpkv server (%s)", self.what, exc)
         else:
+            self._failures = 0
             if self._down_since is not None:
                 self._log.warning(
                     "hpkv %s: the hpkv server is back (pid %d) after %.0fs",
