@@ -29,7 +29,7 @@ Failures: hpkv slow, dead or wrong means a miss (``batch_exists`` 0, per-page Fa
 never an exception into SGLang and never a wait longer than the client's call timeout
 (a promote from storage at most ``PROMOTE_TIMEOUT_S``). A checksum failure in a KV file
 is a promote failure, hence a miss. A lost server is reconnected (auto-spawned) in the
-background, at most every ``RECONNECT_INTERVAL_S``.
+background: 1 s after a failed attempt, then less often, up to ``RECONNECT_INTERVAL_S`` apart.
 """
 
 from __future__ import annotations
