@@ -82,12 +82,14 @@ class SchedulerSide:
 
     def _state(self, request: Any) -> _ReqState:
         st = self._reqs.get(request.request_id)
-        if st is None:
-            st = self._reqs[request.request_id] = _ReqState(request, skip=skipped(request))
+        return st if st is not None else self._new_state(request)
+
+    def _new_state(self, request: Any) -> _ReqState:
+        st = self._reqs[request.request_id] = _ReqState(request, skip=skipped(request))
         return st
 
     def on_new_request(self, request: Any) -> None:
-        self._reqs[request.request_id] = _ReqState(request, skip=skipped(request))
+        self._new_state(request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)
