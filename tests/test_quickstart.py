@@ -109,13 +109,17 @@ def reset_prefix_cache(srv: VllmServer) -> None:
     assert r.status_code == 200, r.text
 
 
+def server_log(env: dict[str, str]) -> str:
+    with open(os.path.join(env["HPKV_SHARE_MEM_FILE_PATH"], "server.log")) as f:
+        return f.read()
+
+
 def assert_quiet_logs(srv: VllmServer, env: dict[str, str]) -> None:
     vllm_log = srv.log_tail(100_000)
     assert "cannot reach the hpkv server" not in vllm_log
     assert "lost the hpkv server" not in vllm_log
-    with open(os.path.join(env["HPKV_SHARE_MEM_FILE_PATH"], "server.log")) as f:
-        server_log = f.read()
-    assert "Traceback" not in server_log, server_log[-4000:]
+    text = server_log(env)
+    assert "Traceback" not in text, text[-4000:]
 
 
 def test_quick_start_default_config_ctrl_c_stop_and_restart(tiny_model, user_env, tmp_path):
@@ -144,6 +148,15 @@ def test_quick_start_default_config_ctrl_c_stop_and_restart(tiny_model, user_env
             "the hpkv server must outlive the engine that started it"
         )
         assert_quiet_logs(srv, env)
+        assert "(vllm start-up) holds the server while its engine starts" in server_log(env), (
+            "vLLM's early start holds the server: no idle exit while vLLM compiles"
+        )
+        deadline = time.monotonic() + 10
+        while "(vllm start-up) released its hold" not in server_log(env):
+            assert time.monotonic() < deadline, (
+                "vLLM's exit did not end its hold:\n" + server_log(env)[-3000:]
+            )
+            time.sleep(0.1)
 
         stop = hpkv(env, "stop")  # writes pending spills first
         assert stop.returncode == 0, stop.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import multiprocessing as mp
 import os
@@ -189,6 +190,73 @@ def test_an_engine_can_start_the_server_early_and_attach_later_to_the_same_one(t
         with connect(cfg, env=env, spawn=False) as c:
             assert c.server_pid == status["server"]["pid"]
     finally:
+        ServerProcess(env).cleanup()
+
+
+def test_an_engine_that_holds_the_server_keeps_it_past_its_idle_exit(tmp_path):
+    """vLLM starts the server early and may compile for longer than HPKV_SERVER_IDLE_EXIT
+    before it attaches: its hold keeps the server (and the pool's contents) until it ends."""
+    env = _new_user_env(tmp_path, HPKV_KV_MEM_POOL_SIZE="64m", HPKV_SERVER_IDLE_EXIT="1")
+    cfg = load_config(env)
+    try:
+        hold = ensure_server(cfg, env=env, hold="test start-up")
+        pid = P.live_server_pid(cfg.pool_dir)
+        time.sleep(3.5)  # past the idle exit, and two supervisor rounds
+        assert P.live_server_pid(cfg.pool_dir) == pid, "a held server stays"
+        with connect(cfg, env=env, spawn=False) as c:  # the engine attaches late, same server
+            assert c.server_pid == pid
+        hold.close()
+        psutil.Process(pid).wait(timeout=30)  # no client, no hold: idle exit
+        log = ServerProcess(env).log()
+        assert f"pid {os.getpid()} (test start-up) holds the server while its engine starts" in log
+        assert "(test start-up) released its hold" in log
+    finally:
+        ServerProcess(env).cleanup()
+
+
+@pytest.mark.parametrize("leaving", ["refuses", "resets"])
+def test_connect_waits_out_a_stopping_server_and_starts_a_new_one(tmp_path, leaving):
+    """A server that is exiting (an idle exit, `hpkv stop`) as a client reaches it refuses the
+    hello or drops the connection: connect() waits until it is gone and starts a new one."""
+    import fcntl
+    import socket
+    import threading
+
+    from hpkv.protocol.errors import refusal
+
+    env = _new_user_env(tmp_path, HPKV_KV_MEM_POOL_SIZE="64m")
+    cfg = load_config(env)
+    os.makedirs(cfg.pool_dir, mode=0o700)
+    lock_fd = os.open(os.path.join(cfg.pool_dir, P.LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)
+    os.write(lock_fd, str(os.getpid()).encode())
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.path.join(cfg.pool_dir, P.SOCKET_FILE))
+    listener.listen(4)
+    exited_at: list[float] = []
+
+    def exiting_server() -> None:
+        conn, _ = listener.accept()
+        if leaving == "refuses":
+            conn.recv(4096)
+            conn.sendall(
+                json.dumps(refusal(-errno.ESHUTDOWN, "the hpkv server is stopping")).encode() + b"\n"
+            )
+        conn.close()  # "resets": closed with the hello unread
+        time.sleep(0.5)
+        listener.close()
+        os.unlink(os.path.join(cfg.pool_dir, P.SOCKET_FILE))
+        exited_at.append(time.monotonic())
+        os.close(lock_fd)
+
+    t = threading.Thread(target=exiting_server, daemon=True)
+    t.start()
+    try:
+        with connect(cfg, env=env, timeout=60) as c:
+            assert exited_at and c.server_pid != os.getpid(), "a new server, started after the old one left"
+            assert P.live_server_pid(cfg.pool_dir) == c.server_pid
+    finally:
+        t.join(10)
         ServerProcess(env).cleanup()
 
 

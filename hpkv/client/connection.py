@@ -453,17 +453,63 @@ def _check_server(sock: socket.socket, directory: str) -> None:
         )
 
 
-def _hello(cfg: Config, sock: socket.socket, name: str, call_timeout: float) -> HpkvClient:
+class _ServerLeaving(HpkvUnavailable):
+    """The server we reached is stopping: it refused us, or closed or reset the connection at once."""
+
+
+def _handshake(sock: socket.socket, msg: dict[str, Any]) -> dict[str, Any]:
+    """Send the first call of a connection and return its reply."""
     sock.settimeout(30.0)
-    sock.sendall(json.dumps({"op": "hello", "pid": os.getpid(), "name": name}).encode() + b"\n")
-    f = sock.makefile("rb")
-    line = f.readline()
-    f.close()
+    try:
+        sock.sendall(json.dumps(msg).encode() + b"\n")
+        with sock.makefile("rb") as f:
+            line = f.readline()
+    except (ConnectionResetError, BrokenPipeError) as exc:
+        raise _ServerLeaving(f"the hpkv server reset the connection during {msg['op']!r} ({exc})") from None
+    except OSError as exc:
+        raise HpkvUnavailable(f"hpkv {msg['op']!r} failed: {exc}") from None
     if not line:
-        raise HpkvUnavailable("the hpkv server closed the connection during hello")
+        raise _ServerLeaving(f"the hpkv server closed the connection during {msg['op']!r}")
     reply = json.loads(line)
-    raise_refusal(reply, "hpkv 'hello'")
-    return HpkvClient(cfg.pool_dir, sock, reply, call_timeout)
+    if not reply.get("ok") and reply.get("status") == -errno.ESHUTDOWN:
+        raise _ServerLeaving(str(reply.get("error")))
+    raise_refusal(reply, f"hpkv {msg['op']!r}")
+    return reply
+
+
+def _reach(
+    cfg: Config, env: Mapping[str, str] | None, timeout: float, spawn: bool, msg: dict[str, Any]
+) -> tuple[socket.socket, dict[str, Any]]:
+    """A connection to the pool directory's server that has answered ``msg``, starting a
+    server if none runs. A server that is stopping (an idle exit, ``hpkv stop``) when we
+    reach it is waited out and replaced, within ``timeout``."""
+    sock_path = os.path.join(cfg.pool_dir, P.SOCKET_FILE)
+    deadline = time.monotonic() + timeout
+    while True:
+        sock = _try_connect(sock_path, 5.0)
+        if sock is None:
+            if not spawn:
+                raise HpkvUnavailable(f"no hpkv server is running for {cfg.pool_dir}")
+            sock = _spawn_and_reach(cfg, env, max(deadline - time.monotonic(), 1.0))
+        try:
+            return sock, _handshake(sock, msg)
+        except _ServerLeaving as exc:
+            sock.close()
+            if not spawn:
+                raise
+            leaving = P.live_server_pid(cfg.pool_dir)
+            log.info("%s; waiting for server %s to exit, then starting a new one", exc, leaving)
+            while leaving is not None and P.live_server_pid(cfg.pool_dir) == leaving:
+                if time.monotonic() > deadline:
+                    raise HpkvUnavailable(
+                        f"the hpkv server (pid {leaving}) for {cfg.pool_dir} was still stopping "
+                        f"after {timeout:g}s (it writes pending spills first, for at most "
+                        f"HPKV_STOP_DRAIN_TIMEOUT): connect again once it has exited"
+                    ) from None
+                time.sleep(0.05)
+        except BaseException:
+            sock.close()
+            raise
 
 
 def connect(
@@ -477,20 +523,27 @@ def connect(
 ) -> HpkvClient:
     """Attach to the pool directory's server, starting one if needed (at most one ever runs)."""
     cfg = cfg or load_config(env)
-    sock_path = os.path.join(cfg.pool_dir, P.SOCKET_FILE)
-    sock = _try_connect(sock_path, 5.0)
-    if sock is None:
-        if not spawn:
-            raise HpkvUnavailable(f"no hpkv server is running for {cfg.pool_dir}")
-        sock = _spawn_and_reach(cfg, env, timeout)
-    return _hello(cfg, sock, name, call_timeout)
+    sock, reply = _reach(cfg, env, timeout, spawn, {"op": "hello", "pid": os.getpid(), "name": name})
+    return HpkvClient(cfg.pool_dir, sock, reply, call_timeout)
 
 
-def ensure_server(cfg: Config, *, timeout: float = 60.0, env: Mapping[str, str] | None = None) -> None:
+def ensure_server(
+    cfg: Config, *, timeout: float = 60.0, env: Mapping[str, str] | None = None, hold: str = ""
+) -> socket.socket | None:
     """Start the pool directory's server if none runs, without attaching to it: an engine
-    calls this early in its start-up so the pool's memory is ready by its first request."""
-    sock = _try_connect(os.path.join(cfg.pool_dir, P.SOCKET_FILE), 5.0) or _spawn_and_reach(cfg, env, timeout)
-    sock.close()
+    calls this early in its start-up so the pool's memory is ready by its first request.
+
+    With ``hold`` (a name for the server's log), the returned connection keeps an
+    auto-spawned server from its idle exit until it is closed (or this process exits): an
+    engine's start-up can take longer than HPKV_SERVER_IDLE_EXIT before it attaches."""
+    if not hold:
+        sock = _try_connect(os.path.join(cfg.pool_dir, P.SOCKET_FILE), 5.0) or _spawn_and_reach(
+            cfg, env, timeout
+        )
+        sock.close()
+        return None
+    sock, _ = _reach(cfg, env, timeout, True, {"op": "hold", "pid": os.getpid(), "name": hold})
+    return sock
 
 
 def _spawn_and_reach(cfg: Config, env: Mapping[str, str] | None, timeout: float) -> socket.socket:

@@ -188,6 +188,7 @@ class _Conn:
     inbuf: bytearray = field(default_factory=bytearray)
     out: bytearray = field(default_factory=bytearray)
     client: Client | None = None
+    hold: str = ""  # a `hold` call's name: an engine starting up keeps the server from its idle exit
     events: int = 1  # selectors.EVENT_READ
     closed: bool = False
 
@@ -242,7 +243,7 @@ class Server:
         self.lock = threading.RLock()
         self.stop_event = threading.Event()  # a stop was requested: drain spills, then shut down
         self.down = threading.Event()  # shut down: the control and supervisor threads end
-        self.stopping = False  # draining: new clients are refused
+        self.stopping = False  # draining the spills (new clients are refused from stop_event on)
         self._stop_waiters: list[_Conn] = []  # `hpkv stop` connections awaiting the outcome
         self.stop_outcome: dict[str, Any] = {}
         self.clients: dict[int, Client] = {}
@@ -255,6 +256,7 @@ class Server:
         self._lock_fd: int | None = None
         self._catalog_dirty = True
         self._last_client_seen = time.monotonic()
+        self._holds = 0  # open `hold` connections (engines starting up)
         self.storage: StorageTier | None = None
         self._errors = RateLimitedLog(log)
         self._releases: list[_Release] = []
@@ -270,6 +272,7 @@ class Server:
         }
         self._control_handlers = {
             "hello": self._ctl_hello,
+            "hold": self._ctl_hold,
             "stats": self._ctl_stats,
             "shutdown": self._ctl_shutdown,
             "namespace": self._ctl_namespace,
@@ -920,6 +923,11 @@ class Server:
         conn.closed = True
         with contextlib.suppress(KeyError, ValueError, OSError):
             sel.unregister(conn.sock)
+        if conn.hold:
+            with self.lock:
+                self._holds -= 1
+                self._last_client_seen = time.monotonic()
+            log.info("pid %d (%s) released its hold: %s", conn.pid, conn.hold, reason)
         if conn.client is not None:
             with self.lock:
                 self._drop_client(conn.client, reason=reason)
@@ -957,12 +965,29 @@ class Server:
             self._errors.log(logging.ERROR, "control-internal", "control call failed", exc_info=True)
             return refusal(Status.INTERNAL, f"{type(exc).__name__}: {exc}")
 
-    def _ctl_hello(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
-        if self.stopping:
+    def _refuse_if_stopping(self) -> None:
+        # From the moment a stop is requested: a client attached now would be dropped at once.
+        if self.stop_event.is_set():
             raise HpkvError(
                 "the hpkv server is stopping (writing pending spills); connect again once it has exited",
                 -errno.ESHUTDOWN,
             )
+
+    def _ctl_hold(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        """An engine that started the server early keeps it from its idle exit while it starts
+        up (loading and compiling can outlast HPKV_SERVER_IDLE_EXIT), until it closes this
+        connection or exits."""
+        if conn.hold or conn.client is not None:
+            raise ValueError("this connection holds the server or is a client already")
+        with self.lock:
+            self._refuse_if_stopping()
+            conn.hold = str(msg.get("name", ""))[:MAX_NAME] or "hold"
+            self._holds += 1
+        log.info("pid %d (%s) holds the server while its engine starts", conn.pid, conn.hold)
+        return {"ok": True, "server_pid": os.getpid()}
+
+    def _ctl_hello(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        self._refuse_if_stopping()
         if conn.client is not None:
             raise ValueError(
                 f"this connection is client {conn.client.cid} already; "
@@ -1260,13 +1285,15 @@ class Server:
                 self._publish_catalog()
             idle = (
                 not self.clients
+                and not self._holds
                 and self.idle_exit > 0
                 and not self.stop_event.is_set()
                 and time.monotonic() - self._last_client_seen > self.idle_exit
             )
+            if idle:  # under the lock: a `hold` is either counted above or refused
+                self.stop_event.set()
         if idle:
             log.info("no client for %.0fs (HPKV_SERVER_IDLE_EXIT): exiting", self.idle_exit)
-            self.stop_event.set()
             self.doorbell.ring()
 
     def _publish_catalog_if_dirty(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -60,13 +61,17 @@ def _hpkv_config() -> Config:
 
 _early_start = threading.Lock()
 _early_started = False
+_early_hold: socket.socket | None = None
 
 
 def _start_server_early(cfg: Config) -> None:
     """Start the pool directory's server in the background, once per process, without attaching.
 
     The pool needs its memory before the first hit (first touches cost 2.5-4 s per GiB on a
-    VM) and its workers a few seconds to start: the earlier, the less of it vLLM waits for."""
+    VM) and its workers a few seconds to start: the earlier, the less of it vLLM waits for.
+    The process holds the server for its lifetime: its engine may compile for longer than
+    the server's idle exit before its connectors attach, and a server that exits just as
+    they connect costs them the pool's contents and a restart."""
     global _early_started
     with _early_start:
         if _early_started:
@@ -74,8 +79,9 @@ def _start_server_early(cfg: Config) -> None:
         _early_started = True
 
     def run() -> None:
+        global _early_hold
         try:
-            ensure_server(cfg)
+            _early_hold = ensure_server(cfg, hold="vllm start-up")
         except Exception as exc:  # noqa: BLE001 - the connection at KV-cache registration reports it
             log.debug("hpkv: early server start failed (%s); retried at KV cache registration", exc)
 
