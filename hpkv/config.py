@@ -136,6 +136,11 @@ def parse_optional_path(text: str, env: Mapping[str, str] | None = None) -> str 
     return expand_path(text, env) if text.strip() else None
 
 
+def parse_auto_size(text: str) -> int | None:
+    """``auto`` → None (hpkv decides), else a size."""
+    return None if text.strip().lower() == "auto" else parse_size(text)
+
+
 def parse_auto_bool(text: str) -> bool | None:
     """``auto`` → None (hpkv decides), else a boolean."""
     return None if text.strip().lower() == "auto" else parse_bool(text)
@@ -343,6 +348,15 @@ KEYS: dict[str, Key] = {
             "auto, or " + BOOL_FORM,
             "promote reads go through a private buffer, then one copy into the pool; auto: only "
             "on virtio-blk disks, where reads straight into the shared pool run at about half speed",
+        ),
+        Key(
+            "HPKV_STORAGE_READ_INFLIGHT",
+            "auto",
+            parse_auto_size,
+            "auto, or " + SIZE_FORM + "; 0 = no limit",
+            "promote reads go to more IO workers at once only while the KV files being read add "
+            "up to at most this size (one file always goes); auto: 4m on virtio-blk disks, where "
+            "two large reads at once run slower than one, else no limit",
         ),
         Key(
             "HPKV_STORAGE_MIN_FREE",

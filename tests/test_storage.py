@@ -367,6 +367,26 @@ def test_promotes_of_growing_file_sizes_through_one_io_worker_are_all_loaded(tmp
             w.close()
 
 
+@pytest.mark.parametrize("inflight,readers", [("4m", 1), ("8m", 2), ("0", 2)])
+def test_promote_reads_spread_over_io_workers_only_within_the_inflight_budget(tmp_path, inflight, readers):
+    """HPKV_STORAGE_READ_INFLIGHT: 4 MiB files under a 4m budget are all read by one worker
+    (two at once ran slower than one on a virtio disk); 8m or no limit spreads them."""
+    env = private_env(
+        pool_size="128m", storage=str(tmp_path), HPKV_STORAGE_READ_INFLIGHT=inflight, HPKV_NUM_IO_WORKERS="2"
+    )
+    with running(env) as srv:
+        w = Writer(srv, shard=4 << 20)
+        keys = w.keys(range(12))
+        w.put(keys)
+        s = w.wait_spilled(12)
+        w.c.clear(w.ns.ns_id)
+        w.check_rows(keys, w.c.promote(w.ns.ns_id, keys))
+        w.c.unpin(w.ns.ns_id, keys)
+        loaded = [x["bytes_loaded"] for x in w.c.stats()["workers"] if x["kind"] == "io"]
+        assert sum(loaded) == s["bytes"] and sum(1 for b in loaded if b) == readers, loaded
+        w.close()
+
+
 def test_io_workers_spill_at_the_lowest_io_priority(tmp_path):
     with running(private_env(pool_size="64m", storage=str(tmp_path))) as srv:
         w = Writer(srv)
