@@ -103,6 +103,11 @@ def test_the_paired_cold_ratio_is_the_median_of_the_pairs_so_a_slow_minute_cance
     assert "save copies on the engine's path: 40.0 ms per cold request (0.20% of its TTFT)" in out
     with pytest.raises(ValueError):  # a pair that lost a half is a bug, not a shorter median
         ttft.cold_vs_baseline({"cold_no_hpkv": [1.0, 1.0], "cold": [1.0]}, paired=True)
+    # The demo's one request per phase: one pair, one order; the line says so.
+    one = {**res, "ttft": {"cold_no_hpkv": [4.8], "cold": [7.8]}, "requests": 1}
+    ttft.print_table(ttft.summarize(one))
+    out = capsys.readouterr().out
+    assert "cold with hpkv / baseline: 1.625, one pair; " in out and "--requests 3 or more" in out
 
 
 def test_the_added_time_pairs_each_hit_with_the_gpu_hit_of_its_repeat(capsys):
