@@ -73,6 +73,15 @@ def test_paired_cold_prompts_alternate_which_half_goes_first():
     ]
 
 
+def test_an_order_balanced_ratio_weighs_both_orders_alike():
+    from hpkv.bench import order_balanced
+
+    # Whatever runs second is ~30% faster: three pairs one way, two the other. The median of
+    # all five (0.8) would blame the side that went first more often.
+    assert order_balanced([0.75, 1.3, 0.8, 1.35, 0.7]) == pytest.approx((0.75 + 1.325) / 2)
+    assert order_balanced([1.1]) == pytest.approx(1.1)
+
+
 def test_the_paired_cold_ratio_is_the_median_of_the_pairs_so_a_slow_minute_cancels_out(capsys):
     # The machine slowed 1.5x for the second pair: the means' ratio (63.66 / 63.0) blames hpkv
     # for it, the pairs (1.02, 1.00, 1.02) do not: the baseline-first pairs' median 1.02 and

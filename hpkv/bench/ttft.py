@@ -51,6 +51,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from hpkv.bench import order_balanced
+
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXY"
 WARMUP_LETTER = "Z"  # never measured
 INTERFERENCE_HIT, INTERFERENCE_COLD = "Y", "X"  # --interference: never among the measured letters
@@ -210,10 +212,8 @@ def cold_vs_baseline(ttfts: dict[str, list[float]], paired: bool) -> float | Non
         return None
     if not paired:
         return statistics.mean(hpkv) / statistics.mean(base)
-    ratios = [h / b for b, h in zip(base, hpkv, strict=True)]
-    # The mean of the medians of the baseline-first and the hpkv-first pairs: with 3 pairs, 2
-    # go baseline first, and an order effect must not pass for hpkv's.
-    return statistics.mean(statistics.median(ratios[first::2]) for first in (0, 1) if ratios[first::2])
+    # With 3 pairs, 2 go baseline first: an order effect must not pass for hpkv's.
+    return order_balanced([h / b for b, h in zip(base, hpkv, strict=True)])
 
 
 def reset_prefix_cache(url: str) -> None:
