@@ -61,7 +61,7 @@ def _hpkv_config() -> Config:
 
 _early_start = threading.Lock()
 _early_started = False
-_early_hold: socket.socket | None = None
+_early_hold: socket.socket | None = None  # referenced for the process's life: collected, it would close
 
 
 def _start_server_early(cfg: Config) -> None:
