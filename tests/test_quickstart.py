@@ -139,6 +139,8 @@ def test_quick_start_default_config_ctrl_c_stop_and_restart(tiny_model, user_env
 
         status = hpkv_status(env)
         server_pid = status["server"]["pid"]
+        # vLLM's EngineCore and its worker each started the server early and hold it while they run
+        assert {h["name"] for h in status["holds"]} == {"vllm early start"}, status["holds"]
         assert status["server"]["storage"] == os.path.join(env["HOME"], ".cache/hpkv/storage")
         assert status["pool"]["capacity_bytes"] == 8 << 30  # the default pool
 
@@ -148,11 +150,11 @@ def test_quick_start_default_config_ctrl_c_stop_and_restart(tiny_model, user_env
             "the hpkv server must outlive the engine that started it"
         )
         assert_quiet_logs(srv, env)
-        assert "(vllm start-up) holds the server while its engine starts" in server_log(env), (
+        assert "(vllm early start) holds the server: no idle exit while it runs" in server_log(env), (
             "vLLM's early start holds the server: no idle exit while vLLM compiles"
         )
         deadline = time.monotonic() + 10
-        while "(vllm start-up) released its hold" not in server_log(env):
+        while "(vllm early start) released its hold" not in server_log(env):
             assert time.monotonic() < deadline, (
                 "vLLM's exit did not end its hold:\n" + server_log(env)[-3000:]
             )

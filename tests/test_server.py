@@ -201,6 +201,8 @@ def test_an_engine_that_holds_the_server_keeps_it_past_its_idle_exit(tmp_path):
     try:
         hold = ensure_server(cfg, env=env, hold="test start-up")
         pid = P.live_server_pid(cfg.pool_dir)
+        status = hpkv_cli(env, "status")
+        assert "HELD BY" in status.stdout and f"{os.getpid()}  test start-up" in status.stdout, status.stdout
         time.sleep(3.5)  # past the idle exit, and two supervisor rounds
         assert P.live_server_pid(cfg.pool_dir) == pid, "a held server stays"
         with connect(cfg, env=env, spawn=False) as c:  # the engine attaches late, same server
@@ -208,7 +210,7 @@ def test_an_engine_that_holds_the_server_keeps_it_past_its_idle_exit(tmp_path):
         hold.close()
         psutil.Process(pid).wait(timeout=30)  # no client, no hold: idle exit
         log = ServerProcess(env).log()
-        assert f"pid {os.getpid()} (test start-up) holds the server while its engine starts" in log
+        assert f"pid {os.getpid()} (test start-up) holds the server: no idle exit while it runs" in log
         assert "(test start-up) released its hold" in log
     finally:
         ServerProcess(env).cleanup()

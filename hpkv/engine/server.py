@@ -256,7 +256,9 @@ class Server:
         self._lock_fd: int | None = None
         self._catalog_dirty = True
         self._last_client_seen = time.monotonic()
-        self._holds = 0  # open `hold` connections (engines starting up)
+        self._holds: dict[
+            int, _Conn
+        ] = {}  # open `hold` connections (engine processes that started it early), by id
         self.storage: StorageTier | None = None
         self._errors = RateLimitedLog(log)
         self._releases: list[_Release] = []
@@ -925,8 +927,9 @@ class Server:
             sel.unregister(conn.sock)
         if conn.hold:
             with self.lock:
-                self._holds -= 1
+                self._holds.pop(id(conn), None)
                 self._last_client_seen = time.monotonic()
+                self._catalog_dirty = True
             log.info("pid %d (%s) released its hold: %s", conn.pid, conn.hold, reason)
         if conn.client is not None:
             with self.lock:
@@ -982,8 +985,9 @@ class Server:
         with self.lock:
             self._refuse_if_stopping()
             conn.hold = str(msg.get("name", ""))[:MAX_NAME] or "hold"
-            self._holds += 1
-        log.info("pid %d (%s) holds the server while its engine starts", conn.pid, conn.hold)
+            self._holds[id(conn)] = conn
+            self._catalog_dirty = True
+        log.info("pid %d (%s) holds the server: no idle exit while it runs", conn.pid, conn.hold)
         return {"ok": True, "server_pid": os.getpid()}
 
     def _ctl_hello(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
@@ -1334,6 +1338,7 @@ class Server:
                     }
                     for c in self.clients.values()
                 ],
+                "holds": [{"pid": h.pid, "name": h.hold} for h in self._holds.values()],
                 "rings": [
                     {"name": r.name, "capacity": r.capacity}
                     for c in self.clients.values()

@@ -230,6 +230,7 @@ class StatsSegment:
             "namespaces": [],
             "workers": [],
             "clients": cat.get("clients", []),
+            "holds": cat.get("holds", []),
             "rings": cat.get("rings", []),
             "storage": _storage_snapshot(g, cat.get("storage") or {}),
         }

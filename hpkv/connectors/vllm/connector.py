@@ -81,7 +81,7 @@ def _start_server_early(cfg: Config) -> None:
     def run() -> None:
         global _early_hold
         try:
-            _early_hold = ensure_server(cfg, hold="vllm start-up")
+            _early_hold = ensure_server(cfg, hold="vllm early start")
         except Exception as exc:  # noqa: BLE001 - the connection at KV-cache registration reports it
             log.debug("hpkv: early server start failed (%s); retried at KV cache registration", exc)
 
