@@ -188,7 +188,7 @@ class _Conn:
     inbuf: bytearray = field(default_factory=bytearray)
     out: bytearray = field(default_factory=bytearray)
     client: Client | None = None
-    hold: str = ""  # a `hold` call's name: an engine starting up keeps the server from its idle exit
+    hold: str = ""  # a `hold` call's name: no idle exit while this connection is open
     events: int = 1  # selectors.EVENT_READ
     closed: bool = False
 
@@ -256,9 +256,8 @@ class Server:
         self._lock_fd: int | None = None
         self._catalog_dirty = True
         self._last_client_seen = time.monotonic()
-        self._holds: dict[
-            int, _Conn
-        ] = {}  # open `hold` connections (engine processes that started it early), by id
+        # Open `hold` connections (engine processes that started the server early), by id.
+        self._holds: dict[int, _Conn] = {}
         self.storage: StorageTier | None = None
         self._errors = RateLimitedLog(log)
         self._releases: list[_Release] = []

@@ -127,8 +127,7 @@ class _Link:
     req: Ring
     resp: Ring
     inflight: OrderedDict[int, _Job] = field(default_factory=OrderedDict)
-    spills: int = 0  # of which spills
-    promotes: int = 0  # of which promotes
+    spills: int = 0  # of which spills; the rest are promotes
     dead: bool = False
 
 
@@ -204,8 +203,9 @@ class StorageTier:
         self.g[G.STORAGE_O_DIRECT] = int(self.probe.ok)
         self.g[G.STORAGE_CAPACITY] = self.capacity
         self._check_free_space()
-        self.bounce_reads = self._choose_bounce()
-        self.read_inflight = self._choose_read_inflight()
+        disk = virtio_disk(self.root)  # the auto settings below are for virtio-blk disks
+        self.bounce_reads = self._choose_bounce(disk if self.probe.ok else None)
+        self.read_inflight = self._choose_read_inflight(disk)
         spec = {
             "pool": self.pool_path,
             "storage": self.root,
@@ -229,11 +229,10 @@ class StorageTier:
         )
         return workers
 
-    def _choose_bounce(self) -> bool:
+    def _choose_bounce(self, disk: str | None) -> bool:
         setting = self.cfg["HPKV_STORAGE_READ_BOUNCE"]
         if setting is not None:
             return bool(setting)
-        disk = virtio_disk(self.root) if self.probe and self.probe.ok else None
         if disk:
             log.info(
                 "storage is on virtio disk %s: promotes read into a private buffer and copy "
@@ -243,11 +242,10 @@ class StorageTier:
             )
         return disk is not None
 
-    def _choose_read_inflight(self) -> int:
+    def _choose_read_inflight(self, disk: str | None) -> int:
         setting = self.cfg["HPKV_STORAGE_READ_INFLIGHT"]
         if setting is not None:
             return int(setting)
-        disk = virtio_disk(self.root)
         if disk:
             log.info(
                 "storage is on virtio disk %s: promotes of files over 2 MiB are read by one IO "
@@ -433,7 +431,6 @@ class StorageTier:
                     job = link.inflight.pop(d.seq, None)
                     if job is not None:
                         link.spills -= job.op.kind == P.SPILL
-                        link.promotes -= job.op.kind == P.PROMOTE
                         self._complete(job, d.status, d.a0, d.flags)
                 if link.dead:
                     self._recover(link)
@@ -476,7 +473,6 @@ class StorageTier:
         for seq, job in lost:
             del link.inflight[seq]
             link.spills -= job.op.kind == P.SPILL
-            link.promotes -= job.op.kind == P.PROMOTE
             if job.op.kind == P.SPILL and dead_pid:
                 b = job.op.block
                 final = kvfile.file_path(self.root, b.ns.fingerprint, b.key, job.rank)
@@ -687,9 +683,9 @@ class StorageTier:
                     and not (spill and lk.spills >= MAX_SPILLS_PER_WORKER)
                 ]
                 if not spill and self.read_inflight:
-                    readers = [lk for lk in live if lk.promotes]
+                    readers = [lk for lk in live if len(lk.inflight) > lk.spills]
                     if len(readers) >= max(1, self.read_inflight // b.ns.shard_bytes):
-                        room = [lk for lk in room if lk.promotes]  # no further reader
+                        room = [lk for lk in room if lk in readers]  # no further reader
                 if not room:
                     break
                 link = min(room, key=lambda lk: len(lk.inflight))
@@ -713,7 +709,6 @@ class StorageTier:
                 q.popleft()
                 link.inflight[self._seq] = job
                 link.spills += spill
-                link.promotes += not spill
 
     # ================================================================ catalog
     def _touch(self, key: bytes) -> None:
