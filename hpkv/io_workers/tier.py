@@ -204,8 +204,26 @@ class StorageTier:
         self.g[G.STORAGE_CAPACITY] = self.capacity
         self._check_free_space()
         disk = virtio_disk(self.root)  # the auto settings below are for virtio-blk disks
-        self.bounce_reads = self._choose_bounce(disk if self.probe.ok else None)
-        self.read_inflight = self._choose_read_inflight(disk)
+        self.bounce_reads = bool(
+            self._auto_on_virtio(
+                "HPKV_STORAGE_READ_BOUNCE",
+                disk if self.probe.ok else None,
+                True,
+                False,
+                "promotes read into a private buffer and copy into the pool, faster there than "
+                "DMA into the shared pool",
+            )
+        )
+        self.read_inflight = int(
+            self._auto_on_virtio(
+                "HPKV_STORAGE_READ_INFLIGHT",
+                disk,
+                VIRTIO_READ_INFLIGHT,
+                0,
+                "promotes of files over 2 MiB are read by one IO worker at a time, faster there "
+                "than two at once",
+            )
+        )
         spec = {
             "pool": self.pool_path,
             "storage": self.root,
@@ -229,32 +247,15 @@ class StorageTier:
         )
         return workers
 
-    def _choose_bounce(self, disk: str | None) -> bool:
-        setting = self.cfg["HPKV_STORAGE_READ_BOUNCE"]
+    def _auto_on_virtio(self, key: str, disk: str | None, on_virtio: Any, elsewhere: Any, effect: str) -> Any:
+        """The setting ``key``, or for ``auto`` its value on a virtio-blk disk (logged) or elsewhere."""
+        setting = self.cfg[key]
         if setting is not None:
-            return bool(setting)
-        if disk:
-            log.info(
-                "storage is on virtio disk %s: promotes read into a private buffer and copy "
-                "into the pool, faster there than DMA into the shared pool "
-                "(HPKV_STORAGE_READ_BOUNCE=0 turns this off)",
-                disk,
-            )
-        return disk is not None
-
-    def _choose_read_inflight(self, disk: str | None) -> int:
-        setting = self.cfg["HPKV_STORAGE_READ_INFLIGHT"]
-        if setting is not None:
-            return int(setting)
-        if disk:
-            log.info(
-                "storage is on virtio disk %s: promotes of files over 2 MiB are read by one IO "
-                "worker at a time, faster there than two at once (HPKV_STORAGE_READ_INFLIGHT=0 "
-                "turns this off)",
-                disk,
-            )
-            return VIRTIO_READ_INFLIGHT
-        return 0
+            return setting
+        if disk is None:
+            return elsewhere
+        log.info("storage is on virtio disk %s: %s (%s=0 turns this off)", disk, effect, key)
+        return on_virtio
 
     def shutdown(self) -> None:
         """Stop the threads and close the rings (after the server stopped the workers)."""
