@@ -5,6 +5,7 @@ corrupts another's blocks. One section per defect of the issue, each with real
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -237,8 +238,9 @@ def _client_as(srv: ServerProcess, uid: int, gid: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _hello_as(srv: ServerProcess, uid: int, gid: int) -> dict:
-    """Fork, become uid/gid, connect and say hello; the server's answer (or a closed connection)."""
+def _hello_as(srv: ServerProcess, uid: int, gid: int, op: str = "hello") -> dict:
+    """Fork, become uid/gid, connect and make one control call (``op``, hello by default); the
+    server's answer (or a closed connection)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: only the socket module, then _exit
@@ -251,7 +253,7 @@ def _hello_as(srv: ServerProcess, uid: int, gid: int) -> dict:
             s.settimeout(10)
             s.connect(os.path.join(srv.pool_dir, P.SOCKET_FILE))
             try:
-                s.sendall(json.dumps({"op": "hello", "pid": os.getpid()}).encode() + b"\n")
+                s.sendall(json.dumps({"op": op, "pid": os.getpid()}).encode() + b"\n")
             except OSError:
                 pass  # a refused peer may be answered and closed before it speaks
             data = b""
@@ -296,6 +298,20 @@ def test_socket_peers_of_another_uid_are_refused_unless_in_the_allowed_group(all
         if not allow:
             assert _hello_as(srv, NOBODY, group + 1).get("ok") is False
         serves_correctly(srv)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_a_group_member_may_use_the_server_but_not_stop_it():
+    """Issue 26 item 8: what HPKV_ALLOW_GROUP grants is stated in the README; stopping the
+    server (and its drain) stays with the user who runs it."""
+    group = 4243
+    with ServerProcess(private_env(HPKV_ALLOW_GROUP=str(group))) as srv:
+        answer = _hello_as(srv, NOBODY, group, op="shutdown")
+        assert answer.get("ok") is False and answer["status"] == -errno.EACCES, answer
+        assert f"only uid {os.geteuid()}" in answer["error"], answer
+        assert "refused a stop from pid" in srv.log()
+        serves_correctly(srv)
+        assert srv.proc is not None and srv.proc.poll() is None, "a group member stopped the server"
 
 
 # ------------------------------------------------------------------ 4. KV file permissions

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -41,6 +42,9 @@ def stop_server(cfg: Config, timeout: float | None = None) -> int:
         timeout = float(cfg["HPKV_STOP_DRAIN_TIMEOUT"]) + 30.0
     deadline = time.monotonic() + timeout
     outcome = _ask_to_stop(cfg, timeout)
+    if outcome is not None and outcome.get("status") == -errno.EACCES:
+        print(f"hpkv: server {pid} refused to stop: {outcome.get('error')}", file=sys.stderr)
+        return 1
     if outcome is None or not outcome.get("ok"):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)

@@ -1018,6 +1018,14 @@ class Server:
         return {"ok": True, "stats": self.stats.snapshot()}
 
     def _ctl_shutdown(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
+        if conn.uid != os.geteuid():  # a member of HPKV_ALLOW_GROUP uses the server, it does not run it
+            log.warning(
+                "refused a stop from pid %d (uid %d): only uid %d may stop this server",
+                conn.pid,
+                conn.uid,
+                os.geteuid(),
+            )
+            return refusal(-errno.EACCES, f"only uid {os.geteuid()}, who runs this hpkv server, may stop it")
         log.info("shutdown requested by pid %s", msg.get("pid"))
         if msg.get("wait"):
             with self.lock:
