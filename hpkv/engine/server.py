@@ -71,6 +71,7 @@ MAX_CONTROL_LINE = 1 << 20  # bytes of one control line (a register_device is a 
 MAX_CONTROL_BACKLOG = 4 << 20  # unread reply bytes before a client that never reads is dropped
 MAX_NAME = 200
 MAX_PROMOTE_MS = 600_000  # a promote's deadline is clamped to 10 minutes
+HOT_BATCH = 32  # hot calls taken from one client per round of the request loop (fairness)
 RETIRE_GRACE_S = 2.0  # a dead owner's slots: time for copies its peers were told to make
 MAX_REGIONS = 4096
 MAX_LAYERS = 4096
@@ -263,6 +264,7 @@ class Server:
         self._releases: list[_Release] = []
         self._lease_checked = 0.0
         self._detached: dict[int, float] = {}  # namespace id -> when its last client left
+        self._work_left = False  # a client had more than HOT_BATCH calls queued last round
         self._hot_handlers = {
             P.LOOKUP: self._hot_lookup,
             P.RESERVE: self._hot_reserve,
@@ -454,14 +456,20 @@ class Server:
         self._answer_stop_waiters()
 
     def _serve_round(self, timeout: float) -> None:
+        """One round of the request loop: sleep until a ring has work (unless work was left
+        last round), then take at most HOT_BATCH calls from each client in turn, so a client
+        that floods its ring delays another's call by one batch, never by its whole backlog."""
         with self.lock:
             clients = [c for c in self.clients.values() if c.alive]
-        try:
-            self.doorbell.wait(timeout=timeout)
-        except InterruptedError:
-            return
+        if not self._work_left:
+            try:
+                self.doorbell.wait(timeout=timeout)
+            except InterruptedError:
+                return
+        left = False
         for c in clients:
-            self._drain(c)
+            left |= self._drain(c)
+        self._work_left = left
         if self.storage is not None:
             self.storage.poll()
         if self._closing:
@@ -532,14 +540,17 @@ class Server:
                 pass
 
     # ================================================================ hot path
-    def _drain(self, c: Client) -> None:
-        while c.alive and not c.busy:
+    def _drain(self, c: Client) -> bool:
+        """Answer up to HOT_BATCH of ``c``'s queued calls; True when it may have more queued."""
+        for _ in range(HOT_BATCH):
+            if not c.alive or c.busy:
+                return False  # a parked client is taken again once its promote is answered
             try:
                 d = c.req.try_pop()
             except RingError:
-                return
+                return False
             if d is None:
-                return
+                return False
             with self.lock:
                 status, a0, a1 = self._handle(c, d)
             self.stats.glob[G.REQUESTS] += 1
@@ -549,8 +560,9 @@ class Server:
                 self.stats.glob[G.ERRORS] += 1
             try:
                 c.resp.try_push(P.COMPLETION, d.seq, a0, a1, status=status)
-            except RingError as exc:
-                log.info("client %d: cannot answer (%s)", c.cid, exc)
+            except RingError as exc:  # a client that does not read its answers: once per 10 s
+                self._errors.log(logging.INFO, "cannot-answer", "client %d: cannot answer (%s)", c.cid, exc)
+        return True
 
     def _keys(self, c: Client, n: int, answer_bytes_per_key: int = 0) -> list[bytes]:
         """The call's keys from the mailbox; CallTooLarge when they, or the answer, would not
