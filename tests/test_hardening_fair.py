@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
+import pytest
 
-from hpkv.client.connection import connect
+from hpkv.client.connection import HpkvUnavailable, connect
 from hpkv.protocol import wire as P
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
-from hpkv.testing.server import ServerProcess
+from hpkv.testing.server import ServerProcess, private_env
 
 FP = namespace_fingerprint({"model": "fairness", "layers": 2})
 
@@ -53,6 +56,16 @@ def raw_call(s: socket.socket, obj: dict) -> dict:
         assert chunk, "the server closed the connection"
         data += chunk
     return json.loads(data)
+
+
+@pytest.fixture
+def chatty_server():
+    """A server whose stderr is read as it writes (the ``server`` fixture's stderr is a pipe
+    nobody reads until it exits: hundreds of log lines would fill it and block the server)."""
+    with ServerProcess(private_env()) as srv:
+        assert srv.proc is not None and srv.proc.stderr is not None
+        threading.Thread(target=srv.proc.stderr.read, daemon=True).start()
+        yield srv
 
 
 def cpu_seconds(pid: int) -> float:
@@ -109,3 +122,113 @@ def test_a_client_flooding_its_ring_does_not_starve_another_clients_lookups(serv
     finally:
         os.killpg(flooder.pid, signal.SIGKILL)
         flooder.wait()
+
+
+# ------------------------------------------------------------------ 6. control connections
+def test_control_connections_beyond_the_cap_are_refused_as_unavailable_and_logged():
+    with ServerProcess(private_env(HPKV_MAX_CONTROL_CONNECTIONS="8")) as srv:
+        idle = [raw_socket(srv) for _ in range(8)]  # accepted in this order, before the next
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(HpkvUnavailable, match="HPKV_MAX_CONTROL_CONNECTIONS=8"):
+                client_of(srv, timeout=10.0)
+            assert time.monotonic() - t0 < 5.0
+            wait_for(lambda: "HPKV_MAX_CONTROL_CONNECTIONS=8" in srv.log(), what="the refusal's log line")
+            idle.pop().close()  # room again: the next client is served
+            c = wait_for(lambda: _connect_or_none(srv), what="a connection once one closed")
+            c.close()
+        finally:
+            for s in idle:
+                s.close()
+
+
+def _connect_or_none(srv: ServerProcess):
+    try:
+        return client_of(srv, timeout=5.0)
+    except HpkvUnavailable:
+        return None
+
+
+def test_out_of_descriptors_the_control_thread_refuses_clients_and_does_not_spin():
+    with ServerProcess(private_env()) as srv:
+        pid = srv.proc.pid
+        open_fds = len(os.listdir(f"/proc/{pid}/fd"))
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (open_fds + 10, open_fds + 10))
+        idle = [raw_socket(srv) for _ in range(30)]  # ~10 accepted, then EMFILE
+        try:
+            wait_for(lambda: "cannot accept a control connection" in srv.log(), what="the EMFILE log line")
+            cpu0, t0 = cpu_seconds(pid), time.monotonic()
+            time.sleep(1.0)  # measuring the CPU the server burns while idle at the limit
+            busy = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
+            assert busy < 0.3, f"the server used {busy:.0%} of a core at the descriptor limit"
+            t0 = time.monotonic()
+            with pytest.raises(HpkvUnavailable, match="out of file descriptors"):
+                client_of(srv, timeout=10.0)
+            assert time.monotonic() - t0 < 5.0
+        finally:
+            for s in idle:
+                s.close()
+        assert srv.log().count("cannot accept a control connection") == 1  # rate-limited
+
+
+# ------------------------------------------------------------------ 11. connect honours its timeout
+def test_connect_gives_up_after_its_timeout_when_the_server_never_answers(tmp_path):
+    env = private_env()
+    from hpkv.config import load_config
+
+    cfg = load_config(env)
+    os.makedirs(cfg.pool_dir, mode=0o700, exist_ok=True)
+    mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # accepts (backlog), never answers
+    mute.bind(os.path.join(cfg.pool_dir, P.SOCKET_FILE))
+    mute.listen(8)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(HpkvUnavailable, match="within"):
+            connect(cfg, spawn=False, timeout=1.5)
+        took = time.monotonic() - t0
+        assert 1.0 < took < 4.0, f"connect(timeout=1.5) took {took:.1f}s"
+    finally:
+        mute.close()
+        ServerProcess(env).cleanup()
+
+
+# ------------------------------------------------------------------ 11. names and the stats catalog
+def test_hundreds_of_holds_with_long_names_never_fail_a_hello_or_stats(chatty_server):
+    server = chatty_server
+    holds = []
+    try:
+        for i in range(300):  # each name is 5000 snowmen: 30 kB of JSON escapes as sent
+            s = raw_socket(server)
+            holds.append(s)
+            assert raw_call(s, {"op": "hold", "pid": os.getpid(), "name": f"{i}" + "\u2603" * 5000})["ok"]
+        with client_of(server, name="after the holds") as c:
+            st = c.stats()
+        assert len(st["holds"]) + st["holds_omitted"] == 300
+        assert all(len(h["name"]) <= 96 for h in st["holds"])
+        assert any(cl["name"] == "after the holds" for cl in st["clients"])
+    finally:
+        for s in holds:
+            s.close()
+
+
+FORGED = "x\n2026-12-02 00:00:00,000 ERROR hpkv.server[1]: forged line\x1b[2J\x1b]0;title\x07"
+
+
+def test_client_names_reach_the_log_and_hpkv_status_escaped(server):
+    with client_of(server, name=FORGED) as c:
+        c.attach_namespace(FP, 1, 8192, name=FORGED)
+        hold = raw_socket(server)
+        try:
+            assert raw_call(hold, {"op": "hold", "pid": os.getpid(), "name": FORGED})["ok"]
+            status = subprocess.run(
+                [sys.executable, "-m", "hpkv", "status"], env=server.env, capture_output=True, timeout=60
+            )
+        finally:
+            hold.close()
+    out = status.stdout.decode()
+    assert status.returncode == 0, status.stderr
+    log = server.log()
+    for text in (out, log):
+        assert "\x1b" not in text and "\x07" not in text
+        assert not any(line.startswith("2026-12-02 00:00:00,000 ERROR") for line in text.splitlines())
+    assert "x\\n2026-12-02" in out and "x\\n2026-12-02" in log

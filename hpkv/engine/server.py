@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import resource
 import signal
 import socket
 import stat
@@ -41,6 +42,7 @@ from hpkv.common.pool import PoolFile
 from hpkv.common.proc import PID_MAX, pid_alive, valid_pid
 from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.common.security import open_nofollow, open_private_dir, peer_allowed, peer_credentials
+from hpkv.common.text import printable
 from hpkv.config import Config, ConfigError, check_runtime, format_size
 from hpkv.engine.cuda_worker import validate_cuda
 from hpkv.engine.index import Index, Namespace
@@ -51,6 +53,7 @@ from hpkv.monitor.metrics import start_metrics
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import (
     ROW_MISSING,
+    TOO_MANY_CONNECTIONS,
     CallTooLarge,
     ExitCode,
     HpkvError,
@@ -69,8 +72,12 @@ log = logging.getLogger("hpkv.server")
 LOCK_RETRY_S = 0.5
 MAX_CONTROL_LINE = 1 << 20  # bytes of one control line (a register_device is a few KiB)
 MAX_CONTROL_BACKLOG = 4 << 20  # unread reply bytes before a client that never reads is dropped
-MAX_NAME = 200
+MAX_NAME = 96  # characters of a client-chosen name (printable: see hpkv.common.text)
+MAX_CATALOG_ENTRIES = 256  # clients and holds listed in the stats catalog (the rest counted)
+MAX_LOGGED_ERROR = 500  # characters of an error message that quotes client input
 MAX_PROMOTE_MS = 600_000  # a promote's deadline is clamped to 10 minutes
+FD_RESERVE = 256  # descriptors kept for the pool, rings, workers and files beside control connections
+ACCEPT_BACKOFF_S = 0.5  # the listener's rest when accept() finds no descriptor left
 HOT_BATCH = 32  # hot calls taken from one client per round of the request loop (fairness)
 RETIRE_GRACE_S = 2.0  # a dead owner's slots: time for copies its peers were told to make
 MAX_REGIONS = 4096
@@ -265,6 +272,10 @@ class Server:
         self._lease_checked = 0.0
         self._detached: dict[int, float] = {}  # namespace id -> when its last client left
         self._work_left = False  # a client had more than HOT_BATCH calls queued last round
+        self._n_conns = 0  # open control connections (the control thread's own count)
+        self._max_conns = cfg["HPKV_MAX_CONTROL_CONNECTIONS"]
+        self._spare_fd: int | None = None  # closed to accept and refuse when out of descriptors
+        self._accept_paused_until = 0.0
         self._hot_handlers = {
             P.LOOKUP: self._hot_lookup,
             P.RESERVE: self._hot_reserve,
@@ -398,6 +409,8 @@ class Server:
         os.chmod(sock_path, 0o600)
         self._share_with_group(sock_path)
         self.listener.listen(64)
+        self.listener.setblocking(False)  # an accept() never waits, also a second one in a row
+        self._limit_control_connections()
         self._publish_catalog()
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()
         threading.Thread(target=self._supervisor_loop, name="supervisor", daemon=True).start()
@@ -790,8 +803,14 @@ class Server:
         sel = selectors.DefaultSelector()
         sel.register(self.listener, selectors.EVENT_READ, None)
         while not self.down.is_set():
+            timeout = 0.1 if self.stopping else 0.5
+            if self._accept_paused_until:  # out of descriptors: the listener rests a while
+                timeout = min(timeout, max(self._accept_paused_until - time.monotonic(), 0.0))
+                if timeout == 0.0:
+                    self._accept_paused_until = 0.0
+                    sel.register(self.listener, selectors.EVENT_READ, None)
             try:
-                events = sel.select(timeout=0.1 if self.stopping else 0.5)
+                events = sel.select(timeout=timeout)
             except (OSError, ValueError):
                 return
             if self.stop_outcome and self._stop_waiters:
@@ -817,17 +836,100 @@ class Server:
                     )
                     self._close_conn(sel, conn, f"connection error: {exc}")
 
+    def _limit_control_connections(self) -> None:
+        """HPKV_MAX_CONTROL_CONNECTIONS, lowered to what the open-file limit leaves beside the
+        server's other descriptors; the soft limit is raised toward the hard one if need be.
+        A descriptor is kept spare, so that even at the limit a client is told why it is refused."""
+        cap = self.cfg["HPKV_MAX_CONTROL_CONNECTIONS"]
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        need = cap + FD_RESERVE
+        if soft != resource.RLIM_INFINITY and soft < need:
+            new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+                soft = new
+            if soft < need:
+                cap = max(1, soft - FD_RESERVE)
+                log.warning(
+                    "HPKV_MAX_CONTROL_CONNECTIONS=%d lowered to %d: the open-file limit is %d "
+                    "(ulimit -n) and the server keeps %d descriptors for its pool, rings and workers",
+                    self.cfg["HPKV_MAX_CONTROL_CONNECTIONS"],
+                    cap,
+                    soft,
+                    FD_RESERVE,
+                )
+        self._max_conns = cap
+        self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
+    def _refuse(self, sock: socket.socket, status: int, error: str) -> None:
+        """Tell a just-accepted client why it is refused (one line, never blocking), then close."""
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)
+            sock.send(json.dumps(refusal(status, error)).encode() + b"\n")
+        sock.close()
+
+    def _accept_without_fds(self, sel, exc: OSError) -> None:
+        """accept() failed for want of a descriptor: the listener would stay readable and the
+        control thread would spin. Refuse the waiting client with the spare descriptor; where
+        even that fails, leave the listener alone for ACCEPT_BACKOFF_S."""
+        self._errors.log(
+            logging.ERROR,
+            "accept-emfile",
+            "cannot accept a control connection: %s (%d open, open-file limit %d): refusing new "
+            "clients; raise the limit (ulimit -n) or lower HPKV_MAX_CONTROL_CONNECTIONS",
+            exc.strerror,
+            self._n_conns,
+            resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+        )
+        refused = False
+        if self._spare_fd is not None:
+            os.close(self._spare_fd)
+            self._spare_fd = None
+            with contextlib.suppress(OSError):
+                sock, _ = self.listener.accept()
+                self._refuse(
+                    sock,
+                    TOO_MANY_CONNECTIONS,
+                    f"the hpkv server is out of file descriptors ({self._n_conns} control connections "
+                    "open); try again later",
+                )
+                refused = True
+            with contextlib.suppress(OSError):
+                self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        if not refused or self._spare_fd is None:
+            with contextlib.suppress(KeyError, ValueError):
+                sel.unregister(self.listener)
+            self._accept_paused_until = time.monotonic() + ACCEPT_BACKOFF_S
+
     def _accept(self, sel) -> None:
         import selectors
 
         try:
             sock, _ = self.listener.accept()
-        except OSError:
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                self._accept_without_fds(sel, exc)
             return
         try:
             pid, uid, gid = peer_credentials(sock)
         except OSError:
             pid, uid, gid = 0, -1, -1
+        if self._n_conns >= self._max_conns:
+            self._errors.log(
+                logging.WARNING,
+                "too-many-connections",
+                "refused a control connection from pid %d: %d are open (HPKV_MAX_CONTROL_CONNECTIONS=%d)",
+                pid,
+                self._n_conns,
+                self._max_conns,
+            )
+            self._refuse(
+                sock,
+                TOO_MANY_CONNECTIONS,
+                f"the hpkv server has {self._n_conns} control connections open, its limit "
+                f"(HPKV_MAX_CONTROL_CONNECTIONS={self._max_conns}); try again later or raise it",
+            )
+            return
         if not peer_allowed(pid, uid, gid, self.cfg["HPKV_ALLOW_GROUP"]):
             self._errors.log(
                 logging.WARNING,
@@ -841,21 +943,14 @@ class Server:
                 if self.cfg["HPKV_ALLOW_GROUP"] is not None
                 else " (HPKV_ALLOW_GROUP names a group that may too)",
             )
-            with contextlib.suppress(OSError):
-                sock.setblocking(False)
-                sock.send(
-                    json.dumps(
-                        refusal(
-                            -errno.EACCES, f"uid {uid} may not use this hpkv server (see HPKV_ALLOW_GROUP)"
-                        )
-                    ).encode()
-                    + b"\n"
-                )
-            sock.close()
+            self._refuse(
+                sock, -errno.EACCES, f"uid {uid} may not use this hpkv server (see HPKV_ALLOW_GROUP)"
+            )
             return
         sock.setblocking(False)
         conn = _Conn(sock, pid, uid)
         sel.register(sock, selectors.EVENT_READ, conn)
+        self._n_conns += 1
 
     def _read(self, sel, conn: _Conn) -> None:
         try:
@@ -934,6 +1029,7 @@ class Server:
         if conn.closed:
             return
         conn.closed = True
+        self._n_conns -= 1
         with contextlib.suppress(KeyError, ValueError, OSError):
             sel.unregister(conn.sock)
         if conn.hold:
@@ -972,7 +1068,7 @@ class Server:
                 "bad control call from pid %d %r: %s",
                 conn.pid,
                 line[:200],
-                exc,
+                printable(exc, MAX_LOGGED_ERROR),
             )
             return refusal(Status.BAD_REQUEST, f"bad request: {exc}")
         except Exception as exc:  # noqa: BLE001 - a bad call must not kill the control thread
@@ -995,7 +1091,7 @@ class Server:
             raise ValueError("this connection holds the server or is a client already")
         with self.lock:
             self._refuse_if_stopping()
-            conn.hold = str(msg.get("name", ""))[:MAX_NAME] or "hold"
+            conn.hold = printable(msg.get("name", ""), MAX_NAME) or "hold"
             self._holds[id(conn)] = conn
             self._catalog_dirty = True
         log.info("pid %d (%s) holds the server: no idle exit while it runs", conn.pid, conn.hold)
@@ -1011,7 +1107,16 @@ class Server:
         pid = msg.get("pid", conn.pid)
         if not valid_pid(pid):
             raise ValueError(f"pid {pid!r} is not a process id (1..{PID_MAX})")
-        c = self._add_client(conn.sock, pid, str(msg.get("name", ""))[:MAX_NAME], conn.uid)
+        try:
+            c = self._add_client(conn.sock, pid, printable(msg.get("name", ""), MAX_NAME), conn.uid)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            self._errors.log(logging.ERROR, "hello-emfile", "cannot attach pid %d: %s", pid, exc)
+            raise HpkvError(
+                f"the hpkv server is out of file descriptors ({exc.strerror}); try again later",
+                TOO_MANY_CONNECTIONS,
+            ) from None
         conn.client = c
         return {
             "ok": True,
@@ -1030,7 +1135,7 @@ class Server:
         return {"ok": True, "stats": self.stats.snapshot()}
 
     def _ctl_shutdown(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
-        log.info("shutdown requested by pid %s", msg.get("pid"))
+        log.info("shutdown requested by pid %s", printable(msg.get("pid"), 40))
         if msg.get("wait"):
             with self.lock:
                 if self.stop_outcome:  # already drained: answer now
@@ -1067,12 +1172,23 @@ class Server:
         with self.lock:
             cid = self._next_cid
             self._next_cid += 1
-        req = Ring.create(
-            self.dir, f"c{cid}.req", capacity=P.RING_CAPACITY, role="consumer", doorbell=self.doorbell
-        )
-        resp = Ring.create(self.dir, f"c{cid}.resp", capacity=P.RING_CAPACITY, role="producer")
         mbox_path = os.path.join(self.dir, f"c{cid}.mbox")
-        mbox = np.frombuffer(shm.create(mbox_path, P.MAILBOX_BYTES), dtype=np.uint8)
+        rings: list[Ring] = []
+        try:  # out of descriptors or memory, nothing half made is left behind
+            rings.append(
+                Ring.create(
+                    self.dir, f"c{cid}.req", capacity=P.RING_CAPACITY, role="consumer", doorbell=self.doorbell
+                )
+            )
+            rings.append(Ring.create(self.dir, f"c{cid}.resp", capacity=P.RING_CAPACITY, role="producer"))
+            mbox = np.frombuffer(shm.create(mbox_path, P.MAILBOX_BYTES), dtype=np.uint8)
+        except BaseException:
+            for ring in rings:
+                ring.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(mbox_path)
+            raise
+        req, resp = rings
         c = Client(cid, pid, conn, req, resp, mbox_path, mbox, name=name, uid=uid)
         if uid != os.geteuid():  # a member of HPKV_ALLOW_GROUP: it maps these files too
             for path in (req.path, resp.path, mbox_path, self.pool.path, self.doorbell.path, self.stats.path):
@@ -1139,7 +1255,7 @@ class Server:
         shard = _int_arg(msg, "shard_bytes", 1, self.pool.size)
         block_tokens = _int_arg(msg, "block_tokens", 0, 1 << 31, default=0)
         rank = _int_arg(msg, "rank", 0, world - 1, default=None)
-        name = str(msg.get("name") or fp[:12])[:MAX_NAME]
+        name = printable(msg.get("name") or fp[:12], MAX_NAME)
         ns = self.namespaces_by_fp.get(fp)
         if ns is None:
             ns_id = self._free_ns_id()
@@ -1214,7 +1330,7 @@ class Server:
         else:
             layout = validate_device(msg, ns.slot_bytes, allowed_uids={os.geteuid(), c.uid})
         n_workers = self.cfg["HPKV_NUM_TRANSFER_WORKERS"]
-        device = str(msg.get("device", "cpu"))[:MAX_NAME]
+        device = printable(msg.get("device", "cpu"), MAX_NAME)
         numa = msg.get("numa_node")
         numa = numa if isinstance(numa, int) and not isinstance(numa, bool) and -1 <= numa < 4096 else None
         if MAX_WORKERS - len(self.workers) < n_workers:
@@ -1317,47 +1433,72 @@ class Server:
                 self._publish_catalog()
 
     def _publish_catalog(self) -> None:
+        """Write the catalog `hpkv status` and hpkv-top read. Its lists of clients and holds are
+        capped (the rest counted in ``*_omitted``) and halved until it fits the segment: a
+        catalog that does not fit must never fail the hello or `stats` call that wrote it."""
         self._catalog_dirty = False
-        self.stats.write_catalog(
-            {
-                "server": {
-                    "pool_dir": self.dir,
-                    "pool_file": self.pool.path,
-                    "storage": self.cfg.storage_path,
-                    "auto": self.auto,
-                    "pool_locked": self.pool.locked,
-                },
-                "namespaces": [
-                    {
-                        "id": ns.ns_id,
-                        "name": ns.name,
-                        "fingerprint": ns.fingerprint,
-                        "world_size": ns.world_size,
-                        "shard_bytes": ns.shard_bytes,
-                        "block_tokens": ns.block_tokens,
-                    }
-                    for ns in self.namespaces_by_fp.values()
-                ],
-                "workers": [w.describe() for w in self.workers],
-                "clients": [
-                    {
-                        "id": c.cid,
-                        "pid": c.pid,
-                        "name": c.name,
-                        "namespaces": sorted(c.namespaces),
-                        "ranks": sorted(c.ranks),
-                    }
-                    for c in self.clients.values()
-                ],
-                "holds": [{"pid": h.pid, "name": h.hold} for h in self._holds.values()],
-                "rings": [
-                    {"name": r.name, "capacity": r.capacity}
-                    for c in self.clients.values()
-                    for r in (c.req, c.resp)
-                ],
-                "storage": self.storage.describe() if self.storage is not None else {"path": None},
-            }
-        )
+        catalog = self._catalog()
+        full = {key: catalog[key] for key in ("clients", "holds", "rings")}
+        limit = MAX_CATALOG_ENTRIES
+        while True:
+            for key, items in full.items():
+                catalog[key] = items[: 2 * limit if key == "rings" else limit]
+                catalog[f"{key}_omitted"] = len(items) - len(catalog[key])
+            try:
+                self.stats.write_catalog(catalog)
+                return
+            except ValueError as exc:  # too large
+                if limit == 0:
+                    self._errors.log(logging.ERROR, "catalog", "stats catalog not updated: %s", exc)
+                    return
+                limit //= 2
+                self._errors.log(
+                    logging.WARNING,
+                    "catalog-full",
+                    "stats catalog too large (%s): lists cut to %d",
+                    exc,
+                    limit,
+                )
+
+    def _catalog(self) -> dict[str, Any]:
+        return {
+            "server": {
+                "pool_dir": self.dir,
+                "pool_file": self.pool.path,
+                "storage": self.cfg.storage_path,
+                "auto": self.auto,
+                "pool_locked": self.pool.locked,
+            },
+            "namespaces": [
+                {
+                    "id": ns.ns_id,
+                    "name": ns.name,
+                    "fingerprint": ns.fingerprint,
+                    "world_size": ns.world_size,
+                    "shard_bytes": ns.shard_bytes,
+                    "block_tokens": ns.block_tokens,
+                }
+                for ns in self.namespaces_by_fp.values()
+            ],
+            "workers": [w.describe() for w in self.workers],
+            "clients": [
+                {
+                    "id": c.cid,
+                    "pid": c.pid,
+                    "name": c.name,
+                    "namespaces": sorted(c.namespaces),
+                    "ranks": sorted(c.ranks),
+                }
+                for c in self.clients.values()
+            ],
+            "holds": [{"pid": h.pid, "name": h.hold} for h in self._holds.values()],
+            "rings": [
+                {"name": r.name, "capacity": r.capacity}
+                for c in self.clients.values()
+                for r in (c.req, c.resp)
+            ],
+            "storage": self.storage.describe() if self.storage is not None else {"path": None},
+        }
 
 
 class ReadyPipe:
