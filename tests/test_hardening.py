@@ -5,6 +5,7 @@ corrupts another's blocks. One section per defect of the issue, each with real
 
 from __future__ import annotations
 
+import grp
 import json
 import os
 import signal
@@ -277,7 +278,7 @@ def _hello_as(srv: ServerProcess, uid: int, gid: int) -> dict:
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 @pytest.mark.parametrize("allow", [False, True], ids=["same-uid-only", "allowed-group"])
 def test_socket_peers_of_another_uid_are_refused_unless_in_the_allowed_group(allow):
-    group = 4242
+    group = grp.getgrnam("staff").gr_gid  # an existing group: HPKV_ALLOW_GROUP must name one
     env = private_env(**({"HPKV_ALLOW_GROUP": str(group)} if allow else {}))
     with ServerProcess(env) as srv:
         if allow:  # the server opened the directory and socket to the group, nothing more

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -232,3 +233,46 @@ def test_client_names_reach_the_log_and_hpkv_status_escaped(server):
         assert "\x1b" not in text and "\x07" not in text
         assert not any(line.startswith("2026-12-02 00:00:00,000 ERROR") for line in text.splitlines())
     assert "x\\n2026-12-02" in out and "x\\n2026-12-02" in log
+
+
+# ------------------------------------------------------------------ 11. stop timeouts and config values
+def hpkv_cli(env, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hpkv", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "0", "1e400"])
+def test_hpkv_stop_refuses_a_timeout_outside_its_range_without_a_traceback(server, value):
+    r = hpkv_cli(server.env, "stop", "--timeout", value)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert f"'{value}' is not a number of seconds in (0, 172800]" in r.stderr
+    assert server.proc is not None and server.proc.poll() is None, "the server was stopped anyway"
+
+
+@pytest.mark.parametrize(
+    "key, value, says",
+    [
+        ("HPKV_STOP_DRAIN_TIMEOUT", "inf", "outside 0..86400"),
+        ("HPKV_SERVER_IDLE_EXIT", "inf", "outside 0.."),
+        ("HPKV_ALLOW_GROUP", "99999999999", "gid 99999999999 is outside 0..4294967294"),
+        ("HPKV_ALLOW_GROUP", "4242", "no group has gid 4242"),
+    ],
+)
+def test_config_check_refuses_values_the_server_would_crash_on(key, value, says):
+    if key == "HPKV_ALLOW_GROUP" and value == "4242":
+        import grp
+
+        with pytest.raises(KeyError):  # the premise: no such group here
+            grp.getgrgid(4242)
+    env = private_env(**{key: value})
+    try:
+        for args in (("config", "--check"), ("serve",)):
+            r = hpkv_cli(env, *args)
+            assert r.returncode == 1, f"hpkv {' '.join(args)} with {key}={value}: {r.stdout}{r.stderr}"
+            assert "Traceback" not in r.stderr
+            assert f"{key}='{value}'" in r.stderr and says in r.stderr
+    finally:
+        shutil.rmtree(env["HPKV_SHARE_MEM_FILE_PATH"], ignore_errors=True)
+        os.unlink(env["HPKV_CONFIG_FILE_PATH"])
