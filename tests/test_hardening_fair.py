@@ -4,6 +4,7 @@ Real ``hpkv serve`` processes, one section per item."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -21,6 +22,7 @@ import pytest
 
 from hpkv.client.connection import HpkvUnavailable, connect
 from hpkv.protocol import wire as P
+from hpkv.protocol.errors import ROW_POOL_FULL
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.testing.server import ServerProcess, private_env
 
@@ -276,3 +278,34 @@ def test_config_check_refuses_values_the_server_would_crash_on(key, value, says)
     finally:
         shutil.rmtree(env["HPKV_SHARE_MEM_FILE_PATH"], ignore_errors=True)
         os.unlink(env["HPKV_CONFIG_FILE_PATH"])
+
+
+# ------------------------------------------------------------------ 11. the stop drain converges
+def test_while_stopping_new_reserves_are_refused_and_the_drain_report_adds_up(tmp_path):
+    env = private_env(storage=str(tmp_path / "st"), HPKV_STOP_DRAIN_TIMEOUT="3")
+    with ServerProcess(env) as srv, client_of(srv) as c:
+        ns = c.attach_namespace(FP, 1, 8192)
+        io_pids = [w["pid"] for w in c.stats()["workers"] if w["kind"] == "io"]
+        assert io_pids
+        for pid in io_pids:  # spills stay pending: the drain runs to its timeout
+            os.kill(pid, signal.SIGSTOP)
+        stopper = None
+        try:
+            before = block_keys(FP, [b"before-%d" % i for i in range(4)])
+            late = block_keys(FP, [b"late-%d" % i for i in range(2)])
+            assert (c.reserve(ns.ns_id, before + late) >= 0).all()
+            assert c.commit(ns.ns_id, before) == 4
+            stopper = raw_socket(srv, timeout=30.0)
+            stopper.sendall(json.dumps({"op": "shutdown", "pid": os.getpid(), "wait": True}).encode() + b"\n")
+            wait_for(lambda: "stopping: writing 4 pending block(s)" in srv.log(), what="the drain")
+            refused = c.reserve(ns.ns_id, block_keys(FP, [b"during-%d" % i for i in range(3)]))
+            assert (refused == ROW_POOL_FULL).all(), refused
+            assert c.commit(ns.ns_id, late) == 2  # reserved before the stop: still taken
+            outcome = json.loads(stopper.makefile("rb").readline())
+        finally:
+            for pid in io_pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+            if stopper is not None:
+                stopper.close()
+    assert outcome["ok"] and outcome["pending"] == 6 and outcome["dropped"] == 6, outcome

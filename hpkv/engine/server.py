@@ -53,6 +53,7 @@ from hpkv.monitor.metrics import start_metrics
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import (
     ROW_MISSING,
+    ROW_POOL_FULL,
     TOO_MANY_CONNECTIONS,
     CallTooLarge,
     ExitCode,
@@ -272,6 +273,7 @@ class Server:
         self._lease_checked = 0.0
         self._detached: dict[int, float] = {}  # namespace id -> when its last client left
         self._work_left = False  # a client had more than HOT_BATCH calls queued last round
+        self._drain_added = 0  # spills queued during the stop drain (counted in its report)
         self._n_conns = 0  # open control connections (the control thread's own count)
         self._max_conns = cfg["HPKV_MAX_CONTROL_CONNECTIONS"]
         self._spare_fd: int | None = None  # closed to accept and refuse when out of descriptors
@@ -498,6 +500,7 @@ class Server:
         with self.lock:
             pending = first = self.storage.pending_spills()
         written0 = int(self.stats.glob[G.STORAGE_SPILLS])
+        self._drain_added = 0  # blocks reserved before the stop, committed during the drain
         if pending:
             log.info(
                 "stopping: writing %d pending block(s) to storage first (at most %gs, "
@@ -511,6 +514,7 @@ class Server:
                 pending = self.storage.pending_spills()
         seconds = time.monotonic() - t0
         written = int(self.stats.glob[G.STORAGE_SPILLS]) - written0
+        first += self._drain_added
         if pending:
             log.warning(
                 "stopping: %d block(s) were not written to storage: HPKV_STOP_DRAIN_TIMEOUT=%gs "
@@ -674,7 +678,13 @@ class Server:
 
     def _hot_reserve(self, c: Client, d) -> tuple[int, int, int]:
         ns = self.index.ns(d.a0)
-        slots = self.index.reserve(ns.ns_id, self._keys(c, d.a1, 8 * ns.world_size), owner=c.cid)
+        keys = self._keys(c, d.a1, 8 * ns.world_size)
+        if self.stop_event.is_set():
+            # Stopping: new blocks would only lengthen the spill drain (and be dropped at its
+            # timeout). The engine skips saving them, as when the pool is full.
+            slots = np.full((len(keys), ns.world_size), ROW_POOL_FULL, np.int64)
+        else:
+            slots = self.index.reserve(ns.ns_id, keys, owner=c.cid)
         flat = slots.reshape(-1)
         c.mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + flat.nbytes] = flat.view(np.uint8)
         return 0, slots.shape[1], 0
@@ -695,7 +705,10 @@ class Server:
         idx.check_owner(keys, c.cid, writer=(ns.ns_id, rank) in c.writer_ranks)
         ready = idx.commit(ns.ns_id, keys, rank=rank)
         if ready and self.storage is not None:
+            before = self.storage.pending_spills() if self.stopping else 0
             self.storage.spill(ready)  # write-through
+            if self.stopping:  # reserved before the stop: what the drain reports grows with it
+                self._drain_added += max(self.storage.pending_spills() - before, 0)
         return 0, len(ready), 0
 
     def _hot_pin(self, c: Client, d) -> tuple[int, int, int]:
