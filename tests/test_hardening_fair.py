@@ -16,6 +16,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from hpkv.client.connection import HpkvUnavailable, connect
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import ROW_POOL_FULL
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
+from hpkv.protocol.wire import live_server_pid
 from hpkv.testing.server import ServerProcess, private_env
 
 FP = namespace_fingerprint({"model": "fairness", "layers": 2})
@@ -309,3 +311,29 @@ def test_while_stopping_new_reserves_are_refused_and_the_drain_report_adds_up(tm
             if stopper is not None:
                 stopper.close()
     assert outcome["ok"] and outcome["pending"] == 6 and outcome["dropped"] == 6, outcome
+
+
+# ------------------------------------------------------------------ 11. server.log is rotated
+def test_server_log_is_rotated_at_its_size_with_the_spawned_servers_output_following(tmp_path):
+    env = private_env(HPKV_LOG_MAX_BYTES="64k")
+    holder = ServerProcess(env)  # starts nothing: stops the spawned server and removes it all
+    try:
+        c = connect(holder.cfg, env=env, timeout=60.0, name="rotation")  # auto-spawned: output to server.log
+        c.close()
+        pid = live_server_pid(holder.pool_dir)
+        assert pid is not None
+        log_path = os.path.join(holder.pool_dir, P.LOG_FILE)
+        for i in range(1500):  # two log lines of ~200 bytes each: ~600 kB, nine rotations
+            s = raw_socket(holder)
+            assert raw_call(s, {"op": "hold", "pid": os.getpid(), "name": f"{i:05d} " + "r" * 90})["ok"]
+            s.close()
+        wait_for(lambda: "01499 " in Path(log_path).read_text(), what="the last hold's line in server.log")
+        names = sorted(n for n in os.listdir(holder.pool_dir) if n.startswith(P.LOG_FILE))
+        assert names == [P.LOG_FILE] + [f"{P.LOG_FILE}.{i}" for i in (1, 2, 3)], names
+        for n in names:
+            assert os.path.getsize(os.path.join(holder.pool_dir, n)) < 64 * 1024 + 1024, n
+        # The spawned server's stdout and stderr are the new file, not a renamed one.
+        for fd in (1, 2):
+            assert os.readlink(f"/proc/{pid}/fd/{fd}") == log_path
+    finally:
+        holder.cleanup()

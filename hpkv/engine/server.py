@@ -1548,7 +1548,7 @@ def serve(
 ) -> int:
     """``hpkv serve``: run the server in the foreground until told to stop."""
     ready = ready or ReadyPipe(None)
-    setup_logging(cfg.pool_dir, log_level or cfg["HPKV_LOG_LEVEL"])
+    setup_logging(cfg.pool_dir, log_level or cfg["HPKV_LOG_LEVEL"], max_bytes=cfg["HPKV_LOG_MAX_BYTES"])
     server = Server(cfg, auto=auto)
     try:
         server.start()
