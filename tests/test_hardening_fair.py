@@ -337,3 +337,32 @@ def test_server_log_is_rotated_at_its_size_with_the_spawned_servers_output_follo
             assert os.readlink(f"/proc/{pid}/fd/{fd}") == log_path
     finally:
         holder.cleanup()
+
+
+def test_a_full_connection_backlog_is_reported_as_unavailable_not_a_raw_blocking_io_error():
+    env = private_env()
+    from hpkv.config import load_config
+
+    cfg = load_config(env)
+    os.makedirs(cfg.pool_dir, mode=0o700, exist_ok=True)
+    mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # never accepts: its backlog fills
+    mute.bind(os.path.join(cfg.pool_dir, P.SOCKET_FILE))
+    mute.listen(1)
+    waiting = []
+    try:
+        while True:  # fill the backlog
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            waiting.append(s)
+            try:
+                s.connect(os.path.join(cfg.pool_dir, P.SOCKET_FILE))
+            except BlockingIOError:
+                break
+            assert len(waiting) < 100, "the backlog never filled"
+        with pytest.raises(HpkvUnavailable, match="backlog is full"):
+            connect(cfg, spawn=False, timeout=2.0)
+    finally:
+        for s in waiting:
+            s.close()
+        mute.close()
+        ServerProcess(env).cleanup()

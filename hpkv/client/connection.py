@@ -421,6 +421,12 @@ def _try_connect(sock_path: str, timeout: float) -> socket.socket | None:
     except (TimeoutError, FileNotFoundError, ConnectionRefusedError):
         s.close()
         return None
+    except BlockingIOError:  # a Unix socket's full backlog: EAGAIN at once, not a timeout
+        s.close()
+        raise HpkvUnavailable(
+            f"the hpkv server at {sock_path} takes no more connections (its backlog is full: "
+            "it is overloaded or out of file descriptors, see its server.log); try again later"
+        ) from None
     try:
         _check_server(s, os.path.dirname(sock_path))
     except BaseException:
