@@ -87,6 +87,23 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     return stop_server(_load_config_or_exit(), timeout=args.timeout)
 
 
+MAX_STOP_TIMEOUT_S = 2 * 86400.0  # HPKV_STOP_DRAIN_TIMEOUT's maximum (a day) and then some
+
+
+def _stop_timeout(text: str) -> float:
+    """``hpkv stop --timeout``: a finite number of seconds, 0 < t <= MAX_STOP_TIMEOUT_S."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value <= MAX_STOP_TIMEOUT_S:  # also nan and inf
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of seconds in (0, {MAX_STOP_TIMEOUT_S:g}]; "
+            "leave it out to wait HPKV_STOP_DRAIN_TIMEOUT + 30 s"
+        )
+    return value
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -140,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("stop", help="ask the running server to write pending spills and shut down")
     p.add_argument(
         "--timeout",
-        type=float,
+        type=_stop_timeout,
         default=None,
         help="seconds to wait for it to exit (default: HPKV_STOP_DRAIN_TIMEOUT + 30)",
     )

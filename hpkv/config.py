@@ -165,14 +165,18 @@ def _int_parser(minimum: int | None = None, maximum: int | None = None) -> Calla
     return parse
 
 
-def _float_parser(minimum: float = 0.0) -> Callable[[str], float]:
+def _float_parser(minimum: float = 0.0, maximum: float = 1e9) -> Callable[[str], float]:
     def parse(text: str) -> float:
         value = float(text.strip())
-        if not value >= minimum:  # also rejects nan
-            raise ValueError(f"{value} < {minimum}")
+        # nan and inf too: a deadline of inf seconds ends in an OverflowError somewhere.
+        if not minimum <= value <= maximum:
+            raise ValueError(f"{value} is outside {minimum:g}..{maximum:g}")
         return value
 
     return parse
+
+
+MAX_GID = 0xFFFFFFFE  # (gid_t)-1 means "no change" to chown
 
 
 def parse_percent(text: str) -> float:
@@ -202,10 +206,17 @@ def parse_group(text: str) -> int | None:
     t = text.strip()
     if not t:
         return None
-    if t.isdigit():
-        return int(t)
     import grp
 
+    if t.isdigit():
+        gid = int(t)
+        if gid > MAX_GID:
+            raise ValueError(f"gid {gid} is outside 0..{MAX_GID}")
+        try:  # the server chowns its socket to it: a gid no group has is a typo
+            grp.getgrgid(gid)
+        except KeyError:
+            raise ValueError(f"no group has gid {gid} on this machine (see getent group)") from None
+        return gid
     try:
         return grp.getgrnam(t).gr_gid
     except KeyError:
@@ -313,8 +324,8 @@ KEYS: dict[str, Key] = {
         Key(
             "HPKV_STOP_DRAIN_TIMEOUT",
             "60",
-            _float_parser(minimum=0.0),
-            "a number of seconds >= 0",
+            _float_parser(minimum=0.0, maximum=86400.0),
+            "a number of seconds 0..86400",
             "at a stop (SIGTERM, hpkv stop, idle exit) the server first writes pending write-through "
             "spills to storage for at most this long, then logs how many blocks were not written",
         ),
@@ -394,6 +405,22 @@ KEYS: dict[str, Key] = {
             "a number of seconds >= 0 (0 = no lease)",
             "a pin or reservation not released within this many seconds is released by the server "
             "(after any copy into or out of its slots finished), so a hung engine cannot hold the pool",
+        ),
+        Key(
+            "HPKV_MAX_CONTROL_CONNECTIONS",
+            "512",
+            _int_parser(minimum=1, maximum=65536),
+            "an integer 1..65536",
+            "control connections (engine processes, hpkv status, hpkv stop) the server keeps open at "
+            "once; more are refused (the client sees HpkvUnavailable and recomputes); lowered to fit "
+            "the server's open-file limit (ulimit -n)",
+        ),
+        Key(
+            "HPKV_LOG_MAX_BYTES",
+            "64m",
+            _min_size(64 * 1024),
+            SIZE_FORM + ", at least 64k",
+            "server.log is renamed server.log.1 (.2, .3: the last 3 are kept) when it grows past this size",
         ),
         Key(
             "HPKV_LOG_LEVEL",

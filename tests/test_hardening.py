@@ -6,6 +6,7 @@ corrupts another's blocks. One section per defect of the issue, each with real
 from __future__ import annotations
 
 import errno
+import grp
 import json
 import os
 import signal
@@ -279,7 +280,7 @@ def _hello_as(srv: ServerProcess, uid: int, gid: int, op: str = "hello") -> dict
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 @pytest.mark.parametrize("allow", [False, True], ids=["same-uid-only", "allowed-group"])
 def test_socket_peers_of_another_uid_are_refused_unless_in_the_allowed_group(allow):
-    group = 4242
+    group = grp.getgrnam("staff").gr_gid  # an existing group: HPKV_ALLOW_GROUP must name one
     env = private_env(**({"HPKV_ALLOW_GROUP": str(group)} if allow else {}))
     with ServerProcess(env) as srv:
         if allow:  # the server opened the directory and socket to the group, nothing more
@@ -304,7 +305,7 @@ def test_socket_peers_of_another_uid_are_refused_unless_in_the_allowed_group(all
 def test_a_group_member_may_use_the_server_but_not_stop_it():
     """Issue 26 item 8: what HPKV_ALLOW_GROUP grants is stated in the README; stopping the
     server (and its drain) stays with the user who runs it."""
-    group = 4243
+    group = grp.getgrnam("users").gr_gid  # an existing group other than the test above's
     with ServerProcess(private_env(HPKV_ALLOW_GROUP=str(group))) as srv:
         answer = _hello_as(srv, NOBODY, group, op="shutdown")
         assert answer.get("ok") is False and answer["status"] == -errno.EACCES, answer

@@ -421,6 +421,12 @@ def _try_connect(sock_path: str, timeout: float) -> socket.socket | None:
     except (TimeoutError, FileNotFoundError, ConnectionRefusedError):
         s.close()
         return None
+    except BlockingIOError:  # a Unix socket's full backlog: EAGAIN at once, not a timeout
+        s.close()
+        raise HpkvUnavailable(
+            f"the hpkv server at {sock_path} takes no more connections (its backlog is full: "
+            "it is overloaded or out of file descriptors, see its server.log); try again later"
+        ) from None
     try:
         _check_server(s, os.path.dirname(sock_path))
     except BaseException:
@@ -457,17 +463,29 @@ class _ServerLeaving(HpkvUnavailable):
     """The server we reached is stopping: it refused us, or closed or reset the connection at once."""
 
 
-def _handshake(sock: socket.socket, msg: dict[str, Any]) -> dict[str, Any]:
-    """Send the first call of a connection and return its reply."""
-    sock.settimeout(30.0)
+def _handshake(sock: socket.socket, msg: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+    """Send the first call of a connection and return its reply, within ``timeout``."""
+    sock.settimeout(timeout)
+    reset: OSError | None = None
     try:
         sock.sendall(json.dumps(msg).encode() + b"\n")
-        with sock.makefile("rb") as f:
-            line = f.readline()
     except (ConnectionResetError, BrokenPipeError) as exc:
-        raise _ServerLeaving(f"the hpkv server reset the connection during {msg['op']!r} ({exc})") from None
+        reset = exc  # a server that refused us at once has closed: its reason may still be queued
+    except TimeoutError:
+        raise HpkvUnavailable(f"the hpkv server did not take {msg['op']!r} within {timeout:g}s") from None
     except OSError as exc:
         raise HpkvUnavailable(f"hpkv {msg['op']!r} failed: {exc}") from None
+    try:
+        with sock.makefile("rb") as f:
+            line = f.readline()
+    except TimeoutError:
+        raise HpkvUnavailable(f"the hpkv server did not answer {msg['op']!r} within {timeout:g}s") from None
+    except (ConnectionResetError, BrokenPipeError) as exc:
+        line, reset = b"", reset or exc
+    except OSError as exc:
+        raise HpkvUnavailable(f"hpkv {msg['op']!r} failed: {exc}") from None
+    if not line and reset is not None:
+        raise _ServerLeaving(f"the hpkv server reset the connection during {msg['op']!r} ({reset})")
     if not line:
         raise _ServerLeaving(f"the hpkv server closed the connection during {msg['op']!r}")
     reply = json.loads(line)
@@ -486,13 +504,15 @@ def _reach(
     sock_path = os.path.join(cfg.pool_dir, P.SOCKET_FILE)
     deadline = time.monotonic() + timeout
     while True:
-        sock = _try_connect(sock_path, 5.0)
+        sock = _try_connect(sock_path, min(5.0, max(deadline - time.monotonic(), 0.01)))
         if sock is None:
             if not spawn:
                 raise HpkvUnavailable(f"no hpkv server is running for {cfg.pool_dir}")
             sock = _spawn_and_reach(cfg, env, max(deadline - time.monotonic(), 1.0))
         try:
-            return sock, _handshake(sock, msg)
+            # The whole connect honours ``timeout``: a server that accepts but never answers
+            # (hung, or its control thread stuck) costs the caller no more than that.
+            return sock, _handshake(sock, msg, max(deadline - time.monotonic(), 0.01))
         except _ServerLeaving as exc:
             sock.close()
             if not spawn:

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import resource
 import signal
 import socket
 import stat
@@ -41,6 +42,7 @@ from hpkv.common.pool import PoolFile
 from hpkv.common.proc import PID_MAX, pid_alive, valid_pid
 from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.common.security import open_nofollow, open_private_dir, peer_allowed, peer_credentials
+from hpkv.common.text import printable
 from hpkv.config import Config, ConfigError, check_runtime, format_size
 from hpkv.engine.cuda_worker import validate_cuda
 from hpkv.engine.index import Index, Namespace
@@ -51,6 +53,8 @@ from hpkv.monitor.metrics import start_metrics
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import (
     ROW_MISSING,
+    ROW_POOL_FULL,
+    TOO_MANY_CONNECTIONS,
     CallTooLarge,
     ExitCode,
     HpkvError,
@@ -69,8 +73,13 @@ log = logging.getLogger("hpkv.server")
 LOCK_RETRY_S = 0.5
 MAX_CONTROL_LINE = 1 << 20  # bytes of one control line (a register_device is a few KiB)
 MAX_CONTROL_BACKLOG = 4 << 20  # unread reply bytes before a client that never reads is dropped
-MAX_NAME = 200
+MAX_NAME = 96  # characters of a client-chosen name (printable: see hpkv.common.text)
+MAX_CATALOG_ENTRIES = 256  # clients and holds listed in the stats catalog (the rest counted)
+MAX_LOGGED_ERROR = 500  # characters of an error message that quotes client input
 MAX_PROMOTE_MS = 600_000  # a promote's deadline is clamped to 10 minutes
+FD_RESERVE = 256  # descriptors kept for the pool, rings, workers and files beside control connections
+ACCEPT_BACKOFF_S = 0.5  # the listener's rest when accept() finds no descriptor left
+HOT_BATCH = 32  # hot calls taken from one client per round of the request loop (fairness)
 RETIRE_GRACE_S = 2.0  # a dead owner's slots: time for copies its peers were told to make
 MAX_REGIONS = 4096
 MAX_LAYERS = 4096
@@ -263,6 +272,12 @@ class Server:
         self._releases: list[_Release] = []
         self._lease_checked = 0.0
         self._detached: dict[int, float] = {}  # namespace id -> when its last client left
+        self._work_left = False  # a client had more than HOT_BATCH calls queued last round
+        self._drain_added = 0  # spills queued during the stop drain (counted in its report)
+        self._n_conns = 0  # open control connections (the control thread's own count)
+        self._max_conns = cfg["HPKV_MAX_CONTROL_CONNECTIONS"]
+        self._spare_fd: int | None = None  # closed to accept and refuse when out of descriptors
+        self._accept_paused_until = 0.0
         self._hot_handlers = {
             P.LOOKUP: self._hot_lookup,
             P.RESERVE: self._hot_reserve,
@@ -396,6 +411,8 @@ class Server:
         os.chmod(sock_path, 0o600)
         self._share_with_group(sock_path)
         self.listener.listen(64)
+        self.listener.setblocking(False)  # an accept() never waits, also a second one in a row
+        self._limit_control_connections()
         self._publish_catalog()
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()
         threading.Thread(target=self._supervisor_loop, name="supervisor", daemon=True).start()
@@ -454,14 +471,20 @@ class Server:
         self._answer_stop_waiters()
 
     def _serve_round(self, timeout: float) -> None:
+        """One round of the request loop: sleep until a ring has work (unless work was left
+        last round), then take at most HOT_BATCH calls from each client in turn, so a client
+        that floods its ring delays another's call by one batch, never by its whole backlog."""
         with self.lock:
             clients = [c for c in self.clients.values() if c.alive]
-        try:
-            self.doorbell.wait(timeout=timeout)
-        except InterruptedError:
-            return
+        if not self._work_left:
+            try:
+                self.doorbell.wait(timeout=timeout)
+            except InterruptedError:
+                return
+        left = False
         for c in clients:
-            self._drain(c)
+            left |= self._drain(c)
+        self._work_left = left
         if self.storage is not None:
             self.storage.poll()
         if self._closing:
@@ -477,6 +500,7 @@ class Server:
         with self.lock:
             pending = first = self.storage.pending_spills()
         written0 = int(self.stats.glob[G.STORAGE_SPILLS])
+        self._drain_added = 0  # blocks reserved before the stop, committed during the drain
         if pending:
             log.info(
                 "stopping: writing %d pending block(s) to storage first (at most %gs, "
@@ -490,6 +514,7 @@ class Server:
                 pending = self.storage.pending_spills()
         seconds = time.monotonic() - t0
         written = int(self.stats.glob[G.STORAGE_SPILLS]) - written0
+        first += self._drain_added
         if pending:
             log.warning(
                 "stopping: %d block(s) were not written to storage: HPKV_STOP_DRAIN_TIMEOUT=%gs "
@@ -532,14 +557,17 @@ class Server:
                 pass
 
     # ================================================================ hot path
-    def _drain(self, c: Client) -> None:
-        while c.alive and not c.busy:
+    def _drain(self, c: Client) -> bool:
+        """Answer up to HOT_BATCH of ``c``'s queued calls; True when it may have more queued."""
+        for _ in range(HOT_BATCH):
+            if not c.alive or c.busy:
+                return False  # a parked client is taken again once its promote is answered
             try:
                 d = c.req.try_pop()
             except RingError:
-                return
+                return False
             if d is None:
-                return
+                return False
             with self.lock:
                 status, a0, a1 = self._handle(c, d)
             self.stats.glob[G.REQUESTS] += 1
@@ -549,8 +577,9 @@ class Server:
                 self.stats.glob[G.ERRORS] += 1
             try:
                 c.resp.try_push(P.COMPLETION, d.seq, a0, a1, status=status)
-            except RingError as exc:
-                log.info("client %d: cannot answer (%s)", c.cid, exc)
+            except RingError as exc:  # a client that does not read its answers: once per 10 s
+                self._errors.log(logging.INFO, "cannot-answer", "client %d: cannot answer (%s)", c.cid, exc)
+        return True
 
     def _keys(self, c: Client, n: int, answer_bytes_per_key: int = 0) -> list[bytes]:
         """The call's keys from the mailbox; CallTooLarge when they, or the answer, would not
@@ -649,7 +678,13 @@ class Server:
 
     def _hot_reserve(self, c: Client, d) -> tuple[int, int, int]:
         ns = self.index.ns(d.a0)
-        slots = self.index.reserve(ns.ns_id, self._keys(c, d.a1, 8 * ns.world_size), owner=c.cid)
+        keys = self._keys(c, d.a1, 8 * ns.world_size)
+        if self.stop_event.is_set():
+            # Stopping: new blocks would only lengthen the spill drain (and be dropped at its
+            # timeout). The engine skips saving them, as when the pool is full.
+            slots = np.full((len(keys), ns.world_size), ROW_POOL_FULL, np.int64)
+        else:
+            slots = self.index.reserve(ns.ns_id, keys, owner=c.cid)
         flat = slots.reshape(-1)
         c.mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + flat.nbytes] = flat.view(np.uint8)
         return 0, slots.shape[1], 0
@@ -670,7 +705,10 @@ class Server:
         idx.check_owner(keys, c.cid, writer=(ns.ns_id, rank) in c.writer_ranks)
         ready = idx.commit(ns.ns_id, keys, rank=rank)
         if ready and self.storage is not None:
+            before = self.storage.pending_spills() if self.stopping else 0
             self.storage.spill(ready)  # write-through
+            if self.stopping:  # reserved before the stop: what the drain reports grows with it
+                self._drain_added += max(self.storage.pending_spills() - before, 0)
         return 0, len(ready), 0
 
     def _hot_pin(self, c: Client, d) -> tuple[int, int, int]:
@@ -778,8 +816,14 @@ class Server:
         sel = selectors.DefaultSelector()
         sel.register(self.listener, selectors.EVENT_READ, None)
         while not self.down.is_set():
+            timeout = 0.1 if self.stopping else 0.5
+            if self._accept_paused_until:  # out of descriptors: the listener rests a while
+                timeout = min(timeout, max(self._accept_paused_until - time.monotonic(), 0.0))
+                if timeout == 0.0:
+                    self._accept_paused_until = 0.0
+                    sel.register(self.listener, selectors.EVENT_READ, None)
             try:
-                events = sel.select(timeout=0.1 if self.stopping else 0.5)
+                events = sel.select(timeout=timeout)
             except (OSError, ValueError):
                 return
             if self.stop_outcome and self._stop_waiters:
@@ -805,17 +849,100 @@ class Server:
                     )
                     self._close_conn(sel, conn, f"connection error: {exc}")
 
+    def _limit_control_connections(self) -> None:
+        """HPKV_MAX_CONTROL_CONNECTIONS, lowered to what the open-file limit leaves beside the
+        server's other descriptors; the soft limit is raised toward the hard one if need be.
+        A descriptor is kept spare, so that even at the limit a client is told why it is refused."""
+        cap = self.cfg["HPKV_MAX_CONTROL_CONNECTIONS"]
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        need = cap + FD_RESERVE
+        if soft != resource.RLIM_INFINITY and soft < need:
+            new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+                soft = new
+            if soft < need:
+                cap = max(1, soft - FD_RESERVE)
+                log.warning(
+                    "HPKV_MAX_CONTROL_CONNECTIONS=%d lowered to %d: the open-file limit is %d "
+                    "(ulimit -n) and the server keeps %d descriptors for its pool, rings and workers",
+                    self.cfg["HPKV_MAX_CONTROL_CONNECTIONS"],
+                    cap,
+                    soft,
+                    FD_RESERVE,
+                )
+        self._max_conns = cap
+        self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
+    def _refuse(self, sock: socket.socket, status: int, error: str) -> None:
+        """Tell a just-accepted client why it is refused (one line, never blocking), then close."""
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)
+            sock.send(json.dumps(refusal(status, error)).encode() + b"\n")
+        sock.close()
+
+    def _accept_without_fds(self, sel, exc: OSError) -> None:
+        """accept() failed for want of a descriptor: the listener would stay readable and the
+        control thread would spin. Refuse the waiting client with the spare descriptor; where
+        even that fails, leave the listener alone for ACCEPT_BACKOFF_S."""
+        self._errors.log(
+            logging.ERROR,
+            "accept-emfile",
+            "cannot accept a control connection: %s (%d open, open-file limit %d): refusing new "
+            "clients; raise the limit (ulimit -n) or lower HPKV_MAX_CONTROL_CONNECTIONS",
+            exc.strerror,
+            self._n_conns,
+            resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+        )
+        refused = False
+        if self._spare_fd is not None:
+            os.close(self._spare_fd)
+            self._spare_fd = None
+            with contextlib.suppress(OSError):
+                sock, _ = self.listener.accept()
+                self._refuse(
+                    sock,
+                    TOO_MANY_CONNECTIONS,
+                    f"the hpkv server is out of file descriptors ({self._n_conns} control connections "
+                    "open); try again later",
+                )
+                refused = True
+            with contextlib.suppress(OSError):
+                self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        if not refused or self._spare_fd is None:
+            with contextlib.suppress(KeyError, ValueError):
+                sel.unregister(self.listener)
+            self._accept_paused_until = time.monotonic() + ACCEPT_BACKOFF_S
+
     def _accept(self, sel) -> None:
         import selectors
 
         try:
             sock, _ = self.listener.accept()
-        except OSError:
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                self._accept_without_fds(sel, exc)
             return
         try:
             pid, uid, gid = peer_credentials(sock)
         except OSError:
             pid, uid, gid = 0, -1, -1
+        if self._n_conns >= self._max_conns:
+            self._errors.log(
+                logging.WARNING,
+                "too-many-connections",
+                "refused a control connection from pid %d: %d are open (HPKV_MAX_CONTROL_CONNECTIONS=%d)",
+                pid,
+                self._n_conns,
+                self._max_conns,
+            )
+            self._refuse(
+                sock,
+                TOO_MANY_CONNECTIONS,
+                f"the hpkv server has {self._n_conns} control connections open, its limit "
+                f"(HPKV_MAX_CONTROL_CONNECTIONS={self._max_conns}); try again later or raise it",
+            )
+            return
         if not peer_allowed(pid, uid, gid, self.cfg["HPKV_ALLOW_GROUP"]):
             self._errors.log(
                 logging.WARNING,
@@ -829,21 +956,14 @@ class Server:
                 if self.cfg["HPKV_ALLOW_GROUP"] is not None
                 else " (HPKV_ALLOW_GROUP names a group that may too)",
             )
-            with contextlib.suppress(OSError):
-                sock.setblocking(False)
-                sock.send(
-                    json.dumps(
-                        refusal(
-                            -errno.EACCES, f"uid {uid} may not use this hpkv server (see HPKV_ALLOW_GROUP)"
-                        )
-                    ).encode()
-                    + b"\n"
-                )
-            sock.close()
+            self._refuse(
+                sock, -errno.EACCES, f"uid {uid} may not use this hpkv server (see HPKV_ALLOW_GROUP)"
+            )
             return
         sock.setblocking(False)
         conn = _Conn(sock, pid, uid)
         sel.register(sock, selectors.EVENT_READ, conn)
+        self._n_conns += 1
 
     def _read(self, sel, conn: _Conn) -> None:
         try:
@@ -922,6 +1042,7 @@ class Server:
         if conn.closed:
             return
         conn.closed = True
+        self._n_conns -= 1
         with contextlib.suppress(KeyError, ValueError, OSError):
             sel.unregister(conn.sock)
         if conn.hold:
@@ -960,7 +1081,7 @@ class Server:
                 "bad control call from pid %d %r: %s",
                 conn.pid,
                 line[:200],
-                exc,
+                printable(exc, MAX_LOGGED_ERROR),
             )
             return refusal(Status.BAD_REQUEST, f"bad request: {exc}")
         except Exception as exc:  # noqa: BLE001 - a bad call must not kill the control thread
@@ -983,7 +1104,7 @@ class Server:
             raise ValueError("this connection holds the server or is a client already")
         with self.lock:
             self._refuse_if_stopping()
-            conn.hold = str(msg.get("name", ""))[:MAX_NAME] or "hold"
+            conn.hold = printable(msg.get("name", ""), MAX_NAME) or "hold"
             self._holds[id(conn)] = conn
             self._catalog_dirty = True
         log.info("pid %d (%s) holds the server: no idle exit while it runs", conn.pid, conn.hold)
@@ -999,7 +1120,16 @@ class Server:
         pid = msg.get("pid", conn.pid)
         if not valid_pid(pid):
             raise ValueError(f"pid {pid!r} is not a process id (1..{PID_MAX})")
-        c = self._add_client(conn.sock, pid, str(msg.get("name", ""))[:MAX_NAME], conn.uid)
+        try:
+            c = self._add_client(conn.sock, pid, printable(msg.get("name", ""), MAX_NAME), conn.uid)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            self._errors.log(logging.ERROR, "hello-emfile", "cannot attach pid %d: %s", pid, exc)
+            raise HpkvError(
+                f"the hpkv server is out of file descriptors ({exc.strerror}); try again later",
+                TOO_MANY_CONNECTIONS,
+            ) from None
         conn.client = c
         return {
             "ok": True,
@@ -1026,7 +1156,7 @@ class Server:
                 os.geteuid(),
             )
             return refusal(-errno.EACCES, f"only uid {os.geteuid()}, who runs this hpkv server, may stop it")
-        log.info("shutdown requested by pid %s", msg.get("pid"))
+        log.info("shutdown requested by pid %s", printable(msg.get("pid"), 40))
         if msg.get("wait"):
             with self.lock:
                 if self.stop_outcome:  # already drained: answer now
@@ -1063,12 +1193,23 @@ class Server:
         with self.lock:
             cid = self._next_cid
             self._next_cid += 1
-        req = Ring.create(
-            self.dir, f"c{cid}.req", capacity=P.RING_CAPACITY, role="consumer", doorbell=self.doorbell
-        )
-        resp = Ring.create(self.dir, f"c{cid}.resp", capacity=P.RING_CAPACITY, role="producer")
         mbox_path = os.path.join(self.dir, f"c{cid}.mbox")
-        mbox = np.frombuffer(shm.create(mbox_path, P.MAILBOX_BYTES), dtype=np.uint8)
+        rings: list[Ring] = []
+        try:  # out of descriptors or memory, nothing half made is left behind
+            rings.append(
+                Ring.create(
+                    self.dir, f"c{cid}.req", capacity=P.RING_CAPACITY, role="consumer", doorbell=self.doorbell
+                )
+            )
+            rings.append(Ring.create(self.dir, f"c{cid}.resp", capacity=P.RING_CAPACITY, role="producer"))
+            mbox = np.frombuffer(shm.create(mbox_path, P.MAILBOX_BYTES), dtype=np.uint8)
+        except BaseException:
+            for ring in rings:
+                ring.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(mbox_path)
+            raise
+        req, resp = rings
         c = Client(cid, pid, conn, req, resp, mbox_path, mbox, name=name, uid=uid)
         if uid != os.geteuid():  # a member of HPKV_ALLOW_GROUP: it maps these files too
             for path in (req.path, resp.path, mbox_path, self.pool.path, self.doorbell.path, self.stats.path):
@@ -1135,7 +1276,7 @@ class Server:
         shard = _int_arg(msg, "shard_bytes", 1, self.pool.size)
         block_tokens = _int_arg(msg, "block_tokens", 0, 1 << 31, default=0)
         rank = _int_arg(msg, "rank", 0, world - 1, default=None)
-        name = str(msg.get("name") or fp[:12])[:MAX_NAME]
+        name = printable(msg.get("name") or fp[:12], MAX_NAME)
         ns = self.namespaces_by_fp.get(fp)
         if ns is None:
             ns_id = self._free_ns_id()
@@ -1210,7 +1351,7 @@ class Server:
         else:
             layout = validate_device(msg, ns.slot_bytes, allowed_uids={os.geteuid(), c.uid})
         n_workers = self.cfg["HPKV_NUM_TRANSFER_WORKERS"]
-        device = str(msg.get("device", "cpu"))[:MAX_NAME]
+        device = printable(msg.get("device", "cpu"), MAX_NAME)
         numa = msg.get("numa_node")
         numa = numa if isinstance(numa, int) and not isinstance(numa, bool) and -1 <= numa < 4096 else None
         if MAX_WORKERS - len(self.workers) < n_workers:
@@ -1313,47 +1454,72 @@ class Server:
                 self._publish_catalog()
 
     def _publish_catalog(self) -> None:
+        """Write the catalog `hpkv status` and hpkv-top read. Its lists of clients and holds are
+        capped (the rest counted in ``*_omitted``) and halved until it fits the segment: a
+        catalog that does not fit must never fail the hello or `stats` call that wrote it."""
         self._catalog_dirty = False
-        self.stats.write_catalog(
-            {
-                "server": {
-                    "pool_dir": self.dir,
-                    "pool_file": self.pool.path,
-                    "storage": self.cfg.storage_path,
-                    "auto": self.auto,
-                    "pool_locked": self.pool.locked,
-                },
-                "namespaces": [
-                    {
-                        "id": ns.ns_id,
-                        "name": ns.name,
-                        "fingerprint": ns.fingerprint,
-                        "world_size": ns.world_size,
-                        "shard_bytes": ns.shard_bytes,
-                        "block_tokens": ns.block_tokens,
-                    }
-                    for ns in self.namespaces_by_fp.values()
-                ],
-                "workers": [w.describe() for w in self.workers],
-                "clients": [
-                    {
-                        "id": c.cid,
-                        "pid": c.pid,
-                        "name": c.name,
-                        "namespaces": sorted(c.namespaces),
-                        "ranks": sorted(c.ranks),
-                    }
-                    for c in self.clients.values()
-                ],
-                "holds": [{"pid": h.pid, "name": h.hold} for h in self._holds.values()],
-                "rings": [
-                    {"name": r.name, "capacity": r.capacity}
-                    for c in self.clients.values()
-                    for r in (c.req, c.resp)
-                ],
-                "storage": self.storage.describe() if self.storage is not None else {"path": None},
-            }
-        )
+        catalog = self._catalog()
+        full = {key: catalog[key] for key in ("clients", "holds", "rings")}
+        limit = MAX_CATALOG_ENTRIES
+        while True:
+            for key, items in full.items():
+                catalog[key] = items[: 2 * limit if key == "rings" else limit]
+                catalog[f"{key}_omitted"] = len(items) - len(catalog[key])
+            try:
+                self.stats.write_catalog(catalog)
+                return
+            except ValueError as exc:  # too large
+                if limit == 0:
+                    self._errors.log(logging.ERROR, "catalog", "stats catalog not updated: %s", exc)
+                    return
+                limit //= 2
+                self._errors.log(
+                    logging.WARNING,
+                    "catalog-full",
+                    "stats catalog too large (%s): lists cut to %d",
+                    exc,
+                    limit,
+                )
+
+    def _catalog(self) -> dict[str, Any]:
+        return {
+            "server": {
+                "pool_dir": self.dir,
+                "pool_file": self.pool.path,
+                "storage": self.cfg.storage_path,
+                "auto": self.auto,
+                "pool_locked": self.pool.locked,
+            },
+            "namespaces": [
+                {
+                    "id": ns.ns_id,
+                    "name": ns.name,
+                    "fingerprint": ns.fingerprint,
+                    "world_size": ns.world_size,
+                    "shard_bytes": ns.shard_bytes,
+                    "block_tokens": ns.block_tokens,
+                }
+                for ns in self.namespaces_by_fp.values()
+            ],
+            "workers": [w.describe() for w in self.workers],
+            "clients": [
+                {
+                    "id": c.cid,
+                    "pid": c.pid,
+                    "name": c.name,
+                    "namespaces": sorted(c.namespaces),
+                    "ranks": sorted(c.ranks),
+                }
+                for c in self.clients.values()
+            ],
+            "holds": [{"pid": h.pid, "name": h.hold} for h in self._holds.values()],
+            "rings": [
+                {"name": r.name, "capacity": r.capacity}
+                for c in self.clients.values()
+                for r in (c.req, c.resp)
+            ],
+            "storage": self.storage.describe() if self.storage is not None else {"path": None},
+        }
 
 
 class ReadyPipe:
@@ -1390,7 +1556,7 @@ def serve(
 ) -> int:
     """``hpkv serve``: run the server in the foreground until told to stop."""
     ready = ready or ReadyPipe(None)
-    setup_logging(cfg.pool_dir, log_level or cfg["HPKV_LOG_LEVEL"])
+    setup_logging(cfg.pool_dir, log_level or cfg["HPKV_LOG_LEVEL"], max_bytes=cfg["HPKV_LOG_MAX_BYTES"])
     server = Server(cfg, auto=auto)
     try:
         server.start()

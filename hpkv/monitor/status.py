@@ -55,9 +55,13 @@ def format_status(s: dict) -> str:
     lines += ["", "CLIENT  PID      NAME"]
     for c in s["clients"]:
         lines.append(f"{c['id']:6}  {c['pid']:7}  {c['name']}")
+    if s.get("clients_omitted"):
+        lines.append(f"        ... and {s['clients_omitted']} more")
     if s.get("holds"):
         lines += ["", "HELD BY (engine processes that started the server early: no idle exit while they run)"]
         lines += [f"        {h['pid']:7}  {h['name']}" for h in s["holds"]]
+        if s.get("holds_omitted"):
+            lines.append(f"        ... and {s['holds_omitted']} more")
     return "\n".join(lines)
 
 

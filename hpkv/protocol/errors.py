@@ -101,7 +101,12 @@ class ServerFault(HpkvError):
     default_status = Status.INTERNAL
 
 
+# A control connection refused because the server has as many as it keeps (or no
+# descriptor left): the client recomputes, as when no server answers.
+TOO_MANY_CONNECTIONS = -errno.EUSERS
+
 _EXCEPTIONS: dict[int, type[HpkvError]] = {
+    TOO_MANY_CONNECTIONS: HpkvUnavailable,
     Status.NO_NAMESPACE: NamespaceNotAttached,
     Status.TOO_MANY_KEYS: CallTooLarge,
     Status.NOT_OWNER: NotOwner,

@@ -232,6 +232,9 @@ class StatsSegment:
             "clients": cat.get("clients", []),
             "holds": cat.get("holds", []),
             "rings": cat.get("rings", []),
+            # Beyond the server's cap, clients and holds are counted, not listed.
+            "clients_omitted": int(cat.get("clients_omitted", 0)),
+            "holds_omitted": int(cat.get("holds_omitted", 0)),
             "storage": _storage_snapshot(g, cat.get("storage") or {}),
         }
         for ns in cat.get("namespaces", []):
