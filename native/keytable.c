@@ -10,10 +10,17 @@ typedef struct {
     uint64_t lo, hi; /* the key; keys are already uniform hashes (blake2b) */
 } key128;
 
+/* What a lookup needs of a full slot besides the key, in one 2-byte load: the value
+ * (the tier) and the namespace that owns the key. */
+typedef struct {
+    uint8_t value;
+    uint8_t ns;
+} meta;
+
 struct hpkv_keytable {
     key128 *keys;
     uint8_t *state;
-    uint8_t *value;
+    meta *value;
     uint64_t cap; /* power of two */
     uint64_t live;
     uint64_t tombs;
@@ -37,7 +44,7 @@ static int alloc_arrays(hpkv_keytable *t, uint64_t cap)
 {
     t->keys = malloc(cap * sizeof(key128));
     t->state = calloc(cap, 1);
-    t->value = malloc(cap);
+    t->value = malloc(cap * sizeof(meta));
     if (!t->keys || !t->state || !t->value) {
         free(t->keys);
         free(t->state);
@@ -119,7 +126,7 @@ static int grow(hpkv_keytable *t)
     return 0;
 }
 
-int hpkv_keytable_set(hpkv_keytable *t, const uint8_t *key, uint8_t value)
+int hpkv_keytable_set(hpkv_keytable *t, const uint8_t *key, uint8_t ns, uint8_t value)
 {
     if ((t->live + t->tombs + 1) * 10 > t->cap * 7 && grow(t) != 0)
         return -1;
@@ -133,15 +140,20 @@ int hpkv_keytable_set(hpkv_keytable *t, const uint8_t *key, uint8_t value)
         t->state[i] = FULL;
         t->live++;
     }
-    t->value[i] = value;
+    t->value[i].value = value;
+    t->value[i].ns = ns;
     return 0;
 }
 
-uint8_t hpkv_keytable_get(const hpkv_keytable *t, const uint8_t *key)
+uint8_t hpkv_keytable_get(const hpkv_keytable *t, const uint8_t *key, uint8_t *ns)
 {
     int found;
     uint64_t i = find(t, load_key(key), &found);
-    return found ? t->value[i] : 0;
+    if (!found)
+        return 0;
+    if (ns)
+        *ns = t->value[i].ns;
+    return t->value[i].value;
 }
 
 int hpkv_keytable_remove(hpkv_keytable *t, const uint8_t *key)
@@ -161,14 +173,15 @@ uint64_t hpkv_keytable_len(const hpkv_keytable *t)
     return t->live;
 }
 
-uint64_t hpkv_keytable_prefix(const hpkv_keytable *t, const uint8_t *keys, uint64_t n, uint8_t *out)
+uint64_t hpkv_keytable_prefix(const hpkv_keytable *t, uint8_t ns, const uint8_t *keys, uint64_t n,
+                              uint8_t *out)
 {
     for (uint64_t j = 0; j < n; j++) {
         int found;
         uint64_t i = find(t, load_key(keys + 16 * j), &found);
-        if (!found)
+        if (!found || t->value[i].ns != ns) /* another namespace's key is absent to this one */
             return j;
-        out[j] = t->value[i];
+        out[j] = t->value[i].value;
     }
     return n;
 }
