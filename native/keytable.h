@@ -20,10 +20,13 @@
 
 typedef struct hpkv_keytable hpkv_keytable;
 
+/* Namespace ids are 0..63 (hpkv/protocol/stats.py MAX_NS), values 1..3 (the tiers). */
+#define HPKV_KEYTABLE_MAX_NS 64
+
 hpkv_keytable *hpkv_keytable_new(uint64_t initial_capacity);
 void hpkv_keytable_free(hpkv_keytable *t);
-/* Insert or update the key's owner `ns` and value (1..255). Returns 0, or -1 when out of
- * memory. */
+/* Insert or update the key's owner `ns` (0..63) and value (1..3). Returns 0, -1 when out
+ * of memory, -2 for an ns or value out of range. */
 int hpkv_keytable_set(hpkv_keytable *t, const uint8_t *key, uint8_t ns, uint8_t value);
 /* The value, or 0 when absent; the owner goes to *ns unless ns is NULL. */
 uint8_t hpkv_keytable_get(const hpkv_keytable *t, const uint8_t *key, uint8_t *ns);

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -62,3 +63,16 @@ def test_a_key_is_present_only_to_the_namespace_that_owns_it():
     assert t.owner(c) == 6 and t.owner(os.urandom(16)) is None
     t.set(a, 6, 2)  # its owner changes only when the index says so
     assert t.lookup(6, [a, c]) == (2, [2, 1]) and t.lookup(5, [a]) == (0, [])
+
+
+def test_namespace_ids_and_values_outside_the_packed_byte_are_refused():
+    from hpkv.common.native import lib
+    from hpkv.protocol.stats import MAX_NS
+
+    t, k = KeyTable(16), os.urandom(16)
+    for ns, v in ((MAX_NS, 1), (-1, 1), (0, 4), (0, 0)):
+        with pytest.raises(ValueError):
+            t.set(k, ns, v)
+    assert lib.hpkv_keytable_set(t._t, k, MAX_NS, 1) == -2, "the C table packs ns ids below MAX_NS"
+    assert lib.hpkv_keytable_set(t._t, k, MAX_NS - 1, 3) == 0 and t.get(k) == 3 and t.owner(k) == MAX_NS - 1
+    assert len(t) == 1

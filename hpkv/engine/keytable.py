@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hpkv.common.native import ffi, lib
+from hpkv.protocol.stats import MAX_NS
 
 
 class KeyTable:
@@ -28,10 +29,12 @@ class KeyTable:
         self._ns_out = ffi.new("uint8_t *")
 
     def set(self, key: bytes, ns: int, value: int) -> None:
-        """Insert or update ``key``, owned by namespace ``ns`` (0..255), with ``value`` (1..255)."""
-        if len(key) != 16 or not 1 <= value <= 255 or not 0 <= ns <= 255:
+        """Insert or update ``key``, owned by namespace ``ns`` (0..MAX_NS-1), with ``value`` (1..3:
+        a :class:`~hpkv.protocol.wire.Tier`; both share one byte a key in the table)."""
+        if len(key) != 16 or not 1 <= value <= 3 or not 0 <= ns < MAX_NS:
             raise ValueError(
-                f"key must be 16 bytes, ns 0..255 and value 1..255, got {len(key)} bytes, ns {ns}, value {value}"
+                f"key must be 16 bytes, ns 0..{MAX_NS - 1} and value 1..3, "
+                f"got {len(key)} bytes, ns {ns}, value {value}"
             )
         if self._set(self._t, key, ns, value) != 0:
             raise MemoryError("cannot grow the key table")
