@@ -72,33 +72,38 @@ def assert_clean(srv: ServerProcess) -> None:
     assert_serves_correctly(srv)
 
 
-def test_a_key_reused_in_a_smaller_namespace_never_gets_a_slot_of_the_stored_block(tmp_path):
-    """The 924ae3a sequence: a STORED block re-reserved under a namespace with smaller slots got
-    those slots; committed, the honest engine then loaded its neighbours' bytes, and freeing it
-    broke the allocator."""
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_key_reused_in_a_smaller_namespace_never_gets_a_slot_of_the_stored_block(tmp_path, world):
+    """The 924ae3a sequence: a STORED block re-reserved under a namespace with smaller slots (and,
+    for world 2, fewer ranks) got those slots; committed, the honest engine then loaded its
+    neighbours' bytes, and freeing it broke the allocator."""
     env = private_env(pool_size="16m", storage=str(tmp_path / "st"))
     with ServerProcess(env) as srv, client_of(srv) as honest, client_of(srv) as reuser:
         pool = Pool(honest.pool_path)
         try:
-            big = honest.attach_namespace(FP_BIG, 1, BIG)
+            big = honest.attach_namespace(FP_BIG, world, BIG)
             keys = block_keys(FP_BIG, [b"h%d" % i for i in range(8)])
-            slots = honest.reserve(big.ns_id, keys)[:, 0]
+            slots = honest.reserve(big.ns_id, keys)
             assert (slots >= 0).all()
-            want = [payload(b"honest", i, BIG)[:BIG] for i in range(len(keys))]
-            for off, data in zip(slots, want, strict=True):
-                pool.write(int(off), data)
-            assert honest.commit(big.ns_id, keys) == len(keys)
-            wait_for(lambda: honest.stats()["storage"]["spills"] >= len(keys), what="spills")
+            want = {
+                (i, r): payload(b"honest%d" % r, i, BIG)[:BIG] for i in range(len(keys)) for r in range(world)
+            }
+            for (i, r), data in want.items():
+                pool.write(int(slots[i, r]), data)
+            for r in range(world):
+                honest.commit(big.ns_id, keys, rank=r)
+            wait_for(lambda: honest.stats()["storage"]["spills"] >= len(keys) * world, what="spills")
             assert honest.clear(big.ns_id) == len(keys)  # now STORED: files only
 
             small = reuser.attach_namespace(FP_SMALL, 1, SMALL)
-            reuser.attach_namespace(FP_BIG, 1, BIG)
+            reuser.attach_namespace(FP_BIG, world, BIG)
             assert reuser.lookup(small.ns_id, keys) == (0, []), "another namespace's blocks are no hits"
             got = reuser.reserve(small.ns_id, keys)[:, 0]  # checked below, after the harm it did
             # what its worker would have written into them, and the commit under the big namespace
             for off in got[got >= 0]:
                 pool.write(int(off), payload(b"reuser", 0, SMALL)[:SMALL])
-            reuser.commit(big.ns_id, keys)
+            for r in range(world):
+                reuser.commit(big.ns_id, keys, rank=r)
             # more small blocks around, so an overrun would read someone else's bytes
             filler = block_keys(FP_SMALL, [b"f%d" % i for i in range(64)])
             for off in reuser.reserve(small.ns_id, filler)[:, 0]:
@@ -106,12 +111,19 @@ def test_a_key_reused_in_a_smaller_namespace_never_gets_a_slot_of_the_stored_blo
                     pool.write(int(off), b"\xee" * SMALL)
             reuser.commit(small.ns_id, filler)
 
-            rows = honest.promote(big.ns_id, keys)[:, 0]
-            wrong = [i for i, off in enumerate(rows) if off < 0 or pool.read(int(off), BIG) != want[i]]
-            assert not wrong, f"blocks {wrong} not loaded with the honest engine's bytes (offsets {rows})"
+            rows = honest.promote(big.ns_id, keys)
+            wrong = [
+                (i, r)
+                for (i, r), data in want.items()
+                if rows[i, r] < 0 or pool.read(int(rows[i, r]), BIG) != data
+            ]
+            assert not wrong, (
+                f"shards {wrong} not loaded with the honest engine's bytes (offsets {rows.tolist()})"
+            )
             assert (got == -2).all(), f"small slots {got} were handed out for the big blocks"
             honest.unpin(big.ns_id, keys)
-            wait_for(lambda: honest.stats()["storage"]["spills"] >= len(keys) + len(filler), what="spills")
+            spills = (len(keys) * world) + len(filler)
+            wait_for(lambda: honest.stats()["storage"]["spills"] >= spills, what="spills")
             assert honest.clear(big.ns_id) == len(keys)  # frees the slots with the size they were made with
             assert reuser.clear(small.ns_id) == len(filler)
             honest.lookup(big.ns_id, keys[:1])  # a hot call publishes the pool's use (a clear does not)
