@@ -724,9 +724,9 @@ class Server:
         return 0, ns.world_size, 0
 
     def _hot_unpin(self, c: Client, d) -> tuple[int, int, int]:
-        idx = self.index
-        # only pins this client holds, on blocks of this namespace
-        idx.unpin(self._keys(c, d.a1), owner=c.cid, ns=idx.ns(d.a0))
+        ns = self.index.namespaces.get(d.a0)
+        if ns is not None:  # a namespace not attached holds no pins: nothing to release
+            self.index.unpin(self._keys(c, d.a1), owner=c.cid, ns=ns)  # this client's pins on ns's blocks
         return 0, 0, 0
 
     # ================================================================ deferred release
