@@ -107,11 +107,12 @@ class PoolAllocator:
         else (a double free, another size) raises before the free list is touched: a wrong
         free would hand one byte range to two blocks."""
         size = align_up(size)
-        had = self._live.get(offset)
+        had = self._live.pop(offset, None)
         if had != size:
+            if had is not None:
+                self._live[offset] = had
             what = "not allocated" if had is None else f"allocated with {had} bytes"
             raise RuntimeError(f"pool allocator: free of {size} bytes at offset {offset}, which is {what}")
-        del self._live[offset]
         self.used -= size
         i = bisect.bisect_left(self._starts, offset)
         # merge with the following range
