@@ -10,10 +10,16 @@ typedef struct {
     uint64_t lo, hi; /* the key; keys are already uniform hashes (blake2b) */
 } key128;
 
+/* What a lookup needs of a full slot besides the key, in one byte: the value (the tier)
+ * in the low bits, the namespace that owns the key above them. One byte a slot keeps the
+ * array as small as it was before namespaces were stored. */
+#define VALUE_BITS 2
+#define VALUE_MASK ((1u << VALUE_BITS) - 1)
+
 struct hpkv_keytable {
     key128 *keys;
     uint8_t *state;
-    uint8_t *value;
+    uint8_t *meta;
     uint64_t cap; /* power of two */
     uint64_t live;
     uint64_t tombs;
@@ -37,11 +43,11 @@ static int alloc_arrays(hpkv_keytable *t, uint64_t cap)
 {
     t->keys = malloc(cap * sizeof(key128));
     t->state = calloc(cap, 1);
-    t->value = malloc(cap);
-    if (!t->keys || !t->state || !t->value) {
+    t->meta = malloc(cap);
+    if (!t->keys || !t->state || !t->meta) {
         free(t->keys);
         free(t->state);
-        free(t->value);
+        free(t->meta);
         return -1;
     }
     t->cap = cap;
@@ -70,7 +76,7 @@ void hpkv_keytable_free(hpkv_keytable *t)
         return;
     free(t->keys);
     free(t->state);
-    free(t->value);
+    free(t->meta);
     free(t);
 }
 
@@ -109,18 +115,20 @@ static int grow(hpkv_keytable *t)
         int found;
         uint64_t j = find(t, old.keys[i], &found);
         t->keys[j] = old.keys[i];
-        t->value[j] = old.value[i];
+        t->meta[j] = old.meta[i];
         t->state[j] = FULL;
         t->live++;
     }
     free(old.keys);
     free(old.state);
-    free(old.value);
+    free(old.meta);
     return 0;
 }
 
-int hpkv_keytable_set(hpkv_keytable *t, const uint8_t *key, uint8_t value)
+int hpkv_keytable_set(hpkv_keytable *t, const uint8_t *key, uint8_t ns, uint8_t value)
 {
+    if (value == 0 || value > VALUE_MASK || ns > HPKV_KEYTABLE_MAX_NS - 1)
+        return -2;
     if ((t->live + t->tombs + 1) * 10 > t->cap * 7 && grow(t) != 0)
         return -1;
     key128 k = load_key(key);
@@ -133,15 +141,19 @@ int hpkv_keytable_set(hpkv_keytable *t, const uint8_t *key, uint8_t value)
         t->state[i] = FULL;
         t->live++;
     }
-    t->value[i] = value;
+    t->meta[i] = (uint8_t)(ns << VALUE_BITS | value);
     return 0;
 }
 
-uint8_t hpkv_keytable_get(const hpkv_keytable *t, const uint8_t *key)
+uint8_t hpkv_keytable_get(const hpkv_keytable *t, const uint8_t *key, uint8_t *ns)
 {
     int found;
     uint64_t i = find(t, load_key(key), &found);
-    return found ? t->value[i] : 0;
+    if (!found)
+        return 0;
+    if (ns)
+        *ns = t->meta[i] >> VALUE_BITS;
+    return t->meta[i] & VALUE_MASK;
 }
 
 int hpkv_keytable_remove(hpkv_keytable *t, const uint8_t *key)
@@ -161,14 +173,15 @@ uint64_t hpkv_keytable_len(const hpkv_keytable *t)
     return t->live;
 }
 
-uint64_t hpkv_keytable_prefix(const hpkv_keytable *t, const uint8_t *keys, uint64_t n, uint8_t *out)
+uint64_t hpkv_keytable_prefix(const hpkv_keytable *t, uint8_t ns, const uint8_t *keys, uint64_t n,
+                              uint8_t *out)
 {
     for (uint64_t j = 0; j < n; j++) {
         int found;
         uint64_t i = find(t, load_key(keys + 16 * j), &found);
-        if (!found)
+        if (!found || t->meta[i] >> VALUE_BITS != ns) /* another namespace's key is absent to it */
             return j;
-        out[j] = t->value[i];
+        out[j] = t->meta[i] & VALUE_MASK;
     }
     return n;
 }

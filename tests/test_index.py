@@ -56,18 +56,18 @@ def test_lookup_counts_leading_present_keys_only():
     keys = block_keys(FP, [b"a", b"b", b"c", b"d"])
     put(idx, keys[:2])
     put(idx, keys[3:])
-    assert idx.lookup(keys) == (2, [Tier.DRAM, Tier.DRAM])
-    assert idx.lookup(keys[2:]) == (0, [])
+    assert idx.lookup(0, keys) == (2, [Tier.DRAM, Tier.DRAM])
+    assert idx.lookup(0, keys[2:]) == (0, [])
 
 
 def test_reserved_block_is_not_a_hit_until_committed():
     idx, _ = make()
     k = [block_key(FP, b"x")]
     idx.reserve(0, k)
-    assert idx.lookup(k) == (0, [])
+    assert idx.lookup(0, k) == (0, [])
     assert idx.reserve(0, k)[0, 0] == -1, "a block being written needs no second write"
     idx.commit(0, k, 0)
-    assert idx.lookup(k) == (1, [Tier.DRAM])
+    assert idx.lookup(0, k) == (1, [Tier.DRAM])
 
 
 def test_two_rank_block_invisible_until_both_ranks_commit():
@@ -76,11 +76,11 @@ def test_two_rank_block_invisible_until_both_ranks_commit():
     slots = idx.reserve(0, k)
     assert slots.shape == (1, 2) and slots[0, 0] != slots[0, 1]
     idx.commit(0, k, rank=1)
-    assert idx.lookup(k)[0] == 0
+    assert idx.lookup(0, k)[0] == 0
     idx.commit(0, k, rank=1)  # the same rank twice does not count twice
-    assert idx.lookup(k)[0] == 0
+    assert idx.lookup(0, k)[0] == 0
     idx.commit(0, k, rank=0)
-    assert idx.lookup(k)[0] == 1
+    assert idx.lookup(0, k)[0] == 1
     assert ns.counters[NsCounter.BLOCKS_DRAM] == 1
 
 
@@ -88,11 +88,11 @@ def test_eviction_takes_least_recently_used_first():
     idx, ns = make(capacity_slots=3)
     a, b, c, d = block_keys(FP, [b"a", b"b", b"c", b"d"])
     put(idx, [a, b, c])
-    idx.pin([a])
+    idx.pin(ns, [a])
     idx.unpin([a])  # a becomes most recently used
     put(idx, [d])  # evicts b, the least recently used
-    assert idx.lookup([b])[0] == 0
-    assert [idx.lookup([k])[0] for k in (a, c, d)] == [1, 1, 1]
+    assert idx.lookup(0, [b])[0] == 0
+    assert [idx.lookup(0, [k])[0] for k in (a, c, d)] == [1, 1, 1]
     assert ns.counters[NsCounter.EVICTIONS] == 1
 
 
@@ -101,22 +101,22 @@ def test_lookup_has_no_side_effect_on_recency():
     a, b, c = block_keys(FP, [b"a", b"b", b"c"])
     put(idx, [a, b])
     for _ in range(5):
-        idx.lookup([a])
+        idx.lookup(0, [a])
     put(idx, [c])
-    assert idx.lookup([a])[0] == 0, "a lookup is not a use: a is still the oldest"
+    assert idx.lookup(0, [a])[0] == 0, "a lookup is not a use: a is still the oldest"
 
 
 def test_pinned_blocks_are_never_evicted():
     idx, ns = make(capacity_slots=2)
     a, b, c = block_keys(FP, [b"a", b"b", b"c"])
     put(idx, [a, b])
-    idx.pin([a, b])
+    idx.pin(ns, [a, b])
     assert idx.reserve(0, [c])[0, 0] == -2, "pool full of pinned blocks: reserve fails, nothing evicted"
     assert ns.counters[NsCounter.RESERVE_FAILED] == 1
-    assert idx.lookup([a, b])[0] == 2
+    assert idx.lookup(0, [a, b])[0] == 2
     idx.unpin([b])
     assert idx.reserve(0, [c])[0, 0] >= 0
-    assert idx.lookup([a])[0] == 1 and idx.lookup([b])[0] == 0
+    assert idx.lookup(0, [a])[0] == 1 and idx.lookup(0, [b])[0] == 0
 
 
 def test_unspilled_block_is_not_dropped_when_storage_is_on():
@@ -126,7 +126,7 @@ def test_unspilled_block_is_not_dropped_when_storage_is_on():
     assert idx.reserve(0, [b])[0, 0] == -2
     idx.mark_stored(a)
     assert idx.reserve(0, [b])[0, 0] >= 0
-    assert idx.lookup([a]) == (1, [Tier.STORAGE]), "evicted from DRAM, still on storage"
+    assert idx.lookup(0, [a]) == (1, [Tier.STORAGE]), "evicted from DRAM, still on storage"
     assert idx.blocks[a].state == State.STORED
 
 
@@ -146,9 +146,9 @@ def test_two_namespaces_share_one_pool():
     spans = sorted([(o, SLOT) for o in s[:, 0]] + [(o, 2 * SLOT) for o in b[:, 0]])
     assert all(x[0] + x[1] <= y[0] for x, y in zip(spans, spans[1:], strict=False))
     assert idx.alloc.used == 6 * SLOT
-    assert idx.lookup(ks)[0] == 2 and idx.lookup(kb)[0] == 2
+    assert idx.lookup(0, ks)[0] == 2 and idx.lookup(1, kb)[0] == 2
     idx.clear_namespace(0)
-    assert idx.lookup(ks)[0] == 0 and idx.lookup(kb)[0] == 2
+    assert idx.lookup(0, ks)[0] == 0 and idx.lookup(1, kb)[0] == 2
 
 
 def test_abort_frees_reservations_of_a_dead_owner():
@@ -166,3 +166,56 @@ def test_block_key_depends_on_namespace_and_hash(h):
     assert block_key(FP, h) == block_key(FP, h)
     assert block_key(FP, h) != block_key(other, h)
     assert len(block_key(FP, h)) == 16
+
+
+def two_namespaces(capacity_slots: int = 8, storage: bool = False) -> tuple[Index, Namespace, Namespace]:
+    """A namespace of SLOT-byte shards and one of SLOT/4, which reuses the first one's keys."""
+    idx = Index(capacity_slots * SLOT, storage_enabled=storage)
+    big = Namespace(0, "big", FP, 1, SLOT)
+    small = Namespace(1, "small", namespace_fingerprint({"m": "small"}), 1, SLOT // 4)
+    idx.add_namespace(big)
+    idx.add_namespace(small)
+    return idx, big, small
+
+
+def test_a_key_belongs_to_the_namespace_that_made_it():
+    idx, big, small = two_namespaces()
+    ready, live = block_keys(FP, [b"ready", b"live"])
+    put(idx, [ready])
+    idx.reserve(0, [live], owner=1)
+    assert idx.lookup(1, [ready]) == (0, []), "another namespace's block is no hit"
+    assert (idx.reserve(1, [ready, live], owner=2) == -2).all() and idx.conflicts == 2
+    assert idx.commit(1, [live], 0) == [] and idx.retire([live], small) == []
+    assert idx.pin(small, [ready], owner=2) == [None] and idx.blocks[ready].pins == 0
+    idx.pin(big, [ready], owner=2)
+    assert idx.unpin([ready], owner=2, ns=small) == 0 and idx.blocks[ready].pins == 1
+    assert idx.unpin([ready], owner=2, ns=big) == 1
+    assert idx.add_stored(small, ready) is None and not idx.blocks[ready].on_storage
+    assert idx.clear_namespace(1) == 0 and idx.lookup(0, [ready])[0] == 1
+    assert [b.ns for b in idx.commit(0, [live], 0)] == [big]
+    assert idx.alloc.used == 2 * SLOT and small.counters[NsCounter.RESERVE_FAILED] == 0
+
+
+def test_a_stored_block_is_never_given_slots_of_another_namespace():
+    idx, big, small = two_namespaces(storage=True)
+    (k,) = block_keys(FP, [b"k"])
+    idx.add_stored(big, k)
+    assert idx.lookup(1, [k]) == (0, []) and idx.lookup(0, [k]) == (1, [Tier.STORAGE])
+    assert idx.reserve(1, [k])[0, 0] == -2
+    assert idx.blocks[k].state == State.STORED and idx.blocks[k].slots is None
+    assert idx.reserve(0, [k])[0, 0] >= 0 and idx.commit(0, [k], 0)[0].ns is big
+    idx.forget_storage(k)
+    assert idx.clear_namespace(0) == 1 and idx.alloc.used == 0 and not idx.blocks
+    assert idx.reserve(1, [k])[0, 0] >= 0, "gone from its namespace: the key may be made again"
+
+
+def test_the_allocator_refuses_a_free_of_another_size_or_twice():
+    a = PoolAllocator(1 << 20)
+    off = a.alloc(16384)
+    assert off is not None
+    with pytest.raises(RuntimeError, match="allocated with 16384 bytes"):
+        a.free(off, 4096)
+    a.free(off, 16384)
+    with pytest.raises(RuntimeError, match="not allocated"):
+        a.free(off, 16384)
+    assert a.used == 0 and a.alloc(1 << 20) == 0, "the refused frees changed nothing"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +23,7 @@ def test_matches_a_dict(seq):
     for op, i, v in seq:
         k = KEYS[i]
         if op == "set":
-            t[k] = v
+            t.set(k, 3, v)
             ref[k] = v
         elif op == "pop":
             assert t.pop(k) == ref.pop(k, None)
@@ -30,21 +31,48 @@ def test_matches_a_dict(seq):
             assert t.get(k) == ref.get(k)
         assert len(t) == len(ref)
     present = [k for k in KEYS if k in ref]
-    assert t.lookup(present) == (len(present), [ref[k] for k in present])
+    assert t.lookup(3, present) == (len(present), [ref[k] for k in present])
 
 
 def test_prefix_stops_at_the_first_missing_key_and_survives_growth():
     t = KeyTable(16)
     keys = [os.urandom(16) for _ in range(50_000)]
     for i, k in enumerate(keys):
-        t[k] = 1 + i % 2
+        t.set(k, 0, 1 + i % 2)
     for k in keys[::2]:
         t.pop(k)
     for k in keys[::4]:
-        t[k] = 2  # tombstones reused
+        t.set(k, 0, 2)  # tombstones reused
     probe = keys[:8]
-    n, tiers = t.lookup(probe)
+    n, tiers = t.lookup(0, probe)
     assert n == 2 and tiers == [2, 2]  # keys[0] set again, keys[1] kept, keys[2] removed
     buf, out = b"".join(keys[4:12:4] + keys[2:3]), bytearray(3)
-    assert t.prefix(buf, 3, out) == 2 and list(out[:2]) == [2, 2]
+    assert t.prefix(0, buf, 3, out) == 2 and list(out[:2]) == [2, 2]
     assert len(t) == 25_000 + 12_500
+
+
+def test_a_key_is_present_only_to_the_namespace_that_owns_it():
+    t = KeyTable(16)
+    a, b, c = (os.urandom(16) for _ in range(3))
+    t.set(a, 5, 1)
+    t.set(b, 5, 2)
+    t.set(c, 6, 1)
+    assert t.lookup(5, [a, b, c]) == (2, [1, 2]), "c is namespace 6's: the prefix ends there"
+    assert t.lookup(6, [a]) == (0, []) and t.lookup(6, [c]) == (1, [1])
+    assert t.get(a, ns=6) is None and t.get(a, ns=5) == 1 and t.get(a) == 1
+    assert t.owner(c) == 6 and t.owner(os.urandom(16)) is None
+    t.set(a, 6, 2)  # its owner changes only when the index says so
+    assert t.lookup(6, [a, c]) == (2, [2, 1]) and t.lookup(5, [a]) == (0, [])
+
+
+def test_namespace_ids_and_values_outside_the_packed_byte_are_refused():
+    from hpkv.common.native import lib
+    from hpkv.protocol.stats import MAX_NS
+
+    t, k = KeyTable(16), os.urandom(16)
+    for ns, v in ((MAX_NS, 1), (-1, 1), (0, 4), (0, 0)):
+        with pytest.raises(ValueError):
+            t.set(k, ns, v)
+    assert lib.hpkv_keytable_set(t._t, k, MAX_NS, 1) == -2, "the C table packs ns ids below MAX_NS"
+    assert lib.hpkv_keytable_set(t._t, k, MAX_NS - 1, 3) == 0 and t.get(k) == 3 and t.owner(k) == MAX_NS - 1
+    assert len(t) == 1

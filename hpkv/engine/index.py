@@ -7,6 +7,14 @@ derived from the namespace fingerprint and the engine's chained block hash
 *shard* per rank; each shard has its own pool slot, and the block becomes visible
 to lookups only when every rank has committed its shard.
 
+Identity. A block is (namespace, key), and a key belongs to the namespace that
+first made it (reserved it, or found its files): until that block is gone, every
+call made under another namespace treats the key as absent (lookup and pin miss,
+reserve answers -2 and counts a conflict, commit/abort/unpin ignore it). Honest
+clients never meet this (a key hashes the namespace fingerprint); a client that
+reuses keys across namespaces can then never put a block into a slot of another
+namespace's size, nor see, pin, commit or free another namespace's block.
+
 States::
 
     reserve ──▶ RESERVED ──(all ranks commit)──▶ READY ──(evict, on storage)──▶ STORED
@@ -63,6 +71,7 @@ class PoolAllocator:
         self.capacity = capacity
         self._starts: list[int] = [0] if capacity else []  # sorted free-range starts
         self._sizes: dict[int, int] = {0: capacity} if capacity else {}
+        self._live: dict[int, int] = {}  # start -> size of every range handed out
         self.used = 0
         self.high_water = 0  # end of the highest range ever handed out
 
@@ -89,11 +98,21 @@ class PoolAllocator:
                 self._sizes[start] = begin - start
             self.used += size
             self.high_water = max(self.high_water, begin + size)
+            self._live[begin] = size
             return begin
         return None
 
     def free(self, offset: int, size: int) -> None:
+        """Return a range :meth:`alloc` handed out, with the size it was asked for. Anything
+        else (a double free, another size) raises before the free list is touched: a wrong
+        free would hand one byte range to two blocks."""
         size = align_up(size)
+        had = self._live.pop(offset, None)
+        if had != size:
+            if had is not None:
+                self._live[offset] = had
+            what = "not allocated" if had is None else f"allocated with {had} bytes"
+            raise RuntimeError(f"pool allocator: free of {size} bytes at offset {offset}, which is {what}")
         self.used -= size
         i = bisect.bisect_left(self._starts, offset)
         # merge with the following range
@@ -186,10 +205,11 @@ class Index:
     ):
         self.alloc = PoolAllocator(pool_capacity)
         self.storage_enabled = storage_enabled
-        self.blocks: dict[bytes, Block] = {}
-        # key -> Tier of every block a lookup can hit (READY: DRAM, STORED: storage).
+        self.blocks: dict[bytes, Block] = {}  # key -> block; the key belongs to block.ns
+        # key -> (ns id, Tier) of every block a lookup can hit (READY: DRAM, STORED: storage).
         # Kept beside ``blocks`` in a native table, so a lookup runs in C.
         self.present = KeyTable()
+        self.conflicts = 0  # reserves of a key that belongs to another namespace (refused)
         self.namespaces: dict[int, Namespace] = {}
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # evictable READY blocks, LRU first
         self._on_evict = on_evict
@@ -207,6 +227,11 @@ class Index:
             return self.namespaces[ns_id]
         except KeyError:
             raise NamespaceNotAttached(f"namespace id {ns_id} is not attached") from None
+
+    def _mine(self, ns: Namespace, k: bytes) -> Block | None:
+        """The block of ``k`` if it belongs to ``ns`` (another namespace's key is absent)."""
+        b = self.blocks.get(k)
+        return b if b is not None and b.ns is ns else None
 
     # ------------------------------------------------------------ evictability
     def _is_evictable(self, b: Block) -> bool:
@@ -237,7 +262,7 @@ class Index:
         """The block's pool copy is gone: it lives on as STORED, or not at all."""
         if b.on_storage:
             b.state = State.STORED
-            self.present[b.key] = Tier.STORAGE
+            self.present.set(b.key, b.ns.ns_id, Tier.STORAGE)
         else:
             del self.blocks[b.key]
             self.present.pop(b.key, None)
@@ -266,13 +291,13 @@ class Index:
                 return None
 
     # ------------------------------------------------------------ protocol operations
-    def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[int]]:
-        """How many leading keys are present, and the tier of each of those.
+    def lookup(self, ns_id: int, keys: Sequence[bytes]) -> tuple[int, list[int]]:
+        """How many leading keys are present in namespace ``ns_id``, and the tier of each.
 
         No side effects (the engine may ask again and again): recency is updated
         when a hit is pinned for loading.
         """
-        return self.present.lookup(keys)
+        return self.present.lookup(ns_id, keys)
 
     def count_lookup(self, ns: Namespace, n_keys: int, tiers: list[int]) -> None:
         c = ns.counters
@@ -288,13 +313,18 @@ class Index:
 
         Returns int64 ``[len(keys), world_size]``: pool offsets, or -1 for a key
         that needs no write (already present or being written) and -2 where the
-        pool is full of blocks that cannot be evicted (the caller skips saving it).
+        pool is full of blocks that cannot be evicted, or where the key belongs to
+        another namespace (counted in :attr:`conflicts`): the caller skips saving it.
         """
         ns = self.ns(ns_id)
         out = np.full((len(keys), ns.world_size), -1, np.int64)
         size = ns.slot_bytes
         for i, k in enumerate(keys):
             b = self.blocks.get(k)
+            if b is not None and b.ns is not ns:
+                out[i] = -2  # never a slot of this size for another namespace's block
+                self.conflicts += 1
+                continue
             if b is not None and b.state != State.STORED:
                 continue
             slots: list[int] = []
@@ -321,14 +351,14 @@ class Index:
             out[i] = slots
         return out
 
-    def check_owner(self, keys: Iterable[bytes], client: int, writer: bool) -> None:
-        """Raise :class:`NotOwner` if any of these live reservations belongs to another client
-        and ``client`` is not a declared writer of the namespace (a rank's worker)."""
+    def check_owner(self, ns: Namespace, keys: Iterable[bytes], client: int, writer: bool) -> None:
+        """Raise :class:`NotOwner` if any of these live reservations of ``ns`` belongs to another
+        client and ``client`` is not a declared writer of the namespace (a rank's worker)."""
         if writer:
             return
         for k in keys:
             b = self.reserved.get(k)
-            if b is not None and not b.retired and b.owner != client:
+            if b is not None and b.ns is ns and not b.retired and b.owner != client:
                 raise NotOwner(f"key {k.hex()} is reserved by client {b.owner}, not {client}")
 
     def commit(self, ns_id: int, keys: Iterable[bytes], rank: int) -> list[Block]:
@@ -348,7 +378,7 @@ class Index:
                 b.state = State.READY
                 b.owner = 0
                 del self.reserved[k]
-                self.present[k] = Tier.DRAM
+                self.present.set(k, ns.ns_id, Tier.DRAM)
                 c = ns.counters
                 c[NsCounter.BLOCKS_RESERVED] -= 1
                 c[NsCounter.BLOCKS_DRAM] += 1
@@ -358,14 +388,15 @@ class Index:
                 ready.append(b)
         return ready
 
-    def retire(self, keys: Iterable[bytes]) -> list[Block]:
+    def retire(self, keys: Iterable[bytes], ns: Namespace | None = None) -> list[Block]:
         """Release reservations that will never be committed (failed copy, owner gone, lease
         over): they become invisible to commits but keep their slots until :meth:`free_retired`,
-        which the server calls once no copy into them can still be running."""
+        which the server calls once no copy into them can still be running. With ``ns`` (a
+        client's abort), only that namespace's reservations."""
         out = []
         for k in keys:
             b = self.reserved.get(k)
-            if b is None or b.retired:
+            if b is None or b.retired or (ns is not None and b.ns is not ns):
                 continue
             b.retired = True
             out.append(b)
@@ -386,9 +417,9 @@ class Index:
             n += 1
         return n
 
-    def abort(self, keys: Iterable[bytes]) -> None:
+    def abort(self, keys: Iterable[bytes], ns: Namespace | None = None) -> None:
         """Retire and free at once: only when no copy into these reservations can be running."""
-        self.free_retired(self.retire(list(keys)))
+        self.free_retired(self.retire(list(keys), ns))
 
     def abort_owner(self, owner: int) -> int:
         """Retire and free every live reservation of ``owner`` (no copy may be running)."""
@@ -403,15 +434,16 @@ class Index:
         now = time.monotonic() if now is None else now
         return [k for k, b in self.reserved.items() if not b.retired and now - b.since > lease]
 
-    def pin(self, keys: Iterable[bytes], owner: int = 0) -> list[list[int] | None]:
-        """Pin present blocks against eviction for ``owner``; returns each block's slots (None
-        if not in DRAM: then nothing is pinned, and nothing is recorded for the owner)."""
+    def pin(self, ns: Namespace, keys: Iterable[bytes], owner: int = 0) -> list[list[int] | None]:
+        """Pin present blocks of ``ns`` against eviction for ``owner``; returns each block's slots
+        (None if not in DRAM or another namespace's: then nothing is pinned, and nothing is
+        recorded for the owner)."""
         out: list[list[int] | None] = []
         held = self.pins_by_owner.setdefault(owner, {})
         now = time.monotonic()
         for k in keys:
             b = self.blocks.get(k)
-            if b is None or b.state != State.READY or b.slots is None:
+            if b is None or b.ns is not ns or b.state != State.READY or b.slots is None:
                 out.append(None)
                 continue
             if b.pins == 0:
@@ -430,16 +462,17 @@ class Index:
             del self.pins_by_owner[owner]
         return out
 
-    def unpin(self, keys: Iterable[bytes], owner: int = 0) -> int:
-        """Release pins ``owner`` holds (one per occurrence of a key); a key the owner did not
-        pin is ignored, so no client can release another's pin. Returns pins released."""
+    def unpin(self, keys: Iterable[bytes], owner: int = 0, ns: Namespace | None = None) -> int:
+        """Release pins ``owner`` holds (one per occurrence of a key; with ``ns``, of that
+        namespace's blocks only); a key the owner did not pin is ignored, so no client can
+        release another's pin. Returns pins released."""
         held = self.pins_by_owner.get(owner)
         if not held:
             return 0
         n = 0
         for k in keys:
             rec = held.get(k)
-            if rec is None:
+            if rec is None or (ns is not None and self._mine(ns, k) is None):
                 continue
             rec[0] -= 1
             if rec[0] <= 0:
@@ -514,15 +547,18 @@ class Index:
         b.no_spill = True
         self._refresh(b)
 
-    def add_stored(self, ns: Namespace, key: bytes) -> Block:
-        """A block whose files exist on storage (found by a scan or a stat); no pool slots."""
+    def add_stored(self, ns: Namespace, key: bytes) -> Block | None:
+        """A block whose files exist on storage (found by a scan or a stat); no pool slots.
+        None, and nothing changed, when the key belongs to another namespace."""
         b = self.blocks.get(key)
         if b is None:
             b = Block(key, ns, [], owner=0)
             b.slots = None
             b.state = State.STORED
             self.blocks[key] = b
-            self.present[key] = Tier.STORAGE
+            self.present.set(key, ns.ns_id, Tier.STORAGE)
+        elif b.ns is not ns:
+            return None
         self.mark_stored(key)
         return b
 
@@ -552,7 +588,7 @@ class Index:
         assert b.state == State.PROMOTING, b.state
         if ok:
             b.state = State.READY
-            self.present[key] = Tier.DRAM
+            self.present.set(key, b.ns.ns_id, Tier.DRAM)
             c = b.ns.counters
             c[NsCounter.BLOCKS_DRAM] += 1
             c[NsCounter.BYTES_DRAM] += b.ns.slot_bytes * b.ns.world_size

@@ -664,7 +664,7 @@ class Server:
             raise CallTooLarge("too many keys in one call")
         out = c.mbox[P.MAILBOX_HALF :]
         # The hot path: keys read and tiers written in place, in C.
-        hit = idx.present.prefix(c.mbox[: n * KEY_BYTES], n, out[:n])
+        hit = idx.present.prefix(ns.ns_id, c.mbox[: n * KEY_BYTES], n, out[:n])
         tiers = out[:hit].tolist()
         if self.storage is not None and (hit < n or Tier.STORAGE in tiers):
             keys = self._keys(c, n)
@@ -677,14 +677,28 @@ class Server:
         return 0, hit, 0
 
     def _hot_reserve(self, c: Client, d) -> tuple[int, int, int]:
-        ns = self.index.ns(d.a0)
+        idx = self.index
+        ns = idx.ns(d.a0)
         keys = self._keys(c, d.a1, 8 * ns.world_size)
         if self.stop_event.is_set():
             # Stopping: new blocks would only lengthen the spill drain (and be dropped at its
             # timeout). The engine skips saving them, as when the pool is full.
             slots = np.full((len(keys), ns.world_size), ROW_POOL_FULL, np.int64)
         else:
-            slots = self.index.reserve(ns.ns_id, keys, owner=c.cid)
+            conflicts = idx.conflicts
+            slots = idx.reserve(ns.ns_id, keys, owner=c.cid)
+            if idx.conflicts != conflicts:
+                self._errors.log(
+                    logging.WARNING,
+                    "key-conflict",
+                    "client %d (pid %d): %d key(s) reserved in namespace %d belong to another "
+                    "namespace: skipped (-2). A client must derive keys from its namespace "
+                    "fingerprint (hpkv.protocol.keys.block_key); this one reuses keys across namespaces",
+                    c.cid,
+                    c.pid,
+                    idx.conflicts - conflicts,
+                    ns.ns_id,
+                )
         flat = slots.reshape(-1)
         c.mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + flat.nbytes] = flat.view(np.uint8)
         return 0, slots.shape[1], 0
@@ -696,13 +710,13 @@ class Server:
         if d.flags & P.FLAG_ABORT:
             # Only the owner, or a writer of the namespace (its copy failed), may abort; the
             # slots are freed once no copy into them can still be running.
-            idx.check_owner(keys, c.cid, writer=any(n == ns.ns_id for n, _ in c.writer_ranks))
-            self._release_later(idx.retire(keys), [], grace=0.0)
+            idx.check_owner(ns, keys, c.cid, writer=any(n == ns.ns_id for n, _ in c.writer_ranks))
+            self._release_later(idx.retire(keys, ns), [], grace=0.0)
             return 0, 0, 0
         rank = d.a2
         if not 0 <= rank < ns.world_size:
             raise ValueError(f"rank {rank} outside 0..{ns.world_size - 1} of namespace {ns.ns_id}")
-        idx.check_owner(keys, c.cid, writer=(ns.ns_id, rank) in c.writer_ranks)
+        idx.check_owner(ns, keys, c.cid, writer=(ns.ns_id, rank) in c.writer_ranks)
         ready = idx.commit(ns.ns_id, keys, rank=rank)
         if ready and self.storage is not None:
             before = self.storage.pending_spills() if self.stopping else 0
@@ -717,14 +731,14 @@ class Server:
         world = ns.world_size
         keys = self._keys(c, d.a1, 8 * world)
         arr = np.full((len(keys), world), -1, np.int64)
-        pinned = 0
-        for i, s in enumerate(idx.pin(keys, owner=c.cid)):
+        used = []
+        for i, s in enumerate(idx.pin(ns, keys, owner=c.cid)):
             if s is not None:
                 arr[i] = s
-                pinned += 1
-        ns.counters[NsCounter.LOADS_DRAM] += pinned
+                used.append(keys[i])
+        ns.counters[NsCounter.LOADS_DRAM] += len(used)
         if self.storage is not None:
-            self.storage.touch(keys)
+            self.storage.touch(used)
         c.mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + arr.nbytes] = arr.reshape(-1).view(np.uint8)
         return 0, world, 0
 
@@ -735,7 +749,7 @@ class Server:
         if self.storage is None:
             rows: np.ndarray | None = np.full((len(keys), ns.world_size), ROW_MISSING, np.int64)
             assert rows is not None
-            for i, s in enumerate(idx.pin(keys, owner=c.cid)):
+            for i, s in enumerate(idx.pin(ns, keys, owner=c.cid)):
                 if s is not None:
                     rows[i] = s
         else:
@@ -748,7 +762,9 @@ class Server:
         return 0, ns.world_size, 0
 
     def _hot_unpin(self, c: Client, d) -> tuple[int, int, int]:
-        self.index.unpin(self._keys(c, d.a1), owner=c.cid)  # only pins this client holds
+        ns = self.index.namespaces.get(d.a0)
+        if ns is not None:  # a namespace not attached holds no pins: nothing to release
+            self.index.unpin(self._keys(c, d.a1), owner=c.cid, ns=ns)  # this client's pins on ns's blocks
         return 0, 0, 0
 
     # ================================================================ deferred release

@@ -312,7 +312,7 @@ class StorageTier:
             if tiers[i] != 2:
                 continue
             b = self.index.blocks.get(keys[i])
-            if b is None or b.state != State.STORED or now - b.verified < VERIFY_TTL_S:
+            if b is None or b.ns is not ns or b.state != State.STORED or now - b.verified < VERIFY_TTL_S:
                 continue
             if self._files_exist(ns, keys[i]):
                 b.verified = now
@@ -338,7 +338,7 @@ class StorageTier:
         """Continue a lookup's prefix past keys the index does not know but whose files exist
         (scan not there yet, or written by another server on the same storage); extends ``tiers``."""
         while hit < len(keys) and self._stat_block(ns, keys[hit]):
-            more, more_tiers = self.index.lookup(keys[hit:])
+            more, more_tiers = self.index.lookup(ns.ns_id, keys[hit:])
             tiers.extend(more_tiers)
             hit += more
         return hit
@@ -387,7 +387,7 @@ class StorageTier:
                 b = idx.blocks.get(k)
             if b is None or b.ns is not ns:
                 continue
-            slots = idx.pin([k], owner=c.cid)[0] if b.state == State.READY else None
+            slots = idx.pin(ns, [k], owner=c.cid)[0] if b.state == State.READY else None
             if slots is not None:
                 rows[i] = slots
                 dram += 1
@@ -655,7 +655,7 @@ class StorageTier:
         loaded = 0
         for call, row in op.waiters:
             if ok and not call.done and call.client.alive:
-                call.rows[row] = self.index.pin([key], owner=call.client.cid)[0]
+                call.rows[row] = self.index.pin(b.ns, [key], owner=call.client.cid)[0]
                 loaded += 1
             call.outstanding -= 1
             if call.outstanding == 0 and not call.done:
@@ -717,11 +717,13 @@ class StorageTier:
             self._lru.move_to_end(key)
 
     def _add_known(self, ns: Namespace, key: bytes, recent: bool) -> None:
-        if key in self._lru:
-            if recent:
+        known = self._lru.get(key)
+        if known is not None:
+            if recent and known is ns:
                 self._lru.move_to_end(key)
             return
-        self.index.add_stored(ns, key)
+        if self.index.add_stored(ns, key) is None:
+            return  # the key is another namespace's block: these files are not a hit
         self._lru[key] = ns
         if not recent:
             self._lru.move_to_end(key, last=False)  # found on disk: older than anything used here
