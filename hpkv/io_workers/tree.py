@@ -8,14 +8,14 @@ held open: the server opens it once, after :func:`hpkv.common.security.check_anc
 (no other user can rename it) and :func:`~hpkv.common.security.check_private`; an IO
 worker opens it by name and refuses to run unless it is that very directory (device and
 inode from the server, :meth:`StorageTree.attach`). Below the root, ``<fingerprint>/<aa>/<bb>``
-is walked with ``openat(O_DIRECTORY | O_NOFOLLOW)``, each directory checked private, and
+is walked with ``openat(O_DIRECTORY | O_NOFOLLOW)`` (a directory hpkv makes is made 0700;
+others cannot reach below the private root, so the modes below it are not re-checked), and
 files are opened, stat-ed, renamed and unlinked relative to their directory's descriptor.
 
-Directory descriptors are cached, so a file costs about one system call more than a
-path would: an LRU of at most :data:`DIR_CACHE_MAX` per process (the parents of a leaf
-are cached too, so a leaf seen for the first time costs one ``openat`` and one ``fstat``),
-each one reopened after :data:`DIR_CACHE_TTL_S` so a directory renamed or removed from
-outside is not used for long. A descriptor in use is closed only when its last user is done.
+Directory descriptors are cached: an LRU of at most ``max_dirs`` per tree (the parents of
+a leaf are cached too, so a leaf seen for the first time costs one ``openat`` and, when the
+LRU is full, one ``close``), each one reopened after :data:`DIR_CACHE_TTL_S` so a directory
+renamed or removed from outside is not used for long. A descriptor in use is closed only when its last user is done.
 Thread-safe: the server's scan and maintenance threads and a worker's verifier thread
 share one tree.
 """
@@ -38,7 +38,7 @@ from hpkv.common.security import (
     open_private_dir,
 )
 
-DIR_CACHE_MAX = 128  # descriptors per process: well under the usual 1024 limit
+DIR_CACHE_MAX = 256  # descriptors per tree: well under the usual limit of 1024 per process
 DIR_CACHE_TTL_S = 5.0
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 WHAT = "the storage directory (HPKV_KV_STORAGE_PATH)"
@@ -57,9 +57,10 @@ class _Dir:
 class StorageTree:
     """The storage root's descriptor and a bounded cache of the directories below it."""
 
-    def __init__(self, path: str, root_fd: int):
+    def __init__(self, path: str, root_fd: int, max_dirs: int = DIR_CACHE_MAX):
         self.path = path
         self.root_fd = root_fd
+        self.max_dirs = max_dirs
         st = os.fstat(root_fd)
         self.identity = (st.st_dev, st.st_ino)
         self._dirs: OrderedDict[str, _Dir] = OrderedDict()
@@ -78,7 +79,9 @@ class StorageTree:
         return cls(path, fd)
 
     @classmethod
-    def attach(cls, path: str, identity: tuple[int, int] | list[int]) -> StorageTree:
+    def attach(
+        cls, path: str, identity: tuple[int, int] | list[int], max_dirs: int = DIR_CACHE_MAX
+    ) -> StorageTree:
         """An IO worker's: open ``path`` and refuse it unless it is the directory the server
         verified (``identity``: its device and inode)."""
         fd = os.open(path, _DIR_FLAGS)
@@ -95,7 +98,7 @@ class StorageTree:
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, fd)
+        return cls(path, fd, max_dirs)
 
     def close(self) -> None:
         with self._lock:
@@ -109,8 +112,7 @@ class StorageTree:
     def dir(self, rel: str, create: bool = False) -> Iterator[int]:
         """A descriptor of ``rel`` (``"<fp>/<aa>/<bb>"``, ``"quarantine"``; "" is the root) for
         the ``with`` block; ``create`` makes missing directories 0700. Raises FileNotFoundError
-        when missing, OSError (ELOOP, ENOTDIR) when a component is a symlink or a file,
-        :class:`InsecurePath` when one is not private."""
+        when missing, OSError (ELOOP, ENOTDIR) when a component is a symlink or a file."""
         if not rel:
             yield self.root_fd
             return
@@ -138,17 +140,17 @@ class StorageTree:
                 self._drop(rel)
         parent, _, name = rel.rpartition("/")
         with self.dir(parent, create) as pfd:
-            d = _Dir(self._open_child(pfd, name, rel, create))
+            d = _Dir(self._open_child(pfd, name, create))
         with self._lock:
             if rel in self._dirs:
                 d.doomed = True  # another thread cached it meanwhile: ours is used once
             else:
                 self._dirs[rel] = d
-                while len(self._dirs) > DIR_CACHE_MAX:
+                while len(self._dirs) > self.max_dirs:
                     self._drop(next(iter(self._dirs)))
         return d
 
-    def _open_child(self, pfd: int, name: str, rel: str, create: bool) -> int:
+    def _open_child(self, pfd: int, name: str, create: bool) -> int:
         made = False
         try:
             fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
@@ -161,13 +163,12 @@ class StorageTree:
             except FileExistsError:
                 pass  # another writer made it
             fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
-        try:
-            if made:
+        if made:
+            try:
                 os.fchmod(fd, PRIVATE_DIR_MODE)  # the umask may have taken bits
-            check_private(os.fstat(fd), os.path.join(self.path, rel), "the storage directory's subdirectory")
-        except BaseException:
-            os.close(fd)
-            raise
+            except BaseException:
+                os.close(fd)
+                raise
         return fd
 
     def _release(self, d: _Dir) -> None:
@@ -186,8 +187,11 @@ class StorageTree:
     # ------------------------------------------------------------------ files
     def stat(self, rel: str, name: str) -> os.stat_result:
         """lstat of ``rel/name`` (a symlink is reported as one, never followed)."""
-        with self.dir(rel) as fd:
-            return os.stat(name, dir_fd=fd, follow_symlinks=False)
+        d = self._acquire(rel, False)  # not `with self.dir()`: the server's lookups call this
+        try:
+            return os.stat(name, dir_fd=d.fd, follow_symlinks=False)
+        finally:
+            self._release(d)
 
     def unlink(self, rel: str, name: str) -> None:
         with self.dir(rel) as fd:

@@ -33,7 +33,7 @@ from hpkv.common.priority import BE_DEFAULT, BE_LOWEST, set_io_priority
 from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.engine.worker_process import WorkerRuntime
 from hpkv.io_workers.kvfile import BlockId, CorruptFile, FetchedFile, KvFileIO, ReadSlot
-from hpkv.io_workers.tree import StorageTree
+from hpkv.io_workers.tree import DIR_CACHE_MAX, StorageTree
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status
 from hpkv.protocol.stats import W
@@ -48,7 +48,8 @@ def main(argv: list[str]) -> int:
     # The storage root the server verified, or nothing: this worker never resolves it by
     # name again (see hpkv.io_workers.tree).
     try:
-        tree = StorageTree.attach(spec["storage"], spec["storage_id"])
+        # A worker holds few other descriptors: room for twice the server's directories.
+        tree = StorageTree.attach(spec["storage"], spec["storage_id"], max_dirs=2 * DIR_CACHE_MAX)
     except OSError as exc:
         log.critical("IO worker cannot use the storage directory: %s", exc)
         return 1
