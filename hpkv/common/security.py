@@ -4,8 +4,10 @@ One server per user. Its directories (the pool directory, the storage root and
 every directory under it) are created 0700 whatever the umask, and an existing
 one is refused when it is a symlink, is owned by another user, or is writable by
 its group or by others: such a directory lets another local user swap the socket,
-plant KV files or read them. Files inside are opened relative to a verified
-directory descriptor with O_NOFOLLOW, so a planted symlink is never followed.
+plant KV files or read them. The storage root's ancestors are checked too
+(:func:`check_ancestors`): a private directory in one that others can write can be
+renamed away. Files inside are opened relative to a verified directory descriptor with
+O_NOFOLLOW, so a planted symlink is never followed.
 Peers on the server's socket are checked with SO_PEERCRED: same uid, or a member
 of the group named by ``HPKV_ALLOW_GROUP``.
 """
@@ -57,6 +59,43 @@ def check_private(st: os.stat_result, path: str, what: str) -> None:
             f"files in it. Run `chmod go-w {path}` (hpkv creates it 0700) or choose "
             f"another path",
         )
+
+
+def check_ancestors(path: str, what: str) -> None:
+    """Refuse ``path`` if a directory above it lets another user rename it away (raises
+    :class:`InsecurePath`): every ancestor (and every symlink on the way) must be owned by
+    root or by us, and an ancestor writable by its group or others must be sticky (/tmp).
+
+    Why: a private directory in a directory another user can write is private only until
+    that user renames it and puts their own tree in its place."""
+    me = os.geteuid()
+    path = os.path.abspath(path)
+    seen: set[str] = set()
+    todo = [path, os.path.realpath(path)]
+    while todo:
+        p = todo.pop()
+        while (parent := os.path.dirname(p)) != p:
+            p = parent
+            if p in seen:
+                continue
+            seen.add(p)
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                todo.append(os.path.realpath(p))  # the link's target's ancestors count too
+            problem = None
+            if st.st_uid not in (0, me):
+                problem = f"owned by {_owner_name(st.st_uid)}"
+            elif st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX and not stat.S_ISLNK(st.st_mode):
+                mode = stat.S_IMODE(st.st_mode)
+                problem = f"writable by its group or by others without the sticky bit (mode {mode:04o})"
+            if problem:
+                raise InsecurePath(
+                    errno.EPERM,
+                    f"{what} {path} is inside {p}, which is {problem}: another local user could "
+                    f"rename {path} away and put their own files in its place. Run `chmod go-w {p}` "
+                    f"(or have root own it), or choose a path whose every parent directory is owned "
+                    f"by root or {_owner_name(me)} and not writable by others (sticky like /tmp is fine)",
+                )
 
 
 def makedirs_private(path: str) -> None:

@@ -28,23 +28,29 @@ place, so no reader ever sees a partial file; the host and pid in the temporary 
 tell which writer left it behind if one dies. Corrupt files are moved to
 ``<storage>/quarantine/`` (the server keeps it bounded). Files are created 0600 and
 directories 0700, whatever the umask: a KV file holds a prompt's KV, readable only by
-the user who runs hpkv.
+the user who runs hpkv. Every file is opened relative to its directory's verified
+descriptor (:mod:`hpkv.io_workers.tree`) with O_NOFOLLOW, the temporary file also with
+O_EXCL: nothing planted at a name is followed or overwritten.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import logging
 import mmap
 import os
 import re
 import socket
+import stat
 import struct
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from hpkv.common.security import PRIVATE_FILE_MODE, makedirs_private
+from hpkv.common.security import PRIVATE_FILE_MODE
 from hpkv.io_workers.checksum import crc32c, crc32c_copy
+from hpkv.io_workers.tree import StorageTree
 from hpkv.protocol.keys import FORMAT_VERSION, KEY_BYTES
 
 MAGIC = b"HPKVBLK1"
@@ -59,6 +65,7 @@ _HDR_CRC_AT = 68
 assert _HDR.size == 80
 
 _NAME_RE = re.compile(r"^([0-9a-f]{32})-r(\d+)\.kv$")
+log = logging.getLogger("hpkv.io")
 _HOST = socket.gethostname().replace(".", "_").replace("/", "_")[:32] or "host"
 
 
@@ -106,10 +113,10 @@ def file_path(root: str, fingerprint: str, key: bytes, rank: int) -> str:
     return os.path.join(root, rel_dir(fingerprint, key), file_name(key, rank))
 
 
-def tmp_path(final: str, pid: int | None = None, host: str = _HOST) -> str:
-    """The temporary name ``final`` is written under by process ``pid`` on ``host``."""
-    d, name = os.path.split(final)
-    return os.path.join(d, f".{name}.{host}.{os.getpid() if pid is None else pid}{TMP_SUFFIX}")
+def tmp_name(name: str, pid: int | None = None, host: str = _HOST) -> str:
+    """The temporary name the file ``name`` is written under by process ``pid`` on ``host``
+    (in the same directory)."""
+    return f".{name}.{host}.{os.getpid() if pid is None else pid}{TMP_SUFFIX}"
 
 
 def parse_name(name: str) -> tuple[bytes, int] | None:
@@ -132,8 +139,9 @@ def this_host() -> str:
     return _HOST
 
 
-def quarantine_path(root: str, final: str) -> str:
-    return os.path.join(root, QUARANTINE_DIR, f"{os.path.basename(final)}.{time.time_ns()}")
+def quarantine_name(name: str) -> str:
+    """The name the corrupt file ``name`` gets in ``<storage>/quarantine/``."""
+    return f"{name}.{time.time_ns()}"
 
 
 # ------------------------------------------------------------------ header
@@ -240,11 +248,20 @@ class KvFileIO:
     """
 
     def __init__(
-        self, root: str, pool: memoryview, o_direct: bool, fsync: bool = False, bounce_reads: bool = False
+        self,
+        root: str | StorageTree,
+        pool: memoryview,
+        o_direct: bool,
+        fsync: bool = False,
+        bounce_reads: bool = False,
     ):
-        self.root = root
+        # An IO worker gets the tree the server verified; a path (tests, tools) is opened here.
+        self._own_tree = not isinstance(root, StorageTree)
+        self.tree = StorageTree.open(root) if isinstance(root, str) else root
+        self.root = self.tree.path
         self.pool = pool
         self.o_direct = o_direct
+        self.read_direct = o_direct  # off alone when only reads are refused (EINVAL from pread)
         self.fsync = fsync
         self.bounce_reads = bounce_reads
         self._hdr_mm = mmap.mmap(-1, HEADER_BYTES)  # page-aligned, as O_DIRECT wants
@@ -253,7 +270,7 @@ class KvFileIO:
         self.fell_back = False  # O_DIRECT refused at run time → buffered
 
     def _flags(self) -> int:
-        return os.O_CLOEXEC | (os.O_DIRECT if self.o_direct else 0)
+        return os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECT if self.o_direct else 0)
 
     def write(self, fingerprint: str, block: BlockId, offset: int, length: int) -> tuple[int, bool]:
         """Spill pool bytes ``[offset, offset+length)`` as the block's file.
@@ -262,59 +279,82 @@ class KvFileIO:
         writer, another node) is not written again. On any error the temporary file
         is removed and the OSError propagates (ENOSPC included).
         """
-        final = file_path(self.root, fingerprint, block.key, block.rank)
-        want = file_size(length)
+        rel, name = rel_dir(fingerprint, block.key), file_name(block.key, block.rank)
         try:
-            if os.stat(final).st_size == want:
-                return 0, True
+            return self._write_in(rel, name, block, offset, length)
         except FileNotFoundError:
-            pass
+            # A cached directory was removed from outside (the namespace deleted by hand):
+            # walk again from the root, creating what is missing.
+            self.tree.invalidate(fingerprint)
+            return self._write_in(rel, name, block, offset, length)
+
+    def _write_in(self, rel: str, name: str, block: BlockId, offset: int, length: int) -> tuple[int, bool]:
+        want = file_size(length)
         padded = align_up(length)
         payload = self.pool[offset : offset + padded]
         if len(payload) != padded:
             raise ValueError(f"pool range {offset}+{padded} is outside the pool")
-        payload[length:] = bytes(padded - length)  # the slot's tail is ours: zero padding on disk
-        pack_header(self.hdr, block, length, crc32c(payload[:length]))
-        tmp = tmp_path(final)
-        fd = self._open_tmp(tmp)
-        try:
+        with self.tree.dir(rel, create=True) as dfd:
             try:
-                _pwrite_all(fd, [self.hdr, payload], want)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL or not self.o_direct:
-                    raise
-                self._fall_back()  # O_DIRECT refused at run time: retry buffered
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and st.st_size == want:
+                    return 0, True
+            except FileNotFoundError:
+                pass
+            payload[length:] = bytes(padded - length)  # the slot's tail is ours: zero padding on disk
+            pack_header(self.hdr, block, length, crc32c(payload[:length]))
+            tmp = tmp_name(name)
+            fd = self._open_tmp(dfd, rel, tmp)
+            try:
+                try:
+                    _pwrite_all(fd, [self.hdr, payload], want)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL or not self.o_direct:
+                        raise
+                    self._fall_back()  # O_DIRECT refused at run time: retry buffered
+                    _set_direct(fd, False)
+                    _pwrite_all(fd, [self.hdr, payload], want)
+                if self.fsync:
+                    os.fsync(fd)
                 os.close(fd)
                 fd = -1
-                fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
-                _pwrite_all(fd, [self.hdr, payload], want)
-            if self.fsync:
-                os.fsync(fd)
-            os.close(fd)
-            fd = -1
-            os.rename(tmp, final)
-        except BaseException:
-            if fd >= 0:
-                os.close(fd)
-            _unlink_quietly(tmp)
-            raise
+                os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                if fd >= 0:
+                    os.close(fd)
+                _unlink_quietly(tmp, dfd)
+                raise
         return want, False
 
-    def _open_tmp(self, tmp: str) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    def _open_tmp(self, dfd: int, rel: str, tmp: str) -> int:
+        """Create ``tmp`` in ``dfd``: O_EXCL and O_NOFOLLOW, so nothing already there (a
+        symlink, another file) is ever followed or truncated."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         for attempt in range(2):
             try:
                 try:
-                    return os.open(tmp, flags | self._flags(), PRIVATE_FILE_MODE)
+                    return os.open(tmp, flags | self._flags(), PRIVATE_FILE_MODE, dir_fd=dfd)
                 except OSError as exc:
                     if exc.errno != errno.EINVAL or not self.o_direct:
                         raise
                     self._fall_back()
-                    return os.open(tmp, flags | self._flags(), PRIVATE_FILE_MODE)
-            except FileNotFoundError:
+                    _unlink_quietly(tmp, dfd)  # the failed open may have created it
+                    return os.open(tmp, flags | self._flags(), PRIVATE_FILE_MODE, dir_fd=dfd)
+            except FileExistsError:
                 if attempt:
                     raise
-                makedirs_private(os.path.dirname(tmp))  # 0700 whatever the umask
+                # Our host and pid are in the name: what is there is a leftover of a dead
+                # writer whose pid we got, or was put there. Removed (unlink never follows a
+                # symlink), never written through.
+                st = os.stat(tmp, dir_fd=dfd, follow_symlinks=False)
+                log.warning(
+                    "removed %s, found at this IO worker's temporary name (%s, owner uid %d): "
+                    "not written through; the KV file is written anew",
+                    self.tree.rel_path(rel, tmp),
+                    "a symlink" if stat.S_ISLNK(st.st_mode) else f"mode {stat.S_IMODE(st.st_mode):04o}",
+                    st.st_uid,
+                )
+                os.unlink(tmp, dir_fd=dfd)
         raise AssertionError("unreachable")
 
     def read(self, fingerprint: str, block: BlockId, offset: int, length: int) -> int:
@@ -333,30 +373,51 @@ class KvFileIO:
         with bounce reads) and the pool (the payload otherwise), nothing checked but the file's
         size. :meth:`verify` finishes it, possibly in another thread while this one fetches the
         next file into another slot."""
-        final = file_path(self.root, fingerprint, block.key, block.rank)
+        rel, name = rel_dir(fingerprint, block.key), file_name(block.key, block.rank)
         want = file_size(length)
         padded = align_up(length)
         payload = self.pool[offset : offset + padded]
         if len(payload) != padded:
             raise ValueError(f"pool range {offset}+{padded} is outside the pool")
         try:
-            fd = os.open(final, os.O_RDONLY | self._flags())
-        except OSError as exc:
-            if exc.errno != errno.EINVAL or not self.o_direct:
-                raise
-            self._fall_back()
-            fd = os.open(final, os.O_RDONLY | os.O_CLOEXEC)
+            fd = self._open_read(rel, name)
+        except FileNotFoundError:
+            self.tree.invalidate(fingerprint)  # a cached directory may be stale: walk again
+            fd = self._open_read(rel, name)
         dest = slot.bounce(padded) if self.bounce_reads else payload
         try:
             size = os.fstat(fd).st_size
             if size != want:
                 raise CorruptFile(f"file is {size} bytes, expected {want} for a {length}-byte payload")
-            got = _pread_all(fd, [slot.hdr, dest])
+            try:
+                got = _pread_all(fd, [slot.hdr, dest])
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or not self.read_direct:
+                    raise
+                # O_DIRECT opened but the read was refused (some FUSE, NFS, overlay set-ups):
+                # this file again buffered, and every later read too (the caller logs it).
+                self.read_direct = False
+                self.fell_back = True
+                _set_direct(fd, False)
+                got = _pread_all(fd, [slot.hdr, dest])
         finally:
             os.close(fd)
         if got != want:
             raise CorruptFile(f"short read: {got} of {want} bytes")
         return FetchedFile(block, length, payload, dest, slot)
+
+    def _open_read(self, rel: str, name: str) -> int:
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+        with self.tree.dir(rel) as dfd:
+            if not self.read_direct:
+                return os.open(name, flags, dir_fd=dfd)
+            try:
+                return os.open(name, flags | os.O_DIRECT, dir_fd=dfd)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._fall_back()
+                return os.open(name, flags, dir_fd=dfd)
 
     @staticmethod
     def verify(f: FetchedFile) -> int:
@@ -385,20 +446,31 @@ class KvFileIO:
 
     def quarantine(self, fingerprint: str, block: BlockId) -> str:
         """Move the block's file out of the way; returns where it went."""
-        final = file_path(self.root, fingerprint, block.key, block.rank)
-        dest = quarantine_path(self.root, final)
-        makedirs_private(os.path.dirname(dest))
-        os.rename(final, dest)
-        return dest
+        name = file_name(block.key, block.rank)
+        dest = quarantine_name(name)
+        with (
+            self.tree.dir(rel_dir(fingerprint, block.key)) as src,
+            self.tree.dir(QUARANTINE_DIR, create=True) as dst,
+        ):
+            os.rename(name, dest, src_dir_fd=src, dst_dir_fd=dst)
+        return self.tree.rel_path(QUARANTINE_DIR, dest)
 
     def _fall_back(self) -> None:
-        self.o_direct = False
+        self.o_direct = self.read_direct = False
         self.fell_back = True
 
     def close(self) -> None:
         self.hdr.release()
         self._hdr_mm.close()
         self._read_slot.close()
+        if self._own_tree:
+            self.tree.close()
+
+
+def _set_direct(fd: int, on: bool) -> None:
+    """Turn O_DIRECT on or off for an open file (Linux lets F_SETFL change it)."""
+    fl = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, fl | os.O_DIRECT if on else fl & ~os.O_DIRECT)
 
 
 def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
@@ -435,8 +507,8 @@ def _pread_all(fd: int, bufs: list[memoryview]) -> int:
     return done
 
 
-def _unlink_quietly(path: str) -> None:
+def _unlink_quietly(name: str, dir_fd: int) -> None:
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
         pass

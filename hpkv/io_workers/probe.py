@@ -10,7 +10,9 @@ File systems answer in three ways, so the probe opens, writes and reads back:
 
 A file system may also accept the open and refuse the first IO (EINVAL from
 pwrite), which is why a 4096-byte write and read are part of the probe. The IO
-workers use buffered IO when the probe fails.
+workers use buffered IO when the probe fails. One that refuses later anyway (EINVAL from
+a read of a file opened with O_DIRECT) costs one buffered retry of that read: the worker
+reads buffered from then on and says so once (:meth:`hpkv.io_workers.kvfile.KvFileIO.fetch`).
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ class DirectIoProbe:
         )
 
 
-def probe_o_direct(directory: str) -> DirectIoProbe:
-    """Open, write and read back one 4096-byte block with O_DIRECT in ``directory``."""
+def probe_o_direct(directory: str, dir_fd: int | None = None) -> DirectIoProbe:
+    """Open, write and read back one 4096-byte block with O_DIRECT in ``directory`` (through
+    ``dir_fd``, its verified descriptor, when given)."""
     fs = filesystem_type(directory)
-    path = os.path.join(directory, f".hpkv-odirect-probe-{os.getpid()}-{secrets.token_hex(4)}")
+    name = f".hpkv-odirect-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    path = name if dir_fd is not None else os.path.join(directory, name)
     buf = mmap.mmap(-1, PROBE_BYTES)
     back = mmap.mmap(-1, PROBE_BYTES)
     pattern = secrets.token_bytes(PROBE_BYTES)
@@ -52,7 +56,8 @@ def probe_o_direct(directory: str) -> DirectIoProbe:
     step = "open"
     fd = -1
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_DIRECT | os.O_CLOEXEC
+        fd = os.open(path, flags, 0o600, dir_fd=dir_fd)
         step = "pwrite"
         if os.pwritev(fd, [buf], 0) != PROBE_BYTES:
             return DirectIoProbe(False, fs, f"short write on {fs} (pwrite)")
@@ -69,7 +74,7 @@ def probe_o_direct(directory: str) -> DirectIoProbe:
         if fd >= 0:
             os.close(fd)
         try:
-            os.unlink(path)
+            os.unlink(path, dir_fd=dir_fd)
         except OSError:
             pass
         buf.close()

@@ -33,6 +33,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict, deque
@@ -44,12 +45,12 @@ import numpy as np
 
 from hpkv.common.proc import pid_alive
 from hpkv.common.ratelimit import RateLimitedLog
-from hpkv.common.security import ensure_private_dir, makedirs_private
 from hpkv.config import Config
 from hpkv.engine.index import Block, Index, Namespace, State
 from hpkv.engine.workers import WorkerProcess
 from hpkv.io_workers import kvfile
 from hpkv.io_workers.probe import DirectIoProbe, probe_o_direct, virtio_disk
+from hpkv.io_workers.tree import StorageTree
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status, status_message
 from hpkv.protocol.stats import G, NsCounter, StatsSegment
@@ -147,6 +148,7 @@ class StorageTier:
     ):
         self.cfg = cfg
         self.root: str = cfg.storage_path  # type: ignore[assignment]
+        self.tree: StorageTree  # opened and verified by start(); every path below goes through it
         self.dir = server_dir
         self.stats = stats
         self.g = stats.glob
@@ -192,12 +194,15 @@ class StorageTier:
         """Probe O_DIRECT, start the IO workers (one per stats row in ``slots``, see
         ``HPKV_NUM_IO_WORKERS``) and the maintenance thread; returns the workers."""
         # KV files hold prompts: the root must be this user's and closed to writers (0700 when
-        # hpkv creates it); everything under it is created 0700 / 0600.
-        ensure_private_dir(self.root, "the storage directory (HPKV_KV_STORAGE_PATH)")
-        makedirs_private(os.path.join(self.root, kvfile.QUARANTINE_DIR))
+        # hpkv creates it), and no other user may rename it away (its ancestors are checked);
+        # everything under it is created 0700 / 0600 and opened relative to the root's
+        # descriptor, which the IO workers check they share (device, inode).
+        self.tree = StorageTree.open(self.root)
+        with self.tree.dir(kvfile.QUARANTINE_DIR, create=True):
+            pass
         self._quarantine_checked = 0.0
         self._clean_quarantine()
-        self.probe = probe_o_direct(self.root)
+        self.probe = probe_o_direct(self.root, dir_fd=self.tree.root_fd)
         self.o_direct_reason = self.probe.reason
         (log.info if self.probe.ok else log.warning)("%s", self.probe.describe(self.root))
         self.g[G.STORAGE_O_DIRECT] = int(self.probe.ok)
@@ -227,6 +232,8 @@ class StorageTier:
         spec = {
             "pool": self.pool_path,
             "storage": self.root,
+            "storage_id": list(self.tree.identity),
+            "fs_type": self.probe.fs_type,
             "o_direct": self.probe.ok,
             "fsync": bool(self.cfg["HPKV_STORAGE_FSYNC"]),
             "bounce_reads": self.bounce_reads,
@@ -324,9 +331,10 @@ class StorageTier:
 
     def _files_exist(self, ns: Namespace, key: bytes) -> bool:
         want = kvfile.file_size(ns.shard_bytes)
+        rel = kvfile.rel_dir(ns.fingerprint, key)
         for rank in range(ns.world_size):
             try:
-                if os.stat(kvfile.file_path(self.root, ns.fingerprint, key, rank)).st_size != want:
+                if not _is_kv_file(self.tree.stat(rel, kvfile.file_name(key, rank)), want):
                     return False
             except FileNotFoundError:
                 return False
@@ -476,13 +484,8 @@ class StorageTier:
             link.spills -= job.op.kind == P.SPILL
             if job.op.kind == P.SPILL and dead_pid:
                 b = job.op.block
-                final = kvfile.file_path(self.root, b.ns.fingerprint, b.key, job.rank)
-                try:
-                    os.unlink(kvfile.tmp_path(final, pid=dead_pid))
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    self._io_error("unlink", exc.errno or errno.EIO, final)
+                name = kvfile.tmp_name(kvfile.file_name(b.key, job.rank), pid=dead_pid)
+                self._unlink_quietly(kvfile.rel_dir(b.ns.fingerprint, b.key), name)
             self._complete(job, Status.WORKER_DIED, 0, 0)
         self.g[G.WORKER_RESTARTS] += 1
         link.dead = False
@@ -585,7 +588,7 @@ class StorageTier:
             self._retry.pop(b.key, None)
             # give up: the ranks we did write are orphans nobody will complete
             for rank in op.written:
-                self._unlink_quietly(kvfile.file_path(self.root, b.ns.fingerprint, b.key, rank))
+                self._unlink_quietly(kvfile.rel_dir(b.ns.fingerprint, b.key), kvfile.file_name(b.key, rank))
 
     def _remember_retry(self, key: bytes, attempts: int) -> None:
         self._retry[key] = attempts
@@ -742,15 +745,16 @@ class StorageTier:
         if key in self._deleting or key in self.index.blocks:
             return False
         want = kvfile.file_size(ns.shard_bytes)
+        rel = kvfile.rel_dir(ns.fingerprint, key)
         for rank in range(ns.world_size):
-            path = kvfile.file_path(self.root, ns.fingerprint, key, rank)
+            name = kvfile.file_name(key, rank)
             try:
-                if os.stat(path).st_size != want:
+                if not _is_kv_file(self.tree.stat(rel, name), want):
                     return False
             except FileNotFoundError:
                 return False
             except OSError as exc:
-                self._io_error("stat", exc.errno or errno.EIO, path)
+                self._io_error("stat", exc.errno or errno.EIO, self.tree.rel_path(rel, name))
                 return False
         self._add_known(ns, key, recent=True)
         return True
@@ -761,13 +765,13 @@ class StorageTier:
 
     # ================================================================ scan (one thread per namespace)
     def _scan(self, ns: Namespace) -> None:
-        top = os.path.join(self.root, ns.fingerprint)
+        top = ns.fingerprint
         t0 = time.monotonic()
         found = files = 0
         host = kvfile.this_host()
         try:
-            for aa in _subdirs(top):
-                for bb in _subdirs(aa):
+            for aa in self._subdirs(top):
+                for bb in self._subdirs(aa):
                     if self._stop.is_set():
                         return
                     complete, n_files = self._scan_leaf(ns, bb, host)
@@ -777,7 +781,7 @@ class StorageTier:
                         return
                     found += added
         except OSError as exc:
-            self._io_error("scan", exc.errno or errno.EIO, top)
+            self._io_error("scan", exc.errno or errno.EIO, self.tree.rel_path(top))
         finally:
             self.scan_done[ns.ns_id] = True
             self.catalog_dirty = True
@@ -797,15 +801,16 @@ class StorageTier:
         temporary files of dead writers on the way."""
         ranks: dict[bytes, int] = {}
         files = 0
-        for entry in _entries(leaf):
-            parsed = kvfile.parse_name(entry.name)
-            if parsed is None:
-                self._maybe_remove_tmp(entry, host)
-                continue
-            key, rank = parsed
-            if rank < ns.world_size:
-                ranks[key] = ranks.get(key, 0) | 1 << rank
-                files += 1
+        with self.tree.entries(leaf) as entries:
+            for entry in entries:
+                parsed = kvfile.parse_name(entry.name)
+                if parsed is None:
+                    self._maybe_remove_tmp(leaf, entry, host)
+                    continue
+                key, rank = parsed
+                if rank < ns.world_size:
+                    ranks[key] = ranks.get(key, 0) | 1 << rank
+                    files += 1
         full = (1 << ns.world_size) - 1
         return [k for k, mask in ranks.items() if mask == full], files
 
@@ -828,7 +833,7 @@ class StorageTier:
                 self._publish()
         return found
 
-    def _maybe_remove_tmp(self, entry: os.DirEntry, host: str) -> None:
+    def _maybe_remove_tmp(self, leaf: str, entry: os.DirEntry, host: str) -> None:
         """A temporary file of a writer that died (this host: pid gone; other hosts: old)."""
         owner = kvfile.parse_tmp_name(entry.name)
         if owner is None:
@@ -838,14 +843,14 @@ class StorageTier:
             if w_host == host:
                 if pid_alive(pid):
                     return
-            elif time.time() - entry.stat().st_mtime < STALE_TMP_AGE_S:
+            elif time.time() - entry.stat(follow_symlinks=False).st_mtime < STALE_TMP_AGE_S:
                 return
-            os.unlink(entry.path)
-            log.info("removed %s, left by a writer that died", entry.path)
+            self.tree.unlink(leaf, entry.name)
+            log.info("removed %s, left by a writer that died", self.tree.rel_path(leaf, entry.name))
         except FileNotFoundError:
             pass
         except OSError as exc:
-            self._io_error("unlink", exc.errno or errno.EIO, entry.path)
+            self._io_error("unlink", exc.errno or errno.EIO, self.tree.rel_path(leaf, entry.name))
 
     # ================================================================ maintenance thread
     def _maintenance_loop(self) -> None:
@@ -864,7 +869,7 @@ class StorageTier:
 
     def _check_free_space(self) -> None:
         try:
-            st = os.statvfs(self.root)
+            st = os.statvfs(self.tree.root_fd)
         except OSError as exc:
             with self.lock:
                 self._io_error("statvfs", exc.errno or errno.EIO, self.root)
@@ -912,8 +917,9 @@ class StorageTier:
             return
         removed = 0
         for ns, key in victims:
+            rel = kvfile.rel_dir(ns.fingerprint, key)
             for rank in range(ns.world_size):
-                if self._unlink_quietly(kvfile.file_path(self.root, ns.fingerprint, key, rank)):
+                if self._unlink_quietly(rel, kvfile.file_name(key, rank)):
                     removed += 1
         with self.lock:
             self._deleting.difference_update(k for _, k in victims)
@@ -924,12 +930,13 @@ class StorageTier:
         """Keep the quarantine bounded: the newest QUARANTINE_MAX_FILES files, none older
         than QUARANTINE_MAX_AGE_S (maintenance thread, no lock needed)."""
         self._quarantine_checked = time.monotonic()
-        qdir = os.path.join(self.root, kvfile.QUARANTINE_DIR)
+        qdir = kvfile.QUARANTINE_DIR
         entries = []
-        for e in _entries(qdir):
-            with _suppress_os():
-                if e.is_file(follow_symlinks=False) or e.is_symlink():
-                    entries.append((e.stat(follow_symlinks=False).st_mtime, e.path))
+        with self.tree.entries(qdir) as found:
+            for e in found:
+                with _suppress_os():
+                    if e.is_file(follow_symlinks=False) or e.is_symlink():
+                        entries.append((e.stat(follow_symlinks=False).st_mtime, e.name))
         entries.sort(reverse=True)
         now = time.time()
         doomed = [
@@ -937,26 +944,33 @@ class StorageTier:
             for i, (mtime, p) in enumerate(entries)
             if i >= QUARANTINE_MAX_FILES or now - mtime > QUARANTINE_MAX_AGE_S
         ]
-        removed = sum(self._unlink_quietly(p) for p in doomed)
+        removed = sum(self._unlink_quietly(qdir, p) for p in doomed)
         if removed:
             log.info(
                 "quarantine %s: removed %d old corrupt file(s) (keeps the newest %d, none older "
                 "than %d days)",
-                qdir,
+                self.tree.rel_path(qdir),
                 removed,
                 QUARANTINE_MAX_FILES,
                 QUARANTINE_MAX_AGE_S // 86400,
             )
 
-    def _unlink_quietly(self, path: str) -> bool:
+    def _unlink_quietly(self, rel: str, name: str) -> bool:
         try:
-            os.unlink(path)
+            self.tree.unlink(rel, name)
             return True
         except FileNotFoundError:
             return False
         except OSError as exc:
-            self._io_error("unlink", exc.errno or errno.EIO, path)
+            self._io_error("unlink", exc.errno or errno.EIO, self.tree.rel_path(rel, name))
             return False
+
+    def _subdirs(self, rel: str) -> list[str]:
+        """The two-character subdirectories of ``rel`` (symlinks are not directories here)."""
+        with self.tree.entries(rel) as entries:
+            return [
+                f"{rel}/{e.name}" for e in entries if len(e.name) == 2 and e.is_dir(follow_symlinks=False)
+            ]
 
 
 class _suppress_os:
@@ -967,17 +981,5 @@ class _suppress_os:
         return typ is not None and issubclass(typ, OSError)
 
 
-def _subdirs(path: str) -> list[str]:
-    try:
-        with os.scandir(path) as it:
-            return [e.path for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
-    except FileNotFoundError:
-        return []
-
-
-def _entries(path: str) -> list[os.DirEntry]:
-    try:
-        with os.scandir(path) as it:
-            return list(it)
-    except FileNotFoundError:
-        return []
+def _is_kv_file(st: os.stat_result, size: int) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_size == size

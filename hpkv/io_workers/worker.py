@@ -33,6 +33,7 @@ from hpkv.common.priority import BE_DEFAULT, BE_LOWEST, set_io_priority
 from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.engine.worker_process import WorkerRuntime
 from hpkv.io_workers.kvfile import BlockId, CorruptFile, FetchedFile, KvFileIO, ReadSlot
+from hpkv.io_workers.tree import DIR_CACHE_MAX, StorageTree
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status
 from hpkv.protocol.stats import W
@@ -44,8 +45,16 @@ def main(argv: list[str]) -> int:
     rt = WorkerRuntime(argv, log)
     spec, row = rt.spec, rt.row
     pool = PoolFile.attach(spec["pool"], warm_limit=rt.pool_warm_bytes)
+    # The storage root the server verified, or nothing: this worker never resolves it by
+    # name again (see hpkv.io_workers.tree).
+    try:
+        # A worker holds few other descriptors: room for twice the server's directories.
+        tree = StorageTree.attach(spec["storage"], spec["storage_id"], max_dirs=2 * DIR_CACHE_MAX)
+    except OSError as exc:
+        log.critical("IO worker cannot use the storage directory: %s", exc)
+        return 1
     io = KvFileIO(
-        spec["storage"],
+        tree,
         memoryview(pool.mm),
         o_direct=bool(spec["o_direct"]),
         fsync=bool(spec.get("fsync")),
@@ -89,7 +98,7 @@ def main(argv: list[str]) -> int:
         ns, key, rank, world, offset, length = P.decode_io_job(d.flags, d.args)
         block = BlockId(ns, key, rank, world)
         fp = ns.hex()
-        was_direct = io.o_direct
+        was_direct, was_read_direct = io.o_direct, io.read_direct
         try:
             if d.kind == P.SPILL:
                 io_priority(BE_LOWEST)  # write-through: after everything a request waits for
@@ -103,13 +112,7 @@ def main(argv: list[str]) -> int:
                 status = Status.BAD_REQUEST
         except Exception as exc:  # noqa: BLE001 - every job is answered
             status = _failure_status(exc, d, fp, block, io, errors)
-        if was_direct and not io.o_direct:
-            flags |= P.IO_DIRECT_FALLBACK
-            log.warning(
-                "O_DIRECT was refused with EINVAL on %s although the start-up probe "
-                "passed: this worker uses buffered IO from now on",
-                spec["storage"],
-            )
+        flags |= _direct_fallback(io, was_direct, was_read_direct, spec)
         if fetched is not None:
             read_ahead.verify_later(d, fetched, flags)  # that thread answers the job
             return None
@@ -120,6 +123,28 @@ def main(argv: list[str]) -> int:
         return rt.serve(job, exit_when_producer_gone=True, drain=read_ahead.close)
     finally:
         io.close()
+        tree.close()
+
+
+def _direct_fallback(io: KvFileIO, was_direct: bool, was_read_direct: bool, spec: dict[str, Any]) -> int:
+    """IO_DIRECT_FALLBACK, logged once, if the job just done turned O_DIRECT off; else 0."""
+    if was_direct and not io.o_direct:
+        log.warning(
+            "O_DIRECT was refused with EINVAL on %s although the start-up probe "
+            "passed: this worker uses buffered IO from now on",
+            spec["storage"],
+        )
+        return P.IO_DIRECT_FALLBACK
+    if was_read_direct and not io.read_direct:
+        log.warning(
+            "O_DIRECT reads were refused with EINVAL on %s (%s) although the start-up probe "
+            "passed: the read was retried buffered, and this worker reads buffered from now on "
+            "(writes keep O_DIRECT)",
+            spec["storage"],
+            spec.get("fs_type", "?"),
+        )
+        return P.IO_DIRECT_FALLBACK
+    return 0
 
 
 def _failure_status(
