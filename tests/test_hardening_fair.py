@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -80,33 +79,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 # ------------------------------------------------------------------ 5. a flooding client
-FLOODER = textwrap.dedent(
-    """
-    import os, sys, time
-    from hpkv.client.connection import connect
-    from hpkv.config import load_config
-    from hpkv.protocol import wire as P
-    from hpkv.protocol.keys import block_keys
-
-    c = connect(load_config(), spawn=False, name="flooder")
-    ns = c.attach_namespace(sys.argv[1], 1, 8192)
-    n = P.MAX_KEYS_PER_CALL
-    keys = block_keys(sys.argv[1], [str(i).encode() for i in range(n)])
-    c._mbox[: n * 16] = memoryview(b"".join(keys))
-    print("flooding", flush=True)
-    seq = 0
-    while True:  # big lookups as fast as the ring takes them; answers read only to keep it going
-        seq += 1
-        c._req.push(P.LOOKUP, seq, ns.ns_id, n, timeout=5.0)
-        while c._resp.try_pop() is not None:
-            pass
-    """
-)
-
-
 def test_a_client_flooding_its_ring_does_not_starve_another_clients_lookups(server):
     flooder = subprocess.Popen(
-        [sys.executable, "-c", FLOODER, FP],
+        [sys.executable, "-m", "hpkv.testing.flood", FP],
         env=server.env,
         stdout=subprocess.PIPE,
         start_new_session=True,
