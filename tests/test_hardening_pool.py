@@ -1,0 +1,203 @@
+"""Issue 26, items 7 and 12: the pool's file system full, and what engines' KV caches need of it.
+
+Each test mounts a small tmpfs of its own (root) as the pool's file system, so that
+"full" is real: the kernel refuses pages, and a process touching an unbacked page of
+a mapping takes SIGBUS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hpkv.client.connection import HpkvError, connect
+from hpkv.common.pool import PoolFile
+from hpkv.engine.index import Index, Namespace
+from hpkv.protocol import wire as P
+from hpkv.protocol.keys import block_keys, namespace_fingerprint
+from hpkv.testing.server import ServerProcess, private_env
+
+MIB = 1 << 20
+FP = namespace_fingerprint({"model": "pool-hardening", "layers": 2})
+SLOT = MIB
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (root only)")
+
+
+@contextlib.contextmanager
+def tmpfs(path: str, size: int) -> Iterator[str]:
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", path], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=False)
+
+
+def fill(directory: str) -> str:
+    """Take every free byte of ``directory``'s file system; returns the filler's path."""
+    path = os.path.join(directory, "filler")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        off = 0
+        for chunk in (MIB, 4096):
+            while True:
+                try:
+                    os.posix_fallocate(fd, off, chunk)
+                except OSError as exc:
+                    assert exc.errno == errno.ENOSPC, exc
+                    break
+                off += chunk
+    finally:
+        os.close(fd)
+    return path
+
+
+def allocated(path: str) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+def touch_slots_in_a_child(pool_path: str, offsets: list[int]) -> int:
+    """Write into each slot from another process that maps the pool (as a transfer worker or
+    SGLang's in-process backend does); its exit status (-SIGBUS when a page has no memory)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            fd = os.open(pool_path, os.O_RDWR)
+            mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
+            for off in offsets:
+                mm[off] = 1
+                mm[off + SLOT - 1] = 1
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+@pytest.fixture
+def sparse_pool_on_a_full_fs(tmp_path) -> Iterator[tuple[ServerProcess, Any]]:
+    """A server whose 512 MiB pool is still mostly sparse when its file system fills up, and a
+    client attached (with a 1 MiB-slot namespace) before that."""
+    with tmpfs(str(tmp_path / "shm"), 512 * MIB + 32 * MIB) as mnt:  # the pool, stats, rings
+        env = private_env("512m", HPKV_SHARE_MEM_FILE_PATH=os.path.join(mnt, "hpkv"))
+        srv = ServerProcess(env).start()
+        try:
+            assert srv.proc is not None
+            with connect(srv.cfg, spawn=False, call_timeout=30.0) as c:
+                c.ns = c.attach_namespace(FP, 1, SLOT)
+                os.kill(srv.proc.pid, signal.SIGSTOP)  # its warmer takes no more meanwhile
+                try:
+                    warm = allocated(os.path.join(srv.pool_dir, P.POOL_FILE))
+                    assert warm <= 384 * MIB, (
+                        f"the pool was warmed to {warm // MIB} MiB before the test could fill"
+                    )
+                    fill(mnt)
+                finally:
+                    os.kill(srv.proc.pid, signal.SIGCONT)
+                yield srv, c
+        finally:
+            srv.cleanup()
+
+
+def reserve_all(c, ns_id: int, n: int, tag: bytes) -> np.ndarray:
+    keys = block_keys(FP, [tag + b"%d" % i for i in range(n)])
+    return np.concatenate([c.reserve(ns_id, keys[i : i + 64])[:, 0] for i in range(0, n, 64)])
+
+
+# ------------------------------------------------------------------ 7. a full pool file system
+@needs_root
+def test_a_full_pool_file_system_skips_saves_logs_it_and_no_process_takes_sigbus(sparse_pool_on_a_full_fs):
+    srv, c = sparse_pool_on_a_full_fs
+    pool_path = os.path.join(srv.pool_dir, P.POOL_FILE)
+    offsets = reserve_all(c, c.ns.ns_id, 512, b"full")
+    handed = [int(o) for o in offsets if o >= 0]
+    status = touch_slots_in_a_child(pool_path, handed)
+    assert status == 0, f"a process touching a handed-out slot died (status {status}; -7 is SIGBUS)"
+    assert (offsets == -2).any(), "the file system is full: some reserves must be skipped"
+    assert max(handed) + SLOT <= allocated(pool_path), "a slot was handed out over unreserved memory"
+    assert c.stats()["server"]["pid"] == srv.proc.pid  # and the server serves on
+    log = srv.log()
+    assert f"the file system of {srv.pool_dir} is full" in log, log[-3000:]
+    assert "bytes needed at offset" in log and "free" in log
+    assert "Traceback" not in log, log[-3000:]
+
+
+@needs_root
+def test_hello_on_a_full_pool_file_system_is_refused_with_the_reason_not_an_internal_error(
+    sparse_pool_on_a_full_fs,
+):
+    srv, _ = sparse_pool_on_a_full_fs
+    with pytest.raises(HpkvError) as info:
+        connect(srv.cfg, spawn=False, call_timeout=30.0)
+    msg = str(info.value)
+    assert "internal" not in msg, msg
+    assert srv.pool_dir in msg and "No space left on device" in msg, msg
+    assert "Traceback" not in srv.log()
+    assert not [n for n in os.listdir(srv.pool_dir) if n.startswith("c2.")], "the refused client left files"
+
+
+@needs_root
+def test_warming_resumes_when_space_returns_and_saves_find_slots_again(sparse_pool_on_a_full_fs):
+    srv, c = sparse_pool_on_a_full_fs
+    pool_path = os.path.join(srv.pool_dir, P.POOL_FILE)
+    assert (reserve_all(c, c.ns.ns_id, 512, b"a") == -2).any()
+    os.unlink(os.path.join(os.path.dirname(srv.pool_dir), "filler"))
+    deadline = time.monotonic() + 120  # minutes at idle priority on a loaded machine
+    while allocated(pool_path) < 512 * MIB:
+        assert time.monotonic() < deadline, (
+            f"warming did not resume: {allocated(pool_path) // MIB} MiB of 512 after 120 s\n{srv.log()[-2000:]}"
+        )
+        time.sleep(0.2)
+    again = reserve_all(c, c.ns.ns_id, 64, b"b")
+    assert (again >= 0).all(), again
+    assert touch_slots_in_a_child(pool_path, [int(o) for o in again]) == 0
+    assert "memory can be reserved again" in srv.log()
+
+
+def test_a_promote_into_memory_that_cannot_be_reserved_misses_and_frees_what_it_took(tmp_path):
+    """Promote takes slots through the same allocator path as reserve: a refused reservation of
+    memory is a miss (the block stays STORED), never a slot over unbacked memory."""
+
+    class Full:
+        backed = 2 * SLOT
+
+        def reserve_to(self, end: int) -> bool:
+            return end <= self.backed
+
+    idx = Index(8 * SLOT, storage_enabled=True, memory=Full())
+    ns = Namespace(0, "n", FP, 1, SLOT)
+    idx.add_namespace(ns)
+    keys = block_keys(FP, [b"p%d" % i for i in range(4)])
+    for k in keys:
+        idx.add_stored(ns, k)
+    got = [idx.begin_promote(k) for k in keys]
+    assert [g is not None for g in got] == [True, True, False, False]
+    assert idx.alloc.used == 2 * SLOT
+
+
+def test_a_pool_file_reserves_memory_chunk_by_chunk_and_keeps_what_engines_need_free(tmp_path):
+    with tmpfs(str(tmp_path / "shm"), 96 * MIB) as mnt:
+        pool = PoolFile.create(os.path.join(mnt, "pool"), 64 * MIB)
+        try:
+            assert pool.backed == 0
+            assert pool.reserve_to(SLOT) and pool.backed == 16 * MIB  # one warm chunk, not one slot
+            assert allocated(pool.path) == 16 * MIB
+            assert pool.reserve_to(10 * MIB)  # below the reserved prefix: no system call
+            pool.keep_free = lambda: 64 * MIB  # an engine's KV cache: 80 MiB are free, 64 kept
+            assert pool.reserve_to(32 * MIB)
+            assert not pool.reserve_to(48 * MIB), "it would leave less free than an engine needs"
+            assert pool.backed == 32 * MIB
+        finally:
+            pool.close()
