@@ -13,6 +13,7 @@ import mmap
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -201,3 +202,138 @@ def test_a_pool_file_reserves_memory_chunk_by_chunk_and_keeps_what_engines_need_
             assert pool.backed == 32 * MIB
         finally:
             pool.close()
+
+
+# ------------------------------------------------------------------ 12. engines' KV-cache files
+ENGINE = r"""
+import os, sys
+from hpkv.client.connection import connect
+from hpkv.common import shm
+from hpkv.config import load_config
+from hpkv.protocol.wire import device_file_name
+
+fp, size, page = sys.argv[1], int(sys.argv[2]), 64 << 10
+c = connect(load_config(dict(os.environ)), spawn=False, call_timeout=30.0, name="fake vLLM worker")
+ns = c.attach_namespace(fp, 1, page, rank=0)
+print("attached", flush=True)
+path = os.path.join(c.dir, device_file_name(os.getpid(), 0))
+sys.stdin.readline()
+shm.create(path, size, exclusive=False)  # vLLM's KV cache, as the CPU connector places it
+print("placed", flush=True)
+sys.stdin.readline()
+c.register_device(
+    ns.ns_id, rank=0, regions=[{"path": path, "size": size}], layer_bases=[(0, 0)],
+    block_stride=page, page_bytes=page, num_blocks=size // page,
+)
+print("registered", flush=True)
+if sys.stdin.readline().strip() == "quit":  # a clean shutdown removes the file itself
+    os.unlink(path)
+    c.close()
+    sys.exit(0)
+sys.stdin.readline()
+"""
+
+
+class FakeEngine:
+    """A process that places a KV cache of ``size`` bytes in the pool directory (as the vLLM
+    worker does on the CPU backend) and registers it, step by step on the test's word."""
+
+    def __init__(self, srv: ServerProcess, size: int):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", ENGINE, FP, str(size)],
+            env={**srv.env, "PYTHONPATH": os.pathsep.join(sys.path)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.path = os.path.join(srv.pool_dir, P.device_file_name(self.proc.pid, 0))
+        self.expect("attached")
+
+    def expect(self, word: str) -> None:
+        line = self.proc.stdout.readline().strip()  # type: ignore[union-attr]
+        assert line == word, f"fake engine said {line!r}, not {word!r} (exit {self.proc.poll()})"
+
+    def step(self, word: str, then: str | None) -> None:
+        self.proc.stdin.write(word + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        if then:
+            self.expect(then)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def wait_for(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (v := cond()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return v
+
+
+def proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_killed_engines_kv_cache_file_is_removed_even_before_its_process_is_reaped():
+    """vLLM's shutdown SIGKILLs its workers: the connection closes while the process is still
+    there (a zombie until its parent reaps it), so "is it alive?" at detach says yes."""
+    with ServerProcess(private_env("64m")) as srv:
+        engine = FakeEngine(srv, 8 * MIB)
+        try:
+            engine.step("go", "placed")
+            engine.step("go", "registered")
+            os.kill(engine.proc.pid, signal.SIGKILL)  # not reaped: a zombie from now on
+            wait_for(lambda: proc_state(engine.proc.pid) == "Z", 10, "the engine to exit")
+            wait_for(lambda: "detached" in srv.log(), 10, "the server to see the engine go")
+            wait_for(
+                lambda: not os.path.exists(engine.path),
+                10,
+                f"the dead engine's KV-cache file {engine.path} to be removed\n{srv.log()[-2000:]}",
+            )
+            assert proc_state(engine.proc.pid) == "Z"
+            assert f"removed the KV-cache file {engine.path}" in srv.log()
+        finally:
+            engine.kill()
+
+
+@needs_root
+def test_warming_leaves_a_detached_engines_kv_cache_space_for_its_return(tmp_path):
+    """An engine stopped and started again (vLLM after Ctrl-C) finds the space its KV cache
+    had, even where the pool and that KV cache do not both fit (an over-committed tmpfs)."""
+    kv = 64 * MIB
+    env = private_env("768m", HPKV_SHARE_MEM_FILE_PATH=str(tmp_path / "shm" / "hpkv"))
+    with tmpfs(str(tmp_path / "shm"), 768 * MIB + 16 * MIB) as mnt, ServerProcess(env) as srv:
+        assert srv.proc is not None
+        engine = FakeEngine(srv, kv)
+        try:
+            os.kill(srv.proc.pid, signal.SIGSTOP)  # the pool is still mostly sparse: keep it so
+            try:
+                warm = allocated(os.path.join(srv.pool_dir, P.POOL_FILE))
+                assert warm <= 512 * MIB, f"the pool was warmed to {warm // MIB} MiB before the test"
+                engine.step("go", "placed")
+            finally:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+            engine.step("go", "registered")
+            engine.step("quit", None)  # the engine stops; it removes its own file
+            assert engine.proc.wait(30) == 0
+            wait_for(lambda: "detached" in srv.log(), 10, "the server to see the engine go")
+
+            def settled() -> bool:
+                st = os.statvfs(mnt)
+                return st.f_bavail * st.f_frsize < kv or "kept free for engines' KV caches" in srv.log()
+
+            wait_for(settled, 60, "the warmer to take the space or to leave it")
+            returning = os.path.join(srv.pool_dir, P.device_file_name(os.getpid(), 0))
+            try:
+                with open(returning, "wb") as f:
+                    os.posix_fallocate(f.fileno(), 0, kv)  # the engine's KV cache, again
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(returning)
+            assert "beside engines' KV-cache files" in srv.log(), "registration warns of the shortfall"
+        finally:
+            engine.kill()
