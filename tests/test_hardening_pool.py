@@ -204,6 +204,25 @@ def test_a_pool_file_reserves_memory_chunk_by_chunk_and_keeps_what_engines_need_
             pool.close()
 
 
+def test_an_in_process_mapping_of_a_sparse_pool_allocates_none_of_it(tmp_path):
+    """SGLang's in-process backend maps the pool in SGLang's process: populating that shared
+    mapping of a tmpfs file would allocate every hole (the whole pool, seconds per GiB, past
+    the server's free-space checks; with the file system full, the pages it could not get
+    are a SIGBUS later)."""
+    from hpkv.common import shm
+
+    with tmpfs(str(tmp_path / "shm"), 96 * MIB) as mnt:
+        pool = PoolFile.create(os.path.join(mnt, "pool"), 64 * MIB)
+        try:
+            assert pool.reserve_to(SLOT)
+            view = shm.map_file(pool.path, populate=False)  # as HpkvHiCacheStorage maps it
+            assert allocated(pool.path) == 16 * MIB, "mapping the pool allocated its holes"
+            view[0] = 1  # a reserved slot: fine
+            view.close()
+        finally:
+            pool.close()
+
+
 # ------------------------------------------------------------------ 12. engines' KV-cache files
 ENGINE = r"""
 import os, sys
@@ -337,3 +356,63 @@ def test_warming_leaves_a_detached_engines_kv_cache_space_for_its_return(tmp_pat
             assert "beside engines' KV-cache files" in srv.log(), "registration warns of the shortfall"
         finally:
             engine.kill()
+
+
+@needs_root
+@pytest.mark.vllm
+@pytest.mark.timeout(1500)
+def test_a_vllm_restarted_after_ctrl_c_still_places_its_kv_cache_once_the_pool_is_warm(tiny_model, tmp_path):
+    """CT-HPKV's set-up scaled down: the pool directory on a tmpfs that holds the pool and one
+    KV cache (not two), vLLM started, served, stopped with Ctrl-C; the server finishes warming;
+    vLLM started again must place its KV cache in the pool directory and load from hpkv."""
+    from hpkv.testing.server import env_without_hpkv
+    from hpkv.testing.vllm_server import SEED_KV_TRANSFER_CONFIG, VllmServer, hpkv_loads
+
+    pool, kv_gib = 512 * MIB, 1
+    mnt = str(tmp_path / "shm")
+    env = env_without_hpkv()
+    env.update(
+        HOME=str(tmp_path / "home"),
+        HPKV_SHARE_MEM_FILE_PATH=os.path.join(mnt, "hpkv"),
+        HPKV_KV_MEM_POOL_SIZE="512M",
+        VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
+    )
+    pool_path = os.path.join(env["HPKV_SHARE_MEM_FILE_PATH"], P.POOL_FILE)
+    prompt = "A " * 1400  # CT-HPKV's prompt shape, above the 1204-token threshold
+
+    def start(log: str) -> VllmServer:
+        srv = VllmServer(
+            tiny_model,
+            extra_args=["--kv-transfer-config", SEED_KV_TRANSFER_CONFIG],
+            env=env,
+            max_model_len=4096,
+            log_path=tmp_path / log,
+        )
+        servers.append(srv)
+        return srv.start().wait_ready(timeout=600)
+
+    def ask(srv: VllmServer) -> str:
+        return srv.completion(prompt, max_tokens=8, temperature=0)["choices"][0]["text"]
+
+    servers: list[VllmServer] = []
+    with tmpfs(mnt, pool + (kv_gib << 30) + 256 * MIB):
+        try:
+            srv = start("vllm.log")
+            cold = ask(srv)
+            assert srv.interrupt() is not None, "vLLM did not exit after Ctrl-C"
+            deadline = time.monotonic() + 300  # the server, still running, finishes warming
+            while allocated(pool_path) < pool:
+                assert time.monotonic() < deadline, f"pool warm: {allocated(pool_path) // MIB} MiB"
+                time.sleep(0.5)
+            srv = start("vllm-restarted.log")
+            log = srv.log_tail(100_000)
+            assert "cannot place" not in log, log[-3000:]
+            before = hpkv_loads(env)
+            assert ask(srv) == cold
+            assert hpkv_loads(env)["dram"] > before["dram"], "the restarted vLLM loads from hpkv's pool"
+            assert "could not be loaded" not in srv.log_tail(100_000)
+        finally:
+            for s in servers:
+                s.stop()
+            subprocess.run([sys.executable, "-m", "hpkv", "stop"], env=env, capture_output=True, timeout=180)
+            ServerProcess(env).stop_spawned()
