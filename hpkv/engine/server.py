@@ -267,6 +267,7 @@ class Server:
         # path -> bytes of those registered now; the most registered at once; and the files of
         # engines that detached while their process still ran (removed once it is gone).
         self._kv_files: dict[str, int] = {}
+        self._kv_bytes = 0  # their sum: read by the pool's warmers, so one int, never the dict
         self._kv_peak = 0
         self._kv_orphans: dict[str, int] = {}
         self._hot_handlers = {
@@ -1284,15 +1285,19 @@ class Server:
         """Bytes of the pool's file system the pool must leave free: the KV-cache files of
         engines that registered before and are not registered now (a vLLM restarted after
         Ctrl-C needs its file's space again; the pool warming meanwhile must not take it)."""
-        return max(self._kv_peak - sum(self._kv_files.values()), 0)
+        return max(self._kv_peak - self._kv_bytes, 0)
 
     def _count_kv_files(self, dev: Device) -> None:
         for region in dev.spec["regions"]:
             path = region["path"]
             if os.path.dirname(path) == self.dir and P.device_file_pid(os.path.basename(path)) is not None:
-                self._kv_files[path] = os.stat(path).st_size
+                try:
+                    self._kv_files[path] = os.stat(path).st_size
+                except OSError:
+                    self._kv_files[path] = region["size"]
                 self._kv_orphans.pop(path, None)  # its engine came back
-        self._kv_peak = max(self._kv_peak, sum(self._kv_files.values()))
+        self._kv_bytes = sum(self._kv_files.values())
+        self._kv_peak = max(self._kv_peak, self._kv_bytes)
         self._check_space(f"when client {dev.client_id} registered its KV cache")
 
     def _release_kv_files(self, dev: Device) -> None:
@@ -1303,6 +1308,7 @@ class Server:
             path = region["path"]
             if self._kv_files.pop(path, None) is None:
                 continue
+            self._kv_bytes = sum(self._kv_files.values())
             pid = P.device_file_pid(os.path.basename(path))
             if pid is not None:
                 self._kv_orphans[path] = pid
@@ -1332,7 +1338,7 @@ class Server:
         free = free_bytes(self.dir)
         to_reserve = pool.size - pool.backed  # at most
         kept = self._kv_space_kept()
-        engines = sum(self._kv_files.values())
+        engines = self._kv_bytes
         if free - kept >= to_reserve:
             return
         short = to_reserve - (free - kept)
