@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 
 from hpkv.client.connection import HpkvError, connect
@@ -358,13 +359,33 @@ def test_warming_leaves_a_detached_engines_kv_cache_space_for_its_return(tmp_pat
             engine.kill()
 
 
+@contextlib.contextmanager
+def late_reaper() -> Iterator[None]:
+    """Make this process the reaper of its orphaned descendants (PR_SET_CHILD_SUBREAPER) and
+    reap them only at the end, as a container's init that reaps late does: a vLLM worker
+    SIGKILLed by vLLM's shutdown then stays a zombie, its pid still taken."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    try:
+        yield
+    finally:
+        libc.prctl(36, 0, 0, 0, 0)
+        for child in psutil.Process().children():
+            if child.status() == psutil.STATUS_ZOMBIE:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(child.pid, os.WNOHANG)
+
+
 @needs_root
 @pytest.mark.vllm
 @pytest.mark.timeout(1500)
 def test_a_vllm_restarted_after_ctrl_c_still_places_its_kv_cache_once_the_pool_is_warm(tiny_model, tmp_path):
-    """CT-HPKV's set-up scaled down: the pool directory on a tmpfs that holds the pool and one
-    KV cache (not two), vLLM started, served, stopped with Ctrl-C; the server finishes warming;
-    vLLM started again must place its KV cache in the pool directory and load from hpkv."""
+    """CT-HPKV's sequence, scaled down: the pool directory on a tmpfs that holds the pool and
+    one KV cache (not two); vLLM started, served, stopped with Ctrl-C (its shutdown SIGKILLs
+    its worker, which stays a zombie until reaped); the server finishes warming; vLLM started
+    again must place its KV cache in the pool directory and load from hpkv."""
     from hpkv.testing.server import env_without_hpkv
     from hpkv.testing.vllm_server import SEED_KV_TRANSFER_CONFIG, VllmServer, hpkv_loads
 
@@ -377,7 +398,7 @@ def test_a_vllm_restarted_after_ctrl_c_still_places_its_kv_cache_once_the_pool_i
         HPKV_KV_MEM_POOL_SIZE="512M",
         VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
     )
-    pool_path = os.path.join(env["HPKV_SHARE_MEM_FILE_PATH"], P.POOL_FILE)
+    pool_dir = env["HPKV_SHARE_MEM_FILE_PATH"]
     prompt = "A " * 1400  # CT-HPKV's prompt shape, above the 1204-token threshold
 
     def start(log: str) -> VllmServer:
@@ -394,19 +415,26 @@ def test_a_vllm_restarted_after_ctrl_c_still_places_its_kv_cache_once_the_pool_i
     def ask(srv: VllmServer) -> str:
         return srv.completion(prompt, max_tokens=8, temperature=0)["choices"][0]["text"]
 
+    def kv_files() -> list[str]:
+        return sorted(n for n in os.listdir(pool_dir) if n.startswith(P.DEVICE_FILE_PREFIX))
+
     servers: list[VllmServer] = []
-    with tmpfs(mnt, pool + (kv_gib << 30) + 256 * MIB):
+    with tmpfs(mnt, pool + (kv_gib << 30) + 256 * MIB), late_reaper():
         try:
             srv = start("vllm.log")
             cold = ask(srv)
+            first = kv_files()
             assert srv.interrupt() is not None, "vLLM did not exit after Ctrl-C"
             deadline = time.monotonic() + 300  # the server, still running, finishes warming
-            while allocated(pool_path) < pool:
-                assert time.monotonic() < deadline, f"pool warm: {allocated(pool_path) // MIB} MiB"
+            while allocated(os.path.join(pool_dir, P.POOL_FILE)) < pool:
+                assert time.monotonic() < deadline, "the pool did not finish warming"
                 time.sleep(0.5)
             srv = start("vllm-restarted.log")
             log = srv.log_tail(100_000)
-            assert "cannot place" not in log, log[-3000:]
+            assert "cannot place" not in log, (first, kv_files(), log[-3000:])
+            assert not set(first) & set(kv_files()), (
+                f"the stopped vLLM's KV-cache file {first} is still there"
+            )
             before = hpkv_loads(env)
             assert ask(srv) == cold
             assert hpkv_loads(env)["dram"] > before["dram"], "the restarted vLLM loads from hpkv's pool"
@@ -416,3 +444,21 @@ def test_a_vllm_restarted_after_ctrl_c_still_places_its_kv_cache_once_the_pool_i
                 s.stop()
             subprocess.run([sys.executable, "-m", "hpkv", "stop"], env=env, capture_output=True, timeout=180)
             ServerProcess(env).stop_spawned()
+
+
+@needs_root
+def test_a_kv_cache_that_does_not_fit_names_the_cause_in_the_log_and_in_every_failed_load(tmp_path, caplog):
+    from hpkv.connectors.vllm.worker import WorkerSide
+
+    with tmpfs(str(tmp_path / "shm"), 16 * MIB) as mnt:
+        side = WorkerSide(None, 0, mnt, "cpu", open_store=lambda spec: None)  # type: ignore[arg-type]
+        with caplog.at_level("ERROR", logger="vllm.hpkv"):
+            assert side._alloc_shared_kv(64 * MIB) is None
+        assert not side.enabled
+        text = caplog.text
+        assert "cannot place the 67108864-byte KV cache" in text and "No space left on device" in text
+        assert "bytes free of 16777216" in text, text
+        why = side.unavailable_reason()
+        assert "no hpkv server" not in why
+        assert "KV cache did not fit" in why and mnt in why and "No space left on device" in why, why
+        assert not os.listdir(mnt), "the partial KV-cache file is removed"

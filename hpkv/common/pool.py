@@ -255,7 +255,10 @@ class PoolFile:
             if self._fd is None:
                 return False  # shut down
             keep = max(int(self.keep_free()), 0)
-            need = end - start  # at most; part of it may be reserved already
+            # What is not reserved yet (the top-down warmer may have reserved part of it)
+            need = (end - start) - sum(
+                max(min(e, end) - max(s, start), 0) for s, e in self._backed_ranges.items()
+            )
             free = 0
             try:
                 st = os.fstatvfs(self._fd)
@@ -266,7 +269,7 @@ class PoolFile:
                 elif keep and free - need < keep:
                     err = f"{keep} bytes are kept free for engines' KV caches"
                 else:
-                    os.posix_fallocate(self._fd, start, need)
+                    os.posix_fallocate(self._fd, start, end - start)
                     err = ""
             except OSError as exc:
                 err = exc.strerror or str(exc)
