@@ -20,12 +20,21 @@ idle priority.
 Workers map the file without populating and fill their page tables up to what the
 server has warmed. A copy that reaches a page before the warmer pays the
 first-touch cost itself; it never waits for the warmer.
+
+A slot is never handed out over memory that does not exist yet: a process touching a
+page that a full tmpfs cannot back takes SIGBUS (a transfer worker, or SGLang itself,
+which maps the pool in-process). So the server calls :meth:`PoolFile.reserve_to` for a
+slot that ends beyond the reserved prefix (one fallocate per new chunk, never per slot);
+when the file system is full, or only the space engines' KV caches need is left
+(``keep_free``), the slot is refused (reserve skips, promote misses) and warming waits
+until space returns.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -35,6 +44,8 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+
+from hpkv.common.ratelimit import RateLimitedLog
 
 log = logging.getLogger("hpkv.pool")
 
@@ -47,6 +58,7 @@ WARM_URGENT = 256 << 20  # warmed at normal priority beyond the allocator's high
 WARM_AHEAD = 2 << 30  # warmed at nice WARM_AHEAD_NICE beyond it
 WARM_AHEAD_NICE = 10
 WARM_POLL_S = 0.1
+SPACE_RETRY_S = 1.0  # a warmer stopped by a full file system looks again this often
 SCHED_IDLE = getattr(os, "SCHED_IDLE", 5)
 
 
@@ -83,6 +95,16 @@ class PoolFile:
         self._warmers: list[threading.Thread] = []
         self._done_ranges: dict[int, int] = {}  # warmed, not yet part of the ready prefix
         self._ready = 0  # [0, ready) is warm
+        # [0, backed) is fallocated (creator only): a slot below it can be handed out without
+        # a system call. Ranges reserved beyond it (the top-down warmer) wait in _backed_ranges.
+        self.backed = size if fd is None else 0
+        self._backed_ranges: dict[int, int] = {}
+        self._reserve_lock = threading.Lock()  # one fallocate at a time: the space check holds
+        #: bytes of the pool's file system to leave free (what engines' KV caches need)
+        self.keep_free: Callable[[], int] = lambda: 0
+        self.space_short = False  # the last reservation found no space
+        self._retry_at = 0.0  # monotonic time before which reserve_to does not try again
+        self._space_log = RateLimitedLog(log, interval=30.0)
 
     @classmethod
     def create(cls, path: str, size: int) -> PoolFile:
@@ -190,21 +212,14 @@ class PoolFile:
                 return
 
     def _warm_range(self, start: int, end: int) -> bool:
-        """Reserve and lock (or populate) ``[start, end)``; False when warming must stop."""
+        """Reserve and lock (or populate) ``[start, end)``; False when warming must stop.
+
+        With the file system full (or down to what engines need) this waits and retries:
+        warming resumes once space returns."""
         n = end - start
         try:
-            if self._fd is not None:
-                try:
-                    os.posix_fallocate(self._fd, start, n)
-                except OSError as exc:
-                    log.error(
-                        "pool %s: cannot reserve memory at offset %d (%s): the file system of "
-                        "the pool is full; lower HPKV_KV_MEM_POOL_SIZE or free space in it. "
-                        "Copies into the pool may fail (and are recomputed) meanwhile",
-                        self.path,
-                        start,
-                        exc.strerror,
-                    )
+            while self._fd is not None and not self._reserve(start, end, "warming"):
+                if self._stop.wait(SPACE_RETRY_S):
                     return False
             addr = ctypes.c_void_p(self.address + start)
             if self._locking and _libc.mlock(addr, ctypes.c_size_t(n)) != 0:
@@ -218,6 +233,87 @@ class PoolFile:
             return False  # the mapping was closed under us at shutdown
         self._warmed(start, end)
         return True
+
+    def reserve_to(self, end: int) -> bool:
+        """Make the pool's memory below ``end`` exist before a slot ending there is handed out
+        (tmpfs pages that cannot be allocated are a SIGBUS in whoever touches them). Reserves
+        whole warm chunks; False when the file system has no room for them (logged). Cheap
+        when ``end`` is below :attr:`backed` (the caller checks that first)."""
+        if end <= self.backed:
+            return True
+        if time.monotonic() < self._retry_at:  # full a moment ago: the hot path pays nothing
+            return False
+        start = self.backed  # reserving part of it again (another thread's) costs little
+        return self._reserve(start, min(-(-end // WARM_CHUNK) * WARM_CHUNK, self.size), "a slot")
+
+    def _reserve(self, start: int, end: int, purpose: str) -> bool:
+        """fallocate ``[start, end)`` if the file system can spare it beyond ``keep_free()``.
+        One at a time: the free-space check must still hold when the fallocate runs."""
+        with self._reserve_lock:
+            if end <= self.backed:
+                return True
+            if self._fd is None:
+                return False  # shut down
+            keep = max(int(self.keep_free()), 0)
+            # What is not reserved yet (the top-down warmer may have reserved part of it)
+            need = (end - start) - sum(
+                max(min(e, end) - max(s, start), 0) for s, e in self._backed_ranges.items()
+            )
+            free = 0
+            try:
+                st = os.fstatvfs(self._fd)
+                free = st.f_bavail * st.f_frsize
+                # Checked first: a fallocate that fails allocates, then frees, what it could.
+                if free < need:
+                    err = os.strerror(errno.ENOSPC)
+                elif keep and free - need < keep:
+                    err = f"{keep} bytes are kept free for engines' KV caches"
+                else:
+                    os.posix_fallocate(self._fd, start, end - start)
+                    err = ""
+            except OSError as exc:
+                err = exc.strerror or str(exc)
+            if not err:
+                self._mark_backed(start, end)
+        if err:
+            self.space_short = True
+            self._retry_at = time.monotonic() + SPACE_RETRY_S
+            self._space_log.log(
+                logging.ERROR,
+                "pool-full",
+                "pool %s: the file system of %s is full (%s): %d bytes needed at offset %d "
+                "for %s, %d free. Saves into new pool slots are skipped and promotes miss, and "
+                "warming waits, until space is freed there; or lower HPKV_KV_MEM_POOL_SIZE",
+                self.path,
+                os.path.dirname(self.path),
+                err,
+                need,
+                start,
+                purpose,
+                free,
+            )
+            return False
+        if self.space_short:
+            self.space_short = False
+            log.info("pool %s: memory can be reserved again (%d bytes free)", self.path, free - need)
+        return True
+
+    def _mark_backed(self, start: int, end: int) -> None:
+        """``[start, end)`` is reserved; advance :attr:`backed` (under ``_reserve_lock``)."""
+        if start <= self.backed:
+            backed = max(self.backed, end)
+        else:
+            self._backed_ranges[start] = max(end, self._backed_ranges.get(start, end))
+            backed = self.backed
+        merged = True
+        while merged:  # ranges reserved in any order join the prefix
+            merged = False
+            for s, e in list(self._backed_ranges.items()):
+                if s <= backed:
+                    del self._backed_ranges[s]
+                    backed = max(backed, e)
+                    merged = True
+        self.backed = backed  # one store: readers without the lock see the old or the new value
 
     def _warmed(self, start: int, end: int) -> None:
         with self._claim:
@@ -236,6 +332,10 @@ class PoolFile:
                 " and locked" if self._locking else "",
                 time.monotonic() - self._t0,
             )
+            self._close_fd()
+
+    def _close_fd(self) -> None:
+        with self._reserve_lock:  # never under a reservation that is using it
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
@@ -272,9 +372,8 @@ class PoolFile:
         deadline = time.monotonic() + timeout
         for t in self._warmers:
             t.join(max(deadline - time.monotonic(), 0.0))
-        if self._fd is not None and not any(t.is_alive() for t in self._warmers):
-            os.close(self._fd)
-            self._fd = None
+        if not any(t.is_alive() for t in self._warmers):
+            self._close_fd()
 
     def close(self) -> None:
         self.stop_warming()

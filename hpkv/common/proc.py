@@ -25,3 +25,18 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def pid_running(pid: int) -> bool:
+    """:func:`pid_alive`, but a zombie (exited, not yet reaped: e.g. a vLLM worker SIGKILLed by
+    its engine's shutdown whose parent has not waited for it) counts as gone."""
+    if not pid_alive(pid):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+    except OSError:
+        return True  # no /proc to tell: alive as far as we know
+    # "pid (comm) S ...": comm may hold spaces and parentheses; the state follows the last ')'
+    state = stat_line[stat_line.rfind(b")") + 2 : stat_line.rfind(b")") + 3]
+    return state not in (b"Z", b"X")

@@ -14,9 +14,9 @@ import os
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def map_fd(fd: int, size: int, writable: bool = True) -> mmap.mmap:
+def map_fd(fd: int, size: int, writable: bool = True, populate: bool = True) -> mmap.mmap:
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=prot)
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (_POPULATE if populate else 0), prot=prot)
 
 
 def create(path: str, size: int, *, exclusive: bool = True) -> mmap.mmap:
@@ -30,10 +30,12 @@ def create(path: str, size: int, *, exclusive: bool = True) -> mmap.mmap:
         os.close(fd)
 
 
-def map_file(path: str, writable: bool = True) -> mmap.mmap:
-    """Map an existing file whole."""
+def map_file(path: str, writable: bool = True, populate: bool = True) -> mmap.mmap:
+    """Map an existing file whole. ``populate=False`` for a file that may still be sparse (the
+    pool): populating a shared mapping of a tmpfs hole allocates the page, so it would
+    allocate the whole file, outside the server's accounting of its file system."""
     fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
     try:
-        return map_fd(fd, os.fstat(fd).st_size, writable)
+        return map_fd(fd, os.fstat(fd).st_size, writable, populate)
     finally:
         os.close(fd)

@@ -45,6 +45,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Protocol
 
 import numpy as np
 
@@ -134,6 +135,15 @@ class PoolAllocator:
         return self.capacity - self.used
 
 
+class PoolMemory(Protocol):
+    """The pool's memory as the allocator sees it (:class:`hpkv.common.pool.PoolFile`):
+    ``[0, backed)`` exists; ``reserve_to(end)`` makes ``[0, end)`` exist, or says it cannot."""
+
+    backed: int
+
+    def reserve_to(self, end: int) -> bool: ...
+
+
 class State(IntEnum):
     RESERVED = 1
     READY = 2
@@ -202,8 +212,10 @@ class Index:
         pool_capacity: int,
         storage_enabled: bool = False,
         on_evict: Callable[[Block], None] | None = None,
+        memory: PoolMemory | None = None,
     ):
         self.alloc = PoolAllocator(pool_capacity)
+        self.memory = memory  # None: every byte of the pool exists (tests)
         self.storage_enabled = storage_enabled
         self.blocks: dict[bytes, Block] = {}  # key -> block; the key belongs to block.ns
         # key -> (ns id, Tier) of every block a lookup can hit (READY: DRAM, STORED: storage).
@@ -283,10 +295,16 @@ class Index:
         return True
 
     def _alloc_slot(self, size: int) -> int | None:
+        """A slot whose memory exists: a slot beyond what the file system could reserve is
+        given back and an LRU block evicted instead (its slot lies below, reserved already)."""
+        mem = self.memory
         while True:
             off = self.alloc.alloc(size)
             if off is not None:
-                return off
+                end = off + align_up(size)
+                if mem is None or end <= mem.backed or mem.reserve_to(end):
+                    return off
+                self.alloc.free(off, size)
             if not self._evict_one():
                 return None
 

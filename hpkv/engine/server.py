@@ -39,11 +39,11 @@ import numpy as np
 from hpkv.common import shm
 from hpkv.common.numa import device_cpus, format_cpulist
 from hpkv.common.pool import PoolFile
-from hpkv.common.proc import PID_MAX, pid_alive, valid_pid
+from hpkv.common.proc import PID_MAX, pid_alive, pid_running, valid_pid
 from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.common.security import open_nofollow, open_private_dir, peer_allowed, peer_credentials
 from hpkv.common.text import printable
-from hpkv.config import Config, ConfigError, check_runtime, format_size
+from hpkv.config import Config, ConfigError, check_runtime, format_size, free_bytes
 from hpkv.engine.cuda_worker import validate_cuda
 from hpkv.engine.index import Index, Namespace
 from hpkv.engine.logs import setup_logging
@@ -278,6 +278,13 @@ class Server:
         self._max_conns = cfg["HPKV_MAX_CONTROL_CONNECTIONS"]
         self._spare_fd: int | None = None  # closed to accept and refuse when out of descriptors
         self._accept_paused_until = 0.0
+        # Engines' KV-cache files in the pool directory share its file system with the pool:
+        # path -> bytes of those registered now; the most registered at once; and the files of
+        # engines that detached while their process still ran (removed once it is gone).
+        self._kv_files: dict[str, int] = {}
+        self._kv_bytes = 0  # their sum: read by the pool's warmers, so one int, never the dict
+        self._kv_peak = 0
+        self._kv_orphans: dict[str, int] = {}
         self._hot_handlers = {
             P.LOOKUP: self._hot_lookup,
             P.RESERVE: self._hot_reserve,
@@ -348,7 +355,7 @@ class Server:
                 name in (P.POOL_FILE, P.SOCKET_FILE, "stats")
                 or name.endswith(P.OWNED_SUFFIXES)
                 or ".tmp" in name
-                or (engine_pid is not None and not pid_alive(engine_pid))
+                or (engine_pid is not None and not pid_running(engine_pid))
             ):
                 try:
                     os.unlink(os.path.join(self.dir, name))
@@ -382,7 +389,9 @@ class Server:
             time.monotonic() - t0,
         )
         self.stats = StatsSegment.create(self.dir)
-        self.index = Index(size, storage_enabled=self.cfg.storage_path is not None)
+        self.index = Index(size, storage_enabled=self.cfg.storage_path is not None, memory=self.pool)
+        self.pool.keep_free = self._kv_space_kept
+        self._check_space("at start")
         self.pool.warm_in_background(
             lock=True,
             progress=self._pool_warm_progress,
@@ -1210,22 +1219,42 @@ class Server:
             cid = self._next_cid
             self._next_cid += 1
         mbox_path = os.path.join(self.dir, f"c{cid}.mbox")
-        rings: list[Ring] = []
-        try:  # out of descriptors or memory, nothing half made is left behind
-            rings.append(
+        made: list[Ring] = []
+        try:  # out of descriptors, memory or space: nothing half made is left behind
+            made.append(
                 Ring.create(
                     self.dir, f"c{cid}.req", capacity=P.RING_CAPACITY, role="consumer", doorbell=self.doorbell
                 )
             )
-            rings.append(Ring.create(self.dir, f"c{cid}.resp", capacity=P.RING_CAPACITY, role="producer"))
+            made.append(Ring.create(self.dir, f"c{cid}.resp", capacity=P.RING_CAPACITY, role="producer"))
             mbox = np.frombuffer(shm.create(mbox_path, P.MAILBOX_BYTES), dtype=np.uint8)
-        except BaseException:
-            for ring in rings:
-                ring.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(mbox_path)
-            raise
-        req, resp = rings
+        except BaseException as exc:
+            for ring in made:
+                with contextlib.suppress(Exception):
+                    ring.close()
+            for name in (f"c{cid}.req.ring", f"c{cid}.resp.ring", f"c{cid}.mbox"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.dir, name))
+            if not isinstance(exc, OSError) or exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise  # out of descriptors: the hello refuses it as such
+            # A full pool file system (the rings and the mailbox are files beside the pool)
+            # refuses this client with the reason; the server and its other clients go on.
+            free = free_bytes(self.dir)
+            self._errors.log(
+                logging.ERROR,
+                "client-files",
+                "cannot attach pid %d: its rings and mailbox in %s: %s (%d bytes free there)",
+                pid,
+                self.dir,
+                exc.strerror,
+                free,
+            )
+            raise HpkvError(
+                f"the hpkv server cannot make this client's rings and mailbox in {self.dir}: "
+                f"{exc.strerror} ({free} bytes free there); free space in that file system",
+                -(exc.errno or errno.EIO),
+            ) from None
+        req, resp = made
         c = Client(cid, pid, conn, req, resp, mbox_path, mbox, name=name, uid=uid)
         if uid != os.geteuid():  # a member of HPKV_ALLOW_GROUP: it maps these files too
             for path in (req.path, resp.path, mbox_path, self.pool.path, self.doorbell.path, self.stats.path):
@@ -1249,12 +1278,7 @@ class Server:
             for w in dev.workers:
                 w.stop()
                 self.workers.remove(w)
-            for region in dev.spec["regions"]:  # an engine's KV cache file, if it died without removing it
-                name = os.path.basename(region["path"])
-                pid = P.device_file_pid(name)
-                if pid is not None and os.path.dirname(region["path"]) == self.dir and not pid_alive(pid):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(region["path"])
+            self._release_kv_files(dev)
         pins = self.index.take_pins(c.cid)
         retired = self.index.retire(self.index.owned_reservations(c.cid))
         if self.storage is not None:
@@ -1399,6 +1423,7 @@ class Server:
             answer.append({"req": w.req_name, "resp": w.resp_name, "jobs": w.jobs_path})
         c.devices.append(dev)
         c.writer_ranks.add((ns.ns_id, rank))
+        self._count_kv_files(dev)
         self._device_registered = True  # the pool is about to be used: warm it in earnest
         self._catalog_dirty = True
         log.info(
@@ -1411,6 +1436,83 @@ class Server:
             n_workers,
         )
         return {"ok": True, "device_id": dev_id, "workers": answer}
+
+    # ================================================================ engines' KV-cache files
+    def _kv_space_kept(self) -> int:
+        """Bytes of the pool's file system the pool must leave free: the KV-cache files of
+        engines that registered before and are not registered now (a vLLM restarted after
+        Ctrl-C needs its file's space again; the pool warming meanwhile must not take it)."""
+        return max(self._kv_peak - self._kv_bytes, 0)
+
+    def _count_kv_files(self, dev: Device) -> None:
+        for region in dev.spec["regions"]:
+            path = region["path"]
+            if os.path.dirname(path) == self.dir and P.device_file_pid(os.path.basename(path)) is not None:
+                try:
+                    self._kv_files[path] = os.stat(path).st_size
+                except OSError:
+                    self._kv_files[path] = region["size"]
+                self._kv_orphans.pop(path, None)  # its engine came back
+        self._kv_bytes = sum(self._kv_files.values())
+        self._kv_peak = max(self._kv_peak, self._kv_bytes)
+        self._check_space(f"when client {dev.client_id} registered its KV cache")
+
+    def _release_kv_files(self, dev: Device) -> None:
+        """The device's engine detached: its KV-cache file is removed once its process is gone
+        (vLLM's shutdown SIGKILLs its workers, which cannot remove it themselves; the
+        connection closes before the process is reaped, so that may be later)."""
+        for region in dev.spec["regions"]:
+            path = region["path"]
+            if self._kv_files.pop(path, None) is None:
+                continue
+            self._kv_bytes = sum(self._kv_files.values())
+            pid = P.device_file_pid(os.path.basename(path))
+            if pid is not None:
+                self._kv_orphans[path] = pid
+        if self._kv_orphans:
+            self._remove_orphan_kv_files()
+
+    def _remove_orphan_kv_files(self) -> None:
+        for path, pid in list(self._kv_orphans.items()):
+            if pid_running(pid):
+                continue
+            del self._kv_orphans[path]
+            try:
+                size = os.stat(path).st_size
+                os.unlink(path)
+            except FileNotFoundError:
+                continue  # it removed its file itself
+            log.info(
+                "removed the KV-cache file %s (%s) of engine process %d, which has exited",
+                path,
+                format_size(size),
+                pid,
+            )
+
+    def _check_space(self, when: str) -> None:
+        """Warn when the pool cannot be fully allocated beside the engines' KV-cache files."""
+        pool = self.pool
+        free = free_bytes(self.dir)
+        to_reserve = pool.size - pool.backed  # at most
+        kept = self._kv_space_kept()
+        engines = self._kv_bytes
+        if free - kept >= to_reserve:
+            return
+        short = to_reserve - (free - kept)
+        log.warning(
+            "%s: the file system of %s has %s free, but the pool still needs up to %s to be "
+            "fully allocated (HPKV_KV_MEM_POOL_SIZE %s) beside engines' KV-cache files (%s "
+            "registered now, %s kept free for engines that return): the pool stops growing "
+            "about %s short. Enlarge that file system or lower HPKV_KV_MEM_POOL_SIZE by that much",
+            when,
+            self.dir,
+            format_size(free),
+            format_size(to_reserve),
+            format_size(pool.size),
+            format_size(engines),
+            format_size(kept),
+            format_size(short),
+        )
 
     def _free_worker_slot(self) -> int:
         used = {w.slot for w in self.workers}
@@ -1446,6 +1548,8 @@ class Server:
                     self._drop_client(c, reason=f"process {c.pid} exited")
             self._expire_leases()
             self._release_due()
+            if self._kv_orphans:
+                self._remove_orphan_kv_files()
             if self.storage is not None and self.storage.catalog_dirty:
                 self.storage.catalog_dirty = False
                 self._catalog_dirty = True

@@ -282,7 +282,10 @@ class HpkvHiCacheStorage(HiCacheStorage):
                     num_blocks=lay.num_pages,
                 )
             else:
-                self._pool_map = np.frombuffer(shm.map_file(client.pool_path), np.uint8)
+                # Not populated: the pool may still be sparse, and populating would allocate
+                # all of it here (seconds per GiB, and past the server's free-space checks).
+                # Only slots the server handed out are touched, and their memory exists.
+                self._pool_map = np.frombuffer(shm.map_file(client.pool_path, populate=False), np.uint8)
             self.ns_id = ns.ns_id
         except Exception:
             client.close()

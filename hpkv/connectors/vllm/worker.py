@@ -31,7 +31,7 @@ from hpkv.connectors.promote import load_in_parts
 from hpkv.connectors.reconnect import Reconnecting
 from hpkv.connectors.vllm.layout import Layout, describe_kv
 from hpkv.connectors.vllm.metadata import HpkvConnectorStats, HpkvMetadata, LoadOp
-from hpkv.protocol.wire import device_file_name
+from hpkv.protocol.wire import POOL_FILE, device_file_name, device_file_pid
 
 log = logging.getLogger("vllm.hpkv")
 
@@ -60,6 +60,7 @@ class WorkerSide:
         self.layout = layout
         self.rank = rank
         self.enabled = True
+        self.disabled_reason = ""  # why hpkv is off on this worker, for the per-request warning
         self.ns_id = -1
         self.stats = HpkvConnectorStats()
         self.promote_part_bytes = 0  # one part; the connector sets HPKV_PROMOTE_PART_SIZE
@@ -122,17 +123,24 @@ class WorkerSide:
             os.makedirs(self._pool_dir, mode=0o700, exist_ok=True)
             mm = shm.create(path, nbytes, exclusive=False)
         except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            usage = pool_dir_usage(self._pool_dir)
             log.error(
-                "hpkv: cannot place the %d-byte KV cache in shared memory at %s (%s): hpkv is "
-                "disabled on this worker; free space in %s or lower --gpu-memory-utilization",
+                "hpkv: cannot place the %d-byte KV cache in shared memory at %s (%s): %s. hpkv is "
+                "disabled on this worker and every request recomputes: free space in %s (or "
+                "enlarge it), lower HPKV_KV_MEM_POOL_SIZE, or lower VLLM_CPU_KVCACHE_SPACE",
                 nbytes,
                 path,
                 exc.strerror,
+                usage,
                 self._pool_dir,
             )
-            with contextlib.suppress(OSError):
-                os.unlink(path)
             self.enabled = False
+            self.disabled_reason = (
+                f"hpkv is disabled on this worker: its {nbytes}-byte KV cache did not fit in "
+                f"{self._pool_dir} ({exc.strerror}; {usage})"
+            )
             return None
         self._kv_file, self._kv_mmap = path, mm
         t = torch.frombuffer(mm, dtype=torch.int8)
@@ -169,7 +177,7 @@ class WorkerSide:
             if client is None:
                 # The scheduler promised these blocks; if this worker cannot deliver them (hpkv
                 # disabled here, or unreachable), vLLM must recompute them, never read garbage.
-                self._fail_loads([b for op in now for b in op.block_ids], "no hpkv server")
+                self._fail_loads([b for op in now for b in op.block_ids], self.unavailable_reason())
             else:
                 self.load(client, self.ns_id, now, self.hpkv.lost)
         for op in meta.loads:
@@ -192,7 +200,7 @@ class WorkerSide:
         blocks = [b for op in ops for b in op.block_ids]
         device = self._device
         if device is None:
-            self._fail_loads(blocks, "no hpkv server")
+            self._fail_loads(blocks, self.unavailable_reason())
             return
         t0 = time.perf_counter()
         keys = [k for op in ops for k in op.keys]
@@ -232,6 +240,12 @@ class WorkerSide:
             elapsed = time.perf_counter() - t0
             s["load_time_s"] += elapsed
             s["load_time_storage_s" if len(missing) else "load_time_dram_s"] += elapsed
+
+    def unavailable_reason(self) -> str:
+        """Why this worker cannot load now: hpkv disabled here (and why), or no server."""
+        if self.enabled:
+            return "no hpkv server"
+        return self.disabled_reason or "hpkv is disabled on this worker"
 
     def _fail_loads(self, block_ids: list[int], why: str) -> None:
         with self._lock:
@@ -293,6 +307,35 @@ class WorkerSide:
                 os.unlink(self._kv_file)  # the mapping stays valid while vLLM still uses it
 
 
+def pool_dir_usage(pool_dir: str) -> str:
+    """What fills the pool directory's file system, in words (for a failed KV-cache placement)."""
+    try:
+        st = os.statvfs(pool_dir)
+    except OSError as exc:
+        return f"its file system cannot be read: {exc.strerror}"
+    parts = [f"{st.f_bavail * st.f_frsize} bytes free of {st.f_blocks * st.f_frsize}"]
+    pool = engines = 0
+    gone: list[str] = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(pool_dir):
+            with contextlib.suppress(OSError):
+                used = entry.stat(follow_symlinks=False).st_blocks * 512  # allocated, not apparent
+                pid = device_file_pid(entry.name)
+                if entry.name == POOL_FILE:
+                    pool = used
+                elif pid is not None and pid != os.getpid():
+                    engines += used
+                    try:
+                        os.kill(pid, 0)
+                    except ProcessLookupError:
+                        gone.append(f"{entry.name} of exited process {pid}")
+    parts.append(f"the hpkv pool holds {pool} bytes")
+    parts.append(f"other engines' KV-cache files {engines} bytes")
+    if gone:
+        parts.append("left behind: " + ", ".join(gone[:4]))
+    return ", ".join(parts)
+
+
 class BackgroundLoads:
     """Loads that need the disk, run while the engine steps its other requests (vLLM's async
     KV load): one thread, its own hpkv connection (a promote waits for the disk; the step
@@ -335,7 +378,7 @@ class BackgroundLoads:
                     self.hpkv.connect_now(timeout=LOAD_CONNECT_TIMEOUT_S)
                     client = self.hpkv.client
                 if client is None or not self._side.enabled:
-                    self._side._fail_loads(op.block_ids, "no hpkv server")
+                    self._side._fail_loads(op.block_ids, self._side.unavailable_reason())
                 else:
                     self._side.load(client, self.ns_id, [op], self.hpkv.lost, BACKGROUND_PROMOTE_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - the request must end; vLLM recomputes
