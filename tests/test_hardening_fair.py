@@ -341,3 +341,39 @@ def test_a_full_connection_backlog_is_reported_as_unavailable_not_a_raw_blocking
             s.close()
         mute.close()
         ServerProcess(env).cleanup()
+
+
+def test_a_client_pushing_while_its_promote_is_parked_does_not_make_the_server_spin(tmp_path):
+    """Its calls wait in its ring until the promote is answered (one call at a time per client),
+    but the ring is not watched meanwhile: the request loop sleeps instead of spinning."""
+    env = private_env(storage=str(tmp_path / "st"))
+    with ServerProcess(env) as srv, client_of(srv) as c:
+        ns = c.attach_namespace(FP, 1, 8192)
+        keys = block_keys(FP, [b"parked-%d" % i for i in range(4)])
+        assert (c.reserve(ns.ns_id, keys) >= 0).all() and c.commit(ns.ns_id, keys) == 4
+        wait_for(lambda: c.stats()["storage"]["spills"] >= 4, what="the spills")
+        c.clear(ns.ns_id)
+        assert c.lookup(ns.ns_id, keys) == (4, [2, 2, 2, 2])  # on storage only: a promote parks
+        io_pids = [w["pid"] for w in c.stats()["workers"] if w["kind"] == "io"]
+        for pid in io_pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            c._mbox[: 4 * 16] = np.frombuffer(b"".join(keys), np.uint8)
+            c._req.push(P.PROMOTE, 1000, ns.ns_id, 4, 20_000, timeout=5.0)
+            for seq in range(1001, 1101):  # queued behind the parked promote
+                c._req.push(P.LOOKUP, seq, ns.ns_id, 4, timeout=5.0)
+            time.sleep(0.3)  # the server takes the promote and parks it
+            cpu0, t0 = cpu_seconds(srv.proc.pid), time.monotonic()
+            time.sleep(1.5)  # measuring the CPU the server burns while the promote is parked
+            busy = (cpu_seconds(srv.proc.pid) - cpu0) / (time.monotonic() - t0)
+            assert busy < 0.3, f"the server used {busy:.0%} of a core while a promote was parked"
+        finally:
+            for pid in io_pids:
+                os.kill(pid, signal.SIGCONT)
+        answered = set()
+        deadline = time.monotonic() + 20
+        while len(answered) < 101:
+            d = c._resp.pop(timeout=max(deadline - time.monotonic(), 0.01))
+            assert d.status == 0, d
+            answered.add(d.seq)
+        assert answered == set(range(1000, 1101))

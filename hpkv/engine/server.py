@@ -599,7 +599,7 @@ class Server:
 
     def _answer_parked(self, c: Client, seq: int, rows: np.ndarray) -> None:
         """The storage tier finished a parked promote: answer it like a pin (request loop)."""
-        c.busy = False
+        self._park(c, False)
         if not c.alive:
             return
         c.mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + rows.nbytes] = rows.reshape(-1).view(np.uint8)
@@ -608,6 +608,13 @@ class Server:
         except RingError as exc:
             log.info("client %d: cannot answer (%s)", c.cid, exc)
         self.doorbell.ring()  # requests it queued meanwhile are taken on the next round
+
+    def _park(self, c: Client, on: bool) -> None:
+        """A parked client's next calls wait in its ring until its promote is answered; its
+        ring is unwatched meanwhile, so its pushes cannot keep the request loop spinning."""
+        c.busy = on
+        with contextlib.suppress(RingError):  # a closed ring: the client is being dropped
+            c.req.watch(not on)
 
     def _handle(self, c: Client, d) -> tuple[int | None, int, int]:
         """One hot call; returns (status, a0, a1) for the completion, status None when parked.
@@ -765,7 +772,7 @@ class Server:
             timeout = min(d.a2, MAX_PROMOTE_MS) / 1000.0  # the client waits no longer anyway
             rows = self.storage.promote(c, d.seq, ns, keys, timeout=timeout)
             if rows is None:
-                c.busy = True
+                self._park(c, True)
                 return None, 0, 0
         c.mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + rows.nbytes] = rows.reshape(-1).view(np.uint8)
         return 0, ns.world_size, 0

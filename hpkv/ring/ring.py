@@ -87,16 +87,18 @@ def set_death_notices(enabled: bool) -> None:
 class _BellState:
     """A doorbell handle and the rings bound to it in this process (shared with finalizers)."""
 
-    __slots__ = ("handle", "producers", "consumers", "array")
+    __slots__ = ("handle", "producers", "consumers", "unwatched", "array")
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
         self.producers: dict[int, Any] = {}  # id -> ring handle whose pushes ring this doorbell
-        self.consumers: dict[int, Any] = {}  # id -> ring handle that wait() watches
+        self.consumers: dict[int, Any] = {}  # id -> ring handle bound to this doorbell
+        self.unwatched: set[int] = set()  # ids of consumers that wait() ignores for now
         self.array = ffi.new("hpkv_ring *[]", 0)
 
     def rebuild(self) -> None:
-        self.array = ffi.new("hpkv_ring *[]", list(self.consumers.values()))
+        watched = [h for k, h in self.consumers.items() if k not in self.unwatched]
+        self.array = ffi.new("hpkv_ring *[]", watched)
 
     def release(self) -> None:
         if self.handle is None:
@@ -118,6 +120,7 @@ def _release_ring(
         unlink_if_ours(path, ident)
     if bell is not None:
         bell.producers.pop(key, None)
+        bell.unwatched.discard(key)
         if bell.consumers.pop(key, None) is not None:
             bell.rebuild()
     lib.hpkv_ring_unmap(handle)  # the native side closes our end only if it is still ours (fork-safe)
@@ -352,6 +355,22 @@ class Ring(ringcall.RingCall):
         if args is not None:
             _, _, fargs, _ = args
             self._fin = weakref.finalize(self, _release_ring, fargs[0], fargs[1], state, *fargs[3:])
+
+    def watch(self, on: bool) -> None:
+        """A consumer bound to a doorbell: whether the doorbell's :meth:`Doorbell.wait` returns
+        when this ring has work. A consumer that will not pop this ring for a while (its peer's
+        last call is still being answered) unwatches it, so the peer's pushes cannot keep the
+        waiter spinning; it rings the doorbell when it watches again."""
+        state = self._bell
+        if self.role != "consumer" or state is None or self._key not in state.consumers:
+            raise RingError(f"ring {self.path}: only a consumer bound to a doorbell is watched")
+        if on == (self._key not in state.unwatched):
+            return
+        if on:
+            state.unwatched.discard(self._key)
+        else:
+            state.unwatched.add(self._key)
+        state.rebuild()
 
     def close(self, unlink: bool | None = None) -> None:
         """Releases this end (the peer's waits then raise :class:`PeerClosed`) and unmaps.
