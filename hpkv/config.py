@@ -175,6 +175,16 @@ def _float_parser(minimum: float = 0.0) -> Callable[[str], float]:
     return parse
 
 
+def _bounded_float(lo: float, hi: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = float(text.strip())
+        if not lo <= value <= hi:  # also rejects nan and inf
+            raise ValueError(f"{value} is outside {lo:g}..{hi:g}")
+        return value
+
+    return parse
+
+
 def parse_percent(text: str) -> float:
     """``'5%'`` or ``'5'`` → 5.0 (percent, 0..100)."""
     t = text.strip().removesuffix("%").strip()
@@ -394,6 +404,15 @@ KEYS: dict[str, Key] = {
             "a number of seconds >= 0 (0 = no lease)",
             "a pin or reservation not released within this many seconds is released by the server "
             "(after any copy into or out of its slots finished), so a hung engine cannot hold the pool",
+        ),
+        Key(
+            "HPKV_WORKER_HANG_S",
+            "30",
+            _bounded_float(0.0, 3600.0),
+            "a number of seconds, 0..3600 (0 = no hang detection)",
+            "a transfer or IO worker whose job loop has not turned for this long (a job taken and not "
+            "finished, or the process stopped) is shown as hung, killed, its jobs are reported failed "
+            "and it is restarted",
         ),
         Key(
             "HPKV_LOG_LEVEL",

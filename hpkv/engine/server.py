@@ -43,6 +43,7 @@ from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.common.security import open_nofollow, open_private_dir, peer_allowed, peer_credentials
 from hpkv.config import Config, ConfigError, check_runtime, format_size
 from hpkv.engine.cuda_worker import validate_cuda
+from hpkv.engine.fence import SlotFence
 from hpkv.engine.index import Index, Namespace
 from hpkv.engine.logs import setup_logging
 from hpkv.engine.workers import WorkerProcess
@@ -71,7 +72,7 @@ MAX_CONTROL_LINE = 1 << 20  # bytes of one control line (a register_device is a 
 MAX_CONTROL_BACKLOG = 4 << 20  # unread reply bytes before a client that never reads is dropped
 MAX_NAME = 200
 MAX_PROMOTE_MS = 600_000  # a promote's deadline is clamped to 10 minutes
-RETIRE_GRACE_S = 2.0  # a dead owner's slots: time for copies its peers were told to make
+RETIRE_GRACE_S = 2.0  # a dead owner's pins: time for loads its peers were told to make
 MAX_REGIONS = 4096
 MAX_LAYERS = 4096
 _FINGERPRINT_RE = re.compile(rf"[0-9a-f]{{{2 * KEY_BYTES}}}")
@@ -367,7 +368,10 @@ class Server:
             time.monotonic() - t0,
         )
         self.stats = StatsSegment.create(self.dir)
-        self.index = Index(size, storage_enabled=self.cfg.storage_path is not None)
+        self.fence = SlotFence.create(self.pool.path + P.FENCE_SUFFIX, size)
+        self.index = Index(
+            size, storage_enabled=self.cfg.storage_path is not None, fence_bump=self.fence.bump
+        )
         self.pool.warm_in_background(
             lock=True,
             progress=self._pool_warm_progress,
@@ -427,7 +431,7 @@ class Server:
                 self._drop_client(c, reason="server shutdown")
         self._reap_closed_clients()
         # After a failed start some of these were never made.
-        for name in ("listener", "doorbell", "stats", "pool"):
+        for name in ("listener", "doorbell", "stats", "fence", "pool"):
             obj = getattr(self, name, None)
             try:
                 if obj is not None:
@@ -651,6 +655,8 @@ class Server:
         ns = self.index.ns(d.a0)
         slots = self.index.reserve(ns.ns_id, self._keys(c, d.a1, 8 * ns.world_size), owner=c.cid)
         flat = slots.reshape(-1)
+        new = flat >= 0  # each slot with its generation: a save for it lands only while it is this one's
+        flat[new] |= self.fence.generations(flat[new]) << P.SLOT_GEN_SHIFT
         c.mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + flat.nbytes] = flat.view(np.uint8)
         return 0, slots.shape[1], 0
 
@@ -715,14 +721,21 @@ class Server:
 
     # ================================================================ deferred release
     def _release_later(self, blocks: list, pins: list[bytes], grace: float) -> None:
-        """Free retired reservations and drop detached pins once every copy that could still
-        touch their slots has ended: every job queued on any transfer worker now has run (or
-        failed with its worker), and at least ``grace`` seconds passed (a dead scheduler's
-        worker may still submit the copy it was told to make)."""
-        if not blocks and not pins:
+        """Free retired reservations now and drop detached pins once every load that could
+        still read their slots has ended: every job queued on any transfer worker now has run
+        (or failed with its worker), and at least ``grace`` seconds passed (a dead scheduler's
+        worker may still submit the copy it was told to make).
+
+        Reservations wait for nobody: their slots get a new generation (the slot fence), so a
+        save made for them that comes later is refused by the transfer worker, and a save still
+        copying keeps its slots out of the allocator only until it ends (Index.reclaim_fenced)."""
+        if blocks:
+            self.index.free_retired(blocks)
+            self.stats.glob[G.POOL_USED] = self.index.alloc.used
+        if not pins:
             return
         marks = [(w, w.mark()) for w in self.workers if w.kind == "transfer"]
-        rel = _Release(blocks, pins, marks, time.monotonic() + grace)
+        rel = _Release([], pins, marks, time.monotonic() + grace)
         if not self._release_if_done(rel):
             self._releases.append(rel)
 
@@ -1213,6 +1226,7 @@ class Server:
         spec = dict(layout)
         spec.update(
             pool=self.pool.path,
+            fence=self.fence.path,
             slot_bytes=ns.slot_bytes,
             numa_node=node,
             cpus=cpus,
@@ -1224,7 +1238,9 @@ class Server:
         for j in range(n_workers):
             slot = self._free_worker_slot()
             base = f"c{c.cid}.d{dev_id}.w{j}"
-            w = WorkerProcess.start_transfer(self.dir, base, slot, spec, device=device, stats=self.stats)
+            w = WorkerProcess.start_transfer(
+                self.dir, base, slot, spec, device=device, stats=self.stats, fence=self.fence
+            )
             if c.uid != os.geteuid():
                 for name in (w.req_name, w.resp_name):
                     self._share_with_group(os.path.join(self.dir, name + ".ring"))
@@ -1265,8 +1281,12 @@ class Server:
     def _supervise_once(self) -> None:
         now = time.time_ns()
         self.stats.header[4] = now  # heartbeat
+        hang_s = self.cfg["HPKV_WORKER_HANG_S"]
         with self.lock:
             for w in list(self.workers):
+                if w.kill_if_hung(hang_s):
+                    self._catalog_dirty = True
+                    continue  # reaped next round: `hpkv status` shows it hung until then
                 if not w.poll_dead():
                     continue
                 if w.kind == "io" and self.storage is not None:
@@ -1281,6 +1301,8 @@ class Server:
                     self._drop_client(c, reason=f"process {c.pid} exited")
             self._expire_leases()
             self._release_due()
+            if self.index.reclaim_fenced():  # slots whose last save ended since their release
+                self.stats.glob[G.POOL_USED] = self.index.alloc.used
             if self.storage is not None and self.storage.catalog_dirty:
                 self.storage.catalog_dirty = False
                 self._catalog_dirty = True
