@@ -268,6 +268,7 @@ def serve_cuda(rt: WorkerRuntime, pool: PoolFile, fence: SlotFence) -> int:
                     held = False
                     log.error("CUDA job seq %d not complete after %.1fs", d.seq, timeout)
                     return -110, 0, 0  # -ETIMEDOUT
+                row[W.HEARTBEAT_NS] = time.time_ns()  # waiting on the engine (bounded above), not hung
                 time.sleep(0.0001)
         except (ValueError, IndexError) as exc:
             row[W.BAD_JOBS] += 1

@@ -16,10 +16,11 @@ States::
 
 Ownership. A reservation belongs to the client that made it (``owner``); a pin
 belongs to the client that pinned it (``pins_by_owner``), counted only when a block
-was really pinned. Releasing a reservation that may still be written (aborted, owner
-gone, lease over) first *retires* it: it stays RESERVED, invisible and unwritable by
-commits, and the server frees it (:meth:`Index.free_retired`) once no copy into its
-slots can still be running.
+was really pinned. Releasing a reservation (aborted, owner gone, lease over) *retires*
+it, invisible and unwritable by commits, and the server frees it (:meth:`Index.free_retired`)
+at once: a freed slot gets a new generation (the server's slot fence), so no save made for
+the old reservation can land in it; a slot a save is still copying into waits in ``fenced``
+until that copy ends (:meth:`Index.reclaim_fenced`).
 
 A READY block is *evictable* when it is unpinned, no IO job is reading its slots
 (``io``), and, if the storage tier is on, its files are written or will not be

@@ -196,7 +196,7 @@ class _Conn:
 
 @dataclass
 class _Release:
-    """Retired reservations and detached pins, freed once the marked copies have ended."""
+    """Detached pins, dropped once the marked copies have ended (reservations need no wait)."""
 
     blocks: list
     pins: list
@@ -734,7 +734,13 @@ class Server:
             self.stats.glob[G.POOL_USED] = self.index.alloc.used
         if not pins:
             return
-        marks = [(w, w.mark()) for w in self.workers if w.kind == "transfer"]
+        # Only the workers of the pins' namespaces load those blocks: an engine of another model
+        # (and its hung worker, should it have one) never holds these pins back.
+        nss = {b.ns.ns_id for k in pins if (b := self.index.blocks.get(k)) is not None}
+        workers = [
+            w for c in self.clients.values() for dev in c.devices if dev.ns_id in nss for w in dev.workers
+        ]
+        marks = [(w, w.mark()) for w in workers]
         rel = _Release([], pins, marks, time.monotonic() + grace)
         if not self._release_if_done(rel):
             self._releases.append(rel)
@@ -1091,8 +1097,9 @@ class Server:
         if not c.alive:
             return
         c.alive = False
-        # Its devices' workers stop first: then no copy of theirs is running, and the pins and
-        # reservations below wait only for copies other clients' workers may still make.
+        # Its devices' workers stop first: then no copy of theirs is running. Its reservations are
+        # freed at once (a late save for them is refused by the slot fence); its pins wait for
+        # the loads other clients' workers may still make.
         for dev in c.devices:
             for w in dev.workers:
                 w.stop()
