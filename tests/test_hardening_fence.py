@@ -178,6 +178,15 @@ def test_a_slot_being_written_gets_no_new_generation_until_the_copy_ended(tmp_pa
     assert (P.SLOT_GEN_MASK << P.SLOT_GEN_SHIFT | P.SLOT_OFFSET_MASK) < 2**63  # slot values stay >= 0
 
 
+def test_a_pool_whose_offsets_would_reach_the_generation_bits_is_refused_by_the_config():
+    from hpkv.config import ConfigError, load_config
+
+    env = private_env(pool_size="1t")
+    assert load_config(env).pool_size == 1 << P.SLOT_GEN_SHIFT
+    with pytest.raises(ConfigError, match="above the maximum of 1.0 TiB"):
+        load_config(private_env(pool_size="1025g"))
+
+
 # ------------------------------------------------------------------ 4. one hung worker, everyone's releases
 def reserve_all(c, ns_id: int, keys: list[bytes]):
     """Every key reserved (the answer), or None with the partial reservations given back."""
