@@ -187,6 +187,23 @@ def test_a_pool_whose_offsets_would_reach_the_generation_bits_is_refused_by_the_
         load_config(private_env(pool_size="1025g"))
 
 
+def test_a_released_slot_a_save_still_copies_into_is_handed_out_only_after_that_copy():
+    """The server's side of the fence (Index): the bump fails while a worker holds the slot."""
+    from hpkv.engine.index import Index, Namespace
+
+    held: set[int] = set()
+    idx = Index(2 * SLOT, fence_bump=lambda off: off not in held)
+    idx.add_namespace(Namespace(0, "m", FP, 1, SLOT))
+    (a,), (b,) = idx.reserve(0, block_keys(FP, [b"a", b"b"]), owner=1)
+    held.add(a)  # a worker is copying into a's slot when a's owner goes away
+    idx.free_retired(idx.retire(block_keys(FP, [b"a", b"b"])))
+    again = idx.reserve(0, block_keys(FP, [b"c", b"d"]), owner=2)[:, 0]
+    assert list(again) == [b, -2], "a slot being written was handed out again"
+    held.clear()  # the copy ended
+    assert list(idx.reserve(0, block_keys(FP, [b"e"]), owner=2)[:, 0]) == [a]
+    assert idx.alloc.used == 2 * SLOT and not idx.fenced
+
+
 # ------------------------------------------------------------------ 4. one hung worker, everyone's releases
 def reserve_all(c, ns_id: int, keys: list[bytes]):
     """Every key reserved (the answer), or None with the partial reservations given back."""
