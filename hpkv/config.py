@@ -190,17 +190,22 @@ def parse_percent(text: str) -> float:
     return value
 
 
-def _min_size(minimum: int) -> Callable[[str], int]:
+def _min_size(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = parse_size(text)
         if value < minimum:
             raise ValueError(f"{value} bytes is below the minimum of {format_size(minimum)}")
+        if maximum is not None and value > maximum:
+            raise ValueError(f"{value} bytes is above the maximum of {format_size(maximum)}")
         return value
 
     return parse
 
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# Pool offsets stay below 2**40: a reserve answer carries the slot's generation above them
+# (hpkv.protocol.wire.SLOT_GEN_SHIFT).
+MAX_POOL_BYTES = 1 << 40
 
 
 def parse_group(text: str) -> int | None:
@@ -266,8 +271,8 @@ KEYS: dict[str, Key] = {
         Key(
             "HPKV_KV_MEM_POOL_SIZE",
             "8g",
-            _min_size(1 << 20),
-            SIZE_FORM + ", at least 1m",
+            _min_size(1 << 20, MAX_POOL_BYTES),
+            SIZE_FORM + ", at least 1m, at most 1t",
             "size of the shared-memory DRAM pool",
         ),
         Key(
@@ -423,6 +428,15 @@ KEYS: dict[str, Key] = {
             _min_size(64 * 1024),
             SIZE_FORM + ", at least 64k",
             "server.log is renamed server.log.1 (.2, .3: the last 3 are kept) when it grows past this size",
+        ),
+        Key(
+            "HPKV_WORKER_HANG_S",
+            "30",
+            _float_parser(0.0, 3600.0),
+            "a number of seconds, 0..3600 (0 = no hang detection)",
+            "a transfer or IO worker whose job loop has not turned for this long (a job taken and not "
+            "finished, or the process stopped) is shown as hung, killed, its jobs are reported failed "
+            "and it is restarted",
         ),
         Key(
             "HPKV_LOG_LEVEL",

@@ -75,7 +75,10 @@ enum hpkv_status {
     HPKV_E_WORKER_DIED = -2004, /* the worker died during the job */
     HPKV_E_CORRUPT = -2005,   /* a KV file failed its header/length/checksum check (quarantined) */
     HPKV_E_NOT_OWNER = -2006, /* commit/abort of a reservation another client made */
-    HPKV_E_INTERNAL = -2007 /* the server failed inside the call (logged there); it keeps serving */
+    HPKV_E_INTERNAL =
+        -2007, /* the server failed inside the call (logged there); it keeps serving */
+    HPKV_E_STALE_SLOT =
+        -2008 /* a save into a slot whose reservation was released: nothing written */
 };
 
 /* Results of hpkv_shm_probe() on an existing file's header bytes. */

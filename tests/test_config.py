@@ -374,7 +374,7 @@ def test_pool_larger_than_free_space_is_an_error_with_both_numbers(tmp_path, env
         env,
         tmp_path,
         HPKV_SHARE_MEM_FILE_PATH="/dev/shm/hpkv-too-big",
-        HPKV_KV_MEM_POOL_SIZE="64t",
+        HPKV_KV_MEM_POOL_SIZE="1t",
         HPKV_KV_STORAGE_PATH="",
     )
     free = C.free_bytes("/dev/shm")
@@ -385,7 +385,7 @@ def test_pool_larger_than_free_space_is_an_error_with_both_numbers(tmp_path, env
         if os.path.isdir("/dev/shm/hpkv-too-big"):
             os.rmdir("/dev/shm/hpkv-too-big")
     msg = str(err.value)
-    assert "HPKV_KV_MEM_POOL_SIZE=64t" in msg and str(64 << 40) in msg
+    assert "HPKV_KV_MEM_POOL_SIZE=1t" in msg and str(1 << 40) in msg
     assert "free" in msg and str(free)[:4] in msg
 
 

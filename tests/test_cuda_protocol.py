@@ -92,10 +92,11 @@ def test_a_save_waits_for_the_engine_event_then_every_byte_arrives(server, tmp_p
         tickets = handle.submit(P.COPY_SAVE, blocks, offsets[:8], event=2)
         time.sleep(0.3)
         assert handle.poll(tickets) == {}, "the save completed before the engine's event"
-        assert not pool.array[offsets[0] : offsets[0] + LAYERS * PAGE].any(), "copied before the event"
+        o0 = P.slot_offset(offsets[0])
+        assert not pool.array[o0 : o0 + LAYERS * PAGE].any(), "copied before the event"
         gpu.events[2] = 0  # the forward finished
         assert list(handle.wait(tickets, timeout=10).values()) == [0]
-        for b, off in zip(blocks, offsets[:8], strict=True):
+        for b, off in zip(blocks, P.slot_offset(offsets[:8]), strict=True):
             assert pool.array[off : off + LAYERS * PAGE].tobytes() == gpu.block_bytes(b)
         expected = {int(b): gpu.block_bytes(b) for b in blocks}
         gpu.kv[:] = 0

@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 
 from hpkv.client.connection import HpkvError, connect
+from hpkv.common.pool import PoolFile
 from hpkv.io_workers import kvfile
 from hpkv.protocol import wire as P
+from hpkv.protocol.errors import Status
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.testing.device import make_device
 from hpkv.testing.server import ServerProcess, assert_serves_correctly, private_env
@@ -384,7 +386,9 @@ def test_commit_or_abort_of_another_clients_reservation_is_refused(server):
         assert owner.lookup(ns.ns_id, keys)[0] == 2
 
 
-def test_a_dead_owners_reservations_are_kept_until_the_copy_into_them_ended(tmp_path):
+def test_a_dead_owners_queued_saves_never_land_in_its_slots_once_they_are_handed_out_again(tmp_path):
+    # Issue 26 item 3 changed the contract: the slots are free at once (no wait for the queued
+    # copies, no grace); the queued saves made for them are refused by the slot fence.
     layers, blocks, page = 8, 32, 256 * 1024  # 2 MiB blocks, 64 MiB a batch
     dev = make_device(tmp_path, layers, blocks, page)
     dev.fill_random(np.random.default_rng(3))
@@ -406,20 +410,28 @@ def test_a_dead_owners_reservations_are_kept_until_the_copy_into_them_ended(tmp_
         tickets = [t for _ in range(jobs) for t in handle.submit(P.COPY_SAVE, blk, offsets)]
         sched.close()  # the scheduler goes away while its worker still copies (the forced order)
         wait_for(lambda: len(worker.stats()["clients"]) == 2, what="the scheduler's drop")
-        # Its slots must not be handed out while the copy into them may run.
-        mine = newcomer.reserve(ns.ns_id, block_keys(FP, [b"n%d" % i for i in range(2 * blocks)]))[:, 0]
+        mine = P.slot_offset(
+            newcomer.reserve(ns.ns_id, block_keys(FP, [b"n%d" % i for i in range(2 * blocks)]))[:, 0]
+        )
         done_then = worker.stats()["workers"][0]["jobs"]
-        assert not set(mine[mine >= 0]) & set(offsets), "a slot still being written was reused"
-        assert (mine >= 0).sum() == blocks, "the free half of the pool was handed out"
-        res = handle.wait(tickets, timeout=120)
-        assert all(s == 0 for s in res.values())
-        assert done_then < jobs, "the copies ended before the check: the test proved nothing"
+        got = mine[mine >= 0]
+        assert len(got) > blocks, "none of the dead owner's slots was handed out again"
+        pool = PoolFile.attach(os.path.join(srv.pool_dir, P.POOL_FILE))
+        try:
+            for off in got:
+                pool.array[off : off + layers * page] = 0xA5
+            res = handle.wait(tickets, timeout=120)
+            assert done_then < jobs, "the copies ended before the check: the test proved nothing"
+            assert set(res.values()) <= {0, Status.STALE_SLOT} and Status.STALE_SLOT in res.values(), res
+            for off in got:
+                assert (pool.array[off : off + layers * page] == 0xA5).all(), f"a late save landed at {off}"
+        finally:
+            pool.close()
         assert worker.commit(ns.ns_id, keys) == 0, "a released reservation is not committed"
         assert worker.lookup(ns.ns_id, keys)[0] == 0
         wait_for(
-            lambda: worker.stats()["pool"]["used_bytes"] == blocks * layers * page,
-            timeout=15,
-            what="the dead owner's slots freed after the copies ended",
+            lambda: worker.stats()["pool"]["used_bytes"] == len(got) * layers * page,
+            what="only the newcomer's reservations hold slots",
         )
 
 

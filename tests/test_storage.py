@@ -94,7 +94,7 @@ class Writer:
         return block_keys(self.fp, [n if isinstance(n, bytes) else str(n).encode() for n in names])
 
     def put(self, keys: list[bytes]) -> None:
-        slots = self.c.reserve(self.ns.ns_id, keys)
+        slots = P.slot_offset(self.c.reserve(self.ns.ns_id, keys))  # written here, not by a worker
         assert (slots >= 0).all(), slots
         for k, row in zip(keys, slots, strict=False):
             shards = []

@@ -227,7 +227,7 @@ def stage_correctness(
     ok = handle.wait(handle.submit(P.COPY_SAVE, src, offsets[:n], event=1))
     bad_save = sum(
         pool.array[off : off + eng.desc.slot_bytes].tobytes() != eng.block_bytes(before, b)
-        for b, off in zip(src, offsets[:n], strict=True)
+        for b, off in zip(src, P.slot_offset(offsets[:n]), strict=True)
     )
     eng.buf.zero_()
     dst = rng.choice(nb, n, replace=False)

@@ -110,8 +110,9 @@ class _Bench:
         import numpy as np
 
         from hpkv.protocol.stats import G
+        from hpkv.protocol.wire import slot_offset
 
-        slots = client.reserve(ns.ns_id, keys)[:, 0]
+        slots = slot_offset(client.reserve(ns.ns_id, keys)[:, 0])  # written here, not by a worker
         if (slots < 0).any():
             raise RuntimeError("the bench pool is too small")
         for i, off in enumerate(slots):

@@ -33,7 +33,9 @@ import numpy as np
 from hpkv.common.cuda_copy import CudaCopier, CudaDriver, CudaError, DeviceLayout, Driver, HostDriver
 from hpkv.common.native import ffi, lib
 from hpkv.common.pool import PoolFile
+from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.common.shm import map_file
+from hpkv.engine.fence import SlotFence, decode_slots
 from hpkv.engine.worker_process import WorkerRuntime
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status
@@ -191,7 +193,7 @@ def _register_pool(driver: CudaDriver, pool: PoolFile, row: Any) -> None:
         log.warning("cannot pin the pool for DMA (%s): copies use pageable memory, slower", exc)
 
 
-def serve_cuda(rt: WorkerRuntime, pool: PoolFile) -> int:
+def serve_cuda(rt: WorkerRuntime, pool: PoolFile, fence: SlotFence) -> int:
     spec, row = rt.spec, rt.row
     opened = _Opened(spec)
     driver = opened.driver
@@ -223,6 +225,9 @@ def serve_cuda(rt: WorkerRuntime, pool: PoolFile) -> int:
         len(opened.events),
     )
 
+    holder = int(spec["slot"]) + 1
+    errors = RateLimitedLog(log)
+
     def copy(d: Any) -> tuple[int, int, int]:
         n, ev = int(d.a0), int(d.a1) - 1
         if (
@@ -234,23 +239,47 @@ def serve_cuda(rt: WorkerRuntime, pool: PoolFile) -> int:
             return Status.BAD_REQUEST, 0, 0
         job = jobs[d.seq % P.JOB_SLOTS]
         direction = lib.HPKV_SAVE if d.kind == P.COPY_SAVE else lib.HPKV_LOAD
+        held = False
         try:
+            offsets, gens = decode_slots(job[n : 2 * n].copy(), slot_bytes, pool.size)
+            if direction == lib.HPKV_SAVE:  # the slot fence, as in the CPU transfer worker
+                refused = fence.enter(offsets, gens, holder)
+                if refused >= 0:
+                    row[W.STALE_SAVES] += 1
+                    errors.log(
+                        logging.WARNING,
+                        "stale",
+                        "save seq %d refused, nothing written: the reservation of pool offset %d "
+                        "was released before the copy",
+                        d.seq,
+                        int(offsets[refused]),
+                    )
+                    return Status.STALE_SLOT, 0, 0
+                held = True
             if ev >= 0:
                 driver.wait_event(stream, opened.events[ev])
-            copier.copy(job[:n], job[n : 2 * n] // slot_bytes, direction, stream)
+            copier.copy(job[:n].copy(), offsets // slot_bytes, direction, stream)
             driver.record(done, stream)
             deadline = time.monotonic() + timeout
             while not driver.query(done):
                 if time.monotonic() > deadline:
+                    # The DMA may still land: the slots stay held (the server keeps them out of
+                    # the allocator) until this worker is restarted.
+                    held = False
                     log.error("CUDA job seq %d not complete after %.1fs", d.seq, timeout)
                     return -110, 0, 0  # -ETIMEDOUT
+                row[W.HEARTBEAT_NS] = time.time_ns()  # waiting on the engine (bounded above), not hung
                 time.sleep(0.0001)
         except (ValueError, IndexError) as exc:
-            log.error("CUDA job seq %d rejected: %s", d.seq, exc)
+            row[W.BAD_JOBS] += 1
+            errors.log(logging.ERROR, "bad", "CUDA job seq %d rejected: %s", d.seq, exc)
             return Status.BAD_REQUEST, 0, 0
         except CudaError as exc:
             log.error("CUDA job seq %d failed: %s", d.seq, exc)
             return Status.INTERNAL, 0, 0
+        finally:
+            if held:
+                fence.leave(offsets, gens, holder)
         row[W.BYTES_SAVED if d.kind == P.COPY_SAVE else W.BYTES_LOADED] += n * layout.slot_bytes
         return 0, n * layout.slot_bytes, 0
 

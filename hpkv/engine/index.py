@@ -24,10 +24,11 @@ States::
 
 Ownership. A reservation belongs to the client that made it (``owner``); a pin
 belongs to the client that pinned it (``pins_by_owner``), counted only when a block
-was really pinned. Releasing a reservation that may still be written (aborted, owner
-gone, lease over) first *retires* it: it stays RESERVED, invisible and unwritable by
-commits, and the server frees it (:meth:`Index.free_retired`) once no copy into its
-slots can still be running.
+was really pinned. Releasing a reservation (aborted, owner gone, lease over) *retires*
+it, invisible and unwritable by commits, and the server frees it (:meth:`Index.free_retired`)
+at once: a freed slot gets a new generation (the server's slot fence), so no save made for
+the old reservation can land in it; a slot a save is still copying into waits in ``fenced``
+until that copy ends (:meth:`Index.reclaim_fenced`).
 
 A READY block is *evictable* when it is unpinned, no IO job is reading its slots
 (``io``), and, if the storage tier is on, its files are written or will not be
@@ -213,9 +214,14 @@ class Index:
         storage_enabled: bool = False,
         on_evict: Callable[[Block], None] | None = None,
         memory: PoolMemory | None = None,
+        fence_bump: Callable[[int], bool] | None = None,
     ):
         self.alloc = PoolAllocator(pool_capacity)
         self.memory = memory  # None: every byte of the pool exists (tests)
+        # Starts a freed slot on a new generation (the server's SlotFence.bump): False while a
+        # copy into the slot is still running; the slot then waits in ``fenced`` (reclaim_fenced).
+        self._fence_bump = fence_bump
+        self.fenced: list[tuple[int, int]] = []  # (offset, size) freed, not yet back in the allocator
         self.storage_enabled = storage_enabled
         self.blocks: dict[bytes, Block] = {}  # key -> block; the key belongs to block.ns
         # key -> (ns id, Tier) of every block a lookup can hit (READY: DRAM, STORED: storage).
@@ -267,8 +273,24 @@ class Index:
         size = b.ns.slot_bytes
         for off in b.slots:
             if off >= 0:
-                self.alloc.free(off, size)
+                self._free_fenced(off, size)
         b.slots = None
+
+    def _free_fenced(self, off: int, size: int) -> None:
+        """Back to the allocator once no save made for the slot's old owner can land in it."""
+        if self._fence_bump is None or self._fence_bump(off):
+            self.alloc.free(off, size)
+        else:
+            self.fenced.append((off, size))
+
+    def reclaim_fenced(self) -> int:
+        """Free the slots whose copy has ended since they were released; returns how many."""
+        if not self.fenced:
+            return 0
+        waiting, self.fenced = self.fenced, []
+        for off, size in waiting:
+            self._free_fenced(off, size)
+        return len(waiting) - len(self.fenced)
 
     def _drop_from_dram(self, b: Block) -> None:
         """The block's pool copy is gone: it lives on as STORED, or not at all."""
@@ -337,6 +359,7 @@ class Index:
         ns = self.ns(ns_id)
         out = np.full((len(keys), ns.world_size), -1, np.int64)
         size = ns.slot_bytes
+        self.reclaim_fenced()
         for i, k in enumerate(keys):
             b = self.blocks.get(k)
             if b is not None and b.ns is not ns:

@@ -45,6 +45,7 @@ from hpkv.common.security import open_nofollow, open_private_dir, peer_allowed, 
 from hpkv.common.text import printable
 from hpkv.config import Config, ConfigError, check_runtime, format_size, free_bytes
 from hpkv.engine.cuda_worker import validate_cuda
+from hpkv.engine.fence import SlotFence
 from hpkv.engine.index import Index, Namespace
 from hpkv.engine.logs import setup_logging
 from hpkv.engine.workers import WorkerProcess
@@ -80,7 +81,7 @@ MAX_PROMOTE_MS = 600_000  # a promote's deadline is clamped to 10 minutes
 FD_RESERVE = 256  # descriptors kept for the pool, rings, workers and files beside control connections
 ACCEPT_BACKOFF_S = 0.5  # the listener's rest when accept() finds no descriptor left
 HOT_BATCH = 32  # hot calls taken from one client per round of the request loop (fairness)
-RETIRE_GRACE_S = 2.0  # a dead owner's slots: time for copies its peers were told to make
+RETIRE_GRACE_S = 2.0  # a dead owner's pins: time for loads its peers were told to make
 MAX_REGIONS = 4096
 MAX_LAYERS = 4096
 _FINGERPRINT_RE = re.compile(rf"[0-9a-f]{{{2 * KEY_BYTES}}}")
@@ -204,7 +205,7 @@ class _Conn:
 
 @dataclass
 class _Release:
-    """Retired reservations and detached pins, freed once the marked copies have ended."""
+    """Detached pins, dropped once the marked copies have ended (reservations need no wait)."""
 
     blocks: list
     pins: list
@@ -389,7 +390,13 @@ class Server:
             time.monotonic() - t0,
         )
         self.stats = StatsSegment.create(self.dir)
-        self.index = Index(size, storage_enabled=self.cfg.storage_path is not None, memory=self.pool)
+        self.fence = SlotFence.create(self.pool.path + P.FENCE_SUFFIX, size)
+        self.index = Index(
+            size,
+            storage_enabled=self.cfg.storage_path is not None,
+            memory=self.pool,
+            fence_bump=self.fence.bump,
+        )
         self.pool.keep_free = self._kv_space_kept
         self._check_space("at start")
         self.pool.warm_in_background(
@@ -453,7 +460,7 @@ class Server:
                 self._drop_client(c, reason="server shutdown")
         self._reap_closed_clients()
         # After a failed start some of these were never made.
-        for name in ("listener", "doorbell", "stats", "pool"):
+        for name in ("listener", "doorbell", "stats", "fence", "pool"):
             obj = getattr(self, name, None)
             try:
                 if obj is not None:
@@ -716,6 +723,8 @@ class Server:
                     ns.ns_id,
                 )
         flat = slots.reshape(-1)
+        new = flat >= 0  # each slot with its generation: a save for it lands only while it is this one's
+        flat[new] |= self.fence.generations(flat[new]) << P.SLOT_GEN_SHIFT
         c.mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + flat.nbytes] = flat.view(np.uint8)
         return 0, slots.shape[1], 0
 
@@ -785,14 +794,27 @@ class Server:
 
     # ================================================================ deferred release
     def _release_later(self, blocks: list, pins: list[bytes], grace: float) -> None:
-        """Free retired reservations and drop detached pins once every copy that could still
-        touch their slots has ended: every job queued on any transfer worker now has run (or
-        failed with its worker), and at least ``grace`` seconds passed (a dead scheduler's
-        worker may still submit the copy it was told to make)."""
-        if not blocks and not pins:
+        """Free retired reservations now and drop detached pins once every load that could
+        still read their slots has ended: every job queued on any transfer worker now has run
+        (or failed with its worker), and at least ``grace`` seconds passed (a dead scheduler's
+        worker may still submit the copy it was told to make).
+
+        Reservations wait for nobody: their slots get a new generation (the slot fence), so a
+        save made for them that comes later is refused by the transfer worker, and a save still
+        copying keeps its slots out of the allocator only until it ends (Index.reclaim_fenced)."""
+        if blocks:
+            self.index.free_retired(blocks)
+            self.stats.glob[G.POOL_USED] = self.index.alloc.used
+        if not pins:
             return
-        marks = [(w, w.mark()) for w in self.workers if w.kind == "transfer"]
-        rel = _Release(blocks, pins, marks, time.monotonic() + grace)
+        # Only the workers of the pins' namespaces load those blocks: an engine of another model
+        # (and its hung worker, should it have one) never holds these pins back.
+        nss = {b.ns.ns_id for k in pins if (b := self.index.blocks.get(k)) is not None}
+        workers = [
+            w for c in self.clients.values() for dev in c.devices if dev.ns_id in nss for w in dev.workers
+        ]
+        marks = [(w, w.mark()) for w in workers]
+        rel = _Release([], pins, marks, time.monotonic() + grace)
         if not self._release_if_done(rel):
             self._releases.append(rel)
 
@@ -1279,8 +1301,9 @@ class Server:
         if not c.alive:
             return
         c.alive = False
-        # Its devices' workers stop first: then no copy of theirs is running, and the pins and
-        # reservations below wait only for copies other clients' workers may still make.
+        # Its devices' workers stop first: then no copy of theirs is running. Its reservations are
+        # freed at once (a late save for them is refused by the slot fence); its pins wait for
+        # the loads other clients' workers may still make.
         for dev in c.devices:
             for w in dev.workers:
                 w.stop()
@@ -1409,6 +1432,7 @@ class Server:
         spec = dict(layout)
         spec.update(
             pool=self.pool.path,
+            fence=self.fence.path,
             slot_bytes=ns.slot_bytes,
             numa_node=node,
             cpus=cpus,
@@ -1420,7 +1444,9 @@ class Server:
         for j in range(n_workers):
             slot = self._free_worker_slot()
             base = f"c{c.cid}.d{dev_id}.w{j}"
-            w = WorkerProcess.start_transfer(self.dir, base, slot, spec, device=device, stats=self.stats)
+            w = WorkerProcess.start_transfer(
+                self.dir, base, slot, spec, device=device, stats=self.stats, fence=self.fence
+            )
             if c.uid != os.geteuid():
                 for name in (w.req_name, w.resp_name):
                     self._share_with_group(os.path.join(self.dir, name + ".ring"))
@@ -1540,16 +1566,7 @@ class Server:
         now = time.time_ns()
         self.stats.header[4] = now  # heartbeat
         with self.lock:
-            for w in list(self.workers):
-                if not w.poll_dead():
-                    continue
-                if w.kind == "io" and self.storage is not None:
-                    self.storage.worker_died(w)  # the request loop recovers and restarts it
-                else:
-                    before = w.restarts
-                    w.fail_pending_and_restart()  # or a back-off delay, if it keeps failing
-                    self.stats.glob[G.WORKER_RESTARTS] += w.restarts - before
-                    self._catalog_dirty = True
+            self._supervise_workers()
             for c in list(self.clients.values()):
                 if c.alive and not pid_alive(c.pid):
                     self._drop_client(c, reason=f"process {c.pid} exited")
@@ -1557,6 +1574,8 @@ class Server:
             self._release_due()
             if self._kv_orphans:
                 self._remove_orphan_kv_files()
+            if self.index.reclaim_fenced():  # slots whose last save ended since their release
+                self.stats.glob[G.POOL_USED] = self.index.alloc.used
             if self.storage is not None and self.storage.catalog_dirty:
                 self.storage.catalog_dirty = False
                 self._catalog_dirty = True
@@ -1574,6 +1593,23 @@ class Server:
         if idle:
             log.info("no client for %.0fs (HPKV_SERVER_IDLE_EXIT): exiting", self.idle_exit)
             self.doorbell.ring()
+
+    def _supervise_workers(self) -> None:
+        """Kill hung workers (HPKV_WORKER_HANG_S), restart dead ones and fail their jobs."""
+        hang_s = self.cfg["HPKV_WORKER_HANG_S"]
+        for w in list(self.workers):
+            if w.kill_if_hung(hang_s):
+                self._catalog_dirty = True
+                continue  # reaped next round: `hpkv status` shows it hung until then
+            if not w.poll_dead():
+                continue
+            if w.kind == "io" and self.storage is not None:
+                self.storage.worker_died(w)  # the request loop recovers and restarts it
+            else:
+                before = w.restarts
+                w.fail_pending_and_restart()  # or a back-off delay, if it keeps failing
+                self.stats.glob[G.WORKER_RESTARTS] += w.restarts - before
+                self._catalog_dirty = True
 
     def _publish_catalog_if_dirty(self) -> None:
         with self.lock:

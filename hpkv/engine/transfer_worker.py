@@ -5,6 +5,10 @@ to the CPUs of the device's NUMA node. It pops COPY_SAVE / COPY_LOAD descriptors
 from its request ring, reads the batch (device block ids, then pool byte offsets)
 from the job arena, runs one native copy for the whole batch and pushes a
 COMPLETION (or an ERROR with the reason) carrying the batch's seq.
+
+A save writes its slots only while each still has the generation the job carries (the
+slot fence, hpkv.engine.fence): a save for a reservation the server has released since
+is refused whole (STALE_SLOT, nothing written) and the client recomputes.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ import numpy as np
 
 from hpkv.common.numa import format_cpulist, set_memory_node, spread_cpus
 from hpkv.common.pool import PoolFile
+from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.common.shm import map_file
 from hpkv.engine.copy import BlockCopier, BlockLayout
+from hpkv.engine.fence import SlotFence, decode_slots
 from hpkv.engine.worker_process import WorkerRuntime
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status
@@ -40,10 +46,11 @@ def main(argv: list[str]) -> int:
     placement = set_memory_node(int(spec.get("numa_node", 0)))
 
     pool = PoolFile.attach(spec["pool"], warm_limit=rt.pool_warm_bytes)
+    fence = SlotFence(spec["fence"])
     if "cuda" in spec:  # the engine's KV cache is on a GPU (or the host stand-in of one)
         from hpkv.engine.cuda_worker import serve_cuda
 
-        return serve_cuda(rt, pool)
+        return serve_cuda(rt, pool, fence)
     regions = [map_file(r["path"]) for r in spec["regions"]]
     region_addr = [int(np.frombuffer(m, np.uint8).ctypes.data) for m in regions]
     layout = BlockLayout(
@@ -86,24 +93,46 @@ def main(argv: list[str]) -> int:
         placement,
     )
 
+    holder = int(spec["slot"]) + 1  # our mark in the fence (the server clears it if we die)
+    errors = RateLimitedLog(log)
+
     def copy(d) -> tuple[int, int, int]:
         n = int(d.a0)
-        if d.kind not in (P.COPY_SAVE, P.COPY_LOAD):
-            return Status.BAD_REQUEST, 0, 0
         try:
+            if d.kind not in (P.COPY_SAVE, P.COPY_LOAD):
+                raise ValueError(f"descriptor kind {d.kind} is not a copy")
             if not 0 < n <= P.MAX_PAIRS_PER_JOB:
                 raise ValueError(f"batch of {n} blocks (1..{P.MAX_PAIRS_PER_JOB})")
             job = jobs[d.seq % P.JOB_SLOTS]
-            blocks = job[:n]
-            slots = job[n : 2 * n] // slot_bytes
+            blocks = job[:n].copy()  # our own copy: the client may rewrite its arena slot
+            offsets, gens = decode_slots(job[n : 2 * n].copy(), slot_bytes, pool.size)
+            slots = offsets // slot_bytes
             if d.kind == P.COPY_SAVE:
-                copier.save(blocks, slots, threads=copy_threads)
+                refused = fence.enter(offsets, gens, holder)
+                if refused >= 0:
+                    row[W.STALE_SAVES] += 1
+                    errors.log(
+                        logging.WARNING,
+                        "stale",
+                        "save seq %d refused, nothing written: the reservation of pool offset %d "
+                        "(generation %d) was released before the copy (a late save; the engine "
+                        "recomputes)",
+                        d.seq,
+                        int(offsets[refused]),
+                        int(gens[refused]),
+                    )
+                    return Status.STALE_SLOT, 0, 0
+                try:
+                    copier.save(blocks, slots, threads=copy_threads)
+                finally:  # the copy ended (with a store fence): the server may reuse the slots
+                    fence.leave(offsets, gens, holder)
                 row[W.BYTES_SAVED] += n * layout.slot_bytes
             else:
                 copier.load(blocks, slots, threads=copy_threads)
                 row[W.BYTES_LOADED] += n * layout.slot_bytes
         except (ValueError, IndexError) as exc:
-            log.error("copy batch seq %d rejected: %s", d.seq, exc)
+            row[W.BAD_JOBS] += 1
+            errors.log(logging.ERROR, "bad", "copy batch seq %d rejected: %s", d.seq, exc)
             return Status.BAD_REQUEST, 0, 0
         return 0, n * layout.slot_bytes, 0
 

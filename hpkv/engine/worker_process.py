@@ -95,6 +95,7 @@ class WorkerRuntime:
         req = Ring.attach(spec["dir"], spec["req"], role="consumer", slice_ms=50)
         resp = self._resp = Ring.attach(spec["dir"], spec["resp"], role="producer")
         row[W.PID] = os.getpid()
+        row[W.HEARTBEAT_NS] = time.time_ns()  # before RUNNING: the server judges hangs by its age
         row[W.STATE] = WorkerState.RUNNING
         try:
             while not self.stopping:

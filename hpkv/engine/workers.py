@@ -7,6 +7,10 @@ answers the batch that was in flight (the worker's INFLIGHT_SEQ) and every queue
 batch with an error completion, so no job is ever reported done that was not, and
 no stale job runs later against device blocks the engine has reused; then it
 starts a replacement on the same rings.
+
+A worker that is alive but stopped turning its job loop (its heartbeat older than
+HPKV_WORKER_HANG_S: a job taken and not finished, or the process stopped) is *hung*:
+the server shows it as such, kills it, and then treats it like a dead one.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpkv.common.native import ffi, lib
 from hpkv.common.numa import format_cpulist
@@ -27,7 +31,12 @@ from hpkv.protocol.errors import Status
 from hpkv.protocol.stats import StatsSegment, W, WorkerState
 from hpkv.ring import Doorbell, Ring, RingError
 
+if TYPE_CHECKING:
+    from hpkv.engine.fence import SlotFence
+
 log = logging.getLogger("hpkv.workers")
+
+_LIVE = (WorkerState.RUNNING, WorkerState.HUNG)  # states of a worker that had started serving
 
 # A worker that dies within STABLE_S of its start is crash-looping (a layout it rejects, a
 # broken installation): its next start waits BACKOFF_S[0], doubling up to BACKOFF_S[1].
@@ -84,13 +93,22 @@ class WorkerProcess:
         self._started_at = 0.0
         self._backoff = BACKOFF_S[0]
         self.restart_at: float | None = None  # in back-off: when the next start is due
+        self.fence: SlotFence | None = None  # transfer workers: the slot fence they hold slots in
 
     # ------------------------------------------------------------ start / stop
     @classmethod
     def start_transfer(
-        cls, directory: str, base: str, slot: int, spec: dict[str, Any], device: str, stats: StatsSegment
+        cls,
+        directory: str,
+        base: str,
+        slot: int,
+        spec: dict[str, Any],
+        device: str,
+        stats: StatsSegment,
+        fence: SlotFence | None = None,
     ) -> WorkerProcess:
         w = cls(directory, base, slot, "transfer", device, spec, stats)
+        w.fence = fence
         # The server only makes the files; the client and the worker attach the ends.
         Ring.create(directory, w.req_name, capacity=P.RING_CAPACITY).close(unlink=False)
         Ring.create(directory, w.resp_name, capacity=P.RING_CAPACITY).close(unlink=False)
@@ -127,7 +145,7 @@ class WorkerProcess:
 
     def respawn(self) -> None:
         """Start a replacement of a dead worker on the same rings (its jobs are the caller's)."""
-        was_running = self.stats.workers[self.slot][W.STATE] == WorkerState.RUNNING
+        was_running = self.stats.workers[self.slot][W.STATE] in _LIVE
         self.stats.workers[self.slot][W.STATE] = WorkerState.DEAD
         if self.restart_at is None and self._crash_looping(was_running):
             self.stats.workers[self.slot][W.STATE] = WorkerState.BACKOFF
@@ -201,6 +219,7 @@ class WorkerProcess:
                 p.kill()
                 p.wait()
         self.stats.workers[self.slot][W.STATE] = WorkerState.STOPPED
+        self._release_fence()
         for name in (self.req_name, self.resp_name):
             try:
                 os.unlink(os.path.join(self.dir, name + ".ring"))
@@ -212,6 +231,42 @@ class WorkerProcess:
             pass
 
     # ------------------------------------------------------------ supervision
+    def kill_if_hung(self, hang_s: float) -> bool:
+        """Running, alive, and no heartbeat for ``hang_s`` seconds: show it as hung and SIGKILL it
+        (the next supervision round fails its jobs and restarts it, as for any dead worker).
+        True when it was killed now. ``hang_s`` 0 turns detection off."""
+        if hang_s <= 0 or self._stopping or self.proc is None or self.proc.poll() is not None:
+            return False
+        row = self.stats.workers[self.slot]
+        if row[W.STATE] != WorkerState.RUNNING:
+            return False
+        age = (time.time_ns() - int(row[W.HEARTBEAT_NS])) / 1e9
+        if age < hang_s:
+            return False
+        row[W.STATE] = WorkerState.HUNG
+        row[W.HANGS] += 1
+        log.error(
+            "%s worker %s (pid %d) is hung: no heartbeat for %.1fs (HPKV_WORKER_HANG_S=%g), job seq %d "
+            "in flight; killing it, its jobs are reported failed and it is restarted",
+            self.kind,
+            self.base,
+            self.proc.pid,
+            age,
+            hang_s,
+            int(row[W.INFLIGHT_SEQ]),
+        )
+        self.proc.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
+        return True
+
+    def _release_fence(self) -> None:
+        """The process is gone: drop the slot holds it left (a copy it was making ends with it),
+        before a replacement with the same holder id starts."""
+        if self.fence is None:
+            return
+        n = self.fence.clear_holder(self.slot + 1)
+        if n:
+            log.warning("worker %s left %d pool slot(s) held by an unfinished save: released", self.base, n)
+
     def poll_dead(self) -> bool:
         """Dead and due for a restart (not while a back-off delay runs)."""
         if self._stopping or self.proc is None or self.proc.poll() is None:
@@ -242,8 +297,9 @@ class WorkerProcess:
     def fail_pending_and_restart(self) -> None:
         row = self.stats.workers[self.slot]
         rc = self.proc.returncode if self.proc else None
-        was_running = row[W.STATE] == WorkerState.RUNNING
+        was_running = row[W.STATE] in _LIVE
         row[W.STATE] = WorkerState.DEAD
+        self._release_fence()
         inflight = int(row[W.INFLIGHT_SEQ])
         failed = 0
         try:

@@ -423,7 +423,7 @@ def _workers(view: View, width: int) -> Section:
     workers = s.get("workers", [])
     head, rows = table(cols, workers, width)
     styled = [
-        (r, "warn" if w.get("state") in ("dead", "backoff") else "text")
+        (r, "warn" if w.get("state") in ("dead", "backoff", "hung") else "text")
         for r, w in zip(rows, workers, strict=False)
     ]
     return Section((head, "head"), styled or [("(no worker: no device registered yet)", "dim")], "workers")

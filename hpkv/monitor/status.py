@@ -45,12 +45,12 @@ def format_status(s: dict) -> str:
             f"{ns['name'][:20]:20} {ns['world_size']:5}  {ns['blocks_dram']:11}  {ns['blocks_pinned']:6}"
             f"  {ns['hits_dram']:9}  {ns['hits_storage']:12}  {ns['misses']:6}  {ns['evictions']:9}"
         )
-    lines += ["", "WORKER  KIND      PID      DEVICE  NODE  CPUS    STATE     JOBS  FAILED  RESTARTS"]
+    lines += ["", "WORKER  KIND      PID      DEVICE  NODE  CPUS    STATE     JOBS  FAILED  RESTARTS  HANGS"]
     for w in s["workers"]:
         cpus = format_cpulist(w["cpus"])
         lines.append(
             f"{w['slot']:6}  {w['kind']:8}  {w['pid']:7}  {w['device']:6}  {w['numa_node']!s:4}  {cpus[:6]:6}"
-            f"  {w['state']:8}  {w['jobs']:4}  {w['jobs_failed']:6}  {w['restarts']:8}"
+            f"  {w['state']:8}  {w['jobs']:4}  {w['jobs_failed']:6}  {w['restarts']:8}  {w.get('hangs', 0):5}"
         )
     lines += ["", "CLIENT  PID      NAME"]
     for c in s["clients"]:

@@ -28,6 +28,7 @@ class Status(IntEnum):
     CORRUPT = lib.HPKV_E_CORRUPT
     NOT_OWNER = lib.HPKV_E_NOT_OWNER
     INTERNAL = lib.HPKV_E_INTERNAL
+    STALE_SLOT = lib.HPKV_E_STALE_SLOT
 
 
 _MESSAGES = {
@@ -38,6 +39,7 @@ _MESSAGES = {
     Status.CORRUPT: "KV file corrupt (quarantined)",
     Status.NOT_OWNER: "the reservation belongs to another client",
     Status.INTERNAL: "internal server error (see server.log)",
+    Status.STALE_SLOT: "the reservation was released before the save: nothing written",
 }
 
 

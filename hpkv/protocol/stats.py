@@ -112,6 +112,9 @@ class W(IntEnum):
     INFLIGHT_SEQ = 7  # seq of the batch being executed, 0 when idle
     HEARTBEAT_NS = 8
     RESTARTS = 9
+    HANGS = 10  # times the server found it hung (no heartbeat for HPKV_WORKER_HANG_S) and killed it
+    BAD_JOBS = 11  # jobs refused as malformed (unaligned or out-of-range slot offsets, bad sizes)
+    STALE_SAVES = 12  # saves refused: a slot's reservation was released (new generation)
 
 
 class WorkerState(IntEnum):
@@ -121,6 +124,7 @@ class WorkerState(IntEnum):
     DEAD = 3
     STOPPED = 4
     BACKOFF = 5  # died soon after starting: restarted after a growing delay
+    HUNG = 6  # no heartbeat for HPKV_WORKER_HANG_S: being killed, its jobs failed, then restarted
 
 
 _OFF_GLOBAL = HEADER_SLOTS

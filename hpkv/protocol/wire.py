@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 from enum import IntEnum
+from typing import Any
 
 from hpkv.common.native import lib
 from hpkv.protocol.keys import KEY_BYTES
@@ -70,7 +71,7 @@ SOCKET_FILE = "server.sock"
 LOG_FILE = "server.log"
 POOL_FILE = "pool"
 SPAWN_LOCK_FILE = "spawn.lock"
-OWNED_SUFFIXES = (".ring", ".bell", ".mbox", ".jobs")  # removed at start-up and shutdown
+OWNED_SUFFIXES = (".ring", ".bell", ".mbox", ".jobs", ".gen")  # removed at start-up and shutdown
 
 # An engine worker's KV cache, exported as a shared-memory file in the pool directory
 # (CPU backend). The pid in the name lets the server remove the file of a dead engine.
@@ -107,6 +108,32 @@ MAX_PAIRS_PER_JOB = JOB_SLOT_BYTES // 16
 JOB_ARENA_BYTES = JOB_SLOTS * JOB_SLOT_BYTES
 
 SLOT_UNIT = 4096  # pool slots are addressed in 4 KiB units (allocator alignment)
+
+# A reserve answer's slot value: the pool byte offset (< 2**SLOT_GEN_SHIFT) with the slot's
+# generation above it (native/fence.h); a save job carries it as is, and the transfer worker
+# writes only while the slot still has that generation. Pin/promote answers carry offsets only
+# (loads read pinned slots). Negative values stay the sentinels (ROW_*).
+SLOT_GEN_SHIFT = 40
+SLOT_OFFSET_MASK = (1 << SLOT_GEN_SHIFT) - 1
+SLOT_GEN_MASK = lib.HPKV_FENCE_GEN_MASK
+FENCE_SUFFIX = ".gen"  # the pool's slot generations: POOL_FILE + FENCE_SUFFIX, server-owned
+
+
+def slot_offset(values: Any) -> Any:
+    """The pool byte offsets of reserve-answer slot values (an int or an int64 array);
+    sentinels (negative) stay as they are."""
+    import numpy as np
+
+    if isinstance(values, int | np.integer):
+        v = int(values)
+        return v if v < 0 else v & SLOT_OFFSET_MASK
+    arr = np.asarray(values, np.int64)
+    return np.where(arr < 0, arr, arr & SLOT_OFFSET_MASK)
+
+
+def slot_generation(values: Any) -> Any:
+    """The slot generations of reserve-answer slot values (non-negative ones)."""
+    return values >> SLOT_GEN_SHIFT
 
 
 def io_job(

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hpkv.config import Config, load_config
-from hpkv.protocol.wire import LOG_FILE, SOCKET_FILE, live_server_pid, read_lock_pid
+from hpkv.protocol.wire import LOG_FILE, SOCKET_FILE, live_server_pid, read_lock_pid, slot_offset
 
 
 def env_without_hpkv() -> dict[str, str]:
@@ -193,6 +193,6 @@ def assert_serves_correctly(srv: ServerProcess, timeout: float = 10.0) -> None:
         assert (slots >= 0).all() and len(set(slots[:, 0])) == 4, slots
         assert c.commit(ns.ns_id, keys) == 4
         assert c.lookup(ns.ns_id, keys) == (4, [1] * 4)
-        assert (c.pin(ns.ns_id, keys) == slots).all()
+        assert (c.pin(ns.ns_id, keys) == slot_offset(slots)).all()
         c.unpin(ns.ns_id, keys)
     assert srv.proc.poll() is None, "the server died"

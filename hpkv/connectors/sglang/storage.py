@@ -58,7 +58,7 @@ from hpkv.connectors.promote import load_in_parts
 from hpkv.connectors.reconnect import Reconnecting
 from hpkv.protocol.errors import ROW_MISSING, ROW_POOL_FULL, ROW_PRESENT
 from hpkv.protocol.keys import block_keys, model_identity, namespace_fingerprint
-from hpkv.protocol.wire import MAX_KEYS_PER_CALL
+from hpkv.protocol.wire import MAX_KEYS_PER_CALL, slot_offset
 
 # A child of SGLang's logger, so our lines appear in SGLang's log with its format.
 log = logging.getLogger("sglang.hpkv")
@@ -501,7 +501,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
             return False
         hkeys = self._keys(keys)
         try:
-            offs = client.reserve(self.ns_id, hkeys)[:, 0]
+            offs = slot_offset(client.reserve(self.ns_id, hkeys)[:, 0])  # written here, not by a worker
             if (offs == ROW_POOL_FULL).any():
                 good = offs >= 0
                 if good.any():

@@ -467,7 +467,7 @@ class InProcessMover:
         d = self.driver
         if event >= 0:
             d.wait_event(self.stream, self.events[event])
-        slots = np.asarray(offsets, np.int64) // self.slot_bytes
+        slots = P.slot_offset(offsets) // self.slot_bytes  # in-process copies: no generation to check
         direction = 0 if kind == P.COPY_SAVE else 1  # HPKV_SAVE / HPKV_LOAD
         self.copier.copy(blocks, slots, direction, self.stream)
         ev = self._spare.pop() if self._spare else d.new_event()
