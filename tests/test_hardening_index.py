@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from hpkv.client.connection import connect
+from hpkv.protocol import wire as P
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.testing.server import ServerProcess, assert_serves_correctly, private_env
 
@@ -50,10 +51,12 @@ class Pool:
             os.close(fd)
         self.a = np.frombuffer(self.m, np.uint8)
 
-    def write(self, off: int, data: bytes) -> None:
+    def write(self, slot: int, data: bytes) -> None:
+        off = P.slot_offset(slot)  # a reserve's answer carries the slot's generation too
         self.a[off : off + len(data)] = np.frombuffer(data, np.uint8)
 
-    def read(self, off: int, n: int) -> bytes:
+    def read(self, slot: int, n: int) -> bytes:
+        off = P.slot_offset(slot)
         return self.a[off : off + n].tobytes()
 
     def close(self) -> None:
