@@ -143,6 +143,24 @@ def test_a_save_submitted_after_its_reservation_was_released_never_lands_in_the_
         assert_serves_correctly(srv)
 
 
+def test_a_save_repeated_after_its_block_was_committed_cannot_change_the_served_block(tmp_path):
+    """A committed block is sealed (new slot generations): a retried or duplicated save made
+    for its reservation is refused, so what a load serves is what was committed."""
+    with ServerProcess(private_env(pool_size="64m")) as srv:
+        a, ns, dev, handle = engine(srv, tmp_path, "a")
+        with a:
+            keys = block_keys(FP, [b"sealed"])
+            (v,) = a.reserve(ns.ns_id, keys)[:, 0]
+            assert handle.save(np.array([2]), np.array([v])) and a.commit(ns.ns_id, keys) == 1
+            res = handle.wait(handle.submit(P.COPY_SAVE, np.array([9]), np.array([v])), timeout=30)
+            assert list(res.values()) == [Status.STALE_SLOT], res
+            (pinned,) = a.pin(ns.ns_id, keys)[:, 0]
+            assert handle.load(np.array([12]), np.array([pinned]))
+            assert dev.block_bytes(12) == dev.block_bytes(2) != dev.block_bytes(9)
+            a.unpin(ns.ns_id, keys)
+        assert_serves_correctly(srv)
+
+
 def test_a_slot_being_written_gets_no_new_generation_until_the_copy_ended(tmp_path):
     """The fence itself (native/fence.c): what the server and a worker do with one slot."""
     words = np.zeros(4, np.uint32)

@@ -219,3 +219,27 @@ def test_the_allocator_refuses_a_free_of_another_size_or_twice():
     with pytest.raises(RuntimeError, match="not allocated"):
         a.free(off, 16384)
     assert a.used == 0 and a.alloc(1 << 20) == 0, "the refused frees changed nothing"
+
+
+def test_a_block_is_sealed_when_its_last_rank_commits_and_dropped_if_a_save_still_runs():
+    """The slots of a block every rank committed take a new generation (no save for its
+    reservation lands afterwards); one a copy still writes into is never made READY."""
+    bumped: list[int] = []
+    busy: set[int] = set()
+
+    def bump(off: int) -> bool:
+        bumped.append(off)
+        return off not in busy
+
+    idx = Index(1 << 20, fence_bump=bump)
+    idx.add_namespace(Namespace(1, "m", "f" * 32, world_size=2, shard_bytes=4096))
+    (ok_slots, torn_slots) = idx.reserve(1, [b"k" * 16, b"t" * 16]).tolist()
+    assert idx.commit(1, [b"k" * 16, b"t" * 16], rank=0) == [] and bumped == []
+    busy.add(torn_slots[1])  # rank 1's copy of the second block is still running
+    ready = idx.commit(1, [b"k" * 16, b"t" * 16], rank=1)
+    assert [b.key for b in ready] == [b"k" * 16] and idx.torn_commits == 1
+    assert set(ok_slots) <= set(bumped)
+    assert idx.lookup(1, [b"t" * 16]) == (0, [])
+    assert idx.fenced == [(torn_slots[1], 4096)]  # back to the allocator once that copy ends
+    busy.clear()
+    assert idx.reclaim_fenced() == 1 and idx.alloc.used == 2 * 4096

@@ -28,7 +28,8 @@ was really pinned. Releasing a reservation (aborted, owner gone, lease over) *re
 it, invisible and unwritable by commits, and the server frees it (:meth:`Index.free_retired`)
 at once: a freed slot gets a new generation (the server's slot fence), so no save made for
 the old reservation can land in it; a slot a save is still copying into waits in ``fenced``
-until that copy ends (:meth:`Index.reclaim_fenced`).
+until that copy ends (:meth:`Index.reclaim_fenced`). A block's slots also take a new
+generation when its last rank commits (sealed): once served, no save can change it.
 
 A READY block is *evictable* when it is unpinned, no IO job is reading its slots
 (``io``), and, if the storage tier is on, its files are written or will not be
@@ -222,6 +223,7 @@ class Index:
         # copy into the slot is still running; the slot then waits in ``fenced`` (reclaim_fenced).
         self._fence_bump = fence_bump
         self.fenced: list[tuple[int, int]] = []  # (offset, size) freed, not yet back in the allocator
+        self.torn_commits = 0  # blocks committed while a save into them still ran (dropped)
         self.storage_enabled = storage_enabled
         self.blocks: dict[bytes, Block] = {}  # key -> block; the key belongs to block.ns
         # key -> (ns id, Tier) of every block a lookup can hit (READY: DRAM, STORED: storage).
@@ -415,7 +417,13 @@ class Index:
             if b is None or b.state != State.RESERVED or b.retired or b.ns is not ns:
                 continue
             b.committed |= 1 << rank
-            if b.committed == full:
+            if b.committed == full and not self._seal(b):
+                # A copy into it was still running at its last commit (a client that commits
+                # before its save ended): its bytes are not known whole, so it is never served.
+                self.torn_commits += 1
+                b.retired = True
+                self.free_retired([b])
+            elif b.committed == full:
                 b.state = State.READY
                 b.owner = 0
                 del self.reserved[k]
@@ -428,6 +436,15 @@ class Index:
                 self._refresh(b, touch=True)
                 ready.append(b)
         return ready
+
+    def _seal(self, b: Block) -> bool:
+        """A block every rank committed takes new slot generations: no save made for its
+        reservation (a retried or duplicated one) can change it once it is served. False when
+        a copy into one of its slots is still running."""
+        if self._fence_bump is None:
+            return True
+        assert b.slots is not None
+        return all([self._fence_bump(off) for off in b.slots])  # a list: bump every slot
 
     def retire(self, keys: Iterable[bytes], ns: Namespace | None = None) -> list[Block]:
         """Release reservations that will never be committed (failed copy, owner gone, lease

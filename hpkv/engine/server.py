@@ -742,7 +742,19 @@ class Server:
         if not 0 <= rank < ns.world_size:
             raise ValueError(f"rank {rank} outside 0..{ns.world_size - 1} of namespace {ns.ns_id}")
         idx.check_owner(ns, keys, c.cid, writer=(ns.ns_id, rank) in c.writer_ranks)
+        torn = idx.torn_commits
         ready = idx.commit(ns.ns_id, keys, rank=rank)
+        if idx.torn_commits != torn:
+            self._errors.log(
+                logging.WARNING,
+                "torn-commit",
+                "client %d (pid %d): %d block(s) of namespace %d committed while a save into them "
+                "was still running: dropped, never served (commit only after the save completed)",
+                c.cid,
+                c.pid,
+                idx.torn_commits - torn,
+                ns.ns_id,
+            )
         if ready and self.storage is not None:
             before = self.storage.pending_spills() if self.stopping else 0
             self.storage.spill(ready)  # write-through
