@@ -4,7 +4,12 @@
   values, bytes that are not JSON); every line gets exactly one answer;
 * the hot path: descriptors with random kind, a0..a2, flags pushed straight onto a
   client's request ring over random mailbox bytes (sometimes real keys); every
-  descriptor gets its completion, with status 0 or an error.
+  descriptor gets its completion, with status 0 or an error;
+* the copy path (issue 26): copy jobs with random kind, count and event pushed straight
+  onto a transfer worker's ring over random job tables (device blocks in and out of range;
+  pool slot values that are the client's own reservations with their generation or
+  another, another namespace's pinned slots, unaligned, past the pool, negative); every job
+  gets its completion, and another engine's committed blocks keep every byte.
 
 Afterwards the server process is alive and a well-behaved client gets correct
 answers. The number of cases is bounded (about half a minute on 2 busy cores).
@@ -12,6 +17,7 @@ answers. The number of cases is bounded (about half a minute on 2 busy cores).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -25,9 +31,11 @@ from hypothesis import strategies as st
 from hpkv.client.connection import connect
 from hpkv.protocol import wire as P
 from hpkv.protocol.keys import KEY_BYTES, block_keys, namespace_fingerprint
+from hpkv.testing.device import make_device
 from hpkv.testing.server import ServerProcess, assert_serves_correctly, private_env
 
 HOT_CASES = int(os.environ.get("HPKV_FUZZ_HOT_CASES", "3000"))
+COPY_CASES = int(os.environ.get("HPKV_FUZZ_COPY_CASES", "1500"))
 CONTROL_CASES = int(os.environ.get("HPKV_FUZZ_CONTROL_CASES", "1500"))
 FPS = [namespace_fingerprint({"fuzz": i}) for i in range(3)]
 U64 = st.integers(0, (1 << 64) - 1)
@@ -98,6 +106,111 @@ def test_random_descriptors_and_mailboxes_are_always_answered(
             break
     assert d.kind == P.COMPLETION and d.status <= 0, (d.kind, d.status)
     assert srv.proc.poll() is None
+
+
+# ------------------------------------------------------------------ copy path
+HONEST_PAGE, FUZZ_PAGE, LAYERS, DEV_BLOCKS = 8192, 4096, 2, 16
+
+
+@pytest.fixture(scope="module")
+def copy_fuzzed(fuzzed, tmp_path_factory):
+    """An honest engine with committed blocks of known bytes (namespace FPS[1]-like shape of its
+    own), and a fuzzing engine with its own device, namespace and live reservations."""
+    srv = fuzzed[0]
+    work = tmp_path_factory.mktemp("copy-fuzz")
+    (work / "honest").mkdir()
+    (work / "fuzzer").mkdir()
+    honest = connect(srv.cfg, spawn=False, call_timeout=10.0, name="honest")
+    hfp = namespace_fingerprint({"fuzz": "honest"})
+    hns = honest.attach_namespace(hfp, 1, LAYERS * HONEST_PAGE)
+    hdev = make_device(work / "honest", LAYERS, DEV_BLOCKS, HONEST_PAGE)
+    hdev.fill_random(np.random.default_rng(11))
+    hh = honest.register_device(hns.ns_id, rank=0, **hdev.spec)
+    hkeys = block_keys(hfp, [b"h%d" % i for i in range(8)])
+    slots = honest.reserve(hns.ns_id, hkeys)[:, 0]
+    assert (slots >= 0).all() and hh.save(np.arange(8), slots) and honest.commit(hns.ns_id, hkeys) == 8
+    want = [hdev.block_bytes(i) for i in range(8)]
+    pinned = honest.pin(hns.ns_id, hkeys)[:, 0].tolist()  # the values a loader is handed
+    honest.unpin(hns.ns_id, hkeys)
+
+    fuzzer = connect(srv.cfg, spawn=False, call_timeout=10.0, name="copy-fuzzer")
+    ffp = namespace_fingerprint({"fuzz": "copier"})
+    fns = fuzzer.attach_namespace(ffp, 1, LAYERS * FUZZ_PAGE)
+    fdev = make_device(work / "fuzzer", LAYERS, DEV_BLOCKS, FUZZ_PAGE)
+    fh = fuzzer.register_device(fns.ns_id, rank=0, **fdev.spec)
+    own = fuzzer.reserve(fns.ns_id, block_keys(ffp, [b"f%d" % i for i in range(8)]))[:, 0].tolist()
+    assert all(v >= 0 for v in own)
+    yield fh, own, pinned
+    fh.close()
+    fuzzer.close()
+    # Whatever the fuzzer sent, the honest engine's blocks are the bytes it committed.
+    rows = honest.pin(hns.ns_id, hkeys)[:, 0]
+    hdev.fill_random(np.random.default_rng(99))
+    assert (rows >= 0).all() and hh.load(np.arange(8), rows)
+    assert [hdev.block_bytes(i) for i in range(8)] == want, "a fuzzed copy job changed another engine's block"
+    honest.unpin(hns.ns_id, hkeys)
+    hh.close()
+    honest.close()
+
+
+slot_values = st.one_of(
+    st.integers(0, 7).map(lambda i: ("own", i)),  # its reservation, with its generation
+    st.tuples(st.just("own-gen"), st.integers(0, 7), st.integers(0, (1 << 23) - 1)),
+    st.integers(0, 7).map(lambda i: ("pinned", i)),  # another namespace's slot, as pinned
+    st.integers(-(1 << 63), (1 << 63) - 1).map(lambda v: ("raw", v)),
+    st.integers(0, 64 << 20).map(lambda v: ("raw", v)),  # in the pool, any alignment
+)
+
+
+block_ids = st.one_of(
+    st.integers(0, DEV_BLOCKS - 1), st.integers(-2, DEV_BLOCKS + 1), U64.map(lambda v: v - (1 << 63))
+)
+
+
+@st.composite
+def copy_jobs(draw):
+    """(n, blocks, slot values): mostly a well-formed batch (n = its length), sometimes not."""
+    pairs = draw(st.lists(st.tuples(block_ids, slot_values), max_size=8))
+    n = draw(
+        st.one_of(st.just(len(pairs)), st.integers(0, 9), st.sampled_from([P.MAX_PAIRS_PER_JOB + 1]), U64)
+    )
+    return n, [b for b, _ in pairs], [v for _, v in pairs]
+
+
+@settings(max_examples=COPY_CASES, **FUZZ_SETTINGS)
+@given(
+    kind=st.one_of(st.sampled_from([P.COPY_SAVE, P.COPY_SAVE, P.COPY_LOAD]), st.integers(0, 0xFFFF)),
+    event=st.one_of(st.just(0), st.integers(0, 3), U64),
+    job=copy_jobs(),
+)
+def test_random_copy_jobs_are_always_answered_and_write_only_where_a_reservation_allows(
+    fuzzed, copy_fuzzed, kind, event, job
+):
+    n, blocks, values = job
+    fh, own, pinned = copy_fuzzed
+    table = []
+    for v in values:
+        if v[0] == "own":
+            table.append(own[v[1]])
+        elif v[0] == "own-gen":
+            table.append(P.slot_offset(own[v[1]]) | v[2] << P.SLOT_GEN_SHIFT)
+        elif v[0] == "pinned":
+            table.append(pinned[v[1]])
+        else:
+            table.append(v[1])
+    link = fh.links[0]
+    link.seq += 1
+    seq = link.seq
+    arena = link.jobs[seq % P.JOB_SLOTS]
+    arena[:18] = 0
+    m = min(n, 9)  # the worker reads the slot values after n block ids
+    arena[: len(blocks)] = np.array(blocks, np.int64)
+    arena[m : m + len(table)] = np.array(table, np.int64)
+    link.req.push(kind & 0xFFFF, seq, n, event, timeout=5.0)
+    link.inflight.add(seq)
+    (status,) = fh.wait([(0, seq)], timeout=30.0).values()
+    assert -(1 << 16) < status <= 0 and status != -errno.ETIMEDOUT, status
+    assert fuzzed[0].proc.poll() is None
 
 
 # ------------------------------------------------------------------ control socket
