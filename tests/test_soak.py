@@ -1,10 +1,14 @@
-"""Soak (issue 14): many clients, mixed traffic, workers SIGKILLed at random; zero wrong bytes.
+"""Soak (issues 14, 26): many clients, mixed traffic, workers SIGKILLed or hung at random, one
+client flooding its ring; zero wrong bytes.
 
 Client processes share one namespace and one key space; a key's bytes are a pure
 function of the key, so every load — whoever saved the block, from DRAM or promoted
 from storage — is checked byte for byte against what any save of that key wrote.
-Meanwhile transfer and IO workers are SIGKILLed at random, and each client closes
-its connection once and reconnects (a dead owner). At the end: no wrong byte, no
+Meanwhile transfer and IO workers are SIGKILLed at random, every fourth victim is
+SIGSTOPped instead (a hung worker: the server must find it, kill and restart it within
+``HPKV_WORKER_HANG_S``), another client floods its request ring with lookups the whole
+time (``hpkv.testing.flood``), and each client closes its connection once and reconnects
+(a dead owner). At the end: no wrong byte, no
 leaked slot, pin or reservation, no temporary file. ``HPKV_SOAK_S`` sets the traffic
 time (default 100 s; the whole test takes under two minutes here).
 """
@@ -15,6 +19,8 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +36,7 @@ from hpkv.testing.server import ServerProcess, assert_serves_correctly, private_
 pytestmark = pytest.mark.soak
 
 SOAK_S = float(os.environ.get("HPKV_SOAK_S", "100"))
+HANG_S = 2.0  # HPKV_WORKER_HANG_S of the soak's server: a stopped worker is found within it
 CLIENTS = 4
 LAYERS, PAGE, DEV_BLOCKS = 4, 16 * 1024, 32  # 64 KiB blocks; 64 MiB pool = 1024 slots
 SHARD = LAYERS * PAGE
@@ -144,7 +151,9 @@ def _client_main(env, work: str, n: int, seconds: float, q) -> None:
 
 
 def _kill_workers(srv: ServerProcess, until: float, rng: random.Random) -> dict[str, int]:
-    killed = {"transfer": 0, "io": 0}
+    """SIGKILL a random running worker every 0.4-1.6 s; every fourth victim is SIGSTOPped
+    instead and left to the server's hang detection (never resumed by us)."""
+    killed = {"transfer": 0, "io": 0, "stopped": 0}
     with connect(srv.cfg, spawn=False, call_timeout=10.0) as c:
         while time.monotonic() < until:
             time.sleep(rng.uniform(0.4, 1.6))
@@ -152,9 +161,10 @@ def _kill_workers(srv: ServerProcess, until: float, rng: random.Random) -> dict[
             if not victims:
                 continue
             w = rng.choice(victims)
+            hang = sum(killed.values()) % 4 == 3
             try:
-                os.kill(w["pid"], signal.SIGKILL)
-                killed[w["kind"]] += 1
+                os.kill(w["pid"], signal.SIGSTOP if hang else signal.SIGKILL)
+                killed["stopped" if hang else w["kind"]] += 1
             except ProcessLookupError:
                 pass
     return killed
@@ -162,7 +172,13 @@ def _kill_workers(srv: ServerProcess, until: float, rng: random.Random) -> dict[
 
 def test_soak_mixed_traffic_with_workers_killed_serves_no_wrong_byte_and_leaks_nothing(tmp_path):
     storage = tmp_path / "storage"
-    env = private_env(pool_size="64m", storage=str(storage), HPKV_LOG_LEVEL="INFO", HPKV_NUM_IO_WORKERS="2")
+    env = private_env(
+        pool_size="64m",
+        storage=str(storage),
+        HPKV_LOG_LEVEL="INFO",
+        HPKV_NUM_IO_WORKERS="2",
+        HPKV_WORKER_HANG_S=str(HANG_S),
+    )
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with ServerProcess(env) as srv:
@@ -172,7 +188,14 @@ def test_soak_mixed_traffic_with_workers_killed_serves_no_wrong_byte_and_leaks_n
         ]
         for p in procs:
             p.start()
+        flooder = subprocess.Popen(
+            [sys.executable, "-m", "hpkv.testing.flood", namespace_fingerprint({"model": "flood"})],
+            env=env,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
         try:
+            assert flooder.stdout is not None and flooder.stdout.readline() == b"flooding\n"
             killed = _kill_workers(srv, time.monotonic() + SOAK_S, random.Random(7))
             results = []
             deadline = time.monotonic() + 120
@@ -183,7 +206,10 @@ def test_soak_mixed_traffic_with_workers_killed_serves_no_wrong_byte_and_leaks_n
                     crashed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
                     assert not crashed, f"a soak client crashed (exit {crashed}); see its traceback above"
                     assert time.monotonic() < deadline, "soak clients did not finish"
+            assert flooder.poll() is None, "the flooding client stopped before the soak ended"
         finally:
+            os.killpg(flooder.pid, signal.SIGKILL)
+            flooder.wait()
             for p in procs:
                 p.join(30)
                 if p.is_alive():
@@ -193,6 +219,7 @@ def test_soak_mixed_traffic_with_workers_killed_serves_no_wrong_byte_and_leaks_n
         assert total["wrong"] == 0, f"wrong bytes served: {[r[2] for r in results]}"
         assert total["loads_checked"] >= 50 and total["saves"] >= 100, total
         assert killed["transfer"] + killed["io"] >= SOAK_S / 4, killed
+        assert killed["stopped"] >= 2, killed
         assert srv.proc.poll() is None
 
         with connect(srv.cfg, spawn=False, call_timeout=10.0) as c:
@@ -213,6 +240,13 @@ def test_soak_mixed_traffic_with_workers_killed_serves_no_wrong_byte_and_leaks_n
                 assert time.monotonic() < deadline, f"leaked pins, reservations, slots or files: {ok[1]}"
                 time.sleep(0.2)
             s = ok[1]
+            # A stopped worker is found hung and replaced (unless its client left first and
+            # the server stopped it with its device).
+            hung = srv.log().count("is hung: no heartbeat")
+            assert 1 <= hung <= killed["stopped"], (
+                f"{hung} hung worker(s) found of {killed['stopped']} stopped"
+            )
+            assert not [w for w in s["workers"] if w["state"] == "hung"], s["workers"]
             assert s["pool"]["used_bytes"] == sum(n["blocks_dram"] for n in s["namespaces"]) * SHARD
             assert [cl["name"] for cl in s["clients"]] == [""], "every soak client is gone"
         assert_serves_correctly(srv)
