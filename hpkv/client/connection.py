@@ -198,7 +198,9 @@ class HpkvClient:
         return np.concatenate(out) if len(out) > 1 else (out[0] if out else np.empty((0, world), np.int64))
 
     def reserve(self, ns_id: int, keys: Sequence[bytes]) -> np.ndarray:
-        """Pool byte offsets ``[len(keys), world]``; -1 = already there, -2 = pool full."""
+        """Slot values ``[len(keys), world]``: the pool byte offset with the slot's generation
+        above it (:func:`hpkv.protocol.wire.slot_offset` strips it; a save job passes the value
+        as it is); -1 = already there, -2 = pool full or another namespace's key."""
         with self._hot_lock:
             return self._rows(P.RESERVE, ns_id, keys)
 

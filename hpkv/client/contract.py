@@ -7,9 +7,10 @@ engines. Every call raises :class:`~hpkv.protocol.errors.HpkvError` on failure
 (:class:`~hpkv.protocol.errors.HpkvUnavailable` when the server is gone or slow): the caller
 recomputes.
 
-Per-row answers are pool byte offsets ``[len(keys), world]`` with the sentinels of
-:mod:`hpkv.protocol.errors` (``ROW_PRESENT``, ``ROW_POOL_FULL``, ``ROW_MISSING``).
-"""
+Per-row answers are pool slot values ``[len(keys), world]`` with the sentinels of
+:mod:`hpkv.protocol.errors` (``ROW_PRESENT``, ``ROW_POOL_FULL``, ``ROW_MISSING``): a byte
+offset, and for a reserve the slot's generation above it (``hpkv.protocol.wire.slot_offset``
+gives the offset; copy jobs take the value as it is)."""
 
 from __future__ import annotations
 

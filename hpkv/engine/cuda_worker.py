@@ -193,6 +193,54 @@ def _register_pool(driver: CudaDriver, pool: PoolFile, row: Any) -> None:
         log.warning("cannot pin the pool for DMA (%s): copies use pageable memory, slower", exc)
 
 
+def _give_up(rt: WorkerRuntime, d: Any, why: str) -> None:
+    """A copy that may still be running on the GPU: its slots stay held in the fence and this
+    worker ends after answering; the server drops the holds only once this process (and so
+    its CUDA context, which stops the DMA) is gone, then starts a new worker."""
+    log.error("CUDA job seq %d %s: restarting this worker (its slots stay fenced until then)", d.seq, why)
+    rt.stopping = True
+
+
+def _enter_fence(
+    fence: SlotFence,
+    holder: int,
+    row: Any,
+    errors: RateLimitedLog,
+    d: Any,
+    offsets: np.ndarray,
+    gens: np.ndarray,
+) -> bool:
+    """Hold a save's slots in the fence (False, counted and logged: a late save, refused)."""
+    refused = fence.enter(offsets, gens, holder)
+    if refused < 0:
+        return True
+    row[W.STALE_SAVES] += 1
+    errors.log(
+        logging.WARNING,
+        "stale",
+        "save seq %d refused, nothing written: the reservation of pool offset %d was released "
+        "before the copy",
+        d.seq,
+        int(offsets[refused]),
+    )
+    return False
+
+
+def _well_formed(kind: int, n: int, event: int, num_events: int) -> bool:
+    return kind in (P.COPY_SAVE, P.COPY_LOAD) and 0 < n <= P.MAX_PAIRS_PER_JOB and event < num_events
+
+
+def _wait_done(driver: Any, done: Any, timeout: float, row: Any) -> bool:
+    """Poll the job's completion event; False when ``timeout`` seconds passed first."""
+    deadline = time.monotonic() + timeout
+    while not driver.query(done):
+        if time.monotonic() > deadline:
+            return False
+        row[W.HEARTBEAT_NS] = time.time_ns()  # waiting on the engine (bounded above), not hung
+        time.sleep(0.0001)
+    return True
+
+
 def serve_cuda(rt: WorkerRuntime, pool: PoolFile, fence: SlotFence) -> int:
     spec, row = rt.spec, rt.row
     opened = _Opened(spec)
@@ -230,52 +278,37 @@ def serve_cuda(rt: WorkerRuntime, pool: PoolFile, fence: SlotFence) -> int:
 
     def copy(d: Any) -> tuple[int, int, int]:
         n, ev = int(d.a0), int(d.a1) - 1
-        if (
-            d.kind not in (P.COPY_SAVE, P.COPY_LOAD)
-            or not 0 < n <= P.MAX_PAIRS_PER_JOB
-            or ev >= len(opened.events)
-        ):
+        if not _well_formed(d.kind, n, ev, len(opened.events)):
             log.error("CUDA job seq %d rejected: kind %d, %d pairs, event %d", d.seq, d.kind, n, ev)
             return Status.BAD_REQUEST, 0, 0
         job = jobs[d.seq % P.JOB_SLOTS]
         direction = lib.HPKV_SAVE if d.kind == P.COPY_SAVE else lib.HPKV_LOAD
-        held = False
+        held = queued = False
         try:
             offsets, gens = decode_slots(job[n : 2 * n].copy(), slot_bytes, pool.size)
             if direction == lib.HPKV_SAVE:  # the slot fence, as in the CPU transfer worker
-                refused = fence.enter(offsets, gens, holder)
-                if refused >= 0:
-                    row[W.STALE_SAVES] += 1
-                    errors.log(
-                        logging.WARNING,
-                        "stale",
-                        "save seq %d refused, nothing written: the reservation of pool offset %d "
-                        "was released before the copy",
-                        d.seq,
-                        int(offsets[refused]),
-                    )
+                if not _enter_fence(fence, holder, row, errors, d, offsets, gens):
                     return Status.STALE_SLOT, 0, 0
                 held = True
             if ev >= 0:
                 driver.wait_event(stream, opened.events[ev])
+            queued = True  # from here on the DMA may be running, even if a call below fails
             copier.copy(job[:n].copy(), offsets // slot_bytes, direction, stream)
             driver.record(done, stream)
-            deadline = time.monotonic() + timeout
-            while not driver.query(done):
-                if time.monotonic() > deadline:
-                    # The DMA may still land: the slots stay held (the server keeps them out of
-                    # the allocator) until this worker is restarted.
-                    held = False
-                    log.error("CUDA job seq %d not complete after %.1fs", d.seq, timeout)
-                    return -110, 0, 0  # -ETIMEDOUT
-                row[W.HEARTBEAT_NS] = time.time_ns()  # waiting on the engine (bounded above), not hung
-                time.sleep(0.0001)
+            if not _wait_done(driver, done, timeout, row):
+                held = False  # see _give_up
+                _give_up(rt, d, f"not complete after {timeout:.1f}s")
+                return -110, 0, 0  # -ETIMEDOUT
         except (ValueError, IndexError) as exc:
             row[W.BAD_JOBS] += 1
             errors.log(logging.ERROR, "bad", "CUDA job seq %d rejected: %s", d.seq, exc)
             return Status.BAD_REQUEST, 0, 0
         except CudaError as exc:
-            log.error("CUDA job seq %d failed: %s", d.seq, exc)
+            if not queued:  # the engine's event never came: nothing was copied, go on serving
+                log.error("CUDA job seq %d failed: %s", d.seq, exc)
+                return Status.INTERNAL, 0, 0
+            held = False  # part of the batch may be queued: see _give_up
+            _give_up(rt, d, f"failed: {exc}")
             return Status.INTERNAL, 0, 0
         finally:
             if held:

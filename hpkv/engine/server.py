@@ -1273,9 +1273,9 @@ class Server:
             for ring in made:
                 with contextlib.suppress(Exception):
                     ring.close()
-            for name in (f"c{cid}.req.ring", f"c{cid}.resp.ring", f"c{cid}.mbox"):
+            for leftover in (f"c{cid}.req.ring", f"c{cid}.resp.ring", f"c{cid}.mbox"):
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.dir, name))
+                    os.unlink(os.path.join(self.dir, leftover))
             if not isinstance(exc, OSError) or exc.errno in (errno.EMFILE, errno.ENFILE):
                 raise  # out of descriptors: the hello refuses it as such
             # A full pool file system (the rings and the mailbox are files beside the pool)

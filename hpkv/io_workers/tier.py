@@ -347,6 +347,8 @@ class StorageTier:
         (scan not there yet, or written by another server on the same storage); extends ``tiers``."""
         while hit < len(keys) and self._stat_block(ns, keys[hit]):
             more, more_tiers = self.index.lookup(ns.ns_id, keys[hit:])
+            if not more:  # its files exist but the index did not take it (another namespace's key)
+                break
             tiers.extend(more_tiers)
             hit += more
         return hit
