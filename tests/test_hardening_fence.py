@@ -344,3 +344,25 @@ def test_a_copy_offset_that_is_not_the_start_of_a_slot_is_refused_counted_and_lo
             assert c.stats()["workers"][0]["bad_jobs"] == 2
             assert handle.save(np.array([1]), np.array([v]))  # the aligned one still works
         assert srv.log().count("is not the start of a") == 1, "the rejections are logged rate-limited"
+
+
+def test_a_namespace_written_from_inside_the_engine_keeps_a_dead_owners_slots_for_the_grace():
+    """SGLang's in-process mode and vLLM's CUDA fallback write the pool themselves, where no fence
+    checks: a released reservation of such a namespace (no transfer-worker device for a rank) is
+    reused only after the grace, as before the fence; one with devices for every rank at once."""
+    with ServerProcess(private_env(pool_size="64m")) as srv, client_of(srv) as b:
+        ns = b.attach_namespace(FP, 1, SLOT)
+        owner = client_of(srv)
+        owner.attach_namespace(FP, 1, SLOT)
+        (v1,) = owner.reserve(ns.ns_id, block_keys(FP, [b"in-process"]))[:, 0]
+        owner.close()  # the scheduler goes away; its in-process writer may still be copying
+        wait_for(lambda: "1 reservations" in srv.log(), what="the owner's release", step=0.005)
+        (v2,) = b.reserve(ns.ns_id, block_keys(FP, [b"right-after"]))[:, 0]
+        assert offset_of(v2) != offset_of(v1), "an unfenced slot was reused within its grace"
+        reused = wait_for(
+            lambda: offset_of(b.reserve(ns.ns_id, block_keys(FP, [b"later-%f" % time.monotonic()]))[0, 0])
+            == offset_of(v1),
+            timeout=10,
+            what="the slot back after the grace",
+        )
+        assert reused

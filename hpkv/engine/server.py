@@ -811,12 +811,20 @@ class Server:
         (or failed with its worker), and at least ``grace`` seconds passed (a dead scheduler's
         worker may still submit the copy it was told to make).
 
-        Reservations wait for nobody: their slots get a new generation (the slot fence), so a
-        save made for them that comes later is refused by the transfer worker, and a save still
-        copying keeps its slots out of the allocator only until it ends (Index.reclaim_fenced)."""
+        Reservations whose namespace saves only through transfer workers wait for nobody: their
+        slots get a new generation (the slot fence), so a save made for them that comes later is
+        refused by the worker, and a save still copying keeps its slots out of the allocator only
+        until it ends (Index.reclaim_fenced). A namespace with a rank that writes the pool from
+        inside the engine (SGLang's in-process mode, vLLM's CUDA fallback), which no fence checks,
+        keeps its released reservations ``grace`` seconds first, as before the fence."""
         if blocks:
-            self.index.free_retired(blocks)
+            nss = {b.ns.ns_id: b.ns for b in blocks}
+            fenced = {i: grace <= 0 or self._saves_fenced(ns) for i, ns in nss.items()}
+            unfenced = [b for b in blocks if not fenced[b.ns.ns_id]]
+            self.index.free_retired([b for b in blocks if fenced[b.ns.ns_id]])
             self.stats.glob[G.POOL_USED] = self.index.alloc.used
+            if unfenced:
+                self._releases.append(_Release(unfenced, [], [], time.monotonic() + grace))
         if not pins:
             return
         # Only the workers of the pins' namespaces load those blocks: an engine of another model
@@ -829,6 +837,18 @@ class Server:
         rel = _Release([], pins, marks, time.monotonic() + grace)
         if not self._release_if_done(rel):
             self._releases.append(rel)
+
+    def _saves_fenced(self, ns: Namespace) -> bool:
+        """Every rank of the namespace has a device whose transfer workers make its saves (so
+        the slot fence checks every save into its reservations)."""
+        ranks = {
+            dev.rank
+            for c in self.clients.values()
+            if c.alive
+            for dev in c.devices
+            if dev.ns_id == ns.ns_id and dev.workers
+        }
+        return len(ranks) >= ns.world_size
 
     def _release_if_done(self, rel: _Release) -> bool:
         if time.monotonic() < rel.not_before or not all(w.passed(m) for w, m in rel.marks):
