@@ -674,10 +674,14 @@ class Server:
             )
             return Status.INTERNAL, 0, 0
         finally:
-            idx = self.index
-            self.stats.glob[G.POOL_USED] = idx.alloc.used
-            self.stats.glob[G.POOL_PINNED] = idx.pinned_bytes
-            self.stats.glob[G.BLOCKS] = len(idx.blocks)
+            self._publish_pool_gauges()
+
+    def _publish_pool_gauges(self) -> None:
+        """The pool's used and pinned bytes and block count, after anything that changed them."""
+        idx = self.index
+        self.stats.glob[G.POOL_USED] = idx.alloc.used
+        self.stats.glob[G.POOL_PINNED] = idx.pinned_bytes
+        self.stats.glob[G.BLOCKS] = len(idx.blocks)
 
     def _hot_lookup(self, c: Client, d) -> tuple[int, int, int]:
         idx = self.index
@@ -818,11 +822,11 @@ class Server:
         inside the engine (SGLang's in-process mode, vLLM's CUDA fallback), which no fence checks,
         keeps its released reservations ``grace`` seconds first, as before the fence."""
         if blocks:
-            nss = {b.ns.ns_id: b.ns for b in blocks}
-            fenced = {i: grace <= 0 or self._saves_fenced(ns) for i, ns in nss.items()}
+            by_id = {b.ns.ns_id: b.ns for b in blocks}
+            fenced = {i: grace <= 0 or self._saves_fenced(ns) for i, ns in by_id.items()}
             unfenced = [b for b in blocks if not fenced[b.ns.ns_id]]
             self.index.free_retired([b for b in blocks if fenced[b.ns.ns_id]])
-            self.stats.glob[G.POOL_USED] = self.index.alloc.used
+            self._publish_pool_gauges()
             if unfenced:
                 self._releases.append(_Release(unfenced, [], [], time.monotonic() + grace))
         if not pins:
@@ -855,8 +859,7 @@ class Server:
             return False
         self.index.free_retired(rel.blocks)
         self.index.drop_pins(rel.pins)
-        self.stats.glob[G.POOL_USED] = self.index.alloc.used
-        self.stats.glob[G.POOL_PINNED] = self.index.pinned_bytes
+        self._publish_pool_gauges()
         return True
 
     def _release_due(self) -> None:
@@ -1272,6 +1275,7 @@ class Server:
         ns_id = _int_arg(msg, "ns_id", 0, MAX_NS - 1)
         with self.lock:
             n = self.index.clear_namespace(ns_id)
+            self._publish_pool_gauges()  # `hpkv status` right after shows the pool as it is now
         log.info("client %d cleared namespace %s from the DRAM tier: %d blocks", c.cid, ns_id, n)
         return {"ok": True, "dropped": n}
 
@@ -1607,7 +1611,7 @@ class Server:
             if self._kv_orphans:
                 self._remove_orphan_kv_files()
             if self.index.reclaim_fenced():  # slots whose last save ended since their release
-                self.stats.glob[G.POOL_USED] = self.index.alloc.used
+                self._publish_pool_gauges()
             if self.storage is not None and self.storage.catalog_dirty:
                 self.storage.catalog_dirty = False
                 self._catalog_dirty = True
