@@ -263,18 +263,18 @@ def test_connect_waits_out_a_stopping_server_and_starts_a_new_one(tmp_path, leav
 
 
 def test_a_spawned_server_that_cannot_start_says_why_in_the_exception_and_its_log(tmp_path):
-    env = _new_user_env(tmp_path, HPKV_KV_MEM_POOL_SIZE="1p")  # more than /dev/shm has
+    env = _new_user_env(tmp_path, HPKV_KV_MEM_POOL_SIZE="1t")  # more than /dev/shm has
     try:
         t0 = time.monotonic()
         with pytest.raises(
             HpkvUnavailable,
-            match=r"could not start: .*HPKV_KV_MEM_POOL_SIZE=1p.*lower the "
+            match=r"could not start: .*HPKV_KV_MEM_POOL_SIZE=1t.*lower the "
             r"pool size or free space.*log: .*server\.log",
         ):
             connect(load_config(env), env=env, timeout=60)
         assert time.monotonic() - t0 < 30, "a failed start is reported at once, not after the timeout"
         with open(os.path.join(env["HPKV_SHARE_MEM_FILE_PATH"], "server.log")) as f:
-            assert "cannot start: HPKV_KV_MEM_POOL_SIZE=1p (from environment)" in f.read()
+            assert "cannot start: HPKV_KV_MEM_POOL_SIZE=1t (from environment)" in f.read()
         assert sorted(os.listdir(env["HPKV_SHARE_MEM_FILE_PATH"])) == ["server.log"]
     finally:
         ServerProcess(env).cleanup()
