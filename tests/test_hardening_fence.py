@@ -360,8 +360,10 @@ def test_a_namespace_written_from_inside_the_engine_keeps_a_dead_owners_slots_fo
         (v2,) = b.reserve(ns.ns_id, block_keys(FP, [b"right-after"]))[:, 0]
         assert offset_of(v2) != offset_of(v1), "an unfenced slot was reused within its grace"
         reused = wait_for(
-            lambda: offset_of(b.reserve(ns.ns_id, block_keys(FP, [b"later-%f" % time.monotonic()]))[0, 0])
-            == offset_of(v1),
+            lambda: (
+                offset_of(b.reserve(ns.ns_id, block_keys(FP, [b"later-%f" % time.monotonic()]))[0, 0])
+                == offset_of(v1)
+            ),
             timeout=10,
             what="the slot back after the grace",
         )
