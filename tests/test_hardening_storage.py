@@ -7,6 +7,7 @@ one; ``strace`` injects the read-time EINVAL into a live IO worker.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -237,3 +238,43 @@ def _traced_by(pid: int, tracer: int) -> bool:
         )
     except OSError:
         return False
+
+
+@pytest.mark.parametrize("beneath", [True, False], ids=["openat2", "walk"])
+def test_a_read_open_goes_through_no_symlink_with_or_without_openat2(tmp_path, monkeypatch, beneath):
+    """StorageTree.open_file: one openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS) where the kernel
+    has it, the directory walk where not; either way a symlinked directory or file is refused."""
+    from hpkv.io_workers.tree import StorageTree
+
+    monkeypatch.setattr(StorageTree, "beneath", beneath)
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "ns" / "aa" / "bb").mkdir(parents=True, mode=0o700)
+    outside.mkdir()
+    (outside / "k.kv").write_bytes(b"forged")
+    (root / "ns" / "aa" / "bb" / "k.kv").write_bytes(b"ours")
+    os.symlink(outside, root / "ns" / "aa" / "cc")
+    os.symlink(outside / "k.kv", root / "ns" / "aa" / "bb" / "l.kv")
+    os.chmod(root, 0o700)
+    tree = StorageTree.open(str(root))
+    try:
+        fd = tree.open_file("ns/aa/bb", "k.kv", os.O_RDONLY)
+        assert os.read(fd, 16) == b"ours"
+        os.close(fd)
+        escapes = [
+            ("ns/aa/cc", "k.kv"),
+            ("ns/aa/bb", "l.kv"),
+            ("..", "outside/k.kv"),
+            ("ns", "../../outside/k.kv"),
+        ]
+        for rel, name in escapes:
+            with pytest.raises(OSError) as err:
+                os.close(tree.open_file(rel, name, os.O_RDONLY))
+            assert err.value.errno in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV, errno.ENOENT), (
+                rel,
+                name,
+                err,
+            )
+        with pytest.raises(FileNotFoundError):
+            tree.open_file("ns/aa/bb", "missing.kv", os.O_RDONLY)
+    finally:
+        tree.close()

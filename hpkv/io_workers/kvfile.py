@@ -407,17 +407,15 @@ class KvFileIO:
         return FetchedFile(block, length, payload, dest, slot)
 
     def _open_read(self, rel: str, name: str) -> int:
-        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
-        with self.tree.dir(rel) as dfd:
-            if not self.read_direct:
-                return os.open(name, flags, dir_fd=dfd)
-            try:
-                return os.open(name, flags | os.O_DIRECT, dir_fd=dfd)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self._fall_back()
-                return os.open(name, flags, dir_fd=dfd)
+        if not self.read_direct:
+            return self.tree.open_file(rel, name, os.O_RDONLY)
+        try:
+            return self.tree.open_file(rel, name, os.O_RDONLY | os.O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self._fall_back()
+            return self.tree.open_file(rel, name, os.O_RDONLY)
 
     @staticmethod
     def verify(f: FetchedFile) -> int:
