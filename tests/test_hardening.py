@@ -25,15 +25,17 @@ from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.testing.device import make_device
-from hpkv.testing.server import ServerProcess, assert_serves_correctly, private_env
+from hpkv.testing.server import (
+    ServerProcess,
+    assert_serves_correctly,
+    client_of,
+    private_env,
+    serve_fails,
+    wait_for,
+)
 
 FP = namespace_fingerprint({"model": "hardening", "layers": 4})
 NOBODY = 65534
-
-
-def client_of(srv: ServerProcess, **kw):
-    kw.setdefault("call_timeout", 10.0)
-    return connect(srv.cfg, spawn=False, **kw)
 
 
 class Raw:
@@ -54,16 +56,6 @@ class Raw:
     def close(self) -> None:
         self.f.close()
         self.sock.close()
-
-
-def wait_for(cond, timeout: float = 10.0, what: str = "condition", step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(step)
 
 
 serves_correctly = assert_serves_correctly
@@ -126,16 +118,6 @@ def _cleanup(env) -> None:
         os.unlink(env["HPKV_CONFIG_FILE_PATH"])
 
 
-def _serve_fails(env) -> str:
-    srv = ServerProcess(env)
-    try:
-        with pytest.raises(RuntimeError) as err:
-            srv.start()
-        return str(err.value)
-    finally:
-        srv.stop()
-
-
 def test_a_pool_directory_of_another_user_is_refused_with_what_to_do():
     env = private_env()
     d = env["HPKV_SHARE_MEM_FILE_PATH"]
@@ -143,7 +125,7 @@ def test_a_pool_directory_of_another_user_is_refused_with_what_to_do():
     try:
         os.chmod(d, 0o777)
         os.chown(d, NOBODY, NOBODY)  # created by another local user before us
-        msg = _serve_fails(env)
+        msg = serve_fails(env)
         assert f"{d} is owned by" in msg and "Have its owner (or root) remove it" in msg
         assert not (Path(d) / "pool").exists() and not (Path(d) / "server.sock").exists()
         with pytest.raises(HpkvError, match="refusing the hpkv server"):
@@ -171,7 +153,7 @@ def test_a_pool_directory_writable_by_others_is_refused():
     os.mkdir(d)
     try:
         os.chmod(d, 0o777)
-        msg = _serve_fails(env)
+        msg = serve_fails(env)
         assert "writable by its group or by others (mode 0777)" in msg and f"chmod go-w {d}" in msg
         os.chmod(d, 0o700)
         with ServerProcess(env) as srv:
@@ -407,22 +389,26 @@ def test_a_dead_owners_queued_saves_never_land_in_its_slots_once_they_are_handed
         offsets = sched.reserve(ns.ns_id, keys)[:, 0]
         assert (offsets >= 0).all()
         blk = np.arange(blocks)
-        tickets = [t for _ in range(jobs) for t in handle.submit(P.COPY_SAVE, blk, offsets)]
-        sched.close()  # the scheduler goes away while its worker still copies (the forced order)
-        wait_for(lambda: len(worker.stats()["clients"]) == 2, what="the scheduler's drop")
-        mine = P.slot_offset(
-            newcomer.reserve(ns.ns_id, block_keys(FP, [b"n%d" % i for i in range(2 * blocks)]))[:, 0]
-        )
-        done_then = worker.stats()["workers"][0]["jobs"]
+        (w,) = wait_for(lambda: [x for x in worker.stats()["workers"] if x["state"] == "running"])
+        os.kill(w["pid"], signal.SIGSTOP)  # the saves stay queued (the forced order, made certain)
+        try:
+            tickets = [t for _ in range(jobs) for t in handle.submit(P.COPY_SAVE, blk, offsets)]
+            sched.close()  # the scheduler goes away while its worker's saves are queued
+            wait_for(lambda: len(worker.stats()["clients"]) == 2, what="the scheduler's drop")
+            mine = P.slot_offset(
+                newcomer.reserve(ns.ns_id, block_keys(FP, [b"n%d" % i for i in range(2 * blocks)]))[:, 0]
+            )
+            assert worker.stats()["workers"][0]["jobs"] == 0, "a save ran before the slots were reused"
+        finally:
+            os.kill(w["pid"], signal.SIGCONT)
         got = mine[mine >= 0]
-        assert len(got) > blocks, "none of the dead owner's slots was handed out again"
+        assert len(got) == 2 * blocks, "the dead owner's slots were not handed out again at once"
         pool = PoolFile.attach(os.path.join(srv.pool_dir, P.POOL_FILE))
         try:
             for off in got:
                 pool.array[off : off + layers * page] = 0xA5
             res = handle.wait(tickets, timeout=120)
-            assert done_then < jobs, "the copies ended before the check: the test proved nothing"
-            assert set(res.values()) <= {0, Status.STALE_SLOT} and Status.STALE_SLOT in res.values(), res
+            assert set(res.values()) == {Status.STALE_SLOT}, res
             for off in got:
                 assert (pool.array[off : off + layers * page] == 0xA5).all(), f"a late save landed at {off}"
         finally:

@@ -25,24 +25,9 @@ from hpkv.protocol import wire as P
 from hpkv.protocol.errors import ROW_POOL_FULL
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.protocol.wire import live_server_pid
-from hpkv.testing.server import ServerProcess, private_env
+from hpkv.testing.server import ServerProcess, client_of, private_env, wait_for
 
 FP = namespace_fingerprint({"model": "fairness", "layers": 2})
-
-
-def client_of(srv: ServerProcess, **kw):
-    kw.setdefault("call_timeout", 10.0)
-    return connect(srv.cfg, spawn=False, **kw)
-
-
-def wait_for(cond, timeout: float = 10.0, what: str = "condition", step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(step)
 
 
 def raw_socket(srv: ServerProcess, timeout: float = 10.0) -> socket.socket:

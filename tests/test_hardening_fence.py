@@ -26,14 +26,13 @@ import time
 import numpy as np
 import pytest
 
-from hpkv.client.connection import connect
 from hpkv.common.native import ffi, lib
 from hpkv.common.pool import PoolFile
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.testing.device import make_device
-from hpkv.testing.server import ServerProcess, assert_serves_correctly, private_env
+from hpkv.testing.server import ServerProcess, assert_serves_correctly, client_of, private_env, wait_for
 
 FP = namespace_fingerprint({"model": "fence", "layers": 4})
 LAYERS, BLOCKS, PAGE = 4, 16, 4096
@@ -43,21 +42,6 @@ SLOT = LAYERS * PAGE
 def offset_of(value) -> int:
     """The pool offset of a reserve answer's slot value (the generation sits above bit 40)."""
     return int(value) & ((1 << 40) - 1)
-
-
-def client_of(srv: ServerProcess, **kw):
-    kw.setdefault("call_timeout", 10.0)
-    return connect(srv.cfg, spawn=False, **kw)
-
-
-def wait_for(cond, timeout: float = 15.0, what: str = "condition", step: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v is not None and v is not False and (not hasattr(v, "__len__") or len(v)):
-            return v
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(step)
 
 
 @contextlib.contextmanager

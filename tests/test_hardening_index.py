@@ -10,34 +10,17 @@ from __future__ import annotations
 
 import mmap
 import os
-import time
 
 import numpy as np
 import pytest
 
-from hpkv.client.connection import connect
 from hpkv.protocol import wire as P
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
-from hpkv.testing.server import ServerProcess, assert_serves_correctly, private_env
+from hpkv.testing.server import ServerProcess, assert_serves_correctly, client_of, private_env, wait_for
 
 FP_BIG = namespace_fingerprint({"model": "ident-honest", "layers": 4})
 FP_SMALL = namespace_fingerprint({"model": "ident-reuser", "layers": 1})
 BIG, SMALL = 16384, 4096  # shard bytes of the honest and of the key-reusing namespace
-
-
-def client_of(srv: ServerProcess, **kw):
-    kw.setdefault("call_timeout", 10.0)
-    return connect(srv.cfg, spawn=False, **kw)
-
-
-def wait_for(cond, timeout: float = 30.0, what: str = "condition", step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(step)
 
 
 class Pool:

@@ -28,7 +28,7 @@ from hpkv.common.pool import PoolFile
 from hpkv.engine.index import Index, Namespace
 from hpkv.protocol import wire as P
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
-from hpkv.testing.server import ServerProcess, private_env
+from hpkv.testing.server import ServerProcess, private_env, wait_for
 
 MIB = 1 << 20
 FP = namespace_fingerprint({"model": "pool-hardening", "layers": 2})
@@ -284,14 +284,6 @@ class FakeEngine:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-
-
-def wait_for(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (v := cond()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return v
 
 
 def proc_state(pid: int) -> str:

@@ -21,21 +21,11 @@ from test_storage import Writer, io_worker_pids, running  # the storage tests' r
 from hpkv.io_workers import kvfile
 from hpkv.io_workers.tree import DIR_CACHE_TTL_S
 from hpkv.protocol.keys import namespace_fingerprint
-from hpkv.testing.server import ServerProcess, assert_serves_correctly, private_env
+from hpkv.testing.server import ServerProcess, assert_serves_correctly, private_env, serve_fails
 
 FP = namespace_fingerprint({"model": "hardening-storage", "layers": 4})
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
-
-
-def _serve_fails(env) -> str:
-    srv = ServerProcess(env)
-    try:
-        with pytest.raises(RuntimeError) as err:
-            srv.start()
-        return str(err.value)
-    finally:
-        srv.cleanup()
 
 
 def _as_nobody(cwd: Path, fn) -> None:
@@ -66,7 +56,7 @@ def test_a_private_storage_root_in_a_directory_another_user_can_write_is_refused
     root = parent / "storage"
     root.mkdir(mode=0o700)  # ours and private: on 924ae3a that was all that was checked
     env = private_env(storage=str(root))
-    msg = _serve_fails(env)
+    msg = serve_fails(env)
     assert f"is inside {parent}, which is owned by nobody" in msg, msg
     assert "rename" in msg and f"chmod go-w {parent}" in msg
 
@@ -89,7 +79,7 @@ def test_a_storage_root_under_a_world_writable_directory_needs_the_sticky_bit(tm
         with ServerProcess(env) as srv:
             assert_serves_correctly(srv)
     else:
-        msg = _serve_fails(env)
+        msg = serve_fails(env)
         assert f"{parent}, which is writable by its group or by others without the sticky bit" in msg, msg
 
 

@@ -196,3 +196,42 @@ def assert_serves_correctly(srv: ServerProcess, timeout: float = 10.0) -> None:
         assert (c.pin(ns.ns_id, keys) == slot_offset(slots)).all()
         c.unpin(ns.ns_id, keys)
     assert srv.proc.poll() is None, "the server died"
+
+
+def client_of(srv: ServerProcess, **kw: Any) -> Any:
+    """A client of ``srv`` (never spawning a server), 10 s call timeout unless given."""
+    from hpkv.client.connection import connect
+
+    kw.setdefault("call_timeout", 10.0)
+    return connect(srv.cfg, spawn=False, **kw)
+
+
+def wait_for(cond: Any, timeout: float = 10.0, what: str = "condition", step: float = 0.05) -> Any:
+    """Poll ``cond()`` until it returns something true (a numpy array: a non-empty one) and
+    return it; an AssertionError naming ``what`` after ``timeout`` seconds."""
+    import numpy as np
+
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v.size > 0 if isinstance(v, np.ndarray) else v:
+            return v
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(step)
+
+
+def serve_fails(env: Mapping[str, str]) -> str:
+    """Start ``hpkv serve`` with ``env``, expecting it to refuse: the reason it gives. A pool
+    directory that existed before is left as it was (the test looks at it), one it made removed."""
+    srv = ServerProcess(env)
+    made = not os.path.exists(srv.pool_dir)
+    try:
+        srv.start()
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        if made:
+            srv.cleanup()
+        else:
+            srv.stop()
+    raise AssertionError("the server started; it was expected to refuse")
