@@ -31,6 +31,7 @@ from hpkv.testing.server import (
     client_of,
     private_env,
     serve_fails,
+    start_under_umask,
     wait_for,
 )
 
@@ -303,11 +304,7 @@ def test_a_group_member_may_use_the_server_but_not_stop_it():
 def test_kv_files_are_0600_and_directories_0700_whatever_the_umask(tmp_path):
     storage = tmp_path / "made-by-hpkv" / "storage"
     env = private_env(storage=str(storage))
-    old = os.umask(0)  # the server inherits umask 000
-    try:
-        srv = ServerProcess(env).start()
-    finally:
-        os.umask(old)
+    srv = start_under_umask(env, 0)
     try:
         with client_of(srv) as c:
             ns = c.attach_namespace(FP, 2, 8192, rank=0)

@@ -21,7 +21,13 @@ from test_storage import Writer, io_worker_pids, running  # the storage tests' r
 from hpkv.io_workers import kvfile
 from hpkv.io_workers.tree import DIR_CACHE_TTL_S
 from hpkv.protocol.keys import namespace_fingerprint
-from hpkv.testing.server import ServerProcess, assert_serves_correctly, private_env, serve_fails
+from hpkv.testing.server import (
+    ServerProcess,
+    assert_serves_correctly,
+    private_env,
+    serve_fails,
+    start_under_umask,
+)
 
 FP = namespace_fingerprint({"model": "hardening-storage", "layers": 4})
 NOBODY = 65534
@@ -86,11 +92,7 @@ def test_a_storage_root_under_a_world_writable_directory_needs_the_sticky_bit(tm
 def test_missing_parents_of_the_storage_path_are_created_0700_whatever_the_umask(tmp_path):
     storage = tmp_path / "a" / "b" / "storage"
     env = private_env(storage=str(storage))
-    old = os.umask(0)  # the server inherits umask 000
-    try:
-        srv = ServerProcess(env).start()
-    finally:
-        os.umask(old)
+    srv = start_under_umask(env, 0)
     try:
         assert_serves_correctly(srv)
         modes = {

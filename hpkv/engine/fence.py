@@ -59,29 +59,24 @@ class SlotFence:
     def enter(self, offsets: np.ndarray, gens: np.ndarray, holder: int) -> int:
         """Hold every slot of a save batch if each still has its generation: -1 when all are
         held, else the position of the first refused slot (nothing held then)."""
-        rc = lib.hpkv_fence_enter(
-            self._c,
-            self.num_words,
-            P.SLOT_UNIT,
-            ffi.from_buffer("int64_t[]", offsets),
-            ffi.from_buffer("uint32_t[]", gens),
-            len(offsets),
-            holder,
-        )
+        rc = lib.hpkv_fence_enter(*self._batch(offsets, gens), holder)
         if rc == lib.HPKV_FENCE_EARG:
             raise ValueError(f"bad fence arguments (holder {holder})")
         return -1 if rc == 0 else -int(rc) - 1
 
     def leave(self, offsets: np.ndarray, gens: np.ndarray, holder: int) -> None:
         """Give back what :meth:`enter` held, once the copy's stores are complete."""
-        lib.hpkv_fence_leave(
+        lib.hpkv_fence_leave(*self._batch(offsets, gens), holder)
+
+    def _batch(self, offsets: np.ndarray, gens: np.ndarray) -> tuple:
+        """The arguments enter and leave share: the words, the slot unit, the batch."""
+        return (
             self._c,
             self.num_words,
             P.SLOT_UNIT,
             ffi.from_buffer("int64_t[]", offsets),
             ffi.from_buffer("uint32_t[]", gens),
             len(offsets),
-            holder,
         )
 
     def close(self) -> None:
@@ -106,4 +101,4 @@ def decode_slots(values: np.ndarray, slot_bytes: int, pool_bytes: int) -> tuple[
             f"pool offset [{i}] = {int(offsets[i])} is not the start of a {slot_bytes} B slot of the "
             f"{pool_bytes} B pool (offsets must be multiples of the slot size, as reserve/pin return them)"
         )
-    return offsets, (values >> P.SLOT_GEN_SHIFT).astype(np.uint32)
+    return offsets, P.slot_generation(values).astype(np.uint32)

@@ -198,6 +198,15 @@ def assert_serves_correctly(srv: ServerProcess, timeout: float = 10.0) -> None:
     assert srv.proc.poll() is None, "the server died"
 
 
+def start_under_umask(env: Mapping[str, str], mask: int) -> ServerProcess:
+    """A started server that inherited umask ``mask`` (what a careless operator's shell has)."""
+    old = os.umask(mask)
+    try:
+        return ServerProcess(env).start()
+    finally:
+        os.umask(old)
+
+
 def client_of(srv: ServerProcess, **kw: Any) -> Any:
     """A client of ``srv`` (never spawning a server), 10 s call timeout unless given."""
     from hpkv.client.connection import connect
