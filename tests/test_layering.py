@@ -20,8 +20,10 @@ ALLOWED = {
     "client": COMMON | {"protocol"},
     "connectors": COMMON | {"protocol", "client"},
     "monitor": COMMON | {"protocol"},
-    "io_workers": COMMON | {"protocol", "engine"},
-    "engine": COMMON | {"protocol", "io_workers", "hpkv.monitor.metrics"},  # the server hosts the exporter
+    "runtime": COMMON | {"protocol"},  # the worker runtime: imports no server code
+    "io_workers": COMMON | {"protocol", "engine", "runtime"},
+    "engine": COMMON
+    | {"protocol", "runtime", "io_workers", "hpkv.monitor.metrics"},  # the server hosts the exporter
     "top": None,  # cli, bench, testing: may import anything
 }
 # The processes a worker runs must not load the server (nor clients, monitors, connectors).

@@ -35,11 +35,11 @@ from hpkv.common.native import ffi, lib
 from hpkv.common.pool import PoolFile
 from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.common.shm import map_file
-from hpkv.engine.fence import SlotFence, decode_slots
-from hpkv.engine.worker_process import WorkerRuntime
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status
 from hpkv.protocol.stats import W
+from hpkv.runtime.fence import SlotFence, decode_slots
+from hpkv.runtime.worker import WorkerRuntime
 
 log = logging.getLogger("hpkv.transfer")
 

@@ -45,9 +45,7 @@ from hpkv.common.security import open_nofollow, open_private_dir, peer_allowed, 
 from hpkv.common.text import printable
 from hpkv.config import Config, ConfigError, check_runtime, format_size, free_bytes
 from hpkv.engine.cuda_worker import validate_cuda
-from hpkv.engine.fence import SlotFence
 from hpkv.engine.index import Index, Namespace
-from hpkv.engine.logs import setup_logging
 from hpkv.engine.workers import WorkerProcess
 from hpkv.io_workers.tier import StorageTier
 from hpkv.monitor.metrics import start_metrics
@@ -68,6 +66,8 @@ from hpkv.protocol.keys import KEY_BYTES
 from hpkv.protocol.stats import MAX_NS, MAX_WORKERS, NS_COUNTERS, G, NsCounter, StatsSegment
 from hpkv.protocol.wire import Tier
 from hpkv.ring import Doorbell, Ring, RingError
+from hpkv.runtime.fence import SlotFence
+from hpkv.runtime.logs import setup_logging
 
 log = logging.getLogger("hpkv.server")
 

@@ -7,7 +7,7 @@ from the job arena, runs one native copy for the whole batch and pushes a
 COMPLETION (or an ERROR with the reason) carrying the batch's seq.
 
 A save writes its slots only while each still has the generation the job carries (the
-slot fence, hpkv.engine.fence): a save for a reservation the server has released since
+slot fence, hpkv.runtime.fence): a save for a reservation the server has released since
 is refused whole (STALE_SLOT, nothing written) and the client recomputes.
 """
 
@@ -24,11 +24,11 @@ from hpkv.common.pool import PoolFile
 from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.common.shm import map_file
 from hpkv.engine.copy import BlockCopier, BlockLayout
-from hpkv.engine.fence import SlotFence, decode_slots
-from hpkv.engine.worker_process import WorkerRuntime
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status
 from hpkv.protocol.stats import W
+from hpkv.runtime.fence import SlotFence, decode_slots
+from hpkv.runtime.worker import WorkerRuntime
 
 log = logging.getLogger("hpkv.transfer")
 MAX_COPY_THREADS = 4  # memcpy between shared mappings stops scaling about there

@@ -32,7 +32,7 @@ from hpkv.protocol.stats import StatsSegment, W, WorkerState
 from hpkv.ring import Doorbell, Ring, RingError
 
 if TYPE_CHECKING:
-    from hpkv.engine.fence import SlotFence
+    from hpkv.runtime.fence import SlotFence
 
 log = logging.getLogger("hpkv.workers")
 

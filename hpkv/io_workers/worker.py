@@ -31,12 +31,12 @@ from typing import Any
 from hpkv.common.pool import PoolFile
 from hpkv.common.priority import BE_DEFAULT, BE_LOWEST, set_io_priority
 from hpkv.common.ratelimit import RateLimitedLog
-from hpkv.engine.worker_process import WorkerRuntime
 from hpkv.io_workers.kvfile import BlockId, CorruptFile, FetchedFile, KvFileIO, ReadSlot
 from hpkv.io_workers.tree import DIR_CACHE_MAX, StorageTree
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status
 from hpkv.protocol.stats import W
+from hpkv.runtime.worker import WorkerRuntime
 
 log = logging.getLogger("hpkv.io")
 

@@ -18,10 +18,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from hpkv.engine.logs import setup_logging
 from hpkv.protocol import wire as P
 from hpkv.protocol.stats import G, StatsSegment, W, WorkerState
 from hpkv.ring import Desc, PeerDead, Ring, RingError, RingTimeout
+from hpkv.runtime.logs import setup_logging
 
 #: A job handler: the descriptor → (status, bytes moved, completion flags), or None when it
 #: handed the job on and calls :meth:`WorkerRuntime.finish` for it later.
