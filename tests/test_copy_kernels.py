@@ -1,4 +1,4 @@
-"""Batched block copy (native/copy.c via hpkv.engine.copy): byte-exact round trips for
+"""Batched block copy (native/copy.c via hpkv.transfer_workers.copy): byte-exact round trips for
 the three KV-cache layouts, both store paths (cached memcpy and streaming), error
 handling that copies nothing."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from hpkv.engine import copy as copy_module
-from hpkv.engine.copy import BlockCopier, BlockIndexError, BlockLayout, set_nt_threshold
+from hpkv.transfer_workers.copy import BlockCopier, BlockIndexError, BlockLayout, set_nt_threshold
 
 
 @pytest.fixture(params=["cached", "streaming"])

@@ -19,7 +19,7 @@ from hpkv.common.cuda_copy import (
     cuda_unavailable_reason,
 )
 from hpkv.common.native import ffi, lib
-from hpkv.engine.copy import BlockCopier, BlockLayout
+from hpkv.transfer_workers.copy import BlockCopier, BlockLayout
 
 NO_DRIVER = cuda_unavailable_reason() != ""
 

@@ -21,13 +21,20 @@ ALLOWED = {
     "connectors": COMMON | {"protocol", "client"},
     "monitor": COMMON | {"protocol"},
     "runtime": COMMON | {"protocol"},  # the worker runtime: imports no server code
+    "transfer_workers": COMMON | {"protocol", "runtime"},
     "io_workers": COMMON | {"protocol", "engine", "runtime"},
     "engine": COMMON
-    | {"protocol", "runtime", "io_workers", "hpkv.monitor.metrics"},  # the server hosts the exporter
+    | {
+        "protocol",
+        "runtime",
+        "io_workers",
+        "hpkv.monitor.metrics",
+        "hpkv.transfer_workers.cuda",
+    },  # the server hosts the exporter
     "top": None,  # cli, bench, testing: may import anything
 }
 # The processes a worker runs must not load the server (nor clients, monitors, connectors).
-WORKER_MAINS = ("hpkv.engine.transfer_worker", "hpkv.io_workers.worker")
+WORKER_MAINS = ("hpkv.transfer_workers.worker", "hpkv.io_workers.worker")
 SERVER_ONLY = ("hpkv.engine.server", "hpkv.engine.index", "hpkv.engine.workers", "hpkv.io_workers.tier")
 
 

@@ -21,13 +21,13 @@ from hpkv.client.connection import HpkvUnavailable, connect, ensure_server
 from hpkv.common.numa import spread_cpus
 from hpkv.common.pool import PoolFile
 from hpkv.config import load_config
-from hpkv.engine.transfer_worker import MAX_COPY_THREADS
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.protocol.stats import StatsSegment, W, WorkerState
 from hpkv.testing.device import make_device
 from hpkv.testing.server import ServerProcess, env_without_hpkv, private_env
+from hpkv.transfer_workers.worker import MAX_COPY_THREADS
 
 FP = namespace_fingerprint({"model": "test", "layers": 4})
 

@@ -22,8 +22,8 @@ import time
 
 import numpy as np
 
-from hpkv.engine.copy import BlockCopier, BlockLayout, set_nt_threshold
 from hpkv.io_workers.checksum import crc32c
+from hpkv.transfer_workers.copy import BlockCopier, BlockLayout, set_nt_threshold
 
 # (page KiB, layers, batch blocks, device blocks): ~50-200 MiB per batch, beyond L3.
 CASES = [(16, 8, 400, 800), (64, 8, 300, 600), (256, 4, 200, 400)]

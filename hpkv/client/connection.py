@@ -261,7 +261,7 @@ class HpkvClient:
         cuda: dict[str, Any] | None = None,
     ) -> DeviceHandle:
         """Export a device's KV memory to new transfer workers: shared-memory files (CPU), or a
-        GPU allocation over CUDA IPC with the engine's events (``cuda``, see hpkv.engine.cuda_worker)."""
+        GPU allocation over CUDA IPC with the engine's events (``cuda``, see hpkv.transfer_workers.cuda)."""
         extra = {} if cuda is None else {"cuda": cuda}
         r = self.call(
             "register_device",

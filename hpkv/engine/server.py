@@ -44,7 +44,6 @@ from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.common.security import open_nofollow, open_private_dir, peer_allowed, peer_credentials
 from hpkv.common.text import printable
 from hpkv.config import Config, ConfigError, check_runtime, format_size, free_bytes
-from hpkv.engine.cuda_worker import validate_cuda
 from hpkv.engine.index import Index, Namespace
 from hpkv.engine.workers import WorkerProcess
 from hpkv.io_workers.tier import StorageTier
@@ -68,6 +67,7 @@ from hpkv.protocol.wire import Tier
 from hpkv.ring import Doorbell, Ring, RingError
 from hpkv.runtime.fence import SlotFence
 from hpkv.runtime.logs import setup_logging
+from hpkv.transfer_workers.cuda import validate_cuda
 
 log = logging.getLogger("hpkv.server")
 

@@ -55,7 +55,7 @@ def ring_counts(directory: str, name: str) -> tuple[int, int] | None:
 
 
 #: The process main of each kind of worker.
-WORKER_MODULES = {"transfer": "hpkv.engine.transfer_worker", "io": "hpkv.io_workers.worker"}
+WORKER_MODULES = {"transfer": "hpkv.transfer_workers.worker", "io": "hpkv.io_workers.worker"}
 
 
 def worker_file_names(base: str) -> tuple[str, str, str]:

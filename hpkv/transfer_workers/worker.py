@@ -1,6 +1,6 @@
 """A transfer worker process: executes block copy batches between one device's KV cache and the pool.
 
-Started by the server (``python -m hpkv.engine.transfer_worker SPEC_JSON``), pinned
+Started by the server (``python -m hpkv.transfer_workers.worker SPEC_JSON``), pinned
 to the CPUs of the device's NUMA node. It pops COPY_SAVE / COPY_LOAD descriptors
 from its request ring, reads the batch (device block ids, then pool byte offsets)
 from the job arena, runs one native copy for the whole batch and pushes a
@@ -23,12 +23,12 @@ from hpkv.common.numa import format_cpulist, set_memory_node, spread_cpus
 from hpkv.common.pool import PoolFile
 from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.common.shm import map_file
-from hpkv.engine.copy import BlockCopier, BlockLayout
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status
 from hpkv.protocol.stats import W
 from hpkv.runtime.fence import SlotFence, decode_slots
 from hpkv.runtime.worker import WorkerRuntime
+from hpkv.transfer_workers.copy import BlockCopier, BlockLayout
 
 log = logging.getLogger("hpkv.transfer")
 MAX_COPY_THREADS = 4  # memcpy between shared mappings stops scaling about there
@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
     pool = PoolFile.attach(spec["pool"], warm_limit=rt.pool_warm_bytes)
     fence = SlotFence(spec["fence"])
     if "cuda" in spec:  # the engine's KV cache is on a GPU (or the host stand-in of one)
-        from hpkv.engine.cuda_worker import serve_cuda
+        from hpkv.transfer_workers.cuda import serve_cuda
 
         return serve_cuda(rt, pool, fence)
     regions = [map_file(r["path"]) for r in spec["regions"]]
