@@ -1,6 +1,8 @@
-"""The import graph keeps the architecture (README, "Architecture"): imports point one way,
-connectors → client → protocol ← server, and worker processes load only protocol, shared
-primitives and their own kernels. Deferred imports (inside functions) count too."""
+"""The import graph keeps the architecture (README, "Architecture"): a folder per process,
+imports pointing one way (connectors → client → protocol ← engine → io_workers, runtime),
+no two folders importing each other, and worker processes loading only protocol, shared
+primitives, the worker runtime and their own code. Deferred imports (inside functions) count
+too."""
 
 from __future__ import annotations
 
@@ -20,22 +22,18 @@ ALLOWED = {
     "client": COMMON | {"protocol"},
     "connectors": COMMON | {"protocol", "client"},
     "monitor": COMMON | {"protocol"},
-    "runtime": COMMON | {"protocol"},  # the worker runtime: imports no server code
+    # the worker processes' rooms: none of them imports the server (engine)
+    "runtime": COMMON | {"protocol"},
     "transfer_workers": COMMON | {"protocol", "runtime"},
-    "io_workers": COMMON | {"protocol", "engine", "runtime"},
+    "io_workers": COMMON | {"protocol", "runtime"},
+    # the server: it reads KV files (io_workers: the format) and hosts the exporter
     "engine": COMMON
-    | {
-        "protocol",
-        "runtime",
-        "io_workers",
-        "hpkv.monitor.metrics",
-        "hpkv.transfer_workers.cuda",
-    },  # the server hosts the exporter
+    | {"protocol", "runtime", "io_workers", "hpkv.monitor.metrics", "hpkv.transfer_workers.cuda"},
     "top": None,  # cli, bench, testing: may import anything
 }
+WORKER_ROOMS = ("runtime", "transfer_workers", "io_workers")
 # The processes a worker runs must not load the server (nor clients, monitors, connectors).
 WORKER_MAINS = ("hpkv.transfer_workers.worker", "hpkv.io_workers.worker")
-SERVER_ONLY = ("hpkv.engine.server", "hpkv.engine.index", "hpkv.engine.workers", "hpkv.io_workers.tier")
 
 
 def room(module: str) -> str:
@@ -120,10 +118,26 @@ def test_worker_processes_load_no_server_code(main):
             continue
         seen.add(m)
         todo.extend(g.get(m, ()))
-    loaded = sorted(
-        m for m in seen if m.startswith(SERVER_ONLY) or room(m) in ("client", "connectors", "monitor", "top")
-    )
+    loaded = sorted(m for m in seen if room(m) in ("engine", "client", "connectors", "monitor", "top"))
     assert not loaded, f"{main} loads {loaded}"
+
+
+def test_no_two_rooms_import_each_other():
+    arrows = {(room(m), room(d)) for m, deps in graph().items() for d in deps if d != "hpkv"}
+    two_way = sorted({tuple(sorted(a)) for a in arrows if a[0] != a[1] and a[::-1] in arrows})
+    assert not two_way, f"rooms importing each other: {two_way}"
+
+
+def test_the_rules_whitelist_no_two_way_pair_and_no_worker_room_imports_the_server():
+    pairs = [
+        (a, b)
+        for a, allowed in ALLOWED.items()
+        for b in allowed or ()
+        if b in ALLOWED and a in (ALLOWED[b] or ())
+    ]
+    assert not pairs, pairs
+    for worker_room in WORKER_ROOMS:
+        assert not any(d == "engine" or d.startswith("hpkv.engine") for d in ALLOWED[worker_room])
 
 
 def test_no_import_cycles():

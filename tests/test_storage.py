@@ -24,9 +24,9 @@ import pytest
 from hpkv.client.connection import HpkvClient, connect
 from hpkv.common.pool import PoolFile
 from hpkv.common.priority import BE_LOWEST
+from hpkv.engine.storage.probe import probe_o_direct
 from hpkv.io_workers import kvfile
 from hpkv.io_workers.kvfile import BlockId, CorruptFile, KvFileIO
-from hpkv.io_workers.probe import probe_o_direct
 from hpkv.protocol import wire as P
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.testing.server import ServerProcess, private_env

@@ -45,8 +45,8 @@ from hpkv.common.security import open_nofollow, open_private_dir, peer_allowed, 
 from hpkv.common.text import printable
 from hpkv.config import Config, ConfigError, check_runtime, format_size, free_bytes
 from hpkv.engine.index import Index, Namespace
+from hpkv.engine.storage.tier import StorageTier
 from hpkv.engine.workers import WorkerProcess
-from hpkv.io_workers.tier import StorageTier
 from hpkv.monitor.metrics import start_metrics
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import (

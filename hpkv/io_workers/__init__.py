@@ -1,3 +1,4 @@
-"""The storage tier: KV files (:mod:`.kvfile`, the one definition of the format and paths),
-the O_DIRECT probe (:mod:`.probe`), the IO worker process (:mod:`.worker`) and what the
-server runs for it (:mod:`.tier`). CRC32C lives in :mod:`.checksum`."""
+"""The IO worker process (:mod:`.worker`) and the KV file format it shares with the server:
+:mod:`.kvfile` (the one definition of the format and paths), :mod:`.tree` (every path below
+the storage root, resolved beneath it) and :mod:`.checksum` (CRC32C). The server's side of
+the storage tier is :mod:`hpkv.engine.storage`. Imports no server code."""

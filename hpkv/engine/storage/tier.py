@@ -47,9 +47,9 @@ from hpkv.common.proc import pid_alive
 from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.config import Config
 from hpkv.engine.index import Block, Index, Namespace, State
+from hpkv.engine.storage.probe import DirectIoProbe, probe_o_direct, virtio_disk
 from hpkv.engine.workers import WorkerProcess
 from hpkv.io_workers import kvfile
-from hpkv.io_workers.probe import DirectIoProbe, probe_o_direct, virtio_disk
 from hpkv.io_workers.tree import StorageTree
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status, status_message
