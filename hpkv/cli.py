@@ -28,9 +28,30 @@ BENCHES = {
 }
 
 
+def _config_markdown(page: str) -> int:
+    """``hpkv config --markdown [PAGE]``: print the key table, or rewrite it inside PAGE."""
+    from hpkv.config import ConfigError, markdown_table, with_markdown_table
+
+    if page == "-":
+        print(markdown_table(), end="")
+        return 0
+    try:
+        with open(page, encoding="utf-8") as f:
+            text = with_markdown_table(f.read())
+    except (OSError, ConfigError) as exc:
+        print(f"hpkv: cannot update {page}: {exc}", file=sys.stderr)
+        return 1
+    with open(page, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"hpkv: {page}: key table written")
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from hpkv.config import ConfigError, check_runtime, describe, dumps_json, load_config
 
+    if args.markdown is not None:
+        return _config_markdown(args.markdown)
     try:
         cfg = load_config()
     except ConfigError as exc:
@@ -130,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--check",
         action="store_true",
         help="also check the machine (pool on tmpfs, storage writable, pool fits)",
+    )
+    p.add_argument(
+        "--markdown",
+        nargs="?",
+        const="-",
+        metavar="PAGE",
+        help="print every key's default and meaning as a markdown table (the documentation's), "
+        "or rewrite that table between its markers in PAGE (docs/configuration.md)",
     )
     p.set_defaults(func=_cmd_config)
 

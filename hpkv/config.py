@@ -251,7 +251,7 @@ class Key:
     default: str
     parse: Callable[..., Any]  # (text) -> value; path keys also take the environment
     form: str  # the accepted form, for error messages
-    help: str
+    help: str  # what it does, in markdown: the "meaning" column of docs/configuration.md
 
     @property
     def is_path(self) -> bool:
@@ -266,38 +266,41 @@ KEYS: dict[str, Key] = {
             "~/.cache/hpkv/storage",
             parse_optional_path,
             "a directory path (~ and $VARS expand); empty disables the storage tier",
-            "directory of the KV files (the storage tier); empty disables it",
+            "KV file directory; empty disables the storage tier",
         ),
         Key(
             "HPKV_KV_MEM_POOL_SIZE",
             "8g",
             _min_size(1 << 20, MAX_POOL_BYTES),
             SIZE_FORM + ", at least 1m, at most 1t",
-            "size of the shared-memory DRAM pool",
+            "DRAM pool size (at most 1t: a reserved slot's value carries its generation above the offset)",
         ),
         Key(
             "HPKV_SHARE_MEM_FILE_PATH",
             "/dev/shm/hpkv",
             parse_path,
             "a directory path on tmpfs or ramfs (~ and $VARS expand)",
-            "directory of the pool file, rings and stats segment; must be tmpfs or ramfs",
+            "directory of the pool file; must be tmpfs or ramfs",
         ),
         Key(
             "VLLM_HPKV_TOKEN_THRESHOLD",
             "1204",
             parse_threshold,
             "an integer >= 0, or auto",
-            "load a hit only if it covers at least this many tokens (auto: only where loading, at each "
-            "tier's measured rate, beats recomputing at the engine's measured prefill rate)",
+            "load a hit only if it is at least this many tokens; `auto`: load the prefix of a hit whose"
+            " load (at each tier's rate measured in this engine) beats recomputing it (at the engine's "
+            "measured prefill rate), so a storage tier slower than prefill is skipped while DRAM still "
+            "loads",
         ),
-        Key("VLLM_ENABLE_HPKV", "1", parse_bool, BOOL_FORM, "0 turns the vLLM connector into a logged no-op"),
+        Key("VLLM_ENABLE_HPKV", "1", parse_bool, BOOL_FORM, "0 turns the connector into a no-op"),
         Key(
             "HPKV_ASYNC_STORAGE_LOADS",
             "1",
             parse_bool,
             BOOL_FORM,
-            "a hit that needs storage is loaded in the background while the engine steps its other "
-            "requests (0: the step waits for the disk read)",
+            "a hit that needs storage loads in the background while vLLM steps its other requests "
+            "(vLLM's async KV load); DRAM-only hits stay synchronous (milliseconds). 0: the step waits "
+            "for the disk read",
         ),
         Key(
             "HPKV_NUM_TRANSFER_WORKERS",
@@ -311,142 +314,170 @@ KEYS: dict[str, Key] = {
             "1",
             parse_bool,
             BOOL_FORM,
-            "on CUDA, ask vLLM for the block-outermost KV cache layout BLNHC (one copy per block "
-            "instead of one per block and layer); 0 leaves vLLM's choice (LBNHC on Hopper)",
+            "on CUDA, ask vLLM for the BLNHC KV cache layout (a block of all layers is one copy); 0 "
+            "keeps vLLM's choice",
         ),
         Key(
             "HPKV_NUM_IO_WORKERS",
             "2",
             _int_parser(minimum=1, maximum=64),
             "an integer 1..64",
-            "IO worker processes (KV file spill and promote)",
+            "IO worker processes (each checks one promoted file while it reads the next)",
         ),
         Key(
             "HPKV_SERVER_IDLE_EXIT",
             "600",
             _float_parser(minimum=0.0),
             "a number of seconds >= 0 (0 = never)",
-            "an auto-spawned server exits after this many seconds with no attached client",
+            "an auto-spawned server exits after this many idle seconds (0 = never)",
         ),
         Key(
             "HPKV_STOP_DRAIN_TIMEOUT",
             "60",
             _float_parser(minimum=0.0, maximum=86400.0),
             "a number of seconds 0..86400",
-            "at a stop (SIGTERM, hpkv stop, idle exit) the server first writes pending write-through "
-            "spills to storage for at most this long, then logs how many blocks were not written",
+            "at a stop, pending write-through spills are written for at most this many seconds "
+            "(0..86400); new reserves are answered pool-full meanwhile",
         ),
         Key(
             "HPKV_STORAGE_FSYNC",
             "0",
             parse_bool,
             BOOL_FORM,
-            "fsync every KV file before it is renamed into place",
+            "fsync KV files before they are renamed into place",
         ),
         Key(
             "HPKV_KV_STORAGE_SIZE",
             "0",
             parse_size,
             SIZE_FORM + "; 0 = no limit",
-            "capacity of the storage tier; least recently used files are evicted above it",
+            "storage capacity (0 = no limit); LRU files are evicted above it",
         ),
         Key(
             "HPKV_PROMOTE_PART_SIZE",
             "16m",
             parse_size,
             SIZE_FORM + "; 0 = one part",
-            "a storage hit is read from disk in up to 8 parts of at least this size (of one "
-            "rank's shards), each copied into vLLM's KV cache or SGLang's host pool while the "
-            "next is read (vLLM on the CPU, and SGLang; vLLM on CUDA reads a storage hit in one part)",
+            "a storage hit is read in up to 8 parts of at least this size (of one rank's shards), each "
+            "copied into vLLM's KV cache or SGLang's host pool while the next is read (0 = one part; "
+            "vLLM on the CPU, and SGLang; vLLM on CUDA reads in one part)",
         ),
         Key(
             "HPKV_STORAGE_READ_BOUNCE",
             "auto",
             parse_auto_bool,
             "auto, or " + BOOL_FORM,
-            "promote reads go through a private buffer, then one copy into the pool; auto: only "
-            "on virtio-blk disks, where reads straight into the shared pool run at about half speed",
+            "promote reads go through a private buffer (auto: on virtio disks, where O_DIRECT into "
+            "shared memory reads at half speed)",
         ),
         Key(
             "HPKV_STORAGE_READ_INFLIGHT",
             "auto",
             parse_auto_size,
             "auto, or " + SIZE_FORM + "; 0 = no limit",
-            "promote reads go to more IO workers at once only while the KV files being read add "
-            "up to at most this size (one file always goes); auto: 4m on virtio-blk disks, where "
-            "two large reads at once run slower than one, else no limit",
+            "promote reads go to several IO workers at once only while the files being read add up to "
+            "at most this size (auto: 4m on virtio disks, where two 4 MiB reads at once ran slower than"
+            " one; elsewhere no limit)",
         ),
         Key(
             "HPKV_STORAGE_MIN_FREE",
             "5%",
             parse_percent,
             "a percentage 0..100, e.g. 5%",
-            "spilling pauses while the storage file system has less free space than this",
+            "spilling pauses below this much free space",
         ),
         Key(
             "HPKV_METRICS_PORT",
             "0",
             _int_parser(minimum=0, maximum=65535),
             "a TCP port 0..65535 (0 = off)",
-            "Prometheus metrics port of the server",
+            "port of the Prometheus endpoint (0 = off)",
         ),
         Key(
             "HPKV_METRICS_HOST",
             "127.0.0.1",
             parse_host,
             "a host name or address",
-            "address the metrics endpoint binds to",
+            "address the Prometheus endpoint binds to",
         ),
         Key(
             "HPKV_ALLOW_GROUP",
             "",
             parse_group,
             "a group name or gid; empty = only the server's own uid",
-            "members of this group may also connect to the server's socket (SO_PEERCRED); by default "
-            "only processes of the user who runs the server",
+            "an existing group (name or gid) whose members may also connect to the server's socket; "
+            "empty: only the user who runs the server (see [the security model](security.md))",
         ),
         Key(
             "HPKV_LEASE_S",
             "600",
             _float_parser(minimum=0.0),
             "a number of seconds >= 0 (0 = no lease)",
-            "a pin or reservation not released within this many seconds is released by the server "
-            "(after any copy into or out of its slots finished), so a hung engine cannot hold the pool",
+            "a pin or reservation not released within this many seconds is released by the server (a "
+            "save made for a released reservation afterwards is refused, nothing written; pins wait for"
+            " the loads already queued) (0 = no lease)",
         ),
         Key(
             "HPKV_MAX_CONTROL_CONNECTIONS",
             "512",
             _int_parser(minimum=1, maximum=65536),
             "an integer 1..65536",
-            "control connections (engine processes, hpkv status, hpkv stop) the server keeps open at "
-            "once; more are refused (the client sees HpkvUnavailable and recomputes); lowered to fit "
-            "the server's open-file limit (ulimit -n)",
+            "control connections the server keeps open at once (lowered to fit `ulimit -n`); more are "
+            "refused (the client raises `HpkvUnavailable` and recomputes) and logged",
         ),
         Key(
             "HPKV_LOG_MAX_BYTES",
             "64m",
             _min_size(64 * 1024),
             SIZE_FORM + ", at least 64k",
-            "server.log is renamed server.log.1 (.2, .3: the last 3 are kept) when it grows past this size",
+            "`server.log` is renamed `server.log.1` (the last 3 kept) past this size; a spawned "
+            "server's output and its workers follow the new file",
         ),
         Key(
             "HPKV_WORKER_HANG_S",
             "30",
             _float_parser(0.0, 3600.0),
             "a number of seconds, 0..3600 (0 = no hang detection)",
-            "a transfer or IO worker whose job loop has not turned for this long (a job taken and not "
-            "finished, or the process stopped) is shown as hung, killed, its jobs are reported failed "
-            "and it is restarted",
+            "a transfer or IO worker whose job loop has not turned for this many seconds (a job taken "
+            "and not finished, or the process stopped) is shown `hung` in `hpkv status`/`hpkv-top`, "
+            "killed, its jobs answered as failures, and restarted (0 = no detection)",
         ),
         Key(
             "HPKV_LOG_LEVEL",
             "INFO",
             parse_log_level,
             "one of " + ", ".join(_LOG_LEVELS),
-            "log level of the hpkv server and its workers",
+            "server and worker log level",
         ),
     )
 }
+
+
+# --------------------------------------------------------------------------- the documented table
+# docs/configuration.md holds this table between the two markers; tests/test_docs.py fails when
+# it differs, so a key's default and meaning are written once, above.
+CONFIG_FILE_HELP = "the ini file (environment only)"
+DOC_TABLE_BEGIN = "<!-- BEGIN generated by `hpkv config --markdown docs/configuration.md` -->"
+DOC_TABLE_END = "<!-- END generated -->"
+
+
+def markdown_table() -> str:
+    """Every key with its default and meaning, as a markdown table (the config file's key first)."""
+    rows = [(CONFIG_FILE_ENV, DEFAULT_CONFIG_FILE, CONFIG_FILE_HELP)]
+    rows += [(k.name, k.default or "(empty)", k.help) for k in KEYS.values()]
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    lines += [f"| {name} | {default} | {meaning} |" for name, default, meaning in rows]
+    return "\n".join(lines) + "\n"
+
+
+def with_markdown_table(page: str) -> str:
+    """``page`` with the text between :data:`DOC_TABLE_BEGIN` and :data:`DOC_TABLE_END` replaced
+    by :func:`markdown_table`."""
+    begin, end = page.find(DOC_TABLE_BEGIN), page.find(DOC_TABLE_END)
+    if begin < 0 or end < begin:
+        raise ConfigError(f"the page has no {DOC_TABLE_BEGIN!r} ... {DOC_TABLE_END!r} markers")
+    head = page[: begin + len(DOC_TABLE_BEGIN)]
+    return f"{head}\n{markdown_table()}{page[end:]}"
 
 
 # --------------------------------------------------------------------------- loading

@@ -424,6 +424,20 @@ def test_cli_config_table(tmp_path, env):
     assert "1g (1.0 GiB)" in line and f"{tmp_path}/config.ini:1" in line
 
 
+def test_cli_config_markdown_prints_the_documented_table_and_rewrites_a_page(tmp_path, env):
+    out = run_cli("config", "--markdown", env=env)
+    assert out.returncode == 0 and out.stdout == C.markdown_table()
+    page = tmp_path / "configuration.md"
+    begin, end = C.DOC_TABLE_BEGIN, C.DOC_TABLE_END
+    write(page, f"# Configuration\n\n{begin}\n| stale |\n{end}\nafter\n")
+    out = run_cli("config", "--markdown", str(page), env=env)
+    assert out.returncode == 0, out.stderr
+    assert page.read_text() == f"# Configuration\n\n{begin}\n{C.markdown_table()}{end}\nafter\n"
+    write(page, "# no markers\n")
+    out = run_cli("config", "--markdown", str(page), env=env)
+    assert out.returncode == 1 and "markers" in out.stderr and page.read_text() == "# no markers\n"
+
+
 def test_cli_config_error_exits_1_with_message(env):
     out = run_cli("config", env={**env, "HPKV_KV_MEM_POOL_SIZE": "lots"})
     assert out.returncode == 1
