@@ -288,7 +288,7 @@ def test_socket_peers_of_another_uid_are_refused_unless_in_the_allowed_group(all
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 def test_a_group_member_may_use_the_server_but_not_stop_it():
-    """Issue 26 item 8: what HPKV_ALLOW_GROUP grants is stated in the README; stopping the
+    """Issue 26 item 8: what HPKV_ALLOW_GROUP grants is stated in docs/security.md; stopping the
     server (and its drain) stays with the user who runs it."""
     group = grp.getgrnam("users").gr_gid  # an existing group other than the test above's
     with ServerProcess(private_env(HPKV_ALLOW_GROUP=str(group))) as srv:

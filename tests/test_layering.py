@@ -1,4 +1,4 @@
-"""The import graph keeps the architecture (README, "Architecture"): a folder per process,
+"""The import graph keeps the architecture (docs/architecture.md): a folder per process,
 imports pointing one way (connectors → client → protocol ← engine → io_workers, runtime),
 no two folders importing each other, and worker processes loading only protocol, shared
 primitives, the worker runtime and their own code. Deferred imports (inside functions) count

@@ -1,4 +1,4 @@
-"""The security model's file-system and socket half (see README, "Security model").
+"""The security model's file-system and socket half (see docs/security.md).
 
 One server per user. Its directories (the pool directory, the storage root and
 every directory under it) are created 0700 whatever the umask, and an existing

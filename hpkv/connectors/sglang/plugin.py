@@ -70,7 +70,7 @@ def _load_extra_config(text: str | None) -> dict[str, Any]:
             raise ValueError(
                 f"{FLAG}: --hicache-storage-backend-extra-config {text!r}: hpkv can merge its "
                 f"settings only into a JSON string or @file.json; put them in that file "
-                f"yourself (see hpkv's README) or pass JSON"
+                f"yourself (see hpkv's docs/sglang.md) or pass JSON"
             )
         with open(path, encoding="utf-8") as f:
             text = f.read()
