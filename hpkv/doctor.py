@@ -263,6 +263,26 @@ def _creatable(path: str) -> str | None:
     return None
 
 
+def pool_dir_finding(cfg: Config) -> Finding:
+    """The pool directory: private to us (or creatable, then 0700) and writable."""
+    path = cfg.pool_dir
+    if not os.path.lexists(path):
+        why = _creatable(path)
+        if why:
+            return Finding(
+                "pool.dir", FAIL, f"{path} does not exist and cannot be created: {why}; create it 0700", path
+            )
+        return Finding("pool.dir", OK, f"{path} does not exist yet: the server creates it 0700", path)
+    try:
+        check_private(os.lstat(path), path, POOL_WHAT)
+    except InsecurePath as exc:
+        return Finding("pool.dir", FAIL, f"{exc.strerror}; the server refuses it", path)
+    problem = write_probe_error("HPKV_SHARE_MEM_FILE_PATH", path, cfg.source("HPKV_SHARE_MEM_FILE_PATH"))
+    if problem:
+        return Finding("pool.dir", FAIL, problem, path)
+    return Finding("pool.dir", OK, f"{path} exists, is private to uid {os.geteuid()} and writable", path)
+
+
 def check_pool(cfg: Config) -> list[Finding]:
     """The pool directory's file system, privacy and writability, and the pool's size against it."""
     out: list[Finding] = []
@@ -274,33 +294,9 @@ def check_pool(cfg: Config) -> list[Finding]:
     else:
         out.append(Finding("pool.fs", OK, f"{path} is on {mount.fstype} ({mount.mountpoint})", mount.fstype))
 
-    exists = os.path.lexists(path)
-    if exists:
-        try:
-            check_private(os.lstat(path), path, POOL_WHAT)
-        except InsecurePath as exc:
-            out.append(Finding("pool.dir", FAIL, f"{exc.strerror}; the server refuses it", path))
-            return out
-        problem = write_probe_error("HPKV_SHARE_MEM_FILE_PATH", path, cfg.source("HPKV_SHARE_MEM_FILE_PATH"))
-        if problem:
-            out.append(Finding("pool.dir", FAIL, problem, path))
-            return out
-        out.append(
-            Finding("pool.dir", OK, f"{path} exists, is private to uid {os.geteuid()} and writable", path)
-        )
-    else:
-        why = _creatable(path)
-        if why:
-            out.append(
-                Finding(
-                    "pool.dir",
-                    FAIL,
-                    f"{path} does not exist and cannot be created: {why}; create it 0700",
-                    path,
-                )
-            )
-            return out
-        out.append(Finding("pool.dir", OK, f"{path} does not exist yet: the server creates it 0700", path))
+    out.append(pool_dir_finding(cfg))
+    if not os.path.isdir(existing_ancestor(path)):
+        return out  # a file where a parent should be: pool.dir says so, the rest cannot be asked
 
     space = pool_space_error(cfg)
     if space:
