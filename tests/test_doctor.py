@@ -307,8 +307,8 @@ def test_nfs_without_the_recommended_caching_warns_and_with_it_passes():
     assert doctor.nfs_finding(Mount("/", "ext4", ("rw",))) is None
 
 
-def test_the_memory_lock_limit_is_enough_for_root():
-    f = doctor.check_memlock(doctor.load_config(env_for(Path("/tmp"), HPKV_KV_MEM_POOL_SIZE="1t")))[0]
+def test_the_memory_lock_limit_is_enough_for_root(tmp_path):
+    f = doctor.check_memlock(doctor.load_config(env_for(tmp_path, HPKV_KV_MEM_POOL_SIZE="1t")))[0]
     if os.geteuid() == 0:
         assert f.level == OK and "CAP_IPC_LOCK" in f.message
 
