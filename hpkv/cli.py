@@ -125,6 +125,22 @@ def _stop_timeout(text: str) -> float:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value <= 3600.0:  # also nan and inf
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds in (0, 3600]")
+    return value
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from hpkv.doctor import main as doctor
+
+    return doctor(as_json=args.json, timeout=args.timeout)
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -191,6 +207,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait for it to exit (default: HPKV_STOP_DRAIN_TIMEOUT + 30)",
     )
     p.set_defaults(func=_cmd_stop)
+
+    p = verbs.add_parser(
+        "doctor",
+        help="check this machine and configuration before the engine starts; exit 1 if something blocks",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON list of {check, level, message, value}")
+    p.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=10.0,
+        help="seconds each check may take before it is reported as not answering (a hung mount); default 10",
+    )
+    p.set_defaults(func=_cmd_doctor)
 
     p = verbs.add_parser("bench", help="benchmarks that print ratios measured in one run")
     benches = p.add_subparsers(dest="bench", metavar="NAME")

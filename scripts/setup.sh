@@ -20,6 +20,11 @@ if ! command -v strace >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/
   echo "[setup] installing strace"; apt-get update -qq && apt-get install -y -qq strace >/dev/null
 fi
 
+# bindfs stands in for a hung network mount (its daemon SIGSTOPped) in tests/test_doctor.py.
+if ! command -v bindfs >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "[setup] installing bindfs"; apt-get update -qq && apt-get install -y -qq bindfs >/dev/null
+fi
+
 # Everything that changes what gets installed goes into the stamp.
 stamp_inputs() {
   cat pyproject.toml setup.py scripts/setup.sh native/* native/python/* 2>/dev/null

@@ -29,7 +29,7 @@ ALLOWED = {
     # the server: it reads KV files (io_workers: the format) and hosts the exporter
     "engine": COMMON
     | {"protocol", "runtime", "io_workers", "hpkv.monitor.metrics", "hpkv.transfer_workers.cuda"},
-    "top": None,  # cli, bench, testing: may import anything
+    "top": None,  # cli, doctor, bench, testing: may import anything
 }
 WORKER_ROOMS = ("runtime", "transfer_workers", "io_workers")
 # The processes a worker runs must not load the server (nor clients, monitors, connectors).
@@ -40,7 +40,8 @@ def room(module: str) -> str:
     parts = module.split(".")
     if module in ("hpkv", "hpkv.config") or parts[1:2] in (["common"], ["ring"]):
         return "common"
-    if parts[1] in ("cli", "__main__", "bench", "testing"):
+    # doctor: a command (``hpkv doctor``) that asks every layer's own checks, like the CLI
+    if parts[1] in ("cli", "__main__", "bench", "testing", "doctor"):
         return "top"
     return parts[1]
 

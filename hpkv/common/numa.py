@@ -6,15 +6,24 @@ import os
 from collections.abc import Iterable, Sequence
 
 
-def numa_nodes() -> list[int]:
+def numa_nodes(sysfs: str = "/sys") -> list[int]:
     try:
         return sorted(
             int(n[4:])
-            for n in os.listdir("/sys/devices/system/node")
+            for n in os.listdir(f"{sysfs}/devices/system/node")
             if n.startswith("node") and n[4:].isdigit()
         )
     except OSError:
         return [0]
+
+
+def node_cpus(node: int, sysfs: str = "/sys") -> list[int]:
+    """The CPUs of NUMA node ``node`` ([] if unknown)."""
+    try:
+        with open(f"{sysfs}/devices/system/node/node{node}/cpulist") as f:
+            return parse_cpulist(f.read())
+    except (OSError, ValueError):
+        return []
 
 
 def parse_cpulist(text: str) -> list[int]:
@@ -41,11 +50,7 @@ def device_cpus(device: str, numa_node: int | None) -> tuple[int, list[int]]:
     """
     allowed = sorted(os.sched_getaffinity(0))
     node = numa_node if numa_node is not None and numa_node >= 0 else 0
-    try:
-        with open(f"/sys/devices/system/node/node{node}/cpulist") as f:
-            cpus = [c for c in parse_cpulist(f.read()) if c in allowed]
-    except OSError:
-        cpus = []
+    cpus = [c for c in node_cpus(node) if c in allowed]
     return node, cpus or allowed
 
 

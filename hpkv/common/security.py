@@ -61,10 +61,12 @@ def check_private(st: os.stat_result, path: str, what: str) -> None:
         )
 
 
-def check_ancestors(path: str, what: str) -> None:
+def check_ancestors(path: str, what: str, missing_ok: bool = False) -> None:
     """Refuse ``path`` if a directory above it lets another user rename it away (raises
     :class:`InsecurePath`): every ancestor (and every symlink on the way) must be owned by
     root or by us, and an ancestor writable by its group or others must be sticky (/tmp).
+    ``missing_ok``: ancestors that do not exist yet are skipped (hpkv would create them 0700),
+    so the question can be asked before anything is created (``hpkv doctor``).
 
     Why: a private directory in a directory another user can write is private only until
     that user renames it and puts their own tree in its place."""
@@ -79,7 +81,12 @@ def check_ancestors(path: str, what: str) -> None:
             if p in seen:
                 continue
             seen.add(p)
-            st = os.lstat(p)
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:
+                if missing_ok:
+                    continue
+                raise
             if stat.S_ISLNK(st.st_mode):
                 todo.append(os.path.realpath(p))  # the link's target's ancestors count too
             problem = None

@@ -43,7 +43,7 @@ from hpkv.common.proc import PID_MAX, pid_alive, pid_running, valid_pid
 from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.common.security import open_nofollow, open_private_dir, peer_allowed, peer_credentials
 from hpkv.common.text import printable
-from hpkv.config import Config, ConfigError, check_runtime, format_size, free_bytes
+from hpkv.config import Config, ConfigError, check_runtime, format_size, free_bytes, pool_room
 from hpkv.engine.index import Index, Namespace
 from hpkv.engine.storage.tier import StorageTier
 from hpkv.engine.workers import WorkerProcess
@@ -1561,7 +1561,7 @@ class Server:
     def _check_space(self, when: str) -> None:
         """Warn when the pool cannot be fully allocated beside the engines' KV-cache files."""
         pool = self.pool
-        free = free_bytes(self.dir)
+        free = pool_room(self.dir)  # ramfs: the memory available (it reports no free blocks)
         to_reserve = pool.size - pool.backed  # at most
         kept = self._kv_space_kept()
         engines = self._kv_bytes

@@ -83,6 +83,21 @@ class StorageTree:
             raise
         return cls(path, fd)
 
+    @staticmethod
+    def check(path: str, what: str = WHAT) -> bool:
+        """What :meth:`open` refuses, asked without creating or opening anything (``hpkv
+        doctor``): raises :class:`InsecurePath` for an existing ``path`` that is not private
+        or an ancestor that is unsafe. Returns whether ``path`` exists (a missing one, and its
+        missing parents, :meth:`open` creates 0700)."""
+        try:
+            st: os.stat_result | None = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            check_private(st, path, what)
+        check_ancestors(path, what, missing_ok=True)
+        return st is not None
+
     @classmethod
     def attach(
         cls, path: str, identity: tuple[int, int] | list[int], max_dirs: int = DIR_CACHE_MAX
