@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from hpkv.engine.index import Index, Namespace, PoolAllocator
+from hpkv.engine.allocator import PoolAllocator
+from hpkv.engine.index import Index, Namespace
 from hpkv.engine.storage.catalog import FileCatalog
 from hpkv.protocol.keys import block_key, block_keys, namespace_fingerprint
 from hpkv.protocol.stats import NsCounter
