@@ -650,7 +650,7 @@ def test_a_kv_file_deleted_from_outside_is_no_longer_reported_as_a_hit(tmp_path)
 
 
 def test_the_quarantine_is_bounded_by_count_and_age(tmp_path):
-    from hpkv.engine.storage.tier import QUARANTINE_MAX_FILES
+    from hpkv.engine.storage.upkeep import QUARANTINE_MAX_FILES
 
     storage = tmp_path / "st"
     q = storage / kvfile.QUARANTINE_DIR

@@ -26,6 +26,7 @@ import pytest
 from hpkv.client.connection import HpkvError, connect
 from hpkv.common.pool import PoolFile
 from hpkv.engine.index import Index, Namespace
+from hpkv.engine.storage.catalog import FileCatalog
 from hpkv.protocol import wire as P
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.testing.server import ServerProcess, private_env, wait_for
@@ -183,9 +184,10 @@ def test_a_promote_into_memory_that_cannot_be_reserved_misses_and_frees_what_it_
     ns = Namespace(0, "n", FP, 1, SLOT)
     idx.add_namespace(ns)
     keys = block_keys(FP, [b"p%d" % i for i in range(4)])
+    files = FileCatalog(idx)
     for k in keys:
-        idx.add_stored(ns, k)
-    got = [idx.begin_promote(k) for k in keys]
+        files.add(ns, k)
+    got = [idx.begin_promote(ns, k) for k in keys]
     assert [g is not None for g in got] == [True, True, False, False]
     assert idx.alloc.used == 2 * SLOT
 

@@ -6,7 +6,9 @@ import random
 
 import pytest
 
-from hpkv.engine.index import Index, Namespace, PoolAllocator, State
+from hpkv.engine.allocator import PoolAllocator
+from hpkv.engine.index import Index, Namespace
+from hpkv.engine.storage.catalog import FileCatalog
 from hpkv.protocol.keys import block_key, block_keys, namespace_fingerprint
 from hpkv.protocol.stats import NsCounter
 from hpkv.protocol.wire import Tier
@@ -120,14 +122,15 @@ def test_pinned_blocks_are_never_evicted():
 
 
 def test_unspilled_block_is_not_dropped_when_storage_is_on():
-    idx, _ = make(capacity_slots=1, storage=True)
+    idx, ns = make(capacity_slots=1, storage=True)
+    files = FileCatalog(idx)
     a, b = block_keys(FP, [b"a", b"b"])
     put(idx, [a])
     assert idx.reserve(0, [b])[0, 0] == -2
-    idx.mark_stored(a)
+    files.add(ns, a)
     assert idx.reserve(0, [b])[0, 0] >= 0
     assert idx.lookup(0, [a]) == (1, [Tier.STORAGE]), "evicted from DRAM, still on storage"
-    assert idx.blocks[a].state == State.STORED
+    assert a not in idx.blocks and files.owner(a) is ns, "files only: the catalog's, no block of the index"
 
 
 def test_two_namespaces_share_one_pool():
@@ -180,6 +183,7 @@ def two_namespaces(capacity_slots: int = 8, storage: bool = False) -> tuple[Inde
 
 def test_a_key_belongs_to_the_namespace_that_made_it():
     idx, big, small = two_namespaces()
+    files = FileCatalog(idx)
     ready, live = block_keys(FP, [b"ready", b"live"])
     put(idx, [ready])
     idx.reserve(0, [live], owner=1)
@@ -190,7 +194,7 @@ def test_a_key_belongs_to_the_namespace_that_made_it():
     idx.pin(big, [ready], owner=2)
     assert idx.unpin([ready], owner=2, ns=small) == 0 and idx.blocks[ready].pins == 1
     assert idx.unpin([ready], owner=2, ns=big) == 1
-    assert idx.add_stored(small, ready) is None and not idx.blocks[ready].on_storage
+    assert not files.add(small, ready) and files.owner(ready) is None
     assert idx.clear_namespace(1) == 0 and idx.lookup(0, [ready])[0] == 1
     assert [b.ns for b in idx.commit(0, [live], 0)] == [big]
     assert idx.alloc.used == 2 * SLOT and small.counters[NsCounter.RESERVE_FAILED] == 0
@@ -198,13 +202,14 @@ def test_a_key_belongs_to_the_namespace_that_made_it():
 
 def test_a_stored_block_is_never_given_slots_of_another_namespace():
     idx, big, small = two_namespaces(storage=True)
+    files = FileCatalog(idx)
     (k,) = block_keys(FP, [b"k"])
-    idx.add_stored(big, k)
+    files.add(big, k)
     assert idx.lookup(1, [k]) == (0, []) and idx.lookup(0, [k]) == (1, [Tier.STORAGE])
     assert idx.reserve(1, [k])[0, 0] == -2
-    assert idx.blocks[k].state == State.STORED and idx.blocks[k].slots is None
+    assert k not in idx.blocks and idx.alloc.used == 0, "files only: no slots"
     assert idx.reserve(0, [k])[0, 0] >= 0 and idx.commit(0, [k], 0)[0].ns is big
-    idx.forget_storage(k)
+    files.forget(k)
     assert idx.clear_namespace(0) == 1 and idx.alloc.used == 0 and not idx.blocks
     assert idx.reserve(1, [k])[0, 0] >= 0, "gone from its namespace: the key may be made again"
 

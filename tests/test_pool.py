@@ -15,7 +15,7 @@ import pytest
 
 from hpkv.common import pool as pool_module
 from hpkv.common.pool import PoolFile
-from hpkv.engine.index import PoolAllocator
+from hpkv.engine.allocator import PoolAllocator
 from hpkv.testing.memory import resident_bytes_of_mapping
 
 MIB = 1 << 20

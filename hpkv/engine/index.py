@@ -1,4 +1,4 @@
-"""The server's block index and pool allocator.
+"""The server's block index (its pool allocator: :mod:`hpkv.engine.allocator`).
 
 One process (the server) owns the index; nothing else mutates it. A *block* is
 one engine block of one namespace (a model layout), identified by a 16-byte key
@@ -15,12 +15,19 @@ clients never meet this (a key hashes the namespace fingerprint); a client that
 reuses keys across namespaces can then never put a block into a slot of another
 namespace's size, nor see, pin, commit or free another namespace's block.
 
-States::
+States of a block (a key holding pool slots)::
 
-    reserve ──▶ RESERVED ──(all ranks commit)──▶ READY ──(evict, on storage)──▶ STORED
-                    │                              ▲  │                            │
-                    └─(owner gone / aborted)─▶ freed  │  └─(evict, no files)─▶ dropped │
-                                                   └──(files read)── PROMOTING ◀─(promote)─┘
+    reserve ──▶ RESERVED ──(all ranks commit)──▶ READY ──(evict)──▶ gone from the index
+                    │                              ▲                (files only, or nothing)
+                    └─(owner gone / aborted)─▶ freed  └──(files read)── PROMOTING ◀─(promote)─ files only
+
+Files. Which keys have files is known by one owner, the storage tier's catalog
+(:class:`hpkv.engine.storage.catalog.FileCatalog`, the index's :attr:`Index.files`); the
+index asks it and keeps only what it owns: pool slots, pins, reservations. A key with
+files and no slots ("stored") is no block of the index: it is the catalog's entry, which
+the catalog makes visible to lookups through :meth:`Index.files_added` and
+:meth:`Index.files_gone` (the key table answers lookups for both tiers at C speed). A
+PROMOTING block is a block whose slots the storage tier is filling from its files.
 
 Ownership. A reservation belongs to the client that made it (``owner``); a pin
 belongs to the client that pinned it (``pins_by_owner``), counted only when a block
@@ -35,13 +42,11 @@ A READY block is *evictable* when it is unpinned, no IO job is reading its slots
 (``io``), and, if the storage tier is on, its files are written or will not be
 (``no_spill``: spilling paused or failed) — a block is never dropped while its
 spill is in flight. Eviction takes the least recently used evictable block across
-all namespaces. STORED blocks (files only) come from evictions, from the scan of
-the storage directory and from a stat on a lookup miss (:meth:`Index.add_stored`).
+all namespaces.
 """
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -51,106 +56,26 @@ from typing import Protocol
 
 import numpy as np
 
+from hpkv.engine.allocator import PoolAllocator, PoolMemory, align_up
 from hpkv.engine.keytable import KeyTable
 from hpkv.protocol.errors import NamespaceNotAttached, NotOwner
 from hpkv.protocol.stats import NS_COUNTERS, NsCounter
 from hpkv.protocol.wire import Tier
 
-POOL_ALIGN = 4096  # slots start on page boundaries: O_DIRECT and page-granular copies want it
-
-
-def align_up(n: int, a: int = POOL_ALIGN) -> int:
-    return (n + a - 1) // a * a
-
-
-class PoolAllocator:
-    """First-fit allocator of byte ranges in the pool, coalescing on free.
-
-    Slots of one namespace all have one size, so in the common case (one model)
-    the free list stays short; several namespaces share the pool by range.
-    """
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._starts: list[int] = [0] if capacity else []  # sorted free-range starts
-        self._sizes: dict[int, int] = {0: capacity} if capacity else {}
-        self._live: dict[int, int] = {}  # start -> size of every range handed out
-        self.used = 0
-        self.high_water = 0  # end of the highest range ever handed out
-
-    def alloc(self, size: int) -> int | None:
-        """A range of ``size`` bytes starting at a multiple of ``size``.
-
-        Natural alignment lets a copy address a slot as ``offset // size`` with a
-        fixed stride; with one slot size (one model) it wastes nothing.
-        """
-        size = align_up(size)
-        for i, start in enumerate(self._starts):
-            avail = self._sizes[start]
-            begin = -(-start // size) * size
-            if begin + size > start + avail:
-                continue
-            del self._starts[i]
-            del self._sizes[start]
-            tail = start + avail - (begin + size)
-            if tail:
-                self._starts.insert(i, begin + size)
-                self._sizes[begin + size] = tail
-            if begin > start:
-                self._starts.insert(i, start)
-                self._sizes[start] = begin - start
-            self.used += size
-            self.high_water = max(self.high_water, begin + size)
-            self._live[begin] = size
-            return begin
-        return None
-
-    def free(self, offset: int, size: int) -> None:
-        """Return a range :meth:`alloc` handed out, with the size it was asked for. Anything
-        else (a double free, another size) raises before the free list is touched: a wrong
-        free would hand one byte range to two blocks."""
-        size = align_up(size)
-        had = self._live.pop(offset, None)
-        if had != size:
-            if had is not None:
-                self._live[offset] = had
-            what = "not allocated" if had is None else f"allocated with {had} bytes"
-            raise RuntimeError(f"pool allocator: free of {size} bytes at offset {offset}, which is {what}")
-        self.used -= size
-        i = bisect.bisect_left(self._starts, offset)
-        # merge with the following range
-        if i < len(self._starts) and self._starts[i] == offset + size:
-            size += self._sizes.pop(self._starts[i])
-            del self._starts[i]
-        # merge with the preceding range
-        if i > 0:
-            prev = self._starts[i - 1]
-            if prev + self._sizes[prev] == offset:
-                self._sizes[prev] += size
-                return
-            assert prev + self._sizes[prev] < offset, "double free in the pool allocator"
-        self._starts.insert(i, offset)
-        self._sizes[offset] = size
-
-    @property
-    def free_bytes(self) -> int:
-        return self.capacity - self.used
-
-
-class PoolMemory(Protocol):
-    """The pool's memory as the allocator sees it (:class:`hpkv.common.pool.PoolFile`):
-    ``[0, backed)`` exists; ``reserve_to(end)`` makes ``[0, end)`` exist, or says it cannot."""
-
-    backed: int
-
-    def reserve_to(self, end: int) -> bool: ...
-
 
 class State(IntEnum):
     RESERVED = 1
     READY = 2
-    STORED = 3
+    # 3 was STORED: a key with files only is the catalog's, not a block of the index
     PROMOTING = 4  # files being read into freshly allocated slots; still a storage hit
+
+
+class FileOwner(Protocol):
+    """Who knows which keys have files (the storage tier's catalog)."""
+
+    def owner(self, key: bytes) -> Namespace | None:
+        """The namespace whose files ``key`` has, None when it has none."""
+        ...
 
 
 @dataclass
@@ -177,13 +102,11 @@ class Block:
         "slots",
         "committed",
         "pins",
-        "on_storage",
         "owner",
         "io",
         "no_spill",
         "since",
         "retired",
-        "verified",
     )
 
     def __init__(self, key: bytes, ns: Namespace, slots: list[int], owner: int):
@@ -193,13 +116,11 @@ class Block:
         self.slots: list[int] | None = slots  # pool offset per rank
         self.committed = 0  # bitmask of ranks
         self.pins = 0
-        self.on_storage = False
         self.owner = owner  # client that reserved it (RESERVED only)
         self.io = 0  # IO jobs in flight that read its slots (spills)
         self.no_spill = False  # storage on, but this block will not get files
         self.since = time.monotonic()  # when reserved (the reservation's lease starts)
         self.retired = False  # RESERVED, released, waiting for its copies to end
-        self.verified = 0.0  # STORED: when a lookup last saw its files exist
 
     @property
     def in_dram(self) -> bool:
@@ -225,9 +146,10 @@ class Index:
         self.fenced: list[tuple[int, int]] = []  # (offset, size) freed, not yet back in the allocator
         self.torn_commits = 0  # blocks committed while a save into them still ran (dropped)
         self.storage_enabled = storage_enabled
-        self.blocks: dict[bytes, Block] = {}  # key -> block; the key belongs to block.ns
-        # key -> (ns id, Tier) of every block a lookup can hit (READY: DRAM, STORED: storage).
-        # Kept beside ``blocks`` in a native table, so a lookup runs in C.
+        self.files: FileOwner | None = None  # the storage tier's catalog sets itself here
+        self.blocks: dict[bytes, Block] = {}  # key -> block holding slots; the key belongs to block.ns
+        # key -> (ns id, Tier) of every key a lookup can hit (READY: DRAM; files only or
+        # PROMOTING: storage). Kept beside ``blocks`` in a native table, so a lookup runs in C.
         self.present = KeyTable()
         self.conflicts = 0  # reserves of a key that belongs to another namespace (refused)
         self.namespaces: dict[int, Namespace] = {}
@@ -248,6 +170,19 @@ class Index:
         except KeyError:
             raise NamespaceNotAttached(f"namespace id {ns_id} is not attached") from None
 
+    def owner(self, key: bytes) -> Namespace | None:
+        """The namespace of the block holding slots for ``key``, None when there is none."""
+        b = self.blocks.get(key)
+        return b.ns if b is not None else None
+
+    def block_count(self) -> int:
+        """Keys the server knows: blocks holding slots and keys with files only."""
+        # RESERVED blocks are the ones not in the key table; every other key is in it once
+        return len(self.reserved) + len(self.present)
+
+    def _has_files(self, key: bytes) -> bool:
+        return self.files is not None and self.files.owner(key) is not None
+
     def _mine(self, ns: Namespace, k: bytes) -> Block | None:
         """The block of ``k`` if it belongs to ``ns`` (another namespace's key is absent)."""
         b = self.blocks.get(k)
@@ -259,7 +194,7 @@ class Index:
             b.state == State.READY
             and b.pins == 0
             and b.io == 0
-            and (b.on_storage or b.no_spill or not self.storage_enabled)
+            and (b.no_spill or not self.storage_enabled or self._has_files(b.key))
         )
 
     def _refresh(self, b: Block, touch: bool = False) -> None:
@@ -295,12 +230,11 @@ class Index:
         return len(waiting) - len(self.fenced)
 
     def _drop_from_dram(self, b: Block) -> None:
-        """The block's pool copy is gone: it lives on as STORED, or not at all."""
-        if b.on_storage:
-            b.state = State.STORED
+        """The block's pool copy is gone: it lives on as the catalog's files, or not at all."""
+        del self.blocks[b.key]
+        if self._has_files(b.key):
             self.present.set(b.key, b.ns.ns_id, Tier.STORAGE)
         else:
-            del self.blocks[b.key]
             self.present.pop(b.key, None)
 
     def _evict_one(self) -> bool:
@@ -364,11 +298,12 @@ class Index:
         self.reclaim_fenced()
         for i, k in enumerate(keys):
             b = self.blocks.get(k)
-            if b is not None and b.ns is not ns:
+            holder = b.ns if b is not None else self.files.owner(k) if self.files is not None else None
+            if holder is not None and holder is not ns:
                 out[i] = -2  # never a slot of this size for another namespace's block
                 self.conflicts += 1
                 continue
-            if b is not None and b.state != State.STORED:
+            if b is not None:
                 continue
             slots: list[int] = []
             for _ in range(ns.world_size):
@@ -382,12 +317,9 @@ class Index:
                 out[i] = -2
                 ns.counters[NsCounter.RESERVE_FAILED] += 1
                 continue
-            if b is None:
-                b = Block(k, ns, slots, owner)
-                self.blocks[k] = b
-            else:  # a STORED block written again: keep its storage flag
-                b.slots, b.state, b.owner, b.committed = slots, State.RESERVED, owner, 0
-                b.since, b.retired = time.monotonic(), False
+            b = Block(k, ns, slots, owner)
+            self.blocks[k] = b
+            if holder is ns:  # files only, written again: no hit until committed
                 self.present.pop(k, None)
             self.reserved[k] = b
             ns.counters[NsCounter.BLOCKS_RESERVED] += 1
@@ -585,63 +517,80 @@ class Index:
             self.pinned_bytes -= b.ns.slot_bytes * b.ns.world_size
         self._refresh(b, touch=True)
 
-    def mark_stored(self, key: bytes) -> None:
-        """The block's files are on storage (spill done, or found by a scan)."""
-        b = self.blocks.get(key)
-        if b is None or b.on_storage:
-            return
-        b.on_storage = True
-        b.ns.counters[NsCounter.BLOCKS_STORAGE] += 1
-        self._refresh(b)
-
     # ------------------------------------------------------------ storage tier
+    def files_added(self, ns: Namespace, key: bytes) -> None:
+        """The catalog learned that ``key`` has files (spill done, scan, stat): a DRAM copy
+        may now be evicted, a key with files only is a storage hit."""
+        b = self.blocks.get(key)
+        if b is None:
+            self.present.set(key, ns.ns_id, Tier.STORAGE)
+        else:
+            self._refresh(b)
+
+    def files_gone(self, key: bytes) -> None:
+        """The catalog forgot the key's files (evicted, corrupt, missing, namespace released):
+        a key with files only is no hit any more, a DRAM copy stays (and is not spilled again)."""
+        b = self.blocks.get(key)
+        if b is None:
+            self.present.pop(key, None)
+        elif b.state == State.READY:
+            b.no_spill = True
+            self._refresh(b)
+
+    def spill_started(self, b: Block) -> None:
+        """A spill reads the block's slots: not evictable until :meth:`set_io` (-1) ends it."""
+        b.no_spill = False
+        self.set_io(b, +1)
+
     def set_io(self, b: Block, delta: int) -> None:
         """IO jobs started (+) or finished (-) on the block's slots; it is not evictable meanwhile."""
         b.io += delta
         self._refresh(b)
+
+    def in_io(self, key: bytes) -> bool:
+        """An IO job reads the block's slots (its files must stay)."""
+        b = self.blocks.get(key)
+        return b is not None and b.io > 0
+
+    def spillable(self, key: bytes) -> Block | None:
+        """The block if a spill may start on it now: READY and no IO job on its slots."""
+        b = self.blocks.get(key)
+        return b if b is not None and b.state == State.READY and not b.io else None
+
+    def in_dram(self, ns: Namespace, key: bytes) -> bool:
+        b = self._mine(ns, key)
+        return b is not None and b.state == State.READY
 
     def skip_spill(self, b: Block) -> None:
         """The block will not get files (spilling paused or failed): evictable without them."""
         b.no_spill = True
         self._refresh(b)
 
-    def add_stored(self, ns: Namespace, key: bytes) -> Block | None:
-        """A block whose files exist on storage (found by a scan or a stat); no pool slots.
-        None, and nothing changed, when the key belongs to another namespace."""
-        b = self.blocks.get(key)
-        if b is None:
-            b = Block(key, ns, [], owner=0)
-            b.slots = None
-            b.state = State.STORED
-            self.blocks[key] = b
-            self.present.set(key, ns.ns_id, Tier.STORAGE)
-        elif b.ns is not ns:
+    def begin_promote(self, ns: Namespace, key: bytes) -> Block | None:
+        """A PROMOTING block of ``ns``'s key with files only: pool slots to read its files into
+        (evicting LRU blocks). None, and nothing changed, when the key holds slots already or
+        the pool is full of blocks that cannot be evicted."""
+        if key in self.blocks:
             return None
-        self.mark_stored(key)
-        return b
-
-    def begin_promote(self, key: bytes) -> list[int] | None:
-        """Allocate pool slots to read a STORED block's files into (evicting LRU blocks);
-        None when the pool is full of blocks that cannot be evicted."""
-        b = self.blocks[key]
-        assert b.state == State.STORED, b.state
-        size = b.ns.slot_bytes
+        assert self.files is not None and self.files.owner(key) is ns, "promote of a key without files"
+        size = ns.slot_bytes
         slots: list[int] = []
-        for _ in range(b.ns.world_size):
+        for _ in range(ns.world_size):
             off = self._alloc_slot(size)
             if off is None:
                 for o in slots:
                     self.alloc.free(o, size)
-                b.ns.counters[NsCounter.RESERVE_FAILED] += 1
+                ns.counters[NsCounter.RESERVE_FAILED] += 1
                 return None
             slots.append(off)
-        b.slots = slots
+        b = Block(key, ns, slots, owner=0)
         b.state = State.PROMOTING
-        return slots
+        self.blocks[key] = b
+        return b
 
     def finish_promote(self, key: bytes, ok: bool) -> None:
         """The files were read into the slots (READY, a DRAM block like any other), or not
-        (slots freed, the block is STORED again)."""
+        (slots freed: files only again)."""
         b = self.blocks[key]
         assert b.state == State.PROMOTING, b.state
         if ok:
@@ -653,27 +602,12 @@ class Index:
             self._refresh(b, touch=True)
         else:
             self._free_slots(b)
-            b.state = State.STORED
-
-    def forget_storage(self, key: bytes) -> None:
-        """The block's files are gone (evicted, corrupt, missing): a STORED block is dropped,
-        a DRAM copy stays (and will not be spilled again)."""
-        b = self.blocks.get(key)
-        if b is None or not b.on_storage:
-            return
-        b.on_storage = False
-        b.ns.counters[NsCounter.BLOCKS_STORAGE] -= 1
-        if b.state == State.STORED:
-            del self.blocks[key]
-            self.present.pop(key, None)
-        elif b.state == State.READY:
-            b.no_spill = True
-            self._refresh(b)
+            self._drop_from_dram(b)
 
     def drop_namespace(self, ns: Namespace) -> bool:
-        """Forget a namespace no client uses: its DRAM copies are freed, its STORED entries
-        dropped (the files stay). False, and nothing changed, while any of its blocks is
-        reserved, pinned, promoting or in IO."""
+        """Forget a namespace no client uses: its DRAM copies are freed (the catalog forgets its
+        files, which stay, when the storage tier detaches it). False, and nothing changed,
+        while any of its blocks is reserved, pinned, promoting or in IO."""
         mine = [b for b in self.blocks.values() if b.ns is ns]
         if any(b.state in (State.RESERVED, State.PROMOTING) or b.pins or b.io for b in mine):
             return False

@@ -45,7 +45,8 @@ from hpkv.common.security import open_nofollow, open_private_dir, peer_allowed, 
 from hpkv.common.text import printable
 from hpkv.config import Config, ConfigError, check_runtime, format_size, free_bytes, pool_room
 from hpkv.engine.index import Index, Namespace
-from hpkv.engine.storage.tier import StorageTier
+from hpkv.engine.storage.tier import FileTier
+from hpkv.engine.tiers import TierList
 from hpkv.engine.workers import WorkerProcess
 from hpkv.monitor.metrics import start_metrics
 from hpkv.protocol import wire as P
@@ -268,7 +269,7 @@ class Server:
         self._last_client_seen = time.monotonic()
         # Open `hold` connections (engine processes that started the server early), by id.
         self._holds: dict[int, _Conn] = {}
-        self.storage: StorageTier | None = None
+        self.tiers = TierList()  # below the pool, in priority order; empty when storage is off
         self._errors = RateLimitedLog(log)
         self._releases: list[_Release] = []
         self._lease_checked = 0.0
@@ -408,17 +409,11 @@ class Server:
         self.stats.glob[G.POOL_CAPACITY] = size
         self.doorbell = Doorbell.create(self.dir, "server")
         if self.cfg.storage_path is not None:
-            self.storage = StorageTier(
-                self.cfg,
-                self.dir,
-                self.stats,
-                self.index,
-                self.lock,
-                self.doorbell,
-                self.pool.path,
-                self._answer_parked,
+            files = FileTier(
+                self.cfg, self.dir, self.stats, self.index, self.lock, self.doorbell, self.pool.path
             )
-            self.workers += self.storage.start(list(range(self.cfg["HPKV_NUM_IO_WORKERS"])))
+            self.workers += files.start(list(range(self.cfg["HPKV_NUM_IO_WORKERS"])))
+            self.tiers = TierList([files])
 
         self.metrics = start_metrics(self.cfg)
         sock_path = os.path.join(self.dir, P.SOCKET_FILE)
@@ -453,8 +448,7 @@ class Server:
             self.pool.stop_warming()
         for w in list(self.workers):
             w.stop()
-        if self.storage is not None:
-            self.storage.shutdown()
+        self.tiers.shutdown()
         with self.lock:
             for c in list(self.clients.values()):
                 self._drop_client(c, reason="server shutdown")
@@ -501,20 +495,23 @@ class Server:
         for c in clients:
             left |= self._drain(c)
         self._work_left = left
-        if self.storage is not None:
-            self.storage.poll()
+        answers = self.tiers.poll()
+        if answers:
+            with self.lock:
+                for a in answers:
+                    self._answer_parked(a.client, a.seq, a.rows)
         if self._closing:
             self._reap_closed_clients()
 
     def _drain_spills(self) -> dict[str, Any]:
         """Keep serving until every queued or running write-through spill is done, or the
         drain timeout passes; attached engines keep their hits meanwhile."""
-        if self.storage is None:
+        if not self.tiers:
             return {"pending": 0, "written": 0, "dropped": 0, "seconds": 0.0}
         timeout = float(self.cfg["HPKV_STOP_DRAIN_TIMEOUT"])
         t0 = time.monotonic()
         with self.lock:
-            pending = first = self.storage.pending_spills()
+            pending = first = self.tiers.pending_spills()
         written0 = int(self.stats.glob[G.STORAGE_SPILLS])
         self._drain_added = 0  # blocks reserved before the stop, committed during the drain
         if pending:
@@ -527,7 +524,7 @@ class Server:
         while pending and time.monotonic() - t0 < timeout:
             self._serve_round(0.05)
             with self.lock:
-                pending = self.storage.pending_spills()
+                pending = self.tiers.pending_spills()
         seconds = time.monotonic() - t0
         written = int(self.stats.glob[G.STORAGE_SPILLS]) - written0
         first += self._drain_added
@@ -587,7 +584,7 @@ class Server:
             with self.lock:
                 status, a0, a1 = self._handle(c, d)
             self.stats.glob[G.REQUESTS] += 1
-            if status is None:  # parked until its IO completes (_answer_parked)
+            if status is None:  # parked until a tier's poll returns its answer (_answer_parked)
                 continue
             if status < 0:
                 self.stats.glob[G.ERRORS] += 1
@@ -605,7 +602,7 @@ class Server:
         return c.mbox[: n * KEY_BYTES].view(f"V{KEY_BYTES}").tolist()
 
     def _answer_parked(self, c: Client, seq: int, rows: np.ndarray) -> None:
-        """The storage tier finished a parked promote: answer it like a pin (request loop)."""
+        """A tier's poll returned a parked promote's answer: answer it like a pin (request loop)."""
         self._park(c, False)
         if not c.alive:
             return
@@ -681,7 +678,7 @@ class Server:
         idx = self.index
         self.stats.glob[G.POOL_USED] = idx.alloc.used
         self.stats.glob[G.POOL_PINNED] = idx.pinned_bytes
-        self.stats.glob[G.BLOCKS] = len(idx.blocks)
+        self.stats.glob[G.BLOCKS] = idx.block_count()
 
     def _hot_lookup(self, c: Client, d) -> tuple[int, int, int]:
         idx = self.index
@@ -693,12 +690,9 @@ class Server:
         # The hot path: keys read and tiers written in place, in C.
         hit = idx.present.prefix(ns.ns_id, c.mbox[: n * KEY_BYTES], n, out[:n])
         tiers = out[:hit].tolist()
-        if self.storage is not None and (hit < n or Tier.STORAGE in tiers):
-            keys = self._keys(c, n)
-            if Tier.STORAGE in tiers:  # files deleted from outside are not hits
-                hit = self.storage.verify_lookup(ns, keys, hit, tiers)
-            if hit < n:  # files the index has not seen yet
-                hit = self.storage.extend_lookup(ns, keys, hit, tiers)
+        if self.tiers and (hit < n or Tier.STORAGE in tiers):
+            # files deleted from outside are not hits; files the index has not seen yet are
+            hit = self.tiers.lookup(ns, self._keys(c, n), hit, tiers).hit
             out[:hit] = np.frombuffer(bytes(tiers), np.uint8)
         idx.count_lookup(ns, n, tiers)
         return 0, hit, 0
@@ -759,11 +753,11 @@ class Server:
                 idx.torn_commits - torn,
                 ns.ns_id,
             )
-        if ready and self.storage is not None:
-            before = self.storage.pending_spills() if self.stopping else 0
-            self.storage.spill(ready)  # write-through
+        if ready and self.tiers:
+            before = self.tiers.pending_spills() if self.stopping else 0
+            self.tiers.spill(ready)  # write-through
             if self.stopping:  # reserved before the stop: what the drain reports grows with it
-                self._drain_added += max(self.storage.pending_spills() - before, 0)
+                self._drain_added += max(self.tiers.pending_spills() - before, 0)
         return 0, len(ready), 0
 
     def _hot_pin(self, c: Client, d) -> tuple[int, int, int]:
@@ -778,8 +772,7 @@ class Server:
                 arr[i] = s
                 used.append(keys[i])
         ns.counters[NsCounter.LOADS_DRAM] += len(used)
-        if self.storage is not None:
-            self.storage.touch(used)
+        self.tiers.touch(used)
         c.mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + arr.nbytes] = arr.reshape(-1).view(np.uint8)
         return 0, world, 0
 
@@ -787,7 +780,7 @@ class Server:
         idx = self.index
         ns = idx.ns(d.a0)
         keys = self._keys(c, d.a1, 8 * ns.world_size)
-        if self.storage is None:
+        if not self.tiers:
             rows: np.ndarray | None = np.full((len(keys), ns.world_size), ROW_MISSING, np.int64)
             assert rows is not None
             for i, s in enumerate(idx.pin(ns, keys, owner=c.cid)):
@@ -795,7 +788,7 @@ class Server:
                     rows[i] = s
         else:
             timeout = min(d.a2, MAX_PROMOTE_MS) / 1000.0  # the client waits no longer anyway
-            rows = self.storage.promote(c, d.seq, ns, keys, timeout=timeout)
+            rows = self.tiers.promote(c, d.seq, ns, keys, timeout=timeout)
             if rows is None:
                 self._park(c, True)
                 return None, 0, 0
@@ -1347,8 +1340,7 @@ class Server:
             self._release_kv_files(dev)
         pins = self.index.take_pins(c.cid)
         retired = self.index.retire(self.index.owned_reservations(c.cid))
-        if self.storage is not None:
-            self.storage.client_gone(c)
+        self.tiers.client_gone(c)
         self._release_later(retired, pins, grace=RETIRE_GRACE_S)
         # The request loop may be waiting on the doorbell that watches c.req: it
         # closes the rings itself (_reap_closed_clients), never another thread.
@@ -1396,8 +1388,7 @@ class Server:
                 block_tokens=block_tokens,
                 counters=self.stats.ns[ns_id, :NS_COUNTERS],
             )
-            if self.storage is not None:
-                self.storage.attach_namespace(ns)
+            self.tiers.attach(ns)
             self.index.add_namespace(ns)
             self.namespaces_by_fp[fp] = ns
             log.info(
@@ -1435,8 +1426,7 @@ class Server:
                 continue
             if not self.index.drop_namespace(ns):
                 continue  # pinned, reserved or in IO: not now
-            if self.storage is not None:
-                self.storage.detach_namespace(ns)
+            self.tiers.detach(ns)
             del self.namespaces_by_fp[ns.fingerprint]
             self._detached.pop(ns_id, None)
             log.info(
@@ -1612,8 +1602,7 @@ class Server:
                 self._remove_orphan_kv_files()
             if self.index.reclaim_fenced():  # slots whose last save ended since their release
                 self._publish_pool_gauges()
-            if self.storage is not None and self.storage.catalog_dirty:
-                self.storage.catalog_dirty = False
+            if self.tiers.take_catalog_dirty():
                 self._catalog_dirty = True
             if self._catalog_dirty:
                 self._publish_catalog()
@@ -1639,13 +1628,12 @@ class Server:
                 continue  # reaped next round: `hpkv status` shows it hung until then
             if not w.poll_dead():
                 continue
-            if w.kind == "io" and self.storage is not None:
-                self.storage.worker_died(w)  # the request loop recovers and restarts it
-            else:
-                before = w.restarts
-                w.fail_pending_and_restart()  # or a back-off delay, if it keeps failing
-                self.stats.glob[G.WORKER_RESTARTS] += w.restarts - before
-                self._catalog_dirty = True
+            if w.kind == "io" and self.tiers.worker_died(w):
+                continue  # its tier's request loop recovers its jobs and restarts it
+            before = w.restarts
+            w.fail_pending_and_restart()  # or a back-off delay, if it keeps failing
+            self.stats.glob[G.WORKER_RESTARTS] += w.restarts - before
+            self._catalog_dirty = True
 
     def _publish_catalog_if_dirty(self) -> None:
         with self.lock:
@@ -1717,7 +1705,7 @@ class Server:
                 for c in self.clients.values()
                 for r in (c.req, c.resp)
             ],
-            "storage": self.storage.describe() if self.storage is not None else {"path": None},
+            "storage": self.tiers.describe(),
         }
 
 

@@ -1,0 +1,371 @@
+"""The tier contract in milliseconds: the logic the server composes over its tiers (the
+tier list, with the index and the in-memory tier) and the file tier's bookkeeping (catalog,
+spill completion and retry, the ENOSPC pause, capacity eviction, the scan) against a
+links layer without worker processes. The end-to-end versions, with IO workers and real
+files, are in test_storage.py and test_hardening_storage.py."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from hpkv.config import load_config
+from hpkv.engine.index import Index, Namespace, State
+from hpkv.engine.storage import catalog as catalog_mod
+from hpkv.engine.storage import upkeep as upkeep_mod
+from hpkv.engine.storage.links import Completion, IoLinks
+from hpkv.engine.storage.tier import FileTier
+from hpkv.engine.tiers import TierList
+from hpkv.io_workers import kvfile
+from hpkv.protocol import wire as P
+from hpkv.protocol.errors import Status
+from hpkv.protocol.keys import block_keys, namespace_fingerprint
+from hpkv.protocol.stats import G, NsCounter, StatsSegment
+from hpkv.protocol.wire import Tier
+from hpkv.ring import Doorbell
+from hpkv.testing.memory_tier import MemoryTier
+
+FP = namespace_fingerprint({"model": "tiers"})
+SLOT = 4096
+
+
+@dataclass
+class FakeClient:
+    cid: int = 1
+    alive: bool = True
+
+
+def keys_of(*names: str) -> list[bytes]:
+    return block_keys(FP, [n.encode() for n in names])
+
+
+def put(idx: Index, ns: Namespace, keys: list[bytes]):
+    idx.reserve(ns.ns_id, keys)
+    return idx.commit(ns.ns_id, keys, 0)
+
+
+def lookup(idx: Index, tiers: TierList, ns: Namespace, keys: list[bytes]) -> tuple[int, list[int]]:
+    """What the server's _hot_lookup does: the index's prefix, then the tiers below."""
+    hit, found = idx.lookup(ns.ns_id, keys)
+    if tiers and (hit < len(keys) or Tier.STORAGE in found):
+        hit = tiers.lookup(ns, keys, hit, found).hit
+    return hit, found
+
+
+@pytest.fixture
+def mem():
+    idx = Index(4 * SLOT, storage_enabled=True)
+    ns = Namespace(0, "m", FP, 1, SLOT)
+    idx.add_namespace(ns)
+    pool = np.zeros(4 * SLOT, np.uint8)
+    tier = MemoryTier(idx, pool=pool)
+    tiers = TierList([tier])
+    tiers.attach(ns)
+    return idx, ns, tier, tiers, pool
+
+
+# ------------------------------------------------------------------ the server's side, memory tier
+def test_a_lookup_extends_past_dram_into_the_tier(mem):
+    idx, ns, tier, tiers, _ = mem
+    a, b, c, d = keys_of("a", "b", "c", "d")
+    put(idx, ns, [a, b])
+    tier.put(ns, c)
+    tier.put(ns, d)
+    assert lookup(idx, tiers, ns, [a, b, c, d]) == (4, [Tier.DRAM, Tier.DRAM, Tier.STORAGE, Tier.STORAGE])
+    assert idx.lookup(ns.ns_id, [c]) == (1, [Tier.STORAGE]), "the tier's keys are hits of the index now"
+
+
+def test_a_promote_parks_and_is_answered_from_poll(mem):
+    idx, ns, tier, tiers, pool = mem
+    (k,) = keys_of("k")
+    tier.put(ns, k, [b"\x07" * SLOT])
+    client = FakeClient()
+    assert tiers.promote(client, 5, ns, [k], timeout=1.0) is None, "parked: the data is below"
+    (answer,) = tiers.poll()
+    assert answer.client is client and answer.seq == 5
+    off = int(answer.rows[0, 0])
+    assert off >= 0 and pool[off : off + SLOT].tobytes() == b"\x07" * SLOT
+    assert idx.blocks[k].state == State.READY and idx.blocks[k].pins == 1
+    assert ns.counters[NsCounter.LOADS_STORAGE] == 1
+    assert tiers.poll() == [], "answered once"
+
+
+def test_a_slow_promote_is_answered_when_its_work_ends(mem):
+    idx, ns, tier, tiers, _ = mem
+    tier.delay_polls = 3
+    (k,) = keys_of("k")
+    tier.put(ns, k)
+    assert tiers.promote(FakeClient(), 1, ns, [k], timeout=5.0) is None
+    assert tiers.poll() == [] and tiers.poll() == []
+    assert [a.seq for a in tiers.poll()] == [1]
+
+
+def test_a_promote_past_its_deadline_answers_missing(mem):
+    idx, ns, tier, tiers, _ = mem
+    tier.delay_polls = 100
+    (k,) = keys_of("k")
+    tier.put(ns, k)
+    assert tiers.promote(FakeClient(), 1, ns, [k], timeout=0.0) is None
+    (answer,) = tiers.poll()
+    assert (answer.rows == -1).all()
+
+
+def test_a_failed_promote_answers_missing_and_keeps_the_key_below(mem):
+    idx, ns, tier, tiers, _ = mem
+    a, b = keys_of("a", "b")
+    put(idx, ns, [a])
+    tier.put(ns, b)
+    tier.fail_promotes.add(b)
+    assert tiers.promote(FakeClient(), 1, ns, [a, b], timeout=1.0) is None
+    (answer,) = tiers.poll()
+    assert answer.rows[0, 0] >= 0 and answer.rows[1, 0] == -1
+    assert b not in idx.blocks and idx.alloc.used == SLOT, "the failed promote's slot is free again"
+    assert lookup(idx, tiers, ns, [b]) == (1, [Tier.STORAGE]), "a failed read is no proof the data is gone"
+
+
+def test_a_dropped_client_gets_no_answer(mem):
+    idx, ns, tier, tiers, _ = mem
+    (k,) = keys_of("k")
+    tier.put(ns, k)
+    client = FakeClient()
+    assert tiers.promote(client, 1, ns, [k], timeout=1.0) is None
+    tiers.client_gone(client)
+    assert tiers.poll() == []
+
+
+def test_a_committed_block_is_spilled_and_then_evictable(mem):
+    idx, ns, tier, tiers, pool = mem
+    keys = keys_of("0", "1", "2", "3")
+    ready = put(idx, ns, keys)
+    for i, b in enumerate(ready):
+        pool[b.slots[0] : b.slots[0] + SLOT] = i + 1
+    tiers.spill(ready)
+    assert tiers.pending_spills() == 4
+    (more,) = keys_of("more")
+    assert idx.reserve(ns.ns_id, [more])[0, 0] == -2, "a block whose spill runs is not evicted"
+    tiers.poll()
+    assert tiers.pending_spills() == 0 and ns.counters[NsCounter.BLOCKS_STORAGE] == 4
+    assert idx.reserve(ns.ns_id, [more])[0, 0] >= 0, "spilled: evictable"
+    assert lookup(idx, tiers, ns, keys[:1]) == (1, [Tier.STORAGE])
+    assert tier.medium[keys[0]] == [b"\x01" * SLOT]
+
+
+def test_a_failed_spill_leaves_the_block_evictable_without_a_copy(mem):
+    idx, ns, tier, tiers, _ = mem
+    keys = keys_of("0", "1", "2", "3")
+    tier.fail_spills.add(keys[0])
+    tiers.spill(put(idx, ns, keys))
+    tiers.poll()
+    idx.reserve(ns.ns_id, keys_of("new"))
+    assert lookup(idx, tiers, ns, keys[:1]) == (0, []), "evicted, and nothing below"
+
+
+def test_a_lost_block_is_a_miss_not_an_error(mem):
+    idx, ns, tier, tiers, _ = mem
+    a, b = keys_of("a", "b")
+    tier.put(ns, a)
+    tier.put(ns, b)
+    assert lookup(idx, tiers, ns, [a, b])[0] == 2
+    tier.lose(a)
+    assert lookup(idx, tiers, ns, [a, b]) == (0, []), "the lookup that sees it gone cuts the prefix"
+    assert ns.counters[NsCounter.BLOCKS_STORAGE] == 1
+    tier.lose(b)  # lost between the lookup and the promote
+    assert tiers.promote(FakeClient(), 1, ns, [b], timeout=1.0) is None
+    (answer,) = tiers.poll()
+    assert (answer.rows == -1).all() and b not in tier.catalog and idx.lookup(ns.ns_id, [b]) == (0, [])
+
+
+def test_a_key_below_belongs_to_its_namespace(mem):
+    idx, ns, tier, tiers, _ = mem
+    other = Namespace(1, "other", namespace_fingerprint({"m": "other"}), 1, SLOT)
+    idx.add_namespace(other)
+    (k,) = keys_of("k")
+    tier.put(ns, k)
+    assert lookup(idx, tiers, ns, [k])[0] == 1
+    assert lookup(idx, tiers, other, [k]) == (0, []) and idx.reserve(other.ns_id, [k])[0, 0] == -2
+    assert tiers.promote(FakeClient(), 1, other, [k], timeout=1.0) is not None, "no hit: answered at once"
+
+
+def test_detach_forgets_the_namespace_below(mem):
+    idx, ns, tier, tiers, _ = mem
+    (k,) = keys_of("k")
+    tier.put(ns, k)
+    lookup(idx, tiers, ns, [k])
+    assert idx.block_count() == 1
+    assert idx.drop_namespace(ns)
+    tiers.detach(ns)
+    assert idx.block_count() == 0 and len(tier.catalog) == 0 and idx.lookup(ns.ns_id, [k]) == (0, [])
+
+
+# ------------------------------------------------------------------ the file tier's bookkeeping
+class ScriptedLinks(IoLinks):
+    """IO links without workers: every queued job completes on the next poll, with the status
+    ``status(job)`` gives (0 by default)."""
+
+    def __init__(self, stats: StatsSegment, doorbell: Doorbell):
+        super().__init__(stats, doorbell)
+        self.status = lambda job: 0
+        self.taken: list = []
+
+    def dispatch(self, ns_raw: dict[int, bytes], spills: bool = True) -> None:
+        queues = [self.promote_q, self.spill_q] if spills else [self.promote_q]
+        for q in queues:
+            while q:
+                self.taken.append(q.popleft())
+
+    def spills_pending(self) -> int:
+        return len({id(j.op) for j in [*self.spill_q, *self.taken] if j.op.kind == P.SPILL})
+
+    def collect(self) -> list[Completion]:
+        taken, self.taken = self.taken, []
+        return [Completion(job, self.status(job), 100, 0) for job in taken]
+
+
+@pytest.fixture
+def files(tmp_path, monkeypatch):
+    root = tmp_path / "st"
+    root.mkdir(mode=0o700)
+    cfg = load_config({"HPKV_KV_STORAGE_PATH": str(root), "HPKV_KV_STORAGE_SIZE": "0"})
+    stats = StatsSegment.create(str(tmp_path))
+    bell = Doorbell.create(str(tmp_path), "server")
+    idx = Index(4 * SLOT, storage_enabled=True)
+    ns = Namespace(0, "m", FP, 1, SLOT)
+    idx.add_namespace(ns)
+    links = ScriptedLinks(stats, bell)
+    monkeypatch.setattr(upkeep_mod, "ENOSPC_BACKOFF_S", (0.05, 0.1))  # a pause this short
+    tier = FileTier(cfg, str(tmp_path), stats, idx, threading.RLock(), bell, "pool", links=links)
+    tier.start([], maintenance=False)
+    yield idx, ns, tier, links, stats.glob
+    tier.shutdown()
+    bell.close()
+    stats.close()
+
+
+def test_a_spill_completion_puts_the_block_in_the_catalog(files):
+    idx, ns, tier, links, g = files
+    (k,) = keys_of("k")
+    tier.spill(put(idx, ns, [k]))
+    assert tier.pending_spills() == 1 and idx.in_io(k)
+    tier.poll()
+    assert k in tier.catalog and not idx.in_io(k) and g[G.STORAGE_SPILLS] == 1
+    assert g[G.STORAGE_FILES] == 1 and g[G.STORAGE_BYTES] == kvfile.file_size(SLOT)
+
+
+def test_a_spill_of_a_dead_worker_is_retried_on_the_next_round(files):
+    idx, ns, tier, links, g = files
+    (k,) = keys_of("k")
+    links.status = lambda job: Status.WORKER_DIED
+    tier.spill(put(idx, ns, [k]))
+    tier.poll()
+    assert k not in tier.catalog and tier.pending_spills() == 1, "remembered for a retry"
+    links.status = lambda job: 0
+    tier.poll()  # the retry starts ...
+    tier.poll()  # ... and completes
+    assert k in tier.catalog and tier.pending_spills() == 0
+
+
+def test_a_spill_failing_with_an_io_error_gives_up_after_its_attempts(files):
+    idx, ns, tier, links, g = files
+    (k,) = keys_of("k")
+    links.status = lambda job: -errno.EIO
+    tier.spill(put(idx, ns, [k]))
+    for _ in range(5):
+        tier.upkeep.retry_soon()
+        tier.poll()
+    assert k not in tier.catalog and tier.pending_spills() == 0
+    assert g[G.STORAGE_IO_ERRORS] == 3, "three attempts (MAX_SPILL_ATTEMPTS), then it stays in DRAM only"
+
+
+def test_enospc_pauses_spilling_and_the_skipped_blocks_spill_on_resume(files):
+    idx, ns, tier, links, g = files
+    a, b, c = keys_of("a", "b", "c")
+    links.status = lambda job: -errno.ENOSPC if job.op.block.key == a else 0
+    tier.spill(put(idx, ns, [a]))
+    tier.poll()
+    assert tier.upkeep.paused and g[G.STORAGE_SPILL_PAUSED] == 1
+    tier.spill(put(idx, ns, [b, c]))
+    assert not links.taken and not links.spill_q, "paused: nothing is spilled, the blocks are remembered"
+    assert (idx.reserve(ns.ns_id, keys_of("x", "y", "z")) >= 0).all(), "evictable without files meanwhile"
+    assert a not in idx.blocks and b not in idx.blocks and idx.in_dram(ns, c)
+    links.status = lambda job: 0
+    time.sleep(0.06)
+    tier.upkeep.check_free_space()  # the maintenance thread's round: the back-off is over
+    assert not tier.upkeep.paused and g[G.STORAGE_SPILL_PAUSED] == 0
+    tier.poll()  # retries the spills of blocks still in DRAM ...
+    tier.poll()  # ... which complete
+    assert c in tier.catalog and a not in tier.catalog and b not in tier.catalog, "only c was still in DRAM"
+    assert tier.pending_spills() == 0 and g[G.STORAGE_SPILLS] == 1
+
+
+def test_capacity_eviction_takes_the_least_recent_and_skips_blocks_in_use(files):
+    idx, ns, tier, links, g = files
+    cat = tier.catalog
+    k = keys_of("0", "1", "2", "3", "found")
+    for key in k[:4]:
+        cat.add(ns, key)
+    cat.add(ns, k[4], recent=False)  # found by a scan: the cold end
+    cat.touch(k[0])
+    size = kvfile.file_size(SLOT)
+    victims = cat.take_victims(2 * size, in_use=lambda key: key == k[1])
+    assert [key for _, key in victims] == [k[4], k[2], k[3]], "scanned first, then LRU, the one in use kept"
+    assert cat.keys() == [k[1], k[0]] and cat.bytes == 2 * size
+    assert not cat.unknown(k[2]), "being deleted: a stat must not bring it back"
+    cat.deleted([key for _, key in victims])
+    assert cat.unknown(k[2])
+
+
+def test_the_upkeep_unlinks_files_over_capacity(files):
+    idx, ns, tier, links, g = files
+    k = keys_of("0", "1")
+    for key in k:
+        write_kv_file(tier.root, key)
+        tier.catalog.add(ns, key)
+    tier.upkeep.capacity = kvfile.file_size(SLOT)
+    tier.upkeep.evict_over_capacity()
+    assert not os.path.exists(kvfile.file_path(tier.root, FP, k[0], 0))
+    assert os.path.exists(kvfile.file_path(tier.root, FP, k[1], 0))
+    assert g[G.STORAGE_EVICTED_FILES] == 1 and g[G.STORAGE_FILES] == 1
+
+
+def write_kv_file(root: str, key: bytes) -> None:
+    path = kvfile.file_path(root, FP, key, 0)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    with open(path, "wb") as f:
+        f.truncate(kvfile.file_size(SLOT))
+
+
+def test_a_scan_merges_with_the_blocks_already_known(files):
+    idx, ns, tier, links, g = files
+    known, promoting, new = keys_of("known", "promoting", "new")
+    for key in (known, promoting, new):
+        write_kv_file(tier.root, key)
+    tier.catalog.add(ns, known)
+    tier.catalog.add(ns, promoting)
+    assert tier.promote(FakeClient(), 1, ns, [promoting], timeout=1.0) is None
+    tier.catalog.forget(promoting)  # (as a corrupt file would) but its promote still runs
+    tier.attach(ns)
+    deadline = time.monotonic() + 10
+    while not tier.scanner.done[0] and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert tier.scanner.done == {0: True} and tier.take_catalog_dirty()
+    assert new in tier.catalog and promoting not in tier.catalog
+    assert tier.catalog.keys() == [new, known], "found by the scan: colder than what was used here"
+
+
+def test_a_stat_finds_files_the_scan_has_not_reached_and_a_lookup_drops_deleted_ones(files, monkeypatch):
+    idx, ns, tier, links, g = files
+    a, b = keys_of("a", "b")
+    write_kv_file(tier.root, a)
+    write_kv_file(tier.root, b)
+    tiers = TierList([tier])
+    assert lookup(idx, tiers, ns, [a, b]) == (2, [Tier.STORAGE, Tier.STORAGE])
+    os.unlink(kvfile.file_path(tier.root, FP, a, 0))
+    monkeypatch.setattr(catalog_mod, "VERIFY_TTL_S", 0.0)  # every hit is checked again
+    assert lookup(idx, tiers, ns, [a, b]) == (0, [])
+    assert a not in tier.catalog and b in tier.catalog
