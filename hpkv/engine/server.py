@@ -28,7 +28,6 @@ import re
 import resource
 import signal
 import socket
-import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.common.security import open_nofollow, open_private_dir, peer_allowed, peer_credentials
 from hpkv.common.text import printable
 from hpkv.config import Config, ConfigError, check_runtime, format_size, free_bytes
+from hpkv.engine.devices import int_arg, validate_cuda, validate_device
 from hpkv.engine.index import Index, Namespace
 from hpkv.engine.storage.tier import StorageTier
 from hpkv.engine.workers import WorkerProcess
@@ -67,7 +67,6 @@ from hpkv.protocol.wire import Tier
 from hpkv.ring import Doorbell, Ring, RingError
 from hpkv.runtime.fence import SlotFence
 from hpkv.runtime.logs import setup_logging
-from hpkv.transfer_workers.cuda import validate_cuda
 
 log = logging.getLogger("hpkv.server")
 
@@ -82,8 +81,6 @@ FD_RESERVE = 256  # descriptors kept for the pool, rings, workers and files besi
 ACCEPT_BACKOFF_S = 0.5  # the listener's rest when accept() finds no descriptor left
 HOT_BATCH = 32  # hot calls taken from one client per round of the request loop (fairness)
 RETIRE_GRACE_S = 2.0  # a dead owner's pins: time for loads its peers were told to make
-MAX_REGIONS = 4096
-MAX_LAYERS = 4096
 _FINGERPRINT_RE = re.compile(rf"[0-9a-f]{{{2 * KEY_BYTES}}}")
 
 
@@ -95,85 +92,6 @@ class AlreadyServed(RuntimeError):
             f"the pool directory {directory} is already served by {who}; "
             f"stop it first (kill {pid or '<pid>'}) or use another HPKV_SHARE_MEM_FILE_PATH"
         )
-
-
-def _int_arg(msg: dict[str, Any], key: str, lo: int, hi: int, default: Any = ...) -> Any:
-    """``msg[key]`` as an int in ``lo..hi`` (a JSON bool is not an int); ValueError naming it."""
-    if key not in msg or msg[key] is None:
-        if default is ...:
-            raise ValueError(f"{key!r} is missing")
-        return default
-    v = msg[key]
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise ValueError(f"{key}={str(v)[:40]!r} must be an integer in {lo}..{hi}")
-    return v
-
-
-def _validate_region(i: int, r: Any, allowed_uids: set[int]) -> dict[str, Any]:
-    """Region ``i`` of a register_device call: an existing regular file of the client's, and a
-    size within the file's real size."""
-    if not isinstance(r, dict) or not isinstance(r.get("path"), str) or not os.path.isabs(r["path"]):
-        raise ValueError(f"region {i} must be an object with an absolute 'path'")
-    try:
-        st = os.stat(r["path"])
-    except OSError as exc:
-        raise ValueError(f"region {i} {r['path']}: {exc.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"region {i} {r['path']} is not a regular file")
-    if st.st_uid not in allowed_uids:
-        raise ValueError(f"region {i} {r['path']} belongs to uid {st.st_uid}, not to the client")
-    declared = r.get("size", st.st_size)
-    if not isinstance(declared, int) or isinstance(declared, bool) or not 0 < declared <= st.st_size:
-        raise ValueError(
-            f"region {i} {r['path']}: size {str(declared)[:40]} must be 1..{st.st_size} (the file's real size)"
-        )
-    return {"path": r["path"], "size": declared}
-
-
-def validate_device(msg: dict[str, Any], slot_bytes: int, allowed_uids: set[int]) -> dict[str, Any]:
-    """The device layout of a register_device call, checked against the real sizes of its
-    region files, so a transfer worker can never address memory outside them or write past a
-    pool slot. Returns the spec fields (regions with their real sizes); ValueError says what
-    is wrong."""
-    regions = msg.get("regions")
-    if not isinstance(regions, list) or not 1 <= len(regions) <= MAX_REGIONS:
-        raise ValueError(f"regions must be a list of 1..{MAX_REGIONS} {{path, size}} objects")
-    out_regions = [_validate_region(i, r, allowed_uids) for i, r in enumerate(regions)]
-    sizes = [r["size"] for r in out_regions]
-    stride = _int_arg(msg, "block_stride", 1, 1 << 40)
-    page = _int_arg(msg, "page_bytes", 1, stride)
-    num_blocks = _int_arg(msg, "num_blocks", 1, 1 << 31)
-    bases = msg.get("layer_bases")
-    if not isinstance(bases, list) or not 1 <= len(bases) <= MAX_LAYERS:
-        raise ValueError(f"layer_bases must be a list of 1..{MAX_LAYERS} [region, offset] pairs")
-    if len(bases) * page > slot_bytes:
-        raise ValueError(
-            f"{len(bases)} layers x {page} B pages = {len(bases) * page} B do not fit the "
-            f"namespace's {slot_bytes} B pool slot"
-        )
-    span = (num_blocks - 1) * stride + page
-    out_bases = []
-    for j, lb in enumerate(bases):
-        if not (
-            isinstance(lb, (list, tuple))
-            and len(lb) == 2
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in lb)
-        ):
-            raise ValueError(f"layer_bases[{j}] must be [region index, byte offset]")
-        r, off = lb
-        if not 0 <= r < len(sizes) or off < 0 or off + span > sizes[r]:
-            raise ValueError(
-                f"layer {j}: region {r} offset {off} + {num_blocks} blocks x {stride} B stride "
-                f"reaches past the region's {sizes[r] if 0 <= r < len(sizes) else '?'} bytes"
-            )
-        out_bases.append([r, off])
-    return {
-        "regions": out_regions,
-        "layer_bases": out_bases,
-        "block_stride": stride,
-        "page_bytes": page,
-        "num_blocks": num_blocks,
-    }
 
 
 def _kind_name(kind: int) -> str:
@@ -1272,7 +1190,7 @@ class Server:
 
     def _ctl_clear(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
         c = self._client_of(conn, msg)
-        ns_id = _int_arg(msg, "ns_id", 0, MAX_NS - 1)
+        ns_id = int_arg(msg, "ns_id", 0, MAX_NS - 1)
         with self.lock:
             n = self.index.clear_namespace(ns_id)
             self._publish_pool_gauges()  # `hpkv status` right after shows the pool as it is now
@@ -1378,10 +1296,10 @@ class Server:
                 f"namespace fingerprint {str(fp)[:80]!r} is not {2 * KEY_BYTES} lowercase "
                 f"hex digits; compute it with hpkv.protocol.keys.namespace_fingerprint"
             )
-        world = _int_arg(msg, "world_size", 1, 62)
-        shard = _int_arg(msg, "shard_bytes", 1, self.pool.size)
-        block_tokens = _int_arg(msg, "block_tokens", 0, 1 << 31, default=0)
-        rank = _int_arg(msg, "rank", 0, world - 1, default=None)
+        world = int_arg(msg, "world_size", 1, 62)
+        shard = int_arg(msg, "shard_bytes", 1, self.pool.size)
+        block_tokens = int_arg(msg, "block_tokens", 0, 1 << 31, default=0)
+        rank = int_arg(msg, "rank", 0, world - 1, default=None)
         name = printable(msg.get("name") or fp[:12], MAX_NAME)
         ns = self.namespaces_by_fp.get(fp)
         if ns is None:
@@ -1450,8 +1368,8 @@ class Server:
         raise ValueError(f"{MAX_NS} namespaces are attached by live clients (or busy); no id is free")
 
     def _register_device(self, c: Client, msg: dict[str, Any]) -> dict[str, Any]:
-        ns = self.index.ns(_int_arg(msg, "ns_id", 0, MAX_NS - 1))
-        rank = _int_arg(msg, "rank", 0, ns.world_size - 1, default=0)
+        ns = self.index.ns(int_arg(msg, "ns_id", 0, MAX_NS - 1))
+        rank = int_arg(msg, "rank", 0, ns.world_size - 1, default=0)
         if "cuda" in msg:  # a GPU's KV cache (CUDA IPC), or its host stand-in
             layout = validate_cuda(msg, ns.slot_bytes, {os.geteuid(), c.uid}, validate_device)
         else:
