@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable
 from typing import Any
+
+from hpkv.common.layout import pages_fit
 
 MAX_REGIONS = 4096
 MAX_LAYERS = 4096
+MAX_STRIDE = 1 << 40  # bytes from one block's page to the next block's, in a layer
+MAX_BLOCKS = 1 << 31
 JOB_TIMEOUT_S = 30.0  # a job whose event or copy has not completed by then fails (the engine recomputes)
 MAX_EVENTS = 1024
 _HEX = set("0123456789abcdef")
@@ -59,9 +62,9 @@ def validate_device(msg: dict[str, Any], slot_bytes: int, allowed_uids: set[int]
         raise ValueError(f"regions must be a list of 1..{MAX_REGIONS} {{path, size}} objects")
     out_regions = [validate_region(i, r, allowed_uids) for i, r in enumerate(regions)]
     sizes = [r["size"] for r in out_regions]
-    stride = int_arg(msg, "block_stride", 1, 1 << 40)
+    stride = int_arg(msg, "block_stride", 1, MAX_STRIDE)
     page = int_arg(msg, "page_bytes", 1, stride)
-    num_blocks = int_arg(msg, "num_blocks", 1, 1 << 31)
+    num_blocks = int_arg(msg, "num_blocks", 1, MAX_BLOCKS)
     bases = msg.get("layer_bases")
     if not isinstance(bases, list) or not 1 <= len(bases) <= MAX_LAYERS:
         raise ValueError(f"layer_bases must be a list of 1..{MAX_LAYERS} [region, offset] pairs")
@@ -70,7 +73,6 @@ def validate_device(msg: dict[str, Any], slot_bytes: int, allowed_uids: set[int]
             f"{len(bases)} layers x {page} B pages = {len(bases) * page} B do not fit the "
             f"namespace's {slot_bytes} B pool slot"
         )
-    span = (num_blocks - 1) * stride + page
     out_bases = []
     for j, lb in enumerate(bases):
         if not (
@@ -80,7 +82,7 @@ def validate_device(msg: dict[str, Any], slot_bytes: int, allowed_uids: set[int]
         ):
             raise ValueError(f"layer_bases[{j}] must be [region index, byte offset]")
         r, off = lb
-        if not 0 <= r < len(sizes) or off < 0 or off + span > sizes[r]:
+        if not 0 <= r < len(sizes) or not pages_fit(off, sizes[r], num_blocks, stride, page):
             raise ValueError(
                 f"layer {j}: region {r} offset {off} + {num_blocks} blocks x {stride} B stride "
                 f"reaches past the region's {sizes[r] if 0 <= r < len(sizes) else '?'} bytes"
@@ -108,12 +110,7 @@ def _nonneg(c: dict[str, Any], key: str, hi: int) -> int:
     return v
 
 
-def validate_cuda(
-    msg: dict[str, Any],
-    slot_bytes: int,
-    allowed_uids: set[int],
-    validate_device: Callable[[dict[str, Any], int, set[int]], dict[str, Any]],
-) -> dict[str, Any]:
+def validate_cuda(msg: dict[str, Any], slot_bytes: int, allowed_uids: set[int]) -> dict[str, Any]:
     """The spec of a CUDA ``register_device`` call; ValueError names the bad value."""
     c = msg.get("cuda")
     if not isinstance(c, dict) or c.get("driver") not in ("cuda", "host"):
@@ -157,9 +154,9 @@ def _timeout(c: dict[str, Any]) -> float:
 
 def _check_spans(msg: dict[str, Any], slot_bytes: int, alloc_bytes: int) -> dict[str, Any]:
     """Every layer's pages lie inside the engine's buffer and one block fits a pool slot."""
-    stride = _nonneg(msg, "block_stride", 1 << 40)
+    stride = _nonneg(msg, "block_stride", MAX_STRIDE)
     page = _nonneg(msg, "page_bytes", stride)
-    num_blocks = _nonneg(msg, "num_blocks", 1 << 31)
+    num_blocks = _nonneg(msg, "num_blocks", MAX_BLOCKS)
     bases = msg.get("layer_bases")
     if not page or not num_blocks or not isinstance(bases, list) or not 1 <= len(bases) <= MAX_LAYERS:
         raise ValueError(f"page_bytes, num_blocks and 1..{MAX_LAYERS} layer_bases [0, offset] are required")
@@ -167,12 +164,15 @@ def _check_spans(msg: dict[str, Any], slot_bytes: int, alloc_bytes: int) -> dict
         raise ValueError(
             f"{len(bases)} layers x {page} B pages do not fit the namespace's {slot_bytes} B slot"
         )
-    span = (num_blocks - 1) * stride + page
     out = []
     for j, lb in enumerate(bases):
         ok = isinstance(lb, (list, tuple)) and len(lb) == 2 and lb[0] == 0
         off = lb[1] if ok else None
-        if not isinstance(off, int) or isinstance(off, bool) or not 0 <= off <= alloc_bytes - span:
+        if (
+            not isinstance(off, int)
+            or isinstance(off, bool)
+            or not pages_fit(off, alloc_bytes, num_blocks, stride, page)
+        ):
             raise ValueError(
                 f"layer_bases[{j}] = {str(lb)[:40]}: {num_blocks} blocks x {stride} B from there do not "
                 f"fit the {alloc_bytes} B KV buffer"

@@ -1371,7 +1371,7 @@ class Server:
         ns = self.index.ns(int_arg(msg, "ns_id", 0, MAX_NS - 1))
         rank = int_arg(msg, "rank", 0, ns.world_size - 1, default=0)
         if "cuda" in msg:  # a GPU's KV cache (CUDA IPC), or its host stand-in
-            layout = validate_cuda(msg, ns.slot_bytes, {os.geteuid(), c.uid}, validate_device)
+            layout = validate_cuda(msg, ns.slot_bytes, allowed_uids={os.geteuid(), c.uid})
         else:
             layout = validate_device(msg, ns.slot_bytes, allowed_uids={os.geteuid(), c.uid})
         n_workers = self.cfg["HPKV_NUM_TRANSFER_WORKERS"]
