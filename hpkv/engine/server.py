@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import re
-import resource
 import signal
 import socket
 import threading
@@ -40,9 +39,10 @@ from hpkv.common.numa import device_cpus, format_cpulist
 from hpkv.common.pool import PoolFile
 from hpkv.common.proc import PID_MAX, pid_alive, pid_running, valid_pid
 from hpkv.common.ratelimit import RateLimitedLog
-from hpkv.common.security import open_nofollow, open_private_dir, peer_allowed, peer_credentials
+from hpkv.common.security import open_nofollow, open_private_dir
 from hpkv.common.text import printable
 from hpkv.config import Config, ConfigError, check_runtime, format_size, free_bytes
+from hpkv.engine.control import Conn, ControlTransport
 from hpkv.engine.devices import int_arg, validate_cuda, validate_device
 from hpkv.engine.index import Index, Namespace
 from hpkv.engine.storage.tier import StorageTier
@@ -71,14 +71,10 @@ from hpkv.runtime.logs import setup_logging
 log = logging.getLogger("hpkv.server")
 
 LOCK_RETRY_S = 0.5
-MAX_CONTROL_LINE = 1 << 20  # bytes of one control line (a register_device is a few KiB)
-MAX_CONTROL_BACKLOG = 4 << 20  # unread reply bytes before a client that never reads is dropped
 MAX_NAME = 96  # characters of a client-chosen name (printable: see hpkv.common.text)
 MAX_CATALOG_ENTRIES = 256  # clients and holds listed in the stats catalog (the rest counted)
 MAX_LOGGED_ERROR = 500  # characters of an error message that quotes client input
 MAX_PROMOTE_MS = 600_000  # a promote's deadline is clamped to 10 minutes
-FD_RESERVE = 256  # descriptors kept for the pool, rings, workers and files beside control connections
-ACCEPT_BACKOFF_S = 0.5  # the listener's rest when accept() finds no descriptor left
 HOT_BATCH = 32  # hot calls taken from one client per round of the request loop (fairness)
 RETIRE_GRACE_S = 2.0  # a dead owner's pins: time for loads its peers were told to make
 _FINGERPRINT_RE = re.compile(rf"[0-9a-f]{{{2 * KEY_BYTES}}}")
@@ -107,18 +103,14 @@ def _kind_name(kind: int) -> str:
 
 
 @dataclass
-class _Conn:
-    """One control connection: its peer, its partial input line and its unsent replies."""
+class _Conn(Conn):
+    """A control connection as the server sees it: the client it attached, or the hold it keeps."""
 
-    sock: socket.socket
-    pid: int
-    uid: int
-    inbuf: bytearray = field(default_factory=bytearray)
-    out: bytearray = field(default_factory=bytearray)
     client: Client | None = None
     hold: str = ""  # a `hold` call's name: no idle exit while this connection is open
-    events: int = 1  # selectors.EVENT_READ
-    closed: bool = False
+
+    def describe(self) -> str:
+        return f"client {self.client.cid if self.client else '-'} (pid {self.pid})"
 
 
 @dataclass
@@ -193,10 +185,6 @@ class Server:
         self._detached: dict[int, float] = {}  # namespace id -> when its last client left
         self._work_left = False  # a client had more than HOT_BATCH calls queued last round
         self._drain_added = 0  # spills queued during the stop drain (counted in its report)
-        self._n_conns = 0  # open control connections (the control thread's own count)
-        self._max_conns = cfg["HPKV_MAX_CONTROL_CONNECTIONS"]
-        self._spare_fd: int | None = None  # closed to accept and refuse when out of descriptors
-        self._accept_paused_until = 0.0
         # Engines' KV-cache files in the pool directory share its file system with the pool:
         # path -> bytes of those registered now; the most registered at once; and the files of
         # engines that detached while their process still ran (removed once it is gone).
@@ -346,9 +334,18 @@ class Server:
         self._share_with_group(sock_path)
         self.listener.listen(64)
         self.listener.setblocking(False)  # an accept() never waits, also a second one in a row
-        self._limit_control_connections()
+        self.control = ControlTransport(
+            self.listener,
+            max_conns=self.cfg["HPKV_MAX_CONTROL_CONNECTIONS"],
+            allow_group=self.cfg["HPKV_ALLOW_GROUP"],
+            new_conn=_Conn,
+            handle=self._control_line,
+            on_close=self._control_closed,
+        )
         self._publish_catalog()
-        threading.Thread(target=self._control_loop, name="control", daemon=True).start()
+        threading.Thread(
+            target=self.control.serve, args=(self.down, self._control_round), name="control", daemon=True
+        ).start()
         threading.Thread(target=self._supervisor_loop, name="supervisor", daemon=True).start()
         log.info(
             "hpkv server %d serving %s (pool %s, storage %s)%s",
@@ -472,12 +469,12 @@ class Server:
         while self._stop_waiters and time.monotonic() < deadline:
             time.sleep(0.01)
 
-    def _reply_to_stop_waiters(self, sel) -> None:
-        line = json.dumps({"ok": True, "stopped": True, **self.stop_outcome}).encode() + b"\n"
+    def _reply_to_stop_waiters(self) -> None:
+        reply = {"ok": True, "stopped": True, **self.stop_outcome}
         with self.lock:
             waiters, self._stop_waiters = self._stop_waiters, []
         for conn in waiters:
-            self._send(sel, conn, line)
+            self.control.send(conn, reply)
 
     def _reap_closed_clients(self) -> None:
         with self.lock:
@@ -814,244 +811,20 @@ class Server:
             self._release_later([], idx.take_pins(owner, ks), grace=RETIRE_GRACE_S)
 
     # ================================================================ control path
-    def _control_loop(self) -> None:
-        """Accept, read and answer control connections without ever blocking on one client:
-        replies are buffered per connection and sent as the socket takes them; a client whose
-        line or unread replies grow past their caps is dropped with a log line."""
-        import selectors
+    def _control_round(self) -> float:
+        """The control thread's own work each round: answer `hpkv stop` once the drain is done."""
+        if self.stop_outcome and self._stop_waiters:
+            self._reply_to_stop_waiters()
+        return 0.1 if self.stopping else 0.5
 
-        sel = selectors.DefaultSelector()
-        sel.register(self.listener, selectors.EVENT_READ, None)
-        while not self.down.is_set():
-            timeout = 0.1 if self.stopping else 0.5
-            if self._accept_paused_until:  # out of descriptors: the listener rests a while
-                timeout = min(timeout, max(self._accept_paused_until - time.monotonic(), 0.0))
-                if timeout == 0.0:
-                    self._accept_paused_until = 0.0
-                    sel.register(self.listener, selectors.EVENT_READ, None)
-            try:
-                events = sel.select(timeout=timeout)
-            except (OSError, ValueError):
-                return
-            if self.stop_outcome and self._stop_waiters:
-                self._reply_to_stop_waiters(sel)
-            for key, mask in events:
-                if key.fileobj is self.listener:
-                    self._accept(sel)
-                    continue
-                conn: _Conn = key.data
-                try:
-                    if mask & selectors.EVENT_WRITE:
-                        self._flush(sel, conn)
-                    if mask & selectors.EVENT_READ and not conn.closed:
-                        self._read(sel, conn)
-                except Exception as exc:  # noqa: BLE001 - one connection must not end the thread
-                    self._errors.log(
-                        logging.ERROR,
-                        "control-conn",
-                        "control connection of pid %d failed: %s",
-                        conn.pid,
-                        exc,
-                        exc_info=True,
-                    )
-                    self._close_conn(sel, conn, f"connection error: {exc}")
+    def _control_line(self, conn: _Conn, line: bytes) -> dict[str, Any] | None:
+        reply = self._control_call(conn, line)
+        if reply is not None and not reply.get("ok"):
+            with self.lock:  # counted like a failed hot call
+                self.stats.glob[G.ERRORS] += 1
+        return reply
 
-    def _limit_control_connections(self) -> None:
-        """HPKV_MAX_CONTROL_CONNECTIONS, lowered to what the open-file limit leaves beside the
-        server's other descriptors; the soft limit is raised toward the hard one if need be.
-        A descriptor is kept spare, so that even at the limit a client is told why it is refused."""
-        cap = self.cfg["HPKV_MAX_CONTROL_CONNECTIONS"]
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        need = cap + FD_RESERVE
-        if soft != resource.RLIM_INFINITY and soft < need:
-            new = need if hard == resource.RLIM_INFINITY else min(need, hard)
-            with contextlib.suppress(ValueError, OSError):
-                resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-                soft = new
-            if soft < need:
-                cap = max(1, soft - FD_RESERVE)
-                log.warning(
-                    "HPKV_MAX_CONTROL_CONNECTIONS=%d lowered to %d: the open-file limit is %d "
-                    "(ulimit -n) and the server keeps %d descriptors for its pool, rings and workers",
-                    self.cfg["HPKV_MAX_CONTROL_CONNECTIONS"],
-                    cap,
-                    soft,
-                    FD_RESERVE,
-                )
-        self._max_conns = cap
-        self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-
-    def _refuse(self, sock: socket.socket, status: int, error: str) -> None:
-        """Tell a just-accepted client why it is refused (one line, never blocking), then close."""
-        with contextlib.suppress(OSError):
-            sock.setblocking(False)
-            sock.send(json.dumps(refusal(status, error)).encode() + b"\n")
-        sock.close()
-
-    def _accept_without_fds(self, sel, exc: OSError) -> None:
-        """accept() failed for want of a descriptor: the listener would stay readable and the
-        control thread would spin. Refuse the waiting client with the spare descriptor; where
-        even that fails, leave the listener alone for ACCEPT_BACKOFF_S."""
-        self._errors.log(
-            logging.ERROR,
-            "accept-emfile",
-            "cannot accept a control connection: %s (%d open, open-file limit %d): refusing new "
-            "clients; raise the limit (ulimit -n) or lower HPKV_MAX_CONTROL_CONNECTIONS",
-            exc.strerror,
-            self._n_conns,
-            resource.getrlimit(resource.RLIMIT_NOFILE)[0],
-        )
-        refused = False
-        if self._spare_fd is not None:
-            os.close(self._spare_fd)
-            self._spare_fd = None
-            with contextlib.suppress(OSError):
-                sock, _ = self.listener.accept()
-                self._refuse(
-                    sock,
-                    TOO_MANY_CONNECTIONS,
-                    f"the hpkv server is out of file descriptors ({self._n_conns} control connections "
-                    "open); try again later",
-                )
-                refused = True
-            with contextlib.suppress(OSError):
-                self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-        if not refused or self._spare_fd is None:
-            with contextlib.suppress(KeyError, ValueError):
-                sel.unregister(self.listener)
-            self._accept_paused_until = time.monotonic() + ACCEPT_BACKOFF_S
-
-    def _accept(self, sel) -> None:
-        import selectors
-
-        try:
-            sock, _ = self.listener.accept()
-        except OSError as exc:
-            if exc.errno in (errno.EMFILE, errno.ENFILE):
-                self._accept_without_fds(sel, exc)
-            return
-        try:
-            pid, uid, gid = peer_credentials(sock)
-        except OSError:
-            pid, uid, gid = 0, -1, -1
-        if self._n_conns >= self._max_conns:
-            self._errors.log(
-                logging.WARNING,
-                "too-many-connections",
-                "refused a control connection from pid %d: %d are open (HPKV_MAX_CONTROL_CONNECTIONS=%d)",
-                pid,
-                self._n_conns,
-                self._max_conns,
-            )
-            self._refuse(
-                sock,
-                TOO_MANY_CONNECTIONS,
-                f"the hpkv server has {self._n_conns} control connections open, its limit "
-                f"(HPKV_MAX_CONTROL_CONNECTIONS={self._max_conns}); try again later or raise it",
-            )
-            return
-        if not peer_allowed(pid, uid, gid, self.cfg["HPKV_ALLOW_GROUP"]):
-            self._errors.log(
-                logging.WARNING,
-                "peer-refused",
-                "refused a connection from pid %d (uid %d, gid %d): only uid %d%s may connect",
-                pid,
-                uid,
-                gid,
-                os.geteuid(),
-                f" and group {self.cfg['HPKV_ALLOW_GROUP']} (HPKV_ALLOW_GROUP)"
-                if self.cfg["HPKV_ALLOW_GROUP"] is not None
-                else " (HPKV_ALLOW_GROUP names a group that may too)",
-            )
-            self._refuse(
-                sock, -errno.EACCES, f"uid {uid} may not use this hpkv server (see HPKV_ALLOW_GROUP)"
-            )
-            return
-        sock.setblocking(False)
-        conn = _Conn(sock, pid, uid)
-        sel.register(sock, selectors.EVENT_READ, conn)
-        self._n_conns += 1
-
-    def _read(self, sel, conn: _Conn) -> None:
-        try:
-            chunk = conn.sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            chunk = b""
-        if not chunk:
-            self._close_conn(sel, conn, "connection closed")
-            return
-        buf = conn.inbuf
-        start = 0
-        scan = len(buf)  # only the new bytes are searched: linear in what arrives
-        buf += chunk
-        while not conn.closed:
-            end = buf.find(b"\n", scan)
-            if end < 0:
-                break
-            line = bytes(buf[start:end])
-            start = scan = end + 1
-            reply = self._control_call(conn, line)
-            if reply is None:  # answered later: a `hpkv stop` waiting for the drain's outcome
-                continue
-            if not reply.get("ok"):
-                with self.lock:  # counted like a failed hot call
-                    self.stats.glob[G.ERRORS] += 1
-            self._send(sel, conn, json.dumps(reply).encode() + b"\n")
-        if conn.closed:
-            return
-        del buf[:start]
-        if len(buf) > MAX_CONTROL_LINE:
-            log.warning(
-                "client %s (pid %d) sent a control line longer than %d bytes: dropped",
-                conn.client.cid if conn.client else "-",
-                conn.pid,
-                MAX_CONTROL_LINE,
-            )
-            self._close_conn(sel, conn, "control line too long")
-
-    def _send(self, sel, conn: _Conn, data: bytes) -> None:
-        if conn.closed:
-            return
-        conn.out += data
-        if len(conn.out) > MAX_CONTROL_BACKLOG:
-            log.warning(
-                "client %s (pid %d) does not read its control replies (%d bytes unread): dropped",
-                conn.client.cid if conn.client else "-",
-                conn.pid,
-                len(conn.out),
-            )
-            self._close_conn(sel, conn, "does not read its replies")
-            return
-        self._flush(sel, conn)
-
-    def _flush(self, sel, conn: _Conn) -> None:
-        import selectors
-
-        if conn.closed:
-            return
-        while conn.out:
-            try:
-                n = conn.sock.send(conn.out)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as exc:
-                self._close_conn(sel, conn, f"send failed: {exc}")
-                return
-            del conn.out[:n]
-        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
-        if want != conn.events:
-            conn.events = want
-            sel.modify(conn.sock, want, conn)
-
-    def _close_conn(self, sel, conn: _Conn, reason: str) -> None:
-        if conn.closed:
-            return
-        conn.closed = True
-        self._n_conns -= 1
-        with contextlib.suppress(KeyError, ValueError, OSError):
-            sel.unregister(conn.sock)
+    def _control_closed(self, conn: _Conn, reason: str) -> None:
         if conn.hold:
             with self.lock:
                 self._holds.pop(id(conn), None)
@@ -1061,7 +834,6 @@ class Server:
         if conn.client is not None:
             with self.lock:
                 self._drop_client(conn.client, reason=reason)
-        conn.sock.close()
 
     def _control_call(self, conn: _Conn, line: bytes) -> dict[str, Any] | None:
         """One control call; its reply (``ok``, or ``status`` and ``error``), None when it is
