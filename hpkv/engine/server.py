@@ -24,7 +24,6 @@ import fcntl
 import json
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -38,7 +37,7 @@ from hpkv.common.proc import PID_MAX, pid_alive, pid_running, valid_pid
 from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.common.security import open_nofollow, open_private_dir
 from hpkv.common.text import printable
-from hpkv.config import Config, ConfigError, check_runtime, format_size
+from hpkv.config import Config, check_runtime, format_size
 from hpkv.engine.control import Conn, ControlTransport
 from hpkv.engine.devices import int_arg
 from hpkv.engine.index import Index, Namespace
@@ -52,7 +51,6 @@ from hpkv.protocol.errors import (
     ROW_POOL_FULL,
     TOO_MANY_CONNECTIONS,
     CallTooLarge,
-    ExitCode,
     HpkvError,
     NamespaceNotAttached,
     NotOwner,
@@ -64,7 +62,6 @@ from hpkv.protocol.stats import MAX_NS, G, NsCounter, StatsSegment
 from hpkv.protocol.wire import Tier
 from hpkv.ring import Doorbell, RingError
 from hpkv.runtime.fence import SlotFence
-from hpkv.runtime.logs import setup_logging
 
 log = logging.getLogger("hpkv.server")
 
@@ -1062,72 +1059,3 @@ class Server(Registry):
             ],
             "storage": self.storage.describe() if self.storage is not None else {"path": None},
         }
-
-
-class ReadyPipe:
-    """The auto-spawn's status pipe (``--ready-fd``): one line, ``ready PID``, ``served PID``
-    (another server holds the directory) or ``error REASON``; a no-op without a pipe."""
-
-    def __init__(self, fd: int | None):
-        self.fd = fd
-
-    def send(self, line: str) -> None:
-        if self.fd is None:
-            return
-        with contextlib.suppress(OSError):
-            os.write(self.fd, line.replace("\n", " ").encode() + b"\n")
-            os.close(self.fd)
-        self.fd = None
-
-
-def detach() -> None:
-    """Leave the caller's process tree: fork, the parent exits at once, the child goes on
-    in a process group of its own, re-parented to init. An engine that kills its descendants
-    at shutdown (vLLM does, with SIGKILL) then no longer reaches this server, nor does a
-    Ctrl-C in its terminal (SIGINT goes to the foreground process group). It stays in the
-    engine's session, its scheduling group where the kernel groups by session (autogroup):
-    see :func:`hpkv.client.spawn.spawn_server`."""
-    if os.fork() > 0:
-        os._exit(0)
-    with contextlib.suppress(OSError):
-        os.setpgid(0, 0)
-
-
-def serve(
-    cfg: Config, auto: bool = False, log_level: str | None = None, ready: ReadyPipe | None = None
-) -> int:
-    """``hpkv serve``: run the server in the foreground until told to stop."""
-    ready = ready or ReadyPipe(None)
-    setup_logging(cfg.pool_dir, log_level or cfg["HPKV_LOG_LEVEL"], max_bytes=cfg["HPKV_LOG_MAX_BYTES"])
-    server = Server(cfg, auto=auto)
-    try:
-        server.start()
-    except AlreadyServed as exc:
-        log.info("%s", exc)
-        ready.send(f"served {exc.pid or 0}")
-        return ExitCode.ALREADY_SERVED
-    except Exception as exc:  # noqa: BLE001 - every start-up failure is logged and reported
-        if isinstance(exc, (ConfigError, OSError)):
-            log.error("cannot start: %s", exc)
-        else:
-            log.exception("cannot start: %s", exc)
-        ready.send(f"error {exc}")
-        if server._lock_fd is not None:
-            server.shutdown()
-        return 1
-
-    def on_signal(signum, _frame):
-        log.info("received %s: stopping", signal.Signals(signum).name)
-        server.stop_event.set()
-        server.doorbell.ring()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    if auto:
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    ready.send(f"ready {os.getpid()}")
-    try:
-        server.serve_forever()
-    finally:
-        server.shutdown()
-    return 0
