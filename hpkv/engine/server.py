@@ -6,12 +6,14 @@ simply taken over). Threads:
 
 * the *request loop* (main thread) sleeps on the doorbell shared by every
   client's request ring and answers hot calls (lookup, reserve, commit, pin,
-  unpin) through the clients' mailboxes;
-* the *control thread* accepts Unix-socket connections and serves the rare
-  JSON calls (hello, namespace, register_device, clear, stats, shutdown); a
-  closed socket means the client is gone and its pins and reservations go too;
+  unpin) through the clients' mailboxes (this module);
+* the *control thread* accepts Unix-socket connections (:mod:`hpkv.engine.control`) and
+  serves the rare JSON calls (hello, namespace, register_device, clear, stats, shutdown:
+  :mod:`hpkv.engine.calls`, registering through :mod:`hpkv.engine.registry`); a closed
+  socket means the client is gone and its pins and reservations go too;
 * the *supervisor thread* restarts dead workers (their in-flight and queued jobs
-  complete as failures), publishes gauges, and stops an idle auto-spawned server.
+  complete as failures), publishes gauges, and stops an idle auto-spawned server
+  (:mod:`hpkv.engine.supervisor`).
 
 The index is touched under one lock; hot calls hold it for one request.
 """
