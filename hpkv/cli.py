@@ -82,7 +82,7 @@ def _load_config_or_exit():
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from hpkv.config import ConfigError, load_config
-    from hpkv.engine.server import ReadyPipe, detach, serve
+    from hpkv.engine.serve import ReadyPipe, detach, serve
 
     if args.detach:
         detach()

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from hpkv.engine import copy as copy_module
+from hpkv.transfer_workers import copy as copy_module
 from hpkv.transfer_workers.copy import BlockCopier, BlockIndexError, BlockLayout, set_nt_threshold
 
 

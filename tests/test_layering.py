@@ -27,8 +27,7 @@ ALLOWED = {
     "transfer_workers": COMMON | {"protocol", "runtime"},
     "io_workers": COMMON | {"protocol", "runtime"},
     # the server: it reads KV files (io_workers: the format) and hosts the exporter
-    "engine": COMMON
-    | {"protocol", "runtime", "io_workers", "hpkv.monitor.metrics", "hpkv.transfer_workers.cuda"},
+    "engine": COMMON | {"protocol", "runtime", "io_workers", "hpkv.monitor.metrics"},
     "top": None,  # cli, doctor, bench, testing: may import anything
 }
 WORKER_ROOMS = ("runtime", "transfer_workers", "io_workers")

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from hpkv.common.cuda import CudaError, CudaUnavailable, cuda_unavailable_reason
+from hpkv.common.layout import pages_fit
 from hpkv.common.native import ffi, lib
 
 __all__ = [
@@ -73,13 +74,12 @@ class DeviceLayout:
     num_blocks: int
 
     def __post_init__(self) -> None:
-        span = (self.num_blocks - 1) * self.block_stride + self.page_bytes
         if self.num_blocks <= 0 or self.page_bytes <= 0 or self.block_stride < self.page_bytes:
             raise ValueError(
                 f"bad device layout: {self.num_blocks} blocks, stride {self.block_stride}, page {self.page_bytes}"
             )
         for i, off in enumerate(self.layer_offsets):
-            if off < 0 or off + span > self.dev_bytes:
+            if not pages_fit(off, self.dev_bytes, self.num_blocks, self.block_stride, self.page_bytes):
                 raise ValueError(
                     f"layer {i}: offset {off} + {self.num_blocks} blocks x {self.block_stride} B reaches "
                     f"past the {self.dev_bytes} B KV allocation"

@@ -6,12 +6,14 @@ simply taken over). Threads:
 
 * the *request loop* (main thread) sleeps on the doorbell shared by every
   client's request ring and answers hot calls (lookup, reserve, commit, pin,
-  unpin) through the clients' mailboxes;
-* the *control thread* accepts Unix-socket connections and serves the rare
-  JSON calls (hello, namespace, register_device, clear, stats, shutdown); a
-  closed socket means the client is gone and its pins and reservations go too;
+  unpin) through the clients' mailboxes (this module);
+* the *control thread* accepts Unix-socket connections (:mod:`hpkv.engine.control`) and
+  serves the rare JSON calls (hello, namespace, register_device, clear, stats, shutdown:
+  :mod:`hpkv.engine.calls`, registering through :mod:`hpkv.engine.registry`); a closed
+  socket means the client is gone and its pins and reservations go too;
 * the *supervisor thread* restarts dead workers (their in-flight and queued jobs
-  complete as failures), publishes gauges, and stops an idle auto-spawned server.
+  complete as failures), publishes gauges, and stops an idle auto-spawned server
+  (:mod:`hpkv.engine.supervisor`).
 
 The index is touched under one lock; hot calls hold it for one request.
 """
@@ -19,32 +21,26 @@ The index is touched under one lock; hot calls hold it for one request.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
-import json
 import logging
 import os
-import re
-import resource
-import signal
 import socket
-import stat
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from hpkv.common import shm
-from hpkv.common.numa import device_cpus, format_cpulist
 from hpkv.common.pool import PoolFile
-from hpkv.common.proc import PID_MAX, pid_alive, pid_running, valid_pid
+from hpkv.common.proc import pid_running
 from hpkv.common.ratelimit import RateLimitedLog
-from hpkv.common.security import open_nofollow, open_private_dir, peer_allowed, peer_credentials
-from hpkv.common.text import printable
-from hpkv.config import Config, ConfigError, check_runtime, format_size, free_bytes, pool_room
+from hpkv.common.security import open_nofollow, open_private_dir
+from hpkv.config import Config, check_runtime, format_size
+from hpkv.engine.calls import ControlCalls, ServerConn
+from hpkv.engine.control import ControlTransport
 from hpkv.engine.index import Index, Namespace
+from hpkv.engine.registry import RETIRE_GRACE_S, Client
 from hpkv.engine.storage.tier import FileTier
 from hpkv.engine.tiers import TierList
 from hpkv.engine.workers import WorkerProcess
@@ -53,39 +49,22 @@ from hpkv.protocol import wire as P
 from hpkv.protocol.errors import (
     ROW_MISSING,
     ROW_POOL_FULL,
-    TOO_MANY_CONNECTIONS,
     CallTooLarge,
-    ExitCode,
-    HpkvError,
     NamespaceNotAttached,
     NotOwner,
     Status,
-    refusal,
 )
 from hpkv.protocol.keys import KEY_BYTES
-from hpkv.protocol.stats import MAX_NS, MAX_WORKERS, NS_COUNTERS, G, NsCounter, StatsSegment
+from hpkv.protocol.stats import G, NsCounter, StatsSegment
 from hpkv.protocol.wire import Tier
-from hpkv.ring import Doorbell, Ring, RingError
+from hpkv.ring import Doorbell, RingError
 from hpkv.runtime.fence import SlotFence
-from hpkv.runtime.logs import setup_logging
-from hpkv.transfer_workers.cuda import validate_cuda
 
 log = logging.getLogger("hpkv.server")
 
 LOCK_RETRY_S = 0.5
-MAX_CONTROL_LINE = 1 << 20  # bytes of one control line (a register_device is a few KiB)
-MAX_CONTROL_BACKLOG = 4 << 20  # unread reply bytes before a client that never reads is dropped
-MAX_NAME = 96  # characters of a client-chosen name (printable: see hpkv.common.text)
-MAX_CATALOG_ENTRIES = 256  # clients and holds listed in the stats catalog (the rest counted)
-MAX_LOGGED_ERROR = 500  # characters of an error message that quotes client input
 MAX_PROMOTE_MS = 600_000  # a promote's deadline is clamped to 10 minutes
-FD_RESERVE = 256  # descriptors kept for the pool, rings, workers and files beside control connections
-ACCEPT_BACKOFF_S = 0.5  # the listener's rest when accept() finds no descriptor left
 HOT_BATCH = 32  # hot calls taken from one client per round of the request loop (fairness)
-RETIRE_GRACE_S = 2.0  # a dead owner's pins: time for loads its peers were told to make
-MAX_REGIONS = 4096
-MAX_LAYERS = 4096
-_FINGERPRINT_RE = re.compile(rf"[0-9a-f]{{{2 * KEY_BYTES}}}")
 
 
 class AlreadyServed(RuntimeError):
@@ -96,85 +75,6 @@ class AlreadyServed(RuntimeError):
             f"the pool directory {directory} is already served by {who}; "
             f"stop it first (kill {pid or '<pid>'}) or use another HPKV_SHARE_MEM_FILE_PATH"
         )
-
-
-def _int_arg(msg: dict[str, Any], key: str, lo: int, hi: int, default: Any = ...) -> Any:
-    """``msg[key]`` as an int in ``lo..hi`` (a JSON bool is not an int); ValueError naming it."""
-    if key not in msg or msg[key] is None:
-        if default is ...:
-            raise ValueError(f"{key!r} is missing")
-        return default
-    v = msg[key]
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise ValueError(f"{key}={str(v)[:40]!r} must be an integer in {lo}..{hi}")
-    return v
-
-
-def _validate_region(i: int, r: Any, allowed_uids: set[int]) -> dict[str, Any]:
-    """Region ``i`` of a register_device call: an existing regular file of the client's, and a
-    size within the file's real size."""
-    if not isinstance(r, dict) or not isinstance(r.get("path"), str) or not os.path.isabs(r["path"]):
-        raise ValueError(f"region {i} must be an object with an absolute 'path'")
-    try:
-        st = os.stat(r["path"])
-    except OSError as exc:
-        raise ValueError(f"region {i} {r['path']}: {exc.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"region {i} {r['path']} is not a regular file")
-    if st.st_uid not in allowed_uids:
-        raise ValueError(f"region {i} {r['path']} belongs to uid {st.st_uid}, not to the client")
-    declared = r.get("size", st.st_size)
-    if not isinstance(declared, int) or isinstance(declared, bool) or not 0 < declared <= st.st_size:
-        raise ValueError(
-            f"region {i} {r['path']}: size {str(declared)[:40]} must be 1..{st.st_size} (the file's real size)"
-        )
-    return {"path": r["path"], "size": declared}
-
-
-def validate_device(msg: dict[str, Any], slot_bytes: int, allowed_uids: set[int]) -> dict[str, Any]:
-    """The device layout of a register_device call, checked against the real sizes of its
-    region files, so a transfer worker can never address memory outside them or write past a
-    pool slot. Returns the spec fields (regions with their real sizes); ValueError says what
-    is wrong."""
-    regions = msg.get("regions")
-    if not isinstance(regions, list) or not 1 <= len(regions) <= MAX_REGIONS:
-        raise ValueError(f"regions must be a list of 1..{MAX_REGIONS} {{path, size}} objects")
-    out_regions = [_validate_region(i, r, allowed_uids) for i, r in enumerate(regions)]
-    sizes = [r["size"] for r in out_regions]
-    stride = _int_arg(msg, "block_stride", 1, 1 << 40)
-    page = _int_arg(msg, "page_bytes", 1, stride)
-    num_blocks = _int_arg(msg, "num_blocks", 1, 1 << 31)
-    bases = msg.get("layer_bases")
-    if not isinstance(bases, list) or not 1 <= len(bases) <= MAX_LAYERS:
-        raise ValueError(f"layer_bases must be a list of 1..{MAX_LAYERS} [region, offset] pairs")
-    if len(bases) * page > slot_bytes:
-        raise ValueError(
-            f"{len(bases)} layers x {page} B pages = {len(bases) * page} B do not fit the "
-            f"namespace's {slot_bytes} B pool slot"
-        )
-    span = (num_blocks - 1) * stride + page
-    out_bases = []
-    for j, lb in enumerate(bases):
-        if not (
-            isinstance(lb, (list, tuple))
-            and len(lb) == 2
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in lb)
-        ):
-            raise ValueError(f"layer_bases[{j}] must be [region index, byte offset]")
-        r, off = lb
-        if not 0 <= r < len(sizes) or off < 0 or off + span > sizes[r]:
-            raise ValueError(
-                f"layer {j}: region {r} offset {off} + {num_blocks} blocks x {stride} B stride "
-                f"reaches past the region's {sizes[r] if 0 <= r < len(sizes) else '?'} bytes"
-            )
-        out_bases.append([r, off])
-    return {
-        "regions": out_regions,
-        "layer_bases": out_bases,
-        "block_stride": stride,
-        "page_bytes": page,
-        "num_blocks": num_blocks,
-    }
 
 
 def _kind_name(kind: int) -> str:
@@ -190,21 +90,6 @@ def _kind_name(kind: int) -> str:
 
 
 @dataclass
-class _Conn:
-    """One control connection: its peer, its partial input line and its unsent replies."""
-
-    sock: socket.socket
-    pid: int
-    uid: int
-    inbuf: bytearray = field(default_factory=bytearray)
-    out: bytearray = field(default_factory=bytearray)
-    client: Client | None = None
-    hold: str = ""  # a `hold` call's name: no idle exit while this connection is open
-    events: int = 1  # selectors.EVENT_READ
-    closed: bool = False
-
-
-@dataclass
 class _Release:
     """Detached pins, dropped once the marked copies have ended (reservations need no wait)."""
 
@@ -214,38 +99,7 @@ class _Release:
     not_before: float
 
 
-@dataclass
-class Device:
-    """One registered device of one client: its transfer workers and their rings."""
-
-    dev_id: int
-    client_id: int
-    ns_id: int
-    rank: int
-    spec: dict[str, Any]
-    workers: list[WorkerProcess] = field(default_factory=list)
-
-
-@dataclass
-class Client:
-    cid: int
-    pid: int
-    conn: socket.socket
-    req: Ring
-    resp: Ring
-    mbox_path: str
-    mbox: np.ndarray
-    name: str = ""
-    uid: int = -1
-    namespaces: set[int] = field(default_factory=set)
-    ranks: set[int] = field(default_factory=set)
-    writer_ranks: set[tuple[int, int]] = field(default_factory=set)  # (ns_id, rank) it writes
-    devices: list[Device] = field(default_factory=list)
-    alive: bool = True
-    busy: bool = False  # a hot call (promote) is parked until its IO completes: no other is taken
-
-
-class Server:
+class Server(ControlCalls):
     def __init__(self, cfg: Config, auto: bool = False):
         self.cfg = cfg
         self.dir = cfg.pool_dir
@@ -255,7 +109,7 @@ class Server:
         self.stop_event = threading.Event()  # a stop was requested: drain spills, then shut down
         self.down = threading.Event()  # shut down: the control and supervisor threads end
         self.stopping = False  # draining the spills (new clients are refused from stop_event on)
-        self._stop_waiters: list[_Conn] = []  # `hpkv stop` connections awaiting the outcome
+        self._stop_waiters: list[ServerConn] = []  # `hpkv stop` connections awaiting the outcome
         self.stop_outcome: dict[str, Any] = {}
         self.clients: dict[int, Client] = {}
         self.namespaces_by_fp: dict[str, Namespace] = {}
@@ -268,7 +122,7 @@ class Server:
         self._catalog_dirty = True
         self._last_client_seen = time.monotonic()
         # Open `hold` connections (engine processes that started the server early), by id.
-        self._holds: dict[int, _Conn] = {}
+        self._holds: dict[int, ServerConn] = {}
         self.tiers = TierList()  # below the pool, in priority order; empty when storage is off
         self._errors = RateLimitedLog(log)
         self._releases: list[_Release] = []
@@ -276,10 +130,6 @@ class Server:
         self._detached: dict[int, float] = {}  # namespace id -> when its last client left
         self._work_left = False  # a client had more than HOT_BATCH calls queued last round
         self._drain_added = 0  # spills queued during the stop drain (counted in its report)
-        self._n_conns = 0  # open control connections (the control thread's own count)
-        self._max_conns = cfg["HPKV_MAX_CONTROL_CONNECTIONS"]
-        self._spare_fd: int | None = None  # closed to accept and refuse when out of descriptors
-        self._accept_paused_until = 0.0
         # Engines' KV-cache files in the pool directory share its file system with the pool:
         # path -> bytes of those registered now; the most registered at once; and the files of
         # engines that detached while their process still ran (removed once it is gone).
@@ -423,9 +273,18 @@ class Server:
         self._share_with_group(sock_path)
         self.listener.listen(64)
         self.listener.setblocking(False)  # an accept() never waits, also a second one in a row
-        self._limit_control_connections()
+        self.control = ControlTransport(
+            self.listener,
+            max_conns=self.cfg["HPKV_MAX_CONTROL_CONNECTIONS"],
+            allow_group=self.cfg["HPKV_ALLOW_GROUP"],
+            new_conn=ServerConn,
+            handle=self._control_line,
+            on_close=self._control_closed,
+        )
         self._publish_catalog()
-        threading.Thread(target=self._control_loop, name="control", daemon=True).start()
+        threading.Thread(
+            target=self.control.serve, args=(self.down, self._control_round), name="control", daemon=True
+        ).start()
         threading.Thread(target=self._supervisor_loop, name="supervisor", daemon=True).start()
         log.info(
             "hpkv server %d serving %s (pool %s, storage %s)%s",
@@ -550,13 +409,6 @@ class Server:
         deadline = time.monotonic() + 2.0
         while self._stop_waiters and time.monotonic() < deadline:
             time.sleep(0.01)
-
-    def _reply_to_stop_waiters(self, sel) -> None:
-        line = json.dumps({"ok": True, "stopped": True, **self.stop_outcome}).encode() + b"\n"
-        with self.lock:
-            waiters, self._stop_waiters = self._stop_waiters, []
-        for conn in waiters:
-            self._send(sel, conn, line)
 
     def _reap_closed_clients(self) -> None:
         with self.lock:
@@ -887,892 +739,3 @@ class Server:
                 lease,
             )
             self._release_later([], idx.take_pins(owner, ks), grace=RETIRE_GRACE_S)
-
-    # ================================================================ control path
-    def _control_loop(self) -> None:
-        """Accept, read and answer control connections without ever blocking on one client:
-        replies are buffered per connection and sent as the socket takes them; a client whose
-        line or unread replies grow past their caps is dropped with a log line."""
-        import selectors
-
-        sel = selectors.DefaultSelector()
-        sel.register(self.listener, selectors.EVENT_READ, None)
-        while not self.down.is_set():
-            timeout = 0.1 if self.stopping else 0.5
-            if self._accept_paused_until:  # out of descriptors: the listener rests a while
-                timeout = min(timeout, max(self._accept_paused_until - time.monotonic(), 0.0))
-                if timeout == 0.0:
-                    self._accept_paused_until = 0.0
-                    sel.register(self.listener, selectors.EVENT_READ, None)
-            try:
-                events = sel.select(timeout=timeout)
-            except (OSError, ValueError):
-                return
-            if self.stop_outcome and self._stop_waiters:
-                self._reply_to_stop_waiters(sel)
-            for key, mask in events:
-                if key.fileobj is self.listener:
-                    self._accept(sel)
-                    continue
-                conn: _Conn = key.data
-                try:
-                    if mask & selectors.EVENT_WRITE:
-                        self._flush(sel, conn)
-                    if mask & selectors.EVENT_READ and not conn.closed:
-                        self._read(sel, conn)
-                except Exception as exc:  # noqa: BLE001 - one connection must not end the thread
-                    self._errors.log(
-                        logging.ERROR,
-                        "control-conn",
-                        "control connection of pid %d failed: %s",
-                        conn.pid,
-                        exc,
-                        exc_info=True,
-                    )
-                    self._close_conn(sel, conn, f"connection error: {exc}")
-
-    def _limit_control_connections(self) -> None:
-        """HPKV_MAX_CONTROL_CONNECTIONS, lowered to what the open-file limit leaves beside the
-        server's other descriptors; the soft limit is raised toward the hard one if need be.
-        A descriptor is kept spare, so that even at the limit a client is told why it is refused."""
-        cap = self.cfg["HPKV_MAX_CONTROL_CONNECTIONS"]
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        need = cap + FD_RESERVE
-        if soft != resource.RLIM_INFINITY and soft < need:
-            new = need if hard == resource.RLIM_INFINITY else min(need, hard)
-            with contextlib.suppress(ValueError, OSError):
-                resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-                soft = new
-            if soft < need:
-                cap = max(1, soft - FD_RESERVE)
-                log.warning(
-                    "HPKV_MAX_CONTROL_CONNECTIONS=%d lowered to %d: the open-file limit is %d "
-                    "(ulimit -n) and the server keeps %d descriptors for its pool, rings and workers",
-                    self.cfg["HPKV_MAX_CONTROL_CONNECTIONS"],
-                    cap,
-                    soft,
-                    FD_RESERVE,
-                )
-        self._max_conns = cap
-        self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-
-    def _refuse(self, sock: socket.socket, status: int, error: str) -> None:
-        """Tell a just-accepted client why it is refused (one line, never blocking), then close."""
-        with contextlib.suppress(OSError):
-            sock.setblocking(False)
-            sock.send(json.dumps(refusal(status, error)).encode() + b"\n")
-        sock.close()
-
-    def _accept_without_fds(self, sel, exc: OSError) -> None:
-        """accept() failed for want of a descriptor: the listener would stay readable and the
-        control thread would spin. Refuse the waiting client with the spare descriptor; where
-        even that fails, leave the listener alone for ACCEPT_BACKOFF_S."""
-        self._errors.log(
-            logging.ERROR,
-            "accept-emfile",
-            "cannot accept a control connection: %s (%d open, open-file limit %d): refusing new "
-            "clients; raise the limit (ulimit -n) or lower HPKV_MAX_CONTROL_CONNECTIONS",
-            exc.strerror,
-            self._n_conns,
-            resource.getrlimit(resource.RLIMIT_NOFILE)[0],
-        )
-        refused = False
-        if self._spare_fd is not None:
-            os.close(self._spare_fd)
-            self._spare_fd = None
-            with contextlib.suppress(OSError):
-                sock, _ = self.listener.accept()
-                self._refuse(
-                    sock,
-                    TOO_MANY_CONNECTIONS,
-                    f"the hpkv server is out of file descriptors ({self._n_conns} control connections "
-                    "open); try again later",
-                )
-                refused = True
-            with contextlib.suppress(OSError):
-                self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-        if not refused or self._spare_fd is None:
-            with contextlib.suppress(KeyError, ValueError):
-                sel.unregister(self.listener)
-            self._accept_paused_until = time.monotonic() + ACCEPT_BACKOFF_S
-
-    def _accept(self, sel) -> None:
-        import selectors
-
-        try:
-            sock, _ = self.listener.accept()
-        except OSError as exc:
-            if exc.errno in (errno.EMFILE, errno.ENFILE):
-                self._accept_without_fds(sel, exc)
-            return
-        try:
-            pid, uid, gid = peer_credentials(sock)
-        except OSError:
-            pid, uid, gid = 0, -1, -1
-        if self._n_conns >= self._max_conns:
-            self._errors.log(
-                logging.WARNING,
-                "too-many-connections",
-                "refused a control connection from pid %d: %d are open (HPKV_MAX_CONTROL_CONNECTIONS=%d)",
-                pid,
-                self._n_conns,
-                self._max_conns,
-            )
-            self._refuse(
-                sock,
-                TOO_MANY_CONNECTIONS,
-                f"the hpkv server has {self._n_conns} control connections open, its limit "
-                f"(HPKV_MAX_CONTROL_CONNECTIONS={self._max_conns}); try again later or raise it",
-            )
-            return
-        if not peer_allowed(pid, uid, gid, self.cfg["HPKV_ALLOW_GROUP"]):
-            self._errors.log(
-                logging.WARNING,
-                "peer-refused",
-                "refused a connection from pid %d (uid %d, gid %d): only uid %d%s may connect",
-                pid,
-                uid,
-                gid,
-                os.geteuid(),
-                f" and group {self.cfg['HPKV_ALLOW_GROUP']} (HPKV_ALLOW_GROUP)"
-                if self.cfg["HPKV_ALLOW_GROUP"] is not None
-                else " (HPKV_ALLOW_GROUP names a group that may too)",
-            )
-            self._refuse(
-                sock, -errno.EACCES, f"uid {uid} may not use this hpkv server (see HPKV_ALLOW_GROUP)"
-            )
-            return
-        sock.setblocking(False)
-        conn = _Conn(sock, pid, uid)
-        sel.register(sock, selectors.EVENT_READ, conn)
-        self._n_conns += 1
-
-    def _read(self, sel, conn: _Conn) -> None:
-        try:
-            chunk = conn.sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            chunk = b""
-        if not chunk:
-            self._close_conn(sel, conn, "connection closed")
-            return
-        buf = conn.inbuf
-        start = 0
-        scan = len(buf)  # only the new bytes are searched: linear in what arrives
-        buf += chunk
-        while not conn.closed:
-            end = buf.find(b"\n", scan)
-            if end < 0:
-                break
-            line = bytes(buf[start:end])
-            start = scan = end + 1
-            reply = self._control_call(conn, line)
-            if reply is None:  # answered later: a `hpkv stop` waiting for the drain's outcome
-                continue
-            if not reply.get("ok"):
-                with self.lock:  # counted like a failed hot call
-                    self.stats.glob[G.ERRORS] += 1
-            self._send(sel, conn, json.dumps(reply).encode() + b"\n")
-        if conn.closed:
-            return
-        del buf[:start]
-        if len(buf) > MAX_CONTROL_LINE:
-            log.warning(
-                "client %s (pid %d) sent a control line longer than %d bytes: dropped",
-                conn.client.cid if conn.client else "-",
-                conn.pid,
-                MAX_CONTROL_LINE,
-            )
-            self._close_conn(sel, conn, "control line too long")
-
-    def _send(self, sel, conn: _Conn, data: bytes) -> None:
-        if conn.closed:
-            return
-        conn.out += data
-        if len(conn.out) > MAX_CONTROL_BACKLOG:
-            log.warning(
-                "client %s (pid %d) does not read its control replies (%d bytes unread): dropped",
-                conn.client.cid if conn.client else "-",
-                conn.pid,
-                len(conn.out),
-            )
-            self._close_conn(sel, conn, "does not read its replies")
-            return
-        self._flush(sel, conn)
-
-    def _flush(self, sel, conn: _Conn) -> None:
-        import selectors
-
-        if conn.closed:
-            return
-        while conn.out:
-            try:
-                n = conn.sock.send(conn.out)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as exc:
-                self._close_conn(sel, conn, f"send failed: {exc}")
-                return
-            del conn.out[:n]
-        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
-        if want != conn.events:
-            conn.events = want
-            sel.modify(conn.sock, want, conn)
-
-    def _close_conn(self, sel, conn: _Conn, reason: str) -> None:
-        if conn.closed:
-            return
-        conn.closed = True
-        self._n_conns -= 1
-        with contextlib.suppress(KeyError, ValueError, OSError):
-            sel.unregister(conn.sock)
-        if conn.hold:
-            with self.lock:
-                self._holds.pop(id(conn), None)
-                self._last_client_seen = time.monotonic()
-                self._catalog_dirty = True
-            log.info("pid %d (%s) released its hold: %s", conn.pid, conn.hold, reason)
-        if conn.client is not None:
-            with self.lock:
-                self._drop_client(conn.client, reason=reason)
-        conn.sock.close()
-
-    def _control_call(self, conn: _Conn, line: bytes) -> dict[str, Any] | None:
-        """One control call; its reply (``ok``, or ``status`` and ``error``), None when it is
-        answered later. Never raises: a bad call is refused and the control thread goes on."""
-        try:
-            msg = json.loads(line)
-            if not isinstance(msg, dict):
-                raise ValueError("a control call is a JSON object")
-            op = msg.get("op")
-            handler = self._control_handlers.get(op) if isinstance(op, str) else None
-            if handler is None:
-                raise ValueError(f"unknown op {msg.get('op')!r}")
-            reply = handler(conn, msg)
-            # What the call changed (a namespace, a client) is in the catalog before the
-            # caller hears back: `hpkv status` right after it must see it.
-            self._publish_catalog_if_dirty()
-            return reply
-        except HpkvError as exc:
-            return refusal(exc.status, str(exc))
-        except (ValueError, KeyError, TypeError, RecursionError, MemoryError) as exc:
-            self._errors.log(
-                logging.WARNING,
-                "bad-control",
-                "bad control call from pid %d %r: %s",
-                conn.pid,
-                line[:200],
-                printable(exc, MAX_LOGGED_ERROR),
-            )
-            return refusal(Status.BAD_REQUEST, f"bad request: {exc}")
-        except Exception as exc:  # noqa: BLE001 - a bad call must not kill the control thread
-            self._errors.log(logging.ERROR, "control-internal", "control call failed", exc_info=True)
-            return refusal(Status.INTERNAL, f"{type(exc).__name__}: {exc}")
-
-    def _refuse_if_stopping(self) -> None:
-        # From the moment a stop is requested: a client attached now would be dropped at once.
-        if self.stop_event.is_set():
-            raise HpkvError(
-                "the hpkv server is stopping (writing pending spills); connect again once it has exited",
-                -errno.ESHUTDOWN,
-            )
-
-    def _ctl_hold(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
-        """An engine that started the server early keeps it from its idle exit while it starts
-        up (loading and compiling can outlast HPKV_SERVER_IDLE_EXIT), until it closes this
-        connection or exits."""
-        if conn.hold or conn.client is not None:
-            raise ValueError("this connection holds the server or is a client already")
-        with self.lock:
-            self._refuse_if_stopping()
-            conn.hold = printable(msg.get("name", ""), MAX_NAME) or "hold"
-            self._holds[id(conn)] = conn
-            self._catalog_dirty = True
-        log.info("pid %d (%s) holds the server: no idle exit while it runs", conn.pid, conn.hold)
-        return {"ok": True, "server_pid": os.getpid()}
-
-    def _ctl_hello(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
-        self._refuse_if_stopping()
-        if conn.client is not None:
-            raise ValueError(
-                f"this connection is client {conn.client.cid} already; "
-                "open a new connection for another client"
-            )
-        pid = msg.get("pid", conn.pid)
-        if not valid_pid(pid):
-            raise ValueError(f"pid {pid!r} is not a process id (1..{PID_MAX})")
-        try:
-            c = self._add_client(conn.sock, pid, printable(msg.get("name", ""), MAX_NAME), conn.uid)
-        except OSError as exc:
-            if exc.errno not in (errno.EMFILE, errno.ENFILE):
-                raise
-            self._errors.log(logging.ERROR, "hello-emfile", "cannot attach pid %d: %s", pid, exc)
-            raise HpkvError(
-                f"the hpkv server is out of file descriptors ({exc.strerror}); try again later",
-                TOO_MANY_CONNECTIONS,
-            ) from None
-        conn.client = c
-        return {
-            "ok": True,
-            "client_id": c.cid,
-            "req": c.req.name,
-            "resp": c.resp.name,
-            "mailbox": c.mbox_path,
-            "pool": self.pool.path,
-            "pool_size": self.pool.size,
-            "server_pid": os.getpid(),
-            "storage": self.cfg.storage_path,
-        }
-
-    def _ctl_stats(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
-        self._publish_catalog_if_dirty()
-        return {"ok": True, "stats": self.stats.snapshot()}
-
-    def _ctl_shutdown(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
-        if conn.uid != os.geteuid():  # a member of HPKV_ALLOW_GROUP uses the server, it does not run it
-            log.warning(
-                "refused a stop from pid %d (uid %d): only uid %d may stop this server",
-                conn.pid,
-                conn.uid,
-                os.geteuid(),
-            )
-            return refusal(-errno.EACCES, f"only uid {os.geteuid()}, who runs this hpkv server, may stop it")
-        log.info("shutdown requested by pid %s", printable(msg.get("pid"), 40))
-        if msg.get("wait"):
-            with self.lock:
-                if self.stop_outcome:  # already drained: answer now
-                    return {"ok": True, "stopped": True, **self.stop_outcome}
-                self._stop_waiters.append(conn)
-        self.stop_event.set()
-        self.doorbell.ring()
-        return None if msg.get("wait") else {"ok": True}
-
-    def _client_of(self, conn: _Conn, msg: dict[str, Any]) -> Client:
-        if conn.client is None:
-            raise HpkvError(f"call 'hello' before {msg.get('op')!r}")
-        return conn.client
-
-    def _ctl_namespace(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
-        c = self._client_of(conn, msg)
-        with self.lock:
-            return self._attach_namespace(c, msg)
-
-    def _ctl_register_device(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
-        c = self._client_of(conn, msg)
-        with self.lock:
-            return self._register_device(c, msg)
-
-    def _ctl_clear(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
-        c = self._client_of(conn, msg)
-        ns_id = _int_arg(msg, "ns_id", 0, MAX_NS - 1)
-        with self.lock:
-            n = self.index.clear_namespace(ns_id)
-            self._publish_pool_gauges()  # `hpkv status` right after shows the pool as it is now
-        log.info("client %d cleared namespace %s from the DRAM tier: %d blocks", c.cid, ns_id, n)
-        return {"ok": True, "dropped": n}
-
-    def _add_client(self, conn: socket.socket, pid: int, name: str, uid: int = -1) -> Client:
-        with self.lock:
-            cid = self._next_cid
-            self._next_cid += 1
-        mbox_path = os.path.join(self.dir, f"c{cid}.mbox")
-        made: list[Ring] = []
-        try:  # out of descriptors, memory or space: nothing half made is left behind
-            made.append(
-                Ring.create(
-                    self.dir, f"c{cid}.req", capacity=P.RING_CAPACITY, role="consumer", doorbell=self.doorbell
-                )
-            )
-            made.append(Ring.create(self.dir, f"c{cid}.resp", capacity=P.RING_CAPACITY, role="producer"))
-            mbox = np.frombuffer(shm.create(mbox_path, P.MAILBOX_BYTES), dtype=np.uint8)
-        except BaseException as exc:
-            for ring in made:
-                with contextlib.suppress(Exception):
-                    ring.close()
-            for leftover in (f"c{cid}.req.ring", f"c{cid}.resp.ring", f"c{cid}.mbox"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.dir, leftover))
-            if not isinstance(exc, OSError) or exc.errno in (errno.EMFILE, errno.ENFILE):
-                raise  # out of descriptors: the hello refuses it as such
-            # A full pool file system (the rings and the mailbox are files beside the pool)
-            # refuses this client with the reason; the server and its other clients go on.
-            free = free_bytes(self.dir)
-            self._errors.log(
-                logging.ERROR,
-                "client-files",
-                "cannot attach pid %d: its rings and mailbox in %s: %s (%d bytes free there)",
-                pid,
-                self.dir,
-                exc.strerror,
-                free,
-            )
-            raise HpkvError(
-                f"the hpkv server cannot make this client's rings and mailbox in {self.dir}: "
-                f"{exc.strerror} ({free} bytes free there); free space in that file system",
-                -(exc.errno or errno.EIO),
-            ) from None
-        req, resp = made
-        c = Client(cid, pid, conn, req, resp, mbox_path, mbox, name=name, uid=uid)
-        if uid != os.geteuid():  # a member of HPKV_ALLOW_GROUP: it maps these files too
-            for path in (req.path, resp.path, mbox_path, self.pool.path, self.doorbell.path, self.stats.path):
-                self._share_with_group(path)
-        with self.lock:
-            self.clients[cid] = c
-            self._last_client_seen = time.monotonic()
-            self.stats.glob[G.CLIENTS] = len(self.clients)
-            self._catalog_dirty = True
-        log.info("client %d attached (pid %d%s)", cid, pid, f", {name}" if name else "")
-        self.doorbell.ring()  # make the request loop pick up the new ring
-        return c
-
-    def _drop_client(self, c: Client, reason: str) -> None:
-        if not c.alive:
-            return
-        c.alive = False
-        # Its devices' workers stop first: then no copy of theirs is running. Its reservations are
-        # freed at once (a late save for them is refused by the slot fence); its pins wait for
-        # the loads other clients' workers may still make.
-        for dev in c.devices:
-            for w in dev.workers:
-                w.stop()
-                self.workers.remove(w)
-            self._release_kv_files(dev)
-        pins = self.index.take_pins(c.cid)
-        retired = self.index.retire(self.index.owned_reservations(c.cid))
-        self.tiers.client_gone(c)
-        self._release_later(retired, pins, grace=RETIRE_GRACE_S)
-        # The request loop may be waiting on the doorbell that watches c.req: it
-        # closes the rings itself (_reap_closed_clients), never another thread.
-        self._closing.append(c)
-        self.doorbell.ring()
-        self.clients.pop(c.cid, None)
-        for ns_id in c.namespaces:
-            if not any(ns_id in o.namespaces for o in self.clients.values()):
-                self._detached[ns_id] = time.monotonic()  # reclaimable when an id is needed
-        self._last_client_seen = time.monotonic()
-        self.stats.glob[G.CLIENTS] = len(self.clients)
-        self._catalog_dirty = True
-        log.info(
-            "client %d (pid %d) detached: %s; released %d pins, %d reservations",
-            c.cid,
-            c.pid,
-            reason,
-            len(pins),
-            len(retired),
-        )
-
-    def _attach_namespace(self, c: Client, msg: dict[str, Any]) -> dict[str, Any]:
-        # Everything is checked before anything is registered: a refused call leaves no trace.
-        fp = msg["fingerprint"]
-        if not isinstance(fp, str) or not _FINGERPRINT_RE.fullmatch(fp):
-            raise ValueError(
-                f"namespace fingerprint {str(fp)[:80]!r} is not {2 * KEY_BYTES} lowercase "
-                f"hex digits; compute it with hpkv.protocol.keys.namespace_fingerprint"
-            )
-        world = _int_arg(msg, "world_size", 1, 62)
-        shard = _int_arg(msg, "shard_bytes", 1, self.pool.size)
-        block_tokens = _int_arg(msg, "block_tokens", 0, 1 << 31, default=0)
-        rank = _int_arg(msg, "rank", 0, world - 1, default=None)
-        name = printable(msg.get("name") or fp[:12], MAX_NAME)
-        ns = self.namespaces_by_fp.get(fp)
-        if ns is None:
-            ns_id = self._free_ns_id()
-            self.stats.ns[ns_id, :] = 0
-            ns = Namespace(
-                ns_id,
-                name,
-                fp,
-                world,
-                shard,
-                block_tokens=block_tokens,
-                counters=self.stats.ns[ns_id, :NS_COUNTERS],
-            )
-            self.tiers.attach(ns)
-            self.index.add_namespace(ns)
-            self.namespaces_by_fp[fp] = ns
-            log.info(
-                "namespace %d %s: %s, %d rank(s), %s per shard",
-                ns_id,
-                fp[:12],
-                ns.name,
-                world,
-                format_size(shard),
-            )
-        elif (ns.world_size, ns.shard_bytes) != (world, shard):
-            raise ValueError(
-                f"namespace {fp} is attached with world_size {ns.world_size} and "
-                f"shard_bytes {ns.shard_bytes}, not {world} and {shard}"
-            )
-        self._detached.pop(ns.ns_id, None)
-        c.namespaces.add(ns.ns_id)
-        if rank is not None:
-            c.ranks.add(rank)
-            c.writer_ranks.add((ns.ns_id, rank))
-        self._catalog_dirty = True
-        return {"ok": True, "ns_id": ns.ns_id, "slot_bytes": ns.slot_bytes, "slot_unit": P.SLOT_UNIT}
-
-    def _free_ns_id(self) -> int:
-        """The lowest unused namespace id; when all are taken, the one detached longest ago
-        (no client attached) is released: its DRAM blocks are dropped, its files stay."""
-        used = set(self.index.namespaces)
-        for i in range(MAX_NS):
-            if i not in used:
-                return i
-        for ns_id, since in sorted(self._detached.items(), key=lambda kv: kv[1]):
-            ns = self.index.namespaces.get(ns_id)
-            if ns is None or any(ns_id in o.namespaces for o in self.clients.values()):
-                self._detached.pop(ns_id, None)
-                continue
-            if not self.index.drop_namespace(ns):
-                continue  # pinned, reserved or in IO: not now
-            self.tiers.detach(ns)
-            del self.namespaces_by_fp[ns.fingerprint]
-            self._detached.pop(ns_id, None)
-            log.info(
-                "namespace %d %s (%s) released: no client attached for %.0fs and its id is needed",
-                ns_id,
-                ns.fingerprint[:12],
-                ns.name,
-                time.monotonic() - since,
-            )
-            return ns_id
-        raise ValueError(f"{MAX_NS} namespaces are attached by live clients (or busy); no id is free")
-
-    def _register_device(self, c: Client, msg: dict[str, Any]) -> dict[str, Any]:
-        ns = self.index.ns(_int_arg(msg, "ns_id", 0, MAX_NS - 1))
-        rank = _int_arg(msg, "rank", 0, ns.world_size - 1, default=0)
-        if "cuda" in msg:  # a GPU's KV cache (CUDA IPC), or its host stand-in
-            layout = validate_cuda(msg, ns.slot_bytes, {os.geteuid(), c.uid}, validate_device)
-        else:
-            layout = validate_device(msg, ns.slot_bytes, allowed_uids={os.geteuid(), c.uid})
-        n_workers = self.cfg["HPKV_NUM_TRANSFER_WORKERS"]
-        device = printable(msg.get("device", "cpu"), MAX_NAME)
-        numa = msg.get("numa_node")
-        numa = numa if isinstance(numa, int) and not isinstance(numa, bool) and -1 <= numa < 4096 else None
-        if MAX_WORKERS - len(self.workers) < n_workers:
-            raise ValueError(f"no room for {n_workers} more workers (at most {MAX_WORKERS})")
-        dev_id = self._next_dev
-        self._next_dev += 1
-        node, cpus = device_cpus(device, numa)
-        spec = dict(layout)
-        spec.update(
-            pool=self.pool.path,
-            fence=self.fence.path,
-            slot_bytes=ns.slot_bytes,
-            numa_node=node,
-            cpus=cpus,
-            stats_dir=self.dir,
-            log_level=self.cfg["HPKV_LOG_LEVEL"],
-        )
-        dev = Device(dev_id, c.cid, ns.ns_id, rank, spec)
-        answer = []
-        for j in range(n_workers):
-            slot = self._free_worker_slot()
-            base = f"c{c.cid}.d{dev_id}.w{j}"
-            w = WorkerProcess.start_transfer(
-                self.dir, base, slot, spec, device=device, stats=self.stats, fence=self.fence
-            )
-            if c.uid != os.geteuid():
-                for name in (w.req_name, w.resp_name):
-                    self._share_with_group(os.path.join(self.dir, name + ".ring"))
-                self._share_with_group(w.jobs_path)
-            dev.workers.append(w)
-            self.workers.append(w)
-            answer.append({"req": w.req_name, "resp": w.resp_name, "jobs": w.jobs_path})
-        c.devices.append(dev)
-        c.writer_ranks.add((ns.ns_id, rank))
-        self._count_kv_files(dev)
-        self._device_registered = True  # the pool is about to be used: warm it in earnest
-        self._catalog_dirty = True
-        log.info(
-            "client %d registered device %s (rank %d, NUMA node %s, CPUs %s): %d transfer worker(s)",
-            c.cid,
-            device,
-            dev.rank,
-            node,
-            format_cpulist(cpus),
-            n_workers,
-        )
-        return {"ok": True, "device_id": dev_id, "workers": answer}
-
-    # ================================================================ engines' KV-cache files
-    def _kv_space_kept(self) -> int:
-        """Bytes of the pool's file system the pool must leave free: the KV-cache files of
-        engines that registered before and are not registered now (a vLLM restarted after
-        Ctrl-C needs its file's space again; the pool warming meanwhile must not take it)."""
-        return max(self._kv_peak - self._kv_bytes, 0)
-
-    def _count_kv_files(self, dev: Device) -> None:
-        for region in dev.spec["regions"]:
-            path = region["path"]
-            if os.path.dirname(path) == self.dir and P.device_file_pid(os.path.basename(path)) is not None:
-                try:
-                    self._kv_files[path] = os.stat(path).st_size
-                except OSError:
-                    self._kv_files[path] = region["size"]
-                self._kv_orphans.pop(path, None)  # its engine came back
-        self._kv_bytes = sum(self._kv_files.values())
-        self._kv_peak = max(self._kv_peak, self._kv_bytes)
-        self._check_space(f"when client {dev.client_id} registered its KV cache")
-
-    def _release_kv_files(self, dev: Device) -> None:
-        """The device's engine detached: its KV-cache file is removed once its process is gone
-        (vLLM's shutdown SIGKILLs its workers, which cannot remove it themselves; the
-        connection closes before the process is reaped, so that may be later)."""
-        for region in dev.spec["regions"]:
-            path = region["path"]
-            if self._kv_files.pop(path, None) is None:
-                continue
-            self._kv_bytes = sum(self._kv_files.values())
-            pid = P.device_file_pid(os.path.basename(path))
-            if pid is not None:
-                self._kv_orphans[path] = pid
-        if self._kv_orphans:
-            self._remove_orphan_kv_files()
-
-    def _remove_orphan_kv_files(self) -> None:
-        for path, pid in list(self._kv_orphans.items()):
-            if pid_running(pid):
-                continue
-            del self._kv_orphans[path]
-            try:
-                size = os.stat(path).st_size
-                os.unlink(path)
-            except FileNotFoundError:
-                continue  # it removed its file itself
-            log.info(
-                "removed the KV-cache file %s (%s) of engine process %d, which has exited",
-                path,
-                format_size(size),
-                pid,
-            )
-
-    def _check_space(self, when: str) -> None:
-        """Warn when the pool cannot be fully allocated beside the engines' KV-cache files."""
-        pool = self.pool
-        free = pool_room(self.dir)  # ramfs: the memory available (it reports no free blocks)
-        to_reserve = pool.size - pool.backed  # at most
-        kept = self._kv_space_kept()
-        engines = self._kv_bytes
-        if free - kept >= to_reserve:
-            return
-        short = to_reserve - (free - kept)
-        log.warning(
-            "%s: the file system of %s has %s free, but the pool still needs up to %s to be "
-            "fully allocated (HPKV_KV_MEM_POOL_SIZE %s) beside engines' KV-cache files (%s "
-            "registered now, %s kept free for engines that return): the pool stops growing "
-            "about %s short. Enlarge that file system or lower HPKV_KV_MEM_POOL_SIZE by that much",
-            when,
-            self.dir,
-            format_size(free),
-            format_size(to_reserve),
-            format_size(pool.size),
-            format_size(engines),
-            format_size(kept),
-            format_size(short),
-        )
-
-    def _free_worker_slot(self) -> int:
-        used = {w.slot for w in self.workers}
-        for i in range(MAX_WORKERS):
-            if i not in used:
-                return i
-        raise ValueError(f"more than {MAX_WORKERS} workers")
-
-    # ================================================================ supervision
-    def _supervisor_loop(self) -> None:
-        while not self.down.wait(0.2):
-            try:
-                self._supervise_once()
-            except Exception:  # noqa: BLE001 - supervision must keep running
-                log.exception("supervisor step failed")
-
-    def _supervise_once(self) -> None:
-        now = time.time_ns()
-        self.stats.header[4] = now  # heartbeat
-        with self.lock:
-            self._supervise_workers()
-            for c in list(self.clients.values()):
-                if c.alive and not pid_alive(c.pid):
-                    self._drop_client(c, reason=f"process {c.pid} exited")
-            self._expire_leases()
-            self._release_due()
-            if self._kv_orphans:
-                self._remove_orphan_kv_files()
-            if self.index.reclaim_fenced():  # slots whose last save ended since their release
-                self._publish_pool_gauges()
-            if self.tiers.take_catalog_dirty():
-                self._catalog_dirty = True
-            if self._catalog_dirty:
-                self._publish_catalog()
-            idle = (
-                not self.clients
-                and not self._holds
-                and self.idle_exit > 0
-                and not self.stop_event.is_set()
-                and time.monotonic() - self._last_client_seen > self.idle_exit
-            )
-            if idle:  # under the lock: a `hold` is either counted above or refused
-                self.stop_event.set()
-        if idle:
-            log.info("no client for %.0fs (HPKV_SERVER_IDLE_EXIT): exiting", self.idle_exit)
-            self.doorbell.ring()
-
-    def _supervise_workers(self) -> None:
-        """Kill hung workers (HPKV_WORKER_HANG_S), restart dead ones and fail their jobs."""
-        hang_s = self.cfg["HPKV_WORKER_HANG_S"]
-        for w in list(self.workers):
-            if w.kill_if_hung(hang_s):
-                self._catalog_dirty = True
-                continue  # reaped next round: `hpkv status` shows it hung until then
-            if not w.poll_dead():
-                continue
-            if w.kind == "io" and self.tiers.worker_died(w):
-                continue  # its tier's request loop recovers its jobs and restarts it
-            before = w.restarts
-            w.fail_pending_and_restart()  # or a back-off delay, if it keeps failing
-            self.stats.glob[G.WORKER_RESTARTS] += w.restarts - before
-            self._catalog_dirty = True
-
-    def _publish_catalog_if_dirty(self) -> None:
-        with self.lock:
-            if self._catalog_dirty:
-                self._publish_catalog()
-
-    def _publish_catalog(self) -> None:
-        """Write the catalog `hpkv status` and hpkv-top read. Its lists of clients and holds are
-        capped (the rest counted in ``*_omitted``) and halved until it fits the segment: a
-        catalog that does not fit must never fail the hello or `stats` call that wrote it."""
-        self._catalog_dirty = False
-        catalog = self._catalog()
-        full = {key: catalog[key] for key in ("clients", "holds", "rings")}
-        limit = MAX_CATALOG_ENTRIES
-        while True:
-            for key, items in full.items():
-                catalog[key] = items[: 2 * limit if key == "rings" else limit]
-                catalog[f"{key}_omitted"] = len(items) - len(catalog[key])
-            try:
-                self.stats.write_catalog(catalog)
-                return
-            except ValueError as exc:  # too large
-                if limit == 0:
-                    self._errors.log(logging.ERROR, "catalog", "stats catalog not updated: %s", exc)
-                    return
-                limit //= 2
-                self._errors.log(
-                    logging.WARNING,
-                    "catalog-full",
-                    "stats catalog too large (%s): lists cut to %d",
-                    exc,
-                    limit,
-                )
-
-    def _catalog(self) -> dict[str, Any]:
-        return {
-            "server": {
-                "pool_dir": self.dir,
-                "pool_file": self.pool.path,
-                "storage": self.cfg.storage_path,
-                "auto": self.auto,
-                "pool_locked": self.pool.locked,
-            },
-            "namespaces": [
-                {
-                    "id": ns.ns_id,
-                    "name": ns.name,
-                    "fingerprint": ns.fingerprint,
-                    "world_size": ns.world_size,
-                    "shard_bytes": ns.shard_bytes,
-                    "block_tokens": ns.block_tokens,
-                }
-                for ns in self.namespaces_by_fp.values()
-            ],
-            "workers": [w.describe() for w in self.workers],
-            "clients": [
-                {
-                    "id": c.cid,
-                    "pid": c.pid,
-                    "name": c.name,
-                    "namespaces": sorted(c.namespaces),
-                    "ranks": sorted(c.ranks),
-                }
-                for c in self.clients.values()
-            ],
-            "holds": [{"pid": h.pid, "name": h.hold} for h in self._holds.values()],
-            "rings": [
-                {"name": r.name, "capacity": r.capacity}
-                for c in self.clients.values()
-                for r in (c.req, c.resp)
-            ],
-            "storage": self.tiers.describe(),
-        }
-
-
-class ReadyPipe:
-    """The auto-spawn's status pipe (``--ready-fd``): one line, ``ready PID``, ``served PID``
-    (another server holds the directory) or ``error REASON``; a no-op without a pipe."""
-
-    def __init__(self, fd: int | None):
-        self.fd = fd
-
-    def send(self, line: str) -> None:
-        if self.fd is None:
-            return
-        with contextlib.suppress(OSError):
-            os.write(self.fd, line.replace("\n", " ").encode() + b"\n")
-            os.close(self.fd)
-        self.fd = None
-
-
-def detach() -> None:
-    """Leave the caller's process tree: fork, the parent exits at once, the child goes on
-    in a process group of its own, re-parented to init. An engine that kills its descendants
-    at shutdown (vLLM does, with SIGKILL) then no longer reaches this server, nor does a
-    Ctrl-C in its terminal (SIGINT goes to the foreground process group). It stays in the
-    engine's session, its scheduling group where the kernel groups by session (autogroup):
-    see :func:`hpkv.client.spawn.spawn_server`."""
-    if os.fork() > 0:
-        os._exit(0)
-    with contextlib.suppress(OSError):
-        os.setpgid(0, 0)
-
-
-def serve(
-    cfg: Config, auto: bool = False, log_level: str | None = None, ready: ReadyPipe | None = None
-) -> int:
-    """``hpkv serve``: run the server in the foreground until told to stop."""
-    ready = ready or ReadyPipe(None)
-    setup_logging(cfg.pool_dir, log_level or cfg["HPKV_LOG_LEVEL"], max_bytes=cfg["HPKV_LOG_MAX_BYTES"])
-    server = Server(cfg, auto=auto)
-    try:
-        server.start()
-    except AlreadyServed as exc:
-        log.info("%s", exc)
-        ready.send(f"served {exc.pid or 0}")
-        return ExitCode.ALREADY_SERVED
-    except Exception as exc:  # noqa: BLE001 - every start-up failure is logged and reported
-        if isinstance(exc, (ConfigError, OSError)):
-            log.error("cannot start: %s", exc)
-        else:
-            log.exception("cannot start: %s", exc)
-        ready.send(f"error {exc}")
-        if server._lock_fd is not None:
-            server.shutdown()
-        return 1
-
-    def on_signal(signum, _frame):
-        log.info("received %s: stopping", signal.Signals(signum).name)
-        server.stop_event.set()
-        server.doorbell.ring()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    if auto:
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    ready.send(f"ready {os.getpid()}")
-    try:
-        server.serve_forever()
-    finally:
-        server.shutdown()
-    return 0

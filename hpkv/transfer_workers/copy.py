@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from hpkv.common.layout import pages_fit, pages_span
 from hpkv.common.native import ffi, lib
 
 __all__ = [
@@ -170,9 +171,8 @@ class BlockLayout:
             )
         if self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {self.num_blocks}")
-        span = (self.num_blocks - 1) * self.block_stride + self.page_bytes
         for i, b in enumerate(bases):
-            if not b > 0 or b + span > _U64_LIMIT:
+            if b <= 0 or not pages_fit(b, _U64_LIMIT, self.num_blocks, self.block_stride, self.page_bytes):
                 raise ValueError(
                     f"layer_bases[{i}] = {b:#x} is not a valid address for {self.num_blocks} "
                     f"blocks of stride {self.block_stride}"
@@ -230,7 +230,7 @@ class BlockLayout:
                 f"({num_layers}*{page_bytes}); blocks would overlap"
             )
         addr, size, owner = _memory_of(base, "base")
-        need = (num_blocks - 1) * block_stride + num_layers * page_bytes
+        need = pages_span(num_blocks, block_stride, num_layers * page_bytes)
         if size is not None and size < need:
             raise ValueError(
                 f"base holds {size} B but {num_blocks} blocks of stride {block_stride} need {need} B"

@@ -1,7 +1,8 @@
 """The CUDA job path of a transfer worker: one engine's KV cache imported once, copies ordered
 after the engine's events, one batched DMA call per job.
 
-Registration (``register_device`` with a ``cuda`` object, checked by :func:`validate_cuda`):
+Registration (``register_device`` with a ``cuda`` object, checked by the server:
+:func:`hpkv.engine.devices.validate_cuda`):
 
 * ``driver: "cuda"``: ``uuid`` (32 hex digits, the GPU; ordinals differ between processes),
   ``mem_handle`` (128 hex digits, the CUDA IPC handle of the *allocation base*),
@@ -15,9 +16,9 @@ Registration (``register_device`` with a ``cuda`` object, checked by :func:`vali
 A job (COPY_SAVE / COPY_LOAD) carries ``a1 = event index + 1`` (0: no event): the copy stream
 waits for that event (the engine recorded it on its compute stream when it queued the forward),
 then the batch is issued, then the worker records its own event and polls it for at most
-``JOB_TIMEOUT_S``. The completion therefore means the bytes are in place. The engine's KV
-mapping is closed when the worker stops (its engine died or shut down), so a dead engine's GPU
-memory is released.
+``cuda.job_timeout_s`` seconds (default ``hpkv.engine.devices.JOB_TIMEOUT_S``). The completion
+therefore means the bytes are in place. The engine's KV mapping is closed when the worker stops
+(its engine died or shut down), so a dead engine's GPU memory is released.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,103 +42,6 @@ from hpkv.runtime.fence import SlotFence, decode_slots
 from hpkv.runtime.worker import WorkerRuntime
 
 log = logging.getLogger("hpkv.transfer")
-
-JOB_TIMEOUT_S = 30.0  # a job whose event or copy has not completed by then fails (the engine recomputes)
-MAX_EVENTS = 1024
-MAX_LAYERS = 4096
-_HEX = set("0123456789abcdef")
-
-
-def _hex(v: Any, nbytes: int, what: str) -> str:
-    if not isinstance(v, str) or len(v) != 2 * nbytes or not set(v) <= _HEX:
-        raise ValueError(f"cuda.{what} must be {2 * nbytes} lowercase hex digits, got {str(v)[:40]!r}")
-    return v
-
-
-def _nonneg(c: dict[str, Any], key: str, hi: int) -> int:
-    v = c.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi:
-        raise ValueError(f"{key}={str(v)[:40]!r} must be an integer in 0..{hi}")
-    return v
-
-
-def validate_cuda(
-    msg: dict[str, Any],
-    slot_bytes: int,
-    allowed_uids: set[int],
-    validate_device: Callable[[dict[str, Any], int, set[int]], dict[str, Any]],
-) -> dict[str, Any]:
-    """The spec of a CUDA ``register_device`` call; ValueError names the bad value."""
-    c = msg.get("cuda")
-    if not isinstance(c, dict) or c.get("driver") not in ("cuda", "host"):
-        raise ValueError("cuda must be an object with driver 'cuda' or 'host'")
-    if c["driver"] == "host":
-        spec = validate_device(msg, slot_bytes, allowed_uids)
-        if len(spec["regions"]) != 1:
-            raise ValueError("a host-driver CUDA device has one region (its whole KV allocation)")
-        n = _nonneg(c, "num_events", MAX_EVENTS)
-        ev = validate_device(
-            {"regions": [{"path": c.get("events"), "size": max(8 * n, 8)}], "layer_bases": [[0, 0]],
-             "block_stride": 8, "page_bytes": 8, "num_blocks": 1},
-            1 << 40, allowed_uids,
-        )  # fmt: skip
-        spec["cuda"] = {"driver": "host", "events": ev["regions"][0]["path"], "num_events": n}
-        spec["cuda"]["job_timeout_s"] = _timeout(c)
-        return spec
-    alloc_bytes = _nonneg(c, "alloc_bytes", 1 << 50)
-    events = c.get("events")
-    if not isinstance(events, list) or len(events) > MAX_EVENTS:
-        raise ValueError(f"cuda.events must be a list of at most {MAX_EVENTS} event handles")
-    spec = _check_spans(msg, slot_bytes, alloc_bytes)
-    spec["cuda"] = {
-        "driver": "cuda",
-        "uuid": _hex(c.get("uuid"), 16, "uuid"),
-        "mem_handle": _hex(c.get("mem_handle"), 64, "mem_handle"),
-        "alloc_offset": _nonneg(c, "alloc_offset", 1 << 50),
-        "alloc_bytes": alloc_bytes,
-        "events": [_hex(e, 64, f"events[{i}]") for i, e in enumerate(events)],
-        "job_timeout_s": _timeout(c),
-    }
-    return spec
-
-
-def _timeout(c: dict[str, Any]) -> float:
-    v = c.get("job_timeout_s", JOB_TIMEOUT_S)
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.1 <= v <= 600:
-        raise ValueError(f"cuda.job_timeout_s={str(v)[:40]!r} must be 0.1..600 seconds")
-    return float(v)
-
-
-def _check_spans(msg: dict[str, Any], slot_bytes: int, alloc_bytes: int) -> dict[str, Any]:
-    """Every layer's pages lie inside the engine's buffer and one block fits a pool slot."""
-    stride = _nonneg(msg, "block_stride", 1 << 40)
-    page = _nonneg(msg, "page_bytes", stride)
-    num_blocks = _nonneg(msg, "num_blocks", 1 << 31)
-    bases = msg.get("layer_bases")
-    if not page or not num_blocks or not isinstance(bases, list) or not 1 <= len(bases) <= MAX_LAYERS:
-        raise ValueError(f"page_bytes, num_blocks and 1..{MAX_LAYERS} layer_bases [0, offset] are required")
-    if len(bases) * page > slot_bytes:
-        raise ValueError(
-            f"{len(bases)} layers x {page} B pages do not fit the namespace's {slot_bytes} B slot"
-        )
-    span = (num_blocks - 1) * stride + page
-    out = []
-    for j, lb in enumerate(bases):
-        ok = isinstance(lb, (list, tuple)) and len(lb) == 2 and lb[0] == 0
-        off = lb[1] if ok else None
-        if not isinstance(off, int) or isinstance(off, bool) or not 0 <= off <= alloc_bytes - span:
-            raise ValueError(
-                f"layer_bases[{j}] = {str(lb)[:40]}: {num_blocks} blocks x {stride} B from there do not "
-                f"fit the {alloc_bytes} B KV buffer"
-            )
-        out.append([0, off])
-    return {
-        "regions": [],
-        "layer_bases": out,
-        "block_stride": stride,
-        "page_bytes": page,
-        "num_blocks": num_blocks,
-    }
 
 
 class _Opened:

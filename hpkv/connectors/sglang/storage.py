@@ -53,6 +53,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from hpkv.client import HpkvClient, connect
 from hpkv.common import shm
+from hpkv.common.layout import pages_fit
 from hpkv.common.numa import current_numa_node
 from hpkv.connectors.promote import load_in_parts
 from hpkv.connectors.reconnect import Reconnecting
@@ -118,7 +119,7 @@ def describe_host_pool(pool: Any) -> HostLayout:
     num_pages = int(pool.size) // page
     bases = tuple(p - base for p in p0)
     for b in bases:
-        if b < 0 or b + (num_pages - 1) * stride + nbytes > size:
+        if not pages_fit(b, size, num_pages, stride, nbytes):
             raise ValueError("the host pool's pages lie outside its shared-memory allocation")
     return HostLayout(fd, size, bases, stride, nbytes, num_pages)
 
