@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from hpkv.client.device import DeviceHandle, map_array
+from hpkv.client.device import DeviceHandle
+from hpkv.common import shm
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import HpkvError, HpkvUnavailable, error_for, raise_refusal
 from hpkv.protocol.keys import KEY_BYTES
@@ -65,7 +66,7 @@ class HpkvClient:
         # A hot call's answer takes tens of µs; sleeping would add a ≈50 µs
         # cross-vCPU wake-up on these VMs (`hpkv bench ring`), so spin a little longer.
         self._resp = Ring.attach(directory, hello["resp"], role="consumer", spin_us=HOT_CALL_SPIN_US)
-        self._mbox = map_array(hello["mailbox"])
+        self._mbox = np.frombuffer(shm.map_file(hello["mailbox"]), dtype=np.uint8)
         self._seq = 0
         self._namespaces: dict[int, NamespaceHandle] = {}
         self._broken: str | None = None

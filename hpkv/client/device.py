@@ -16,15 +16,11 @@ from hpkv.protocol.errors import HpkvUnavailable
 from hpkv.ring import PeerDead, Ring, RingTimeout
 
 
-def map_array(path: str) -> np.ndarray:
-    return np.frombuffer(shm.map_file(path), dtype=np.uint8)
-
-
 class _WorkerLink:
     def __init__(self, directory: str, info: dict[str, Any]):
         self.req = Ring.attach(directory, info["req"], role="producer", wait=5.0)
         self.resp = Ring.attach(directory, info["resp"], role="consumer", wait=5.0)
-        self.jobs = map_array(info["jobs"]).view(np.int64).reshape(P.JOB_SLOTS, -1)
+        self.jobs = np.frombuffer(shm.map_file(info["jobs"]), dtype=np.int64).reshape(P.JOB_SLOTS, -1)
         self.seq = 0
         self.inflight: set[int] = set()
         self.done: dict[int, int] = {}  # seq -> status, received but not yet claimed

@@ -29,7 +29,9 @@ from hpkv.protocol.errors import HpkvError, HpkvUnavailable, raise_refusal
 log = logging.getLogger("hpkv.client")
 
 
-def _try_connect(sock_path: str, timeout: float) -> socket.socket | None:
+def _try_connect(directory: str, timeout: float) -> socket.socket | None:
+    """A connection to the server of the pool ``directory``; None when none listens."""
+    sock_path = os.path.join(directory, P.SOCKET_FILE)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
     try:
@@ -44,7 +46,7 @@ def _try_connect(sock_path: str, timeout: float) -> socket.socket | None:
             "it is overloaded or out of file descriptors, see its server.log); try again later"
         ) from None
     try:
-        _check_server(s, os.path.dirname(sock_path))
+        _check_server(s, directory)
     except BaseException:
         s.close()
         raise
@@ -117,10 +119,9 @@ def _reach(
     """A connection to the pool directory's server that has answered ``msg``, starting a
     server if none runs. A server that is stopping (an idle exit, ``hpkv stop``) when we
     reach it is waited out and replaced, within ``timeout``."""
-    sock_path = os.path.join(cfg.pool_dir, P.SOCKET_FILE)
     deadline = time.monotonic() + timeout
     while True:
-        sock = _try_connect(sock_path, min(5.0, max(deadline - time.monotonic(), 0.01)))
+        sock = _try_connect(cfg.pool_dir, min(5.0, max(deadline - time.monotonic(), 0.01)))
         if sock is None:
             if not spawn:
                 raise HpkvUnavailable(f"no hpkv server is running for {cfg.pool_dir}")
@@ -173,9 +174,7 @@ def ensure_server(
     auto-spawned server from its idle exit until it is closed (or this process exits): an
     engine's start-up can take longer than HPKV_SERVER_IDLE_EXIT before it attaches."""
     if not hold:
-        sock = _try_connect(os.path.join(cfg.pool_dir, P.SOCKET_FILE), 5.0) or _spawn_and_reach(
-            cfg, env, timeout
-        )
+        sock = _try_connect(cfg.pool_dir, 5.0) or _spawn_and_reach(cfg, env, timeout)
         sock.close()
         return None
     sock, _ = _reach(cfg, env, timeout, True, {"op": "hold", "pid": os.getpid(), "name": hold})
@@ -184,7 +183,6 @@ def ensure_server(
 
 def _spawn_and_reach(cfg: Config, env: Mapping[str, str] | None, timeout: float) -> socket.socket:
     """Spawn a server unless another spawner does; a socket connected to it."""
-    sock_path = os.path.join(cfg.pool_dir, P.SOCKET_FILE)
     deadline = time.monotonic() + timeout
     lock_fd = open_in_pool_dir(cfg, P.SPAWN_LOCK_FILE, os.O_RDWR | os.O_CREAT)
     try:
@@ -198,7 +196,7 @@ def _spawn_and_reach(cfg: Config, env: Mapping[str, str] | None, timeout: float)
                         f"timed out waiting for another process to start the hpkv server for {cfg.pool_dir}"
                     ) from None
                 time.sleep(0.05)
-        sock = _try_connect(sock_path, 5.0)
+        sock = _try_connect(cfg.pool_dir, 5.0)
         if sock is None:
             try:
                 pid = spawn_server(cfg, env, timeout=max(deadline - time.monotonic(), 1.0))
@@ -217,7 +215,7 @@ def _spawn_and_reach(cfg: Config, env: Mapping[str, str] | None, timeout: float)
                         f"within {timeout:g}s; see {os.path.join(cfg.pool_dir, P.LOG_FILE)}"
                     )
                 time.sleep(0.02)
-                sock = _try_connect(sock_path, 5.0)
+                sock = _try_connect(cfg.pool_dir, 5.0)
     finally:
         os.close(lock_fd)
     return sock
