@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=str.upper,
         help="overrides HPKV_LOG_LEVEL",
     )
-    # Used by the auto-spawn (hpkv.client.connection.spawn_server), not meant for people.
+    # Used by the auto-spawn (hpkv.client.spawn.spawn_server), not meant for people.
     p.add_argument("--detach", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_serve)

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("vllm")  # the connector's metadata types come from vLLM
 
-from hpkv.client.connection import connect  # noqa: E402
+from hpkv.client import connect  # noqa: E402
 from hpkv.connectors.vllm.cuda_layout import vllm_views  # noqa: E402
 from hpkv.connectors.vllm.cuda_worker import CudaBackend, CudaWorkerSide, HostBackend, SaveTracker  # noqa: E402
 from hpkv.connectors.vllm.layout import Layout  # noqa: E402

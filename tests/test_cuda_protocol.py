@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from hpkv.client.connection import connect
+from hpkv.client import connect
 from hpkv.common.pool import PoolFile
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import HpkvError, Status

@@ -28,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hpkv.client.connection import connect
+from hpkv.client import connect
 from hpkv.protocol import wire as P
 from hpkv.protocol.keys import KEY_BYTES, block_keys, namespace_fingerprint
 from hpkv.testing.device import make_device

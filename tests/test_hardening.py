@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpkv.client.connection import HpkvError, connect
+from hpkv.client import HpkvError, connect
 from hpkv.common.pool import PoolFile
 from hpkv.io_workers import kvfile
 from hpkv.protocol import wire as P
@@ -188,7 +188,7 @@ _CLIENT_AS = """
 import json, os, stat, sys
 import hpkv.common.security
 from hpkv.config import load_config
-from hpkv.client.connection import connect
+from hpkv.client import connect
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
 cfg = load_config(json.loads(sys.argv[1]))
 uid, gid = int(sys.argv[2]), int(sys.argv[3])

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpkv.client.connection import HpkvUnavailable, connect
+from hpkv.client import HpkvUnavailable, connect
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import ROW_POOL_FULL
 from hpkv.protocol.keys import block_keys, namespace_fingerprint

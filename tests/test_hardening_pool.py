@@ -23,7 +23,7 @@ import numpy as np
 import psutil
 import pytest
 
-from hpkv.client.connection import HpkvError, connect
+from hpkv.client import HpkvError, connect
 from hpkv.common.pool import PoolFile
 from hpkv.engine.index import Index, Namespace
 from hpkv.engine.storage.catalog import FileCatalog
@@ -230,7 +230,7 @@ def test_an_in_process_mapping_of_a_sparse_pool_allocates_none_of_it(tmp_path):
 # ------------------------------------------------------------------ 12. engines' KV-cache files
 ENGINE = r"""
 import os, sys
-from hpkv.client.connection import connect
+from hpkv.client import connect
 from hpkv.common import shm
 from hpkv.config import load_config
 from hpkv.protocol.wire import device_file_name

@@ -12,7 +12,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hpkv.client.connection import connect
+from hpkv.client import connect
 from hpkv.monitor.metrics import families, namespace_labels
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.testing.device import make_device

@@ -17,7 +17,7 @@ import numpy as np
 import psutil
 import pytest
 
-from hpkv.client.connection import HpkvUnavailable, connect, ensure_server
+from hpkv.client import HpkvUnavailable, connect, ensure_server
 from hpkv.common.numa import spread_cpus
 from hpkv.common.pool import PoolFile
 from hpkv.config import load_config

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpkv.client.connection import connect
+from hpkv.client import connect
 from hpkv.protocol.errors import HpkvError, NotOwner
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.testing.device import make_device

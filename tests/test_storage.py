@@ -21,7 +21,7 @@ import numpy as np
 import psutil
 import pytest
 
-from hpkv.client.connection import HpkvClient, connect
+from hpkv.client import HpkvClient, connect
 from hpkv.common.pool import PoolFile
 from hpkv.common.priority import BE_LOWEST
 from hpkv.engine.storage.probe import probe_o_direct

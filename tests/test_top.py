@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from hpkv.client.connection import connect
+from hpkv.client import connect
 from hpkv.monitor.frame import render, render_text
 from hpkv.monitor.rings import peek
 from hpkv.monitor.sample import View

@@ -149,7 +149,7 @@ def _next_to_a_busy_poller(args: argparse.Namespace, pool_size: int, poller: str
     import subprocess
     import sys
 
-    from hpkv.client.connection import connect
+    from hpkv.client import connect
 
     srv = _start_server(args, pool_size, same_session=True)
     busy = subprocess.Popen([sys.executable, "-c", BUSY_POLLERS[poller]])
@@ -172,7 +172,7 @@ def _start_server(args: argparse.Namespace, pool_size: int, same_session: bool =
 
 def run(args: argparse.Namespace) -> int:
 
-    from hpkv.client.connection import connect
+    from hpkv.client import connect
     from hpkv.protocol.keys import block_keys, namespace_fingerprint
 
     largest = max(p * ly * b for p, ly, b in CASES)

@@ -422,7 +422,7 @@ def _memory_released(eng: Engine, client: Any) -> dict[str, Any]:
 def _run_layout(
     layout_name: str, args: argparse.Namespace, summary: dict[str, Any], env: dict[str, str]
 ) -> None:
-    from hpkv.client.connection import connect
+    from hpkv.client import connect
     from hpkv.common.pool import PoolFile
     from hpkv.protocol import wire as P
     from hpkv.protocol.keys import namespace_fingerprint

@@ -188,7 +188,7 @@ class _Bench:
 
         import numpy as np
 
-        from hpkv.client.connection import connect
+        from hpkv.client import connect
         from hpkv.common.pool import PoolFile
         from hpkv.io_workers import kvfile
         from hpkv.protocol import wire as P
@@ -264,7 +264,7 @@ class _Bench:
         return results, headline_keys
 
     def run_workers(self, counts: list[int], headline: dict) -> dict[str, float]:
-        from hpkv.client.connection import connect
+        from hpkv.client import connect
         from hpkv.common.pool import PoolFile
         from hpkv.io_workers import kvfile
         from hpkv.protocol import wire as P

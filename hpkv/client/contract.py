@@ -1,6 +1,6 @@
 """The typed contract of the hpkv client's hot calls.
 
-Connectors depend on these protocols, not on :class:`~hpkv.client.connection.HpkvClient`, so
+Connectors depend on these protocols, not on :class:`~hpkv.client.client.HpkvClient`, so
 their bookkeeping can be unit-tested against an in-memory implementation
 (:mod:`hpkv.testing.memory_store`) in milliseconds, beside the end-to-end tests with real
 engines. Every call raises :class:`~hpkv.protocol.errors.HpkvError` on failure

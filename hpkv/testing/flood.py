@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from hpkv.client.connection import connect
+from hpkv.client import connect
 from hpkv.config import load_config
 from hpkv.protocol import wire as P
 from hpkv.protocol.keys import KEY_BYTES, block_keys

@@ -181,7 +181,7 @@ class ServerProcess:
 def assert_serves_correctly(srv: ServerProcess, timeout: float = 10.0) -> None:
     """A well-behaved client gets right answers from ``srv``: reserve, commit, lookup, pin,
     unpin on fresh keys of a fresh namespace (for tests that first throw garbage at it)."""
-    from hpkv.client.connection import connect
+    from hpkv.client import connect
     from hpkv.protocol.keys import block_keys, namespace_fingerprint
 
     assert srv.proc is not None and srv.proc.poll() is None, "the server died"
@@ -209,7 +209,7 @@ def start_under_umask(env: Mapping[str, str], mask: int) -> ServerProcess:
 
 def client_of(srv: ServerProcess, **kw: Any) -> Any:
     """A client of ``srv`` (never spawning a server), 10 s call timeout unless given."""
-    from hpkv.client.connection import connect
+    from hpkv.client import connect
 
     kw.setdefault("call_timeout", 10.0)
     return connect(srv.cfg, spawn=False, **kw)

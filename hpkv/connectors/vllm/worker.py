@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpkv.client.connection import promote_timeout as default_promote_timeout
+from hpkv.client.client import promote_timeout as default_promote_timeout
 from hpkv.client.contract import BlockMover, KvStore
 from hpkv.common import shm
 from hpkv.connectors.promote import load_in_parts
