@@ -237,6 +237,22 @@ def parse_log_level(text: str) -> str:
     return t
 
 
+MAX_MODEL_ID = 256
+
+
+def parse_model_id(text: str) -> str | None:
+    """``HPKV_MODEL_ID``: empty → None (hpkv derives the identity), else printable, at most 256 characters."""
+    t = text.strip()
+    if not t:
+        return None
+    if len(t) > MAX_MODEL_ID:
+        raise ValueError(f"{len(t)} characters, more than {MAX_MODEL_ID}")
+    bad = [c for c in t if not c.isprintable()]
+    if bad:
+        raise ValueError(f"it holds the unprintable character {bad[0]!r}")
+    return t
+
+
 def parse_host(text: str) -> str:
     t = text.strip()
     if not t or any(c.isspace() for c in t):
@@ -301,6 +317,18 @@ KEYS: dict[str, Key] = {
             "a hit that needs storage loads in the background while vLLM steps its other requests "
             "(vLLM's async KV load); DRAM-only hits stay synchronous (milliseconds). 0: the step waits "
             "for the disk read",
+        ),
+        Key(
+            "HPKV_MODEL_ID",
+            "",
+            parse_model_id,
+            f"printable text of at most {MAX_MODEL_ID} characters; empty = derived from the model's files",
+            "the model's name in the namespace, instead of the one hpkv derives from the model's "
+            "content (its config, tokenizer and weight index in full, its weights' names, sizes and "
+            "sampled bytes; see [below](#the-model-in-the-namespace)): engines with the same "
+            "value and the same KV layout share blocks. Set it to share a model whose copies differ in "
+            "files that do not change the KV, or to tell apart weights that differ only where hpkv "
+            "does not sample; empty: derived",
         ),
         Key(
             "HPKV_NUM_TRANSFER_WORKERS",

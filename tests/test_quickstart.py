@@ -7,7 +7,9 @@ and block size, CT-HPKV's command line without a module path, and CT-HPKV's
 prompts (``"<L> "`` repeated, trailing space included). vLLM is stopped the way a
 user stops it: Ctrl-C in its terminal (SIGINT to its process group), which makes
 vLLM SIGKILL every descendant of its engine; the auto-spawned hpkv server must
-survive that. hpkv's own counters (``hpkv status --json``) prove which tier served.
+survive that. hpkv's own counters (``hpkv status --json``) prove which tier served. The
+restarted vLLM serves a copy of the model at another path, with new mtimes: its storage hits
+show that the namespace names the model by its content.
 """
 
 from __future__ import annotations
@@ -122,7 +124,9 @@ def assert_quiet_logs(srv: VllmServer, env: dict[str, str]) -> None:
     assert "Traceback" not in text, text[-4000:]
 
 
-def test_quick_start_default_config_ctrl_c_stop_and_restart(tiny_model, user_env, tmp_path):
+def test_quick_start_default_config_ctrl_c_stop_and_restart_from_a_copy_of_the_model(
+    tiny_model, user_env, tmp_path
+):
     env = user_env
     letters = "AB"
     srv = start_vllm(tiny_model, env, tmp_path / "vllm.log")
@@ -165,11 +169,15 @@ def test_quick_start_default_config_ctrl_c_stop_and_restart(tiny_model, user_env
         assert f"server {server_pid} stopped" in stop.stdout and "NOT written" not in stop.stdout, stop.stdout
         assert os.listdir(env["HPKV_SHARE_MEM_FILE_PATH"]) == ["server.log"]
 
-        srv = start_vllm(tiny_model, env, tmp_path / "vllm-restarted.log")  # a new hpkv, same storage
+        # A new hpkv, the same storage, and the model copied elsewhere (new path, new mtimes), as
+        # another node of a fleet keeps it: the namespace names the model by its content.
+        moved = tmp_path / "elsewhere" / os.path.basename(tiny_model)
+        shutil.copytree(tiny_model, moved, copy_function=shutil.copy)
+        srv = start_vllm(str(moved), env, tmp_path / "vllm-restarted.log")
         before = hpkv_loads(env)
         assert {L: ask(srv, L)[0] for L in letters} == {L: cold[L][0] for L in letters}
         assert delta(before, hpkv_loads(env)) == {"dram": 0, "storage": sum(hits.values())}, (
-            "every prompt of the last phase is served from storage"
+            "every prompt of the last phase is served from storage, written from the model's first path"
         )
         assert hpkv_status(env)["server"]["pid"] != server_pid
         assert_quiet_logs(srv, env)

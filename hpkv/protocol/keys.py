@@ -1,29 +1,35 @@
 """Keys and namespaces: the one place that says which bytes belong together.
 
 A *namespace* fingerprints everything that changes the bytes of a KV page (model
-identity, dtypes, block size, layer count and page size, TP/PP size, layout, CPU
-attention ISA, engine and version, hpkv format version). Bytes written under one
-namespace are never loaded under another, because every block key is derived from
-the fingerprint.
-"""
+identity, see :mod:`hpkv.protocol.model_identity`; dtypes, block size, layer count and
+page size, TP/PP size, layout, CPU attention ISA, engine and version, hpkv format and
+namespace versions). Bytes written under one namespace are never loaded under another,
+because every block key is derived from the fingerprint."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-#: Bumped when the pool slot or KV file layout changes: old files stop matching.
+#: Bumped when the pool slot or KV file layout changes: old files stop matching (the KV file
+#: header carries it, and a file of another version is refused as corrupt).
 FORMAT_VERSION = 1
+#: Bumped when what a namespace fingerprints changes meaning, so namespaces written before stop
+#: matching while their files stay valid files of another namespace (never read, never refused).
+#: 2: the model is named by its content, not its path and mtimes (hpkv.protocol.model_identity).
+NAMESPACE_VERSION = 2
 KEY_BYTES = 16
 
 
 def namespace_fingerprint(spec: Mapping[str, Any]) -> str:
     """Stable 32-hex-digit fingerprint of a namespace description (order-insensitive)."""
     canonical = json.dumps(
-        {**spec, "hpkv_format": FORMAT_VERSION}, sort_keys=True, separators=(",", ":"), default=str
+        {**spec, "hpkv_format": FORMAT_VERSION, "hpkv_namespace": NAMESPACE_VERSION},
+        sort_keys=True,
+        separators=(",", ":"),
+        default=str,
     )
     return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
 
@@ -42,16 +48,3 @@ def block_keys(fingerprint: str, block_hashes: Sequence[bytes | int]) -> list[by
 
 def block_key(fingerprint: str, block_hash: bytes | int) -> bytes:
     return block_keys(fingerprint, [block_hash])[0]
-
-
-def model_identity(model: str) -> dict[str, Any]:
-    """For a local model directory, the names, sizes and mtimes of its files: new weights, new namespace."""
-    if not os.path.isdir(model):
-        return {"model": model}
-    files = []
-    for name in sorted(os.listdir(model)):
-        p = os.path.join(model, name)
-        if os.path.isfile(p) and name.endswith((".json", ".safetensors", ".bin", ".model")):
-            st = os.stat(p)
-            files.append((name, st.st_size, int(st.st_mtime)))
-    return {"model": os.path.abspath(model), "files": files}

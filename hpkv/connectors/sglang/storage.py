@@ -58,7 +58,8 @@ from hpkv.common.numa import current_numa_node
 from hpkv.connectors.promote import load_in_parts
 from hpkv.connectors.reconnect import Reconnecting
 from hpkv.protocol.errors import ROW_MISSING, ROW_POOL_FULL, ROW_PRESENT
-from hpkv.protocol.keys import block_keys, model_identity, namespace_fingerprint
+from hpkv.protocol.keys import block_keys, namespace_fingerprint
+from hpkv.protocol.model_identity import model_identity
 from hpkv.protocol.wire import MAX_KEYS_PER_CALL, slot_offset
 
 # A child of SGLang's logger, so our lines appear in SGLang's log with its format.
@@ -124,15 +125,34 @@ def describe_host_pool(pool: Any) -> HostLayout:
     return HostLayout(fd, size, bases, stride, nbytes, num_pages)
 
 
-def namespace_spec(cfg: HiCacheStorageConfig, pool: Any, data_path: str) -> dict[str, Any]:
-    """Everything that changes the bytes of a stored page (see the module docstring)."""
+def model_spec(model_name: str, pool: Any, model_id: str | None = None) -> dict[str, Any]:
+    """The model's entries of the namespace (:mod:`hpkv.protocol.model_identity`).
+
+    SGLang names the model by its served name, the model path unless ``--served-model-name``
+    says otherwise, with ``-<tag>`` appended when its host pool has a page format of its own
+    (``storage_model_name``). A name that is a local directory once the tag (or a
+    ``:suffix``) is taken off is identified by that directory's content and keeps only the
+    suffix; any other name is identified by itself (or its hub snapshot's content)."""
+    tag = getattr(pool, "storage_format_tag", None)
+    tag_suffix = f"-{tag}" if tag and model_name.endswith(f"-{tag}") else ""
+    if model_id:
+        return {**model_identity(model_name, model_id=model_id), "model_name_suffix": tag_suffix}
+    for path in (model_name, model_name.split(":", 1)[0], model_name[: len(model_name) - len(tag_suffix)]):
+        if path and os.path.isdir(path):
+            return {**model_identity(path), "model_name_suffix": model_name[len(path) :]}
+    return {**model_identity(model_name), "model_name_suffix": ""}
+
+
+def namespace_spec(
+    cfg: HiCacheStorageConfig, pool: Any, data_path: str, model_id: str | None = None
+) -> dict[str, Any]:
+    """Everything that changes the bytes of a stored page (see the module docstring);
+    ``model_id`` (``HPKV_MODEL_ID``) names the model instead of its files' content."""
     import sglang
 
     mla = bool(cfg.is_mla_model)
-    model = str(cfg.model_name or "")
     spec: dict[str, Any] = {
-        **model_identity(model.split(":", 1)[0] if os.path.isdir(model.split(":", 1)[0]) else model),
-        "model_name": model,
+        **model_spec(str(cfg.model_name or ""), pool, model_id),
         "engine": "sglang",
         "engine_version": sglang.__version__,
         "torch": torch.__version__.split("+")[0],
@@ -242,7 +262,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
                 self._legacy_page = (dummy.dtype, tuple(dummy.shape))
                 shard = dummy.numel() * dummy.element_size()
                 data_path = f"flat-page {tuple(dummy.shape)}"
-            spec = namespace_spec(self.config, mem_pool_host, data_path)
+            spec = namespace_spec(self.config, mem_pool_host, data_path, self.cfg["HPKV_MODEL_ID"])
         except Exception as exc:  # noqa: BLE001 - never fail SGLang's start-up over hpkv
             log.error("hpkv disabled: %s", exc)
             self.enabled = False

@@ -113,7 +113,7 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             )
             return
         try:
-            self.layout = derive_layout(vllm_config, kv_cache_config)
+            self.layout = derive_layout(vllm_config, kv_cache_config, self.cfg["HPKV_MODEL_ID"])
         except NotImplementedError as exc:
             log.error("hpkv disabled: %s", exc)
             self.enabled = False

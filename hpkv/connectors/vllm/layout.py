@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from hpkv.protocol.keys import model_identity, namespace_fingerprint
+from hpkv.protocol.keys import namespace_fingerprint
+from hpkv.protocol.model_identity import ModelIdentityError, model_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -64,8 +65,41 @@ def _page_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, device
     return f"pages-{page_order_of(name)}"
 
 
-def derive_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> Layout:
-    """The namespace of this engine's KV; NotImplementedError for set-ups hpkv cannot serve."""
+def vllm_model_identity(vllm_config: VllmConfig, model_id: str | None = None) -> dict[str, Any]:
+    """The model's entries of the namespace (:mod:`hpkv.protocol.model_identity`): ``model_id``
+    (``HPKV_MODEL_ID``) if set, else the content of the directory (or hub snapshot) vLLM loaded,
+    plus the engine options that change the weights as loaded."""
+    mc = vllm_config.model_config
+    try:
+        ident = model_identity(
+            str(mc.model),
+            model_id=model_id,
+            revision=mc.revision,
+            commit=getattr(getattr(mc, "hf_config", None), "_commit_hash", None),
+            cache_dir=getattr(getattr(vllm_config, "load_config", None), "download_dir", None),
+        )
+    except ModelIdentityError as exc:
+        raise NotImplementedError(str(exc)) from None
+    return {
+        **ident,
+        "quantization": str(getattr(mc, "quantization", None)),
+        "hf_overrides": _overrides(getattr(mc, "hf_overrides", None)),
+    }
+
+
+def _overrides(value: Any) -> Any:
+    """``--hf-overrides`` as the namespace records it: a dict as it is, a function by its name
+    (its repr holds an address, different in every process)."""
+    if value is None or isinstance(value, dict):
+        return value or {}
+    return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
+
+
+def derive_layout(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, model_id: str | None = None
+) -> Layout:
+    """The namespace of this engine's KV; NotImplementedError for set-ups hpkv cannot serve.
+    ``model_id`` (``HPKV_MODEL_ID``) names the model instead of its files' content."""
     import vllm
 
     pc = vllm_config.parallel_config
@@ -85,8 +119,7 @@ def derive_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
     num_layers = len(groups[0].layer_names)
     device = str(vllm_config.device_config.device_type)
     spec_dict = {
-        **model_identity(mc.model),
-        "revision": mc.revision,
+        **vllm_model_identity(vllm_config, model_id),
         "dtype": str(mc.dtype),
         "kv_cache_dtype": str(cc.cache_dtype),
         "block_size": cc.block_size,
