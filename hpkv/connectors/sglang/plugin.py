@@ -3,8 +3,14 @@
 SGLang 0.5.23 loads every ``sglang.srt.plugins`` entry point (hpkv's pyproject declares
 ``hpkv = "hpkv.connectors.sglang.plugin:register"``) in each of its processes before it
 parses arguments (``python -m sglang.launch_server`` and ``sglang serve`` alike), and
-applies the hooks they register. hpkv registers two:
+applies the hooks they register. hpkv registers four:
 
+* ``prepare_server_args`` reads CT-HPKV's published order, the flag between ``--model-path``
+  and its value (``sglang serve --model-path --enable-ct-hpkv /path/to/model …``), as
+  ``--model-path /path/to/model --enable-ct-hpkv`` (argparse would take the flag for
+  ``--model-path``'s missing value); see :func:`published_order`. ``sglang serve`` looks at
+  the model path before it loads plugins, to choose between its LLM and diffusion servers,
+  so ``ServeBackendRegistry.auto_detect`` gets the same reading;
 * ``ServerArgs.add_cli_args`` gains ``--enable-ct-hpkv``;
 * ``ServerArgs.from_cli_args`` turns the flag into HiCache's arguments:
   ``--enable-hierarchical-cache``, ``--hicache-storage-backend dynamic`` and an extra config
@@ -19,6 +25,7 @@ here imports SGLang at module level: SGLang's hook registry does the patching.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 from collections.abc import Callable
@@ -29,15 +36,52 @@ from hpkv.connectors.sglang import BACKEND_EXTRA_CONFIG
 log = logging.getLogger("sglang.hpkv")
 
 FLAG = "--enable-ct-hpkv"
-_TARGET = "sglang.srt.server_args.ServerArgs"
+_MODULE = "sglang.srt.server_args"
+_TARGET = f"{_MODULE}.ServerArgs"
+_MODEL_PATH = ("--model-path", "--model")
 
 
 def register() -> None:
-    """The ``sglang.srt.plugins`` entry point: register the two hooks (cheap, idempotent)."""
+    """The ``sglang.srt.plugins`` entry point: register the four hooks (cheap, idempotent)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    HookRegistry.register(f"{_MODULE}.prepare_server_args", _prepare_server_args, HookType.AROUND)
+    HookRegistry.register(
+        "sglang.cli.serve_backends.ServeBackendRegistry.auto_detect", _auto_detect, HookType.AROUND
+    )
     HookRegistry.register(f"{_TARGET}.add_cli_args", _add_cli_args, HookType.AROUND)
     HookRegistry.register(f"{_TARGET}.from_cli_args", _from_cli_args, HookType.AROUND)
+
+
+def published_order(argv: list[str]) -> list[str]:
+    """``argv`` with CT-HPKV's ``--model-path --enable-ct-hpkv MODEL`` read as
+    ``--model-path MODEL --enable-ct-hpkv`` (also after ``--model``); anything else unchanged.
+
+    Only that exact shape is rewritten: the flag right after ``--model-path``, followed by a
+    value that is not an option."""
+    out = list(argv)
+    for i in range(len(out) - 2):
+        if out[i] in _MODEL_PATH and out[i + 1] == FLAG and not out[i + 2].startswith("-"):
+            out[i + 1], out[i + 2] = out[i + 2], FLAG
+            break
+    return out
+
+
+def _prepare_server_args(original: Callable[..., Any], argv: list[str], *a: Any, **k: Any) -> Any:
+    ordered = published_order(argv)
+    out = original(ordered, *a, **k)
+    if ordered != list(argv):  # logged after the parse: SGLang sets up its logging there
+        log.info("hpkv: read CT-HPKV's '--model-path %s MODEL' as '--model-path MODEL %s'", FLAG, FLAG)
+    return out
+
+
+def _auto_detect(original: Callable[..., Any], registry: Any, request: Any, *a: Any, **k: Any) -> Any:
+    if request.model_path == FLAG:  # `sglang serve --model-path --enable-ct-hpkv MODEL`
+        from sglang.cli.utils import try_get_model_path
+
+        argv = published_order(list(request.argv))
+        request = dataclasses.replace(request, argv=tuple(argv), model_path=try_get_model_path(argv))
+    return original(registry, request, *a, **k)
 
 
 def _add_cli_args(original: Callable[..., Any], parser: argparse.ArgumentParser, *a: Any, **k: Any) -> Any:
