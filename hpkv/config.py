@@ -391,6 +391,17 @@ KEYS: dict[str, Key] = {
             "vLLM on the CPU, and SGLang; vLLM on CUDA reads in one part)",
         ),
         Key(
+            "HPKV_STORAGE_LOOKUP_WAIT_MS",
+            "5",
+            _float_parser(0.0, 60_000.0),
+            "milliseconds, e.g. 5",
+            "a lookup that needs the storage file system (a key nobody knows: another server may "
+            "have written it; a storage hit not checked for 2 s) waits at most this long for its "
+            "stats, which run off the request loop; what is not confirmed by then is a miss for "
+            "that lookup. A stat here takes 2-6 us on ext4, ~0.1-1 ms on NFS; a hung mount costs a "
+            "lookup this bound, never more, and DRAM hits never wait",
+        ),
+        Key(
             "HPKV_STORAGE_READ_BOUNCE",
             "auto",
             parse_auto_bool,

@@ -25,11 +25,12 @@ from hpkv.client import HpkvClient, connect
 from hpkv.common.pool import PoolFile
 from hpkv.common.priority import BE_LOWEST
 from hpkv.engine.storage.probe import probe_o_direct
+from hpkv.engine.storage.tier import NEGATIVE_TTL_S
 from hpkv.io_workers import kvfile
 from hpkv.io_workers.kvfile import BlockId, CorruptFile, KvFileIO
 from hpkv.protocol import wire as P
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
-from hpkv.testing.server import ServerProcess, private_env
+from hpkv.testing.server import ServerProcess, private_env, wait_for
 
 FP = namespace_fingerprint({"model": "storage-test", "layers": 4})
 STORAGE_FIELDS = {
@@ -49,6 +50,15 @@ STORAGE_FIELDS = {
     "promotes",
     "evicted_files",
     "spills_pending",
+    "state",
+    "degraded_reason",
+    "degraded_since",
+    "lookups_bounded",
+    "stat_timeouts",
+    "stat_saturated",
+    "gone",
+    "spills_dropped",
+    "promote_timeouts",
 }
 
 
@@ -523,7 +533,8 @@ def test_restarted_server_serves_hits_from_existing_files(tmp_path):
         w.wait_spilled(20)
         data = w.data
         w.close()
-    with running(private_env(storage=str(tmp_path))) as second:
+    # a lookup bound far above a stat's cost: this is about what the stats find, not how fast
+    with running(private_env(storage=str(tmp_path), HPKV_STORAGE_LOOKUP_WAIT_MS="5000")) as second:
         w = Writer(second, world=2, shard=50_000)
         w.data = data
         assert w.c.lookup(w.ns.ns_id, keys + w.keys(["missing"])) == (10, [2] * 10)
@@ -534,14 +545,21 @@ def test_restarted_server_serves_hits_from_existing_files(tmp_path):
 
 
 def test_two_servers_share_one_storage_directory(tmp_path):
-    with running(private_env(storage=str(tmp_path))) as a, running(private_env(storage=str(tmp_path))) as b:
+    slow_ok = {"HPKV_STORAGE_LOOKUP_WAIT_MS": "5000"}  # about what the stats find, not how fast
+    with (
+        running(private_env(storage=str(tmp_path))) as a,
+        running(private_env(storage=str(tmp_path), **slow_ok)) as b,
+    ):
         wa, wb = Writer(a), Writer(b)
         keys = wa.keys(range(6))
         assert wb.c.lookup(wb.ns.ns_id, keys) == (0, [])
         wa.put(keys)
         wa.wait_spilled(6)
-        # b's scan found nothing when its namespace attached: a stat on the miss finds a's files
-        assert wb.c.lookup(wb.ns.ns_id, keys) == (6, [2] * 6)
+        # b's scan found nothing when its namespace attached: a stat on the miss finds a's files,
+        # once b's memory of the first key's miss (NEGATIVE_TTL_S) has expired
+        t0 = time.monotonic()
+        wait_for(lambda: wb.c.lookup(wb.ns.ns_id, keys) == (6, [2] * 6), 10, "b finds a's files")
+        assert time.monotonic() - t0 < NEGATIVE_TTL_S + 2.0
         wb.data = wa.data
         wb.check_rows(keys, wb.c.promote(wb.ns.ns_id, keys))
         wa.close()

@@ -21,7 +21,7 @@ from hpkv.engine.storage import catalog as catalog_mod
 from hpkv.engine.storage import upkeep as upkeep_mod
 from hpkv.engine.storage.links import Completion, IoLinks
 from hpkv.engine.storage.tier import FileTier
-from hpkv.engine.tiers import TierList
+from hpkv.engine.tiers import LookupAnswer, ParkedLookup, TierList
 from hpkv.io_workers import kvfile
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status
@@ -50,12 +50,30 @@ def put(idx: Index, ns: Namespace, keys: list[bytes]):
     return idx.commit(ns.ns_id, keys, 0)
 
 
-def lookup(idx: Index, tiers: TierList, ns: Namespace, keys: list[bytes]) -> tuple[int, list[int]]:
-    """What the server's _hot_lookup does: the index's prefix, then the tiers below."""
+def lookup(
+    idx: Index, tiers: TierList, ns: Namespace, keys: list[bytes], park: bool = True
+) -> tuple[int, list[int]]:
+    """What the server's _hot_lookup does: the index's prefix, then the tiers below; a parked
+    call is answered (the lookup run again, not parked) when the tiers' poll says so."""
     hit, found = idx.lookup(ns.ns_id, keys)
     if tiers and (hit < len(keys) or Tier.STORAGE in found):
-        hit = tiers.lookup(ns, keys, hit, found).hit
+        call = ParkedLookup(FakeClient(), 1, ns, len(keys), time.monotonic()) if park else None
+        hit, pending = tiers.lookup(ns, keys, hit, found, call)
+        if pending:
+            wait_answer(tiers)
+            return lookup(idx, tiers, ns, keys, park=False)
     return hit, found
+
+
+def wait_answer(tiers: TierList, timeout: float = 10.0) -> LookupAnswer:
+    deadline = time.monotonic() + timeout
+    while True:
+        answers = [a for a in tiers.poll() if isinstance(a, LookupAnswer)]
+        if answers:
+            (answer,) = answers
+            return answer
+        assert time.monotonic() < deadline, "the parked lookup was never answered"
+        time.sleep(0.001)
 
 
 @pytest.fixture
@@ -231,7 +249,14 @@ class ScriptedLinks(IoLinks):
 def files(tmp_path, monkeypatch):
     root = tmp_path / "st"
     root.mkdir(mode=0o700)
-    cfg = load_config({"HPKV_KV_STORAGE_PATH": str(root), "HPKV_KV_STORAGE_SIZE": "0"})
+    # a generous lookup bound: these tests are about what a lookup learns, not how fast
+    cfg = load_config(
+        {
+            "HPKV_KV_STORAGE_PATH": str(root),
+            "HPKV_KV_STORAGE_SIZE": "0",
+            "HPKV_STORAGE_LOOKUP_WAIT_MS": "10000",
+        }
+    )
     stats = StatsSegment.create(str(tmp_path))
     bell = Doorbell.create(str(tmp_path), "server")
     idx = Index(4 * SLOT, storage_enabled=True)
@@ -369,3 +394,221 @@ def test_a_stat_finds_files_the_scan_has_not_reached_and_a_lookup_drops_deleted_
     monkeypatch.setattr(catalog_mod, "VERIFY_TTL_S", 0.0)  # every hit is checked again
     assert lookup(idx, tiers, ns, [a, b]) == (0, [])
     assert a not in tier.catalog and b in tier.catalog
+
+
+# ------------------------------------------------------------------ lookups that ask a slow medium
+def park(
+    tiers: TierList, idx: Index, ns: Namespace, keys: list[bytes], client=None
+) -> tuple[ParkedLookup, bool]:
+    """A lookup's first pass as the server makes it: (its call, whether the tiers parked it)."""
+    hit, found = idx.lookup(ns.ns_id, keys)
+    call = ParkedLookup(client or FakeClient(), 1, ns, len(keys), time.monotonic())
+    return call, tiers.lookup(ns, keys, hit, found, call).pending
+
+
+def test_a_slow_lookup_is_parked_and_answered_from_poll_when_its_check_ends(mem):
+    idx, ns, tier, tiers, _ = mem
+    tier.presence_polls, tier.lookup_wait = 2, 10.0
+    a, b = keys_of("a", "b")
+    put(idx, ns, [a])
+    tier.put(ns, b)
+    call, pending = park(tiers, idx, ns, [a, b])
+    assert pending and call.outstanding == 1
+    assert tiers.poll() == [], "the check is still running"
+    (answer,) = tiers.poll()
+    assert isinstance(answer, LookupAnswer) and answer.client is call.client and answer.n == 2
+    assert lookup(idx, tiers, ns, [a, b], park=False) == (2, [Tier.DRAM, Tier.STORAGE])
+    assert tiers.poll() == [], "answered once"
+
+
+def test_past_its_bound_a_parked_lookup_answers_what_is_confirmed(mem):
+    idx, ns, tier, tiers, _ = mem
+    tier.presence_polls, tier.lookup_wait = None, 0.01  # a hung medium
+    a, b, c = keys_of("a", "b", "c")
+    put(idx, ns, [a, b])
+    tier.put(ns, c)
+    call, pending = park(tiers, idx, ns, [a, b, c])
+    assert pending
+    assert tiers.poll() == [] and tiers.next_deadline() == call.deadline
+    time.sleep(0.02)
+    (answer,) = tiers.poll()
+    assert isinstance(answer, LookupAnswer)
+    assert lookup(idx, tiers, ns, [a, b, c], park=False) == (2, [Tier.DRAM, Tier.DRAM]), "the DRAM prefix"
+
+
+def test_a_lookup_of_dram_blocks_never_waits_for_the_medium(mem):
+    idx, ns, tier, tiers, _ = mem
+    tier.presence_polls = None
+    keys = keys_of("a", "b")
+    put(idx, ns, keys)
+    _, pending = park(tiers, idx, ns, keys)
+    assert not pending
+
+
+def test_with_every_check_running_a_lookup_is_answered_at_once(mem):
+    idx, ns, tier, tiers, _ = mem
+    tier.presence_polls, tier.max_checks = None, 1
+    a, b, c = keys_of("a", "b", "c")
+    put(idx, ns, [a])
+    assert park(tiers, idx, ns, [a, b])[1], "the first one parks"
+    assert not park(tiers, idx, ns, [a, c])[1], "saturated: no more parking"
+    assert tier.saturated == 1
+    assert lookup(idx, tiers, ns, [a, c]) == (1, [Tier.DRAM])
+
+
+def test_a_parked_lookup_of_a_dropped_client_gets_no_answer(mem):
+    idx, ns, tier, tiers, _ = mem
+    tier.presence_polls = 1
+    (k,) = keys_of("k")
+    client = FakeClient()
+    assert park(tiers, idx, ns, [k], client)[1]
+    tiers.client_gone(client)
+    assert tiers.poll() == [] and tiers.next_deadline() is None
+
+
+# ------------------------------------------------------------------ the file tier's stats, off the loop
+@pytest.fixture
+def hung_stats(files, monkeypatch):
+    """The file tier with stats that block until ``release`` is set (a hung mount)."""
+    from hpkv.engine.storage import stat as stat_mod
+
+    release = threading.Event()
+    real = stat_mod.stat_block
+
+    def stat_block(tree, ns, key):
+        release.wait(10)
+        return real(tree, ns, key)
+
+    monkeypatch.setattr(stat_mod, "stat_block", stat_block)
+    idx, ns, tier, links, g = files
+    tier.lookup_wait = 0.02
+    try:
+        yield (*files, release)
+    finally:
+        release.set()
+
+
+def answer_when_due(tiers: TierList, timeout: float = 5.0) -> LookupAnswer:
+    return wait_answer(tiers, timeout)
+
+
+def test_a_hung_stat_makes_unknown_keys_misses_at_the_bound_and_dram_keeps_serving(hung_stats):
+    idx, ns, tier, links, g, release = hung_stats
+    tiers = TierList([tier])
+    a, b, c = keys_of("a", "b", "c")
+    put(idx, ns, [a, b])
+    write_kv_file(tier.root, c)
+    t0 = time.monotonic()
+    assert park(tiers, idx, ns, [a, b, c])[1]
+    answer_when_due(tiers)
+    assert 0.015 < time.monotonic() - t0 < 2.0
+    assert lookup(idx, tiers, ns, [a, b, c], park=False) == (2, [Tier.DRAM, Tier.DRAM])
+    assert g[G.STORAGE_LOOKUPS_BOUNDED] == 1
+    assert not park(tiers, idx, ns, [a, b])[1], "DRAM hits are answered at once"
+    release.set()
+    wait_for_cond(lambda: (tiers.poll(), c in tier.catalog)[1])
+    assert lookup(idx, tiers, ns, [a, b, c]) == (3, [Tier.DRAM, Tier.DRAM, Tier.STORAGE]), (
+        "found once it returns"
+    )
+
+
+def test_stuck_stat_threads_saturate_the_pool_the_tier_degrades_and_recovers(hung_stats):
+    idx, ns, tier, links, g, release = hung_stats
+    tiers = TierList([tier])
+    (a,) = keys_of("a")
+    put(idx, ns, [a])
+    unknown = keys_of(*[f"u{i}" for i in range(tier.stats_pool.max_batches + 1)])
+    for k in unknown[:-1]:
+        assert park(tiers, idx, ns, [a, k])[1]
+    assert not park(tiers, idx, ns, [a, unknown[-1]])[1], "saturated: answered at once"
+    assert g[G.STORAGE_STAT_SATURATED] == 1
+    time.sleep(0.03)  # past the lookup bound
+    tiers.poll()
+    assert tier.health.degraded and g[G.STORAGE_DEGRADED] == 1
+    assert tier.describe()["state"] == "degraded" and tier.describe()["degraded_reason"]
+    assert tier.take_catalog_dirty(), "monitors are told"
+    assert g[G.STORAGE_STAT_TIMEOUTS] >= 1
+    release.set()
+    wait_for_cond(lambda: (tiers.poll(), not tier.health.degraded)[1])
+    assert g[G.STORAGE_DEGRADED] == 0 and tier.describe()["state"] == "ok"
+    assert tier.stats_pool.submit(lambda: None), "the pool takes work again"
+
+
+def test_a_hit_due_for_its_check_during_a_hung_stat_is_a_miss_not_forgotten(hung_stats, monkeypatch):
+    idx, ns, tier, links, g, release = hung_stats
+    tiers = TierList([tier])
+    (k,) = keys_of("k")
+    write_kv_file(tier.root, k)
+    tier.catalog.add(ns, k)
+    monkeypatch.setattr(catalog_mod, "VERIFY_TTL_S", 0.0)
+    assert park(tiers, idx, ns, [k])[1]
+    answer_when_due(tiers)
+    assert lookup(idx, tiers, ns, [k], park=False) == (0, [])
+    assert k in tier.catalog, "not proven gone: kept"
+
+
+def wait_for_cond(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_a_key_stat_ed_missing_is_not_stat_ed_again_for_a_while(files, monkeypatch):
+    from hpkv.engine.storage import tier as tier_mod
+
+    idx, ns, tier, links, g = files
+    tiers = TierList([tier])
+    (k,) = keys_of("k")
+    assert lookup(idx, tiers, ns, [k]) == (0, [])
+    _, pending = park(tiers, idx, ns, [k])
+    assert not pending, "remembered missing: no stat"
+    monkeypatch.setattr(tier_mod, "NEGATIVE_TTL_S", 0.0)
+    tier._missing.clear()
+    write_kv_file(tier.root, k)
+    assert lookup(idx, tiers, ns, [k]) == (1, [Tier.STORAGE]), "after the TTL a stat finds it"
+
+
+@pytest.mark.parametrize("err", [errno.ENOENT, errno.ESTALE])
+def test_a_file_gone_under_a_promote_is_forgotten_and_counted_not_an_io_error(files, err, caplog):
+    idx, ns, tier, links, g = files
+    (k,) = keys_of("k")
+    tier.catalog.add(ns, k)
+    links.status = lambda job: -err
+    caplog.set_level("INFO", logger="hpkv.storage")
+    assert tier.promote(FakeClient(), 1, ns, [k], timeout=1.0) is None
+    (answer,) = tier.poll()
+    assert (answer.rows == -1).all() and k not in tier.catalog
+    assert g[G.STORAGE_GONE] == 1 and g[G.STORAGE_IO_ERRORS] == 0
+    assert [r.levelname for r in caplog.records if "removed" in r.getMessage()] == ["INFO"]
+    assert not [r for r in caplog.records if r.levelno >= 40]
+
+
+def test_a_stat_that_gets_estale_means_the_files_are_gone(files, monkeypatch):
+    from hpkv.engine.storage import stat as stat_mod
+
+    idx, ns, tier, links, g = files
+    tiers = TierList([tier])
+    (k,) = keys_of("k")
+    tier.catalog.add(ns, k)
+
+    def stale(tree, ns, key):
+        raise OSError(errno.ESTALE, "Stale file handle")
+
+    monkeypatch.setattr(stat_mod, "stat_block", stale)
+    monkeypatch.setattr(catalog_mod, "VERIFY_TTL_S", 0.0)
+    assert lookup(idx, tiers, ns, [k]) == (0, [])
+    assert k not in tier.catalog and g[G.STORAGE_GONE] == 1 and g[G.STORAGE_IO_ERRORS] == 0
+
+
+def test_while_degraded_spills_beyond_a_bound_are_dropped_and_counted(files):
+    idx, ns, tier, links, g = files
+    keys = keys_of("0", "1", "2")
+    tier._spill_limit = SLOT  # one block's spill may be queued
+    tier.health.update("a hung mount")
+    ready = put(idx, ns, keys)
+    links.dispatch = lambda ns_raw, spills=True: None  # a hung mount: nothing leaves the queue
+    tier.spill(ready)
+    assert g[G.STORAGE_SPILLS_DROPPED] == 2 and tier.pending_spills() == 1
+    assert all(idx.in_dram(ns, k) for k in keys), "the DRAM copies stay"
+    assert not idx.in_io(keys[1]) and not idx.in_io(keys[2]), "evictable without files"

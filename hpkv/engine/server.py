@@ -42,7 +42,7 @@ from hpkv.engine.control import ControlTransport
 from hpkv.engine.index import Index, Namespace
 from hpkv.engine.registry import RETIRE_GRACE_S, Client
 from hpkv.engine.storage.tier import FileTier
-from hpkv.engine.tiers import TierList
+from hpkv.engine.tiers import LookupAnswer, ParkedLookup, TierList
 from hpkv.engine.workers import WorkerProcess
 from hpkv.monitor.metrics import start_metrics
 from hpkv.protocol import wire as P
@@ -346,6 +346,9 @@ class Server(ControlCalls):
         with self.lock:
             clients = [c for c in self.clients.values() if c.alive]
         if not self._work_left:
+            due = self.tiers.next_deadline()  # a parked lookup is answered at its bound, not later
+            if due is not None:
+                timeout = min(timeout, max(due - time.monotonic(), 0.0))
             try:
                 self.doorbell.wait(timeout=timeout)
             except InterruptedError:
@@ -358,7 +361,10 @@ class Server(ControlCalls):
         if answers:
             with self.lock:
                 for a in answers:
-                    self._answer_parked(a.client, a.seq, a.rows)
+                    if isinstance(a, LookupAnswer):
+                        self._answer_lookup(a)
+                    else:
+                        self._answer_parked(a.client, a.seq, a.rows)
         if self._closing:
             self._reap_closed_clients()
 
@@ -453,6 +459,26 @@ class Server(ControlCalls):
             raise CallTooLarge("too many keys in one call")
         return c.mbox[: n * KEY_BYTES].view(f"V{KEY_BYTES}").tolist()
 
+    def _answer_lookup(self, a: LookupAnswer) -> None:
+        """A parked lookup's checks ended or its bound passed: run it again without parking
+        (what is not confirmed now is a miss) and answer it (request loop, lock held)."""
+        c = a.client
+        self._park(c, False)
+        if not c.alive:
+            return
+        status, hit = 0, 0
+        if a.ns.released:  # its namespace was dropped meanwhile
+            status = int(Status.NO_NAMESPACE)
+            self.stats.glob[G.ERRORS] += 1
+        else:
+            hit = self._lookup(c, a.ns, a.n, None) or 0  # not parked again: an int
+            self._publish_pool_gauges()
+        try:
+            c.resp.try_push(P.COMPLETION, a.seq, hit, 0, status=status)
+        except RingError as exc:
+            log.info("client %d: cannot answer (%s)", c.cid, exc)
+        self.doorbell.ring()  # requests it queued meanwhile are taken on the next round
+
     def _answer_parked(self, c: Client, seq: int, rows: np.ndarray) -> None:
         """A tier's poll returned a parked promote's answer: answer it like a pin (request loop)."""
         self._park(c, False)
@@ -532,22 +558,34 @@ class Server(ControlCalls):
         self.stats.glob[G.POOL_PINNED] = idx.pinned_bytes
         self.stats.glob[G.BLOCKS] = idx.block_count()
 
-    def _hot_lookup(self, c: Client, d) -> tuple[int, int, int]:
-        idx = self.index
-        ns = idx.ns(d.a0)
+    def _hot_lookup(self, c: Client, d) -> tuple[int | None, int, int]:
+        ns = self.index.ns(d.a0)
         n = d.a1
         if n > P.MAX_KEYS_PER_CALL:
             raise CallTooLarge("too many keys in one call")
+        call = ParkedLookup(c, d.seq, ns, n, time.monotonic()) if self.tiers else None
+        hit = self._lookup(c, ns, n, call)
+        if hit is None:  # a tier is asking its medium: answered by _answer_lookup
+            self._park(c, True)
+            return None, 0, 0
+        return 0, hit, 0
+
+    def _lookup(self, c: Client, ns: Namespace, n: int, call: ParkedLookup | None) -> int | None:
+        """The one way a lookup is answered: the prefix's tiers into the mailbox, counted;
+        None (nothing written) when a tier parked ``call`` to ask its medium first."""
+        idx = self.index
         out = c.mbox[P.MAILBOX_HALF :]
         # The hot path: keys read and tiers written in place, in C.
         hit = idx.present.prefix(ns.ns_id, c.mbox[: n * KEY_BYTES], n, out[:n])
         tiers = out[:hit].tolist()
         if self.tiers and (hit < n or Tier.STORAGE in tiers):
             # files deleted from outside are not hits; files the index has not seen yet are
-            hit = self.tiers.lookup(ns, self._keys(c, n), hit, tiers).hit
+            hit, pending = self.tiers.lookup(ns, self._keys(c, n), hit, tiers, call)
+            if pending:
+                return None
             out[:hit] = np.frombuffer(bytes(tiers), np.uint8)
         idx.count_lookup(ns, n, tiers)
-        return 0, hit, 0
+        return hit
 
     def _hot_reserve(self, c: Client, d) -> tuple[int, int, int]:
         idx = self.index

@@ -4,8 +4,12 @@ A tier keeps KV blocks the pool has no room for (files on a local disk today:
 :class:`hpkv.engine.storage.tier.FileTier`; an in-memory one for tests:
 :class:`hpkv.testing.memory_tier.MemoryTier`). It runs in the server under the server's
 lock, and it never calls the server back: work that ends later (a promote waiting for
-IO) is *returned* by :meth:`LowerTier.poll` as values, and the server answers the
-parked calls and takes their clients again itself.
+IO, a lookup waiting for a stat) is *returned* by :meth:`LowerTier.poll` as values, and the
+server answers the parked calls and takes their clients again itself.
+
+A tier never makes the request loop wait on its medium: a lookup that needs to ask it
+(files another server wrote or deleted) is parked with a short bound
+(``HPKV_STORAGE_LOOKUP_WAIT_MS`` for the file tier) and answered from what is known then.
 
 The pool's index (:class:`hpkv.engine.index.Index`) owns slots, pins and reservations; a
 tier owns which keys it holds and tells the index through its public methods
@@ -14,6 +18,7 @@ tier owns which keys it holds and tells the index through its public methods
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -45,6 +50,31 @@ class ParkedPromote:
     done: bool = False
 
 
+@dataclass
+class ParkedLookup:
+    """A client's LOOKUP waiting for tiers to check keys with their medium; answered once, when
+    ``outstanding`` drops to 0 or at ``deadline``: what is not confirmed by then is a miss for
+    this lookup. ``n`` keys are still in the client's mailbox (it waits for this answer)."""
+
+    client: Client
+    seq: int
+    ns: Namespace
+    n: int
+    deadline: float
+    outstanding: int = 0
+    done: bool = False
+
+
+class LookupAnswer(NamedTuple):
+    """A parked lookup's turn to be answered (:meth:`TierList.poll`): the server runs the
+    lookup again, without parking, and answers it as any lookup."""
+
+    client: Any  # the server's Client record, as the call brought it
+    seq: int
+    ns: Namespace
+    n: int
+
+
 class PromoteAnswer(NamedTuple):
     """A parked promote's answer (:meth:`LowerTier.poll`): the server writes ``rows`` into the
     client's mailbox, completes call ``seq`` and takes the client's next calls again."""
@@ -69,10 +99,25 @@ class LowerTier(Protocol):
 
     name: str  # the stats snapshot's section ("storage")
 
-    def lookup(self, ns: Namespace, keys: list[bytes], hit: int, tiers: list[int]) -> Presence:
+    def lookup(
+        self,
+        ns: Namespace,
+        keys: list[bytes],
+        hit: int,
+        tiers: list[int],
+        call: ParkedLookup | None = None,
+    ) -> Presence:
         """Check and continue a lookup's prefix: ``keys[:hit]`` were found (their wire tiers in
         ``tiers``); cut it at the first hit of this tier that is gone, extend it with keys this
-        tier holds. ``tiers`` is cut and extended in place. No side effect on recency."""
+        tier holds. ``tiers`` is cut and extended in place. No side effect on recency.
+
+        Never waits on the medium. When the answer needs it (a key nobody knows, a hit not
+        checked lately) and ``call`` is given, the tier starts the checks, adds them to
+        ``call.outstanding`` (taking them off in :meth:`poll` as they end), moves
+        ``call.deadline`` to its bound at the latest, and says ``pending`` (``hit`` and
+        ``tiers`` may then be left as they came). Without ``call`` (the answer of a parked
+        lookup) or when it cannot start them (its checks are saturated) it answers from what
+        it knows now: a key not confirmed is a miss for this lookup (not forgotten)."""
         ...
 
     def promote(
@@ -97,7 +142,8 @@ class LowerTier(Protocol):
         ...
 
     def poll(self) -> list[PromoteAnswer]:
-        """Take finished work: answers of parked promotes (done, failed or past their deadline).
+        """Take finished work: answers of parked promotes (done, failed or past their deadline),
+        and the results of lookup checks (the parked lookups' ``outstanding`` counts drop).
         Called by the request loop without the lock held (the tier takes it)."""
         ...
 
@@ -135,22 +181,36 @@ class LowerTier(Protocol):
 class TierList:
     """The tiers below the pool in priority order, driven as one by the server.
 
-    A lookup asks each tier in turn to check and extend the prefix. Write-through and
+    A lookup asks each tier in turn to check and extend the prefix; when a tier says it is
+    still finding out (``pending``), the call is parked here, and :meth:`poll` returns its
+    :class:`LookupAnswer` once no tier has checks of it outstanding or its deadline passed.
+    Write-through and
     promotes go to the first tier (the only one today); routing them by where each key
     lives is for the issue that adds a second tier. Empty when storage is off."""
 
     def __init__(self, tiers: Iterable[LowerTier] = ()):
         self.tiers = list(tiers)
+        self._lookups: list[ParkedLookup] = []
 
     def __bool__(self) -> bool:
         return bool(self.tiers)
 
-    def lookup(self, ns: Namespace, keys: list[bytes], hit: int, tiers: list[int]) -> Presence:
-        pending = False
+    def lookup(
+        self,
+        ns: Namespace,
+        keys: list[bytes],
+        hit: int,
+        tiers: list[int],
+        call: ParkedLookup | None = None,
+    ) -> Presence:
+        """Pending from any tier parks ``call`` (the tiers after it are asked when the call is
+        answered: what they would check lies past a prefix not known yet)."""
         for t in self.tiers:
-            hit, more = t.lookup(ns, keys, hit, tiers)
-            pending |= more
-        return Presence(hit, pending)
+            hit, pending = t.lookup(ns, keys, hit, tiers, call)
+            if pending and call is not None:
+                self._lookups.append(call)
+                return Presence(hit, True)
+        return Presence(hit, False)
 
     def promote(
         self, client: Client, seq: int, ns: Namespace, keys: list[bytes], timeout: float
@@ -168,13 +228,29 @@ class TierList:
     def pending_spills(self) -> int:
         return sum(t.pending_spills() for t in self.tiers)
 
-    def poll(self) -> list[PromoteAnswer]:
-        answers: list[PromoteAnswer] = []
+    def poll(self) -> list[PromoteAnswer | LookupAnswer]:
+        answers: list[PromoteAnswer | LookupAnswer] = []
         for t in self.tiers:
             answers += t.poll()
+        if self._lookups:
+            now = time.monotonic()
+            for call in self._lookups:
+                if not call.done and (call.outstanding <= 0 or now >= call.deadline):
+                    call.done = True
+                    if call.client.alive:
+                        answers.append(LookupAnswer(call.client, call.seq, call.ns, call.n))
+            self._lookups = [call for call in self._lookups if not call.done]
         return answers
 
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a parked lookup (the request loop wakes by then)."""
+        return min((c.deadline for c in self._lookups), default=None)
+
     def client_gone(self, client: Client) -> None:
+        for call in self._lookups:
+            if call.client is client:
+                call.done = True
+        self._lookups = [call for call in self._lookups if not call.done]
         for t in self.tiers:
             t.client_gone(client)
 

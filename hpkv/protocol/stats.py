@@ -49,9 +49,9 @@ class NsCounter(IntEnum):
 NS_COUNTERS = len(NsCounter)
 
 MAGIC = 0x53544154564B5048  # "HPKVTATS"
-VERSION = 1
+VERSION = 2  # 2: GLOBAL_SLOTS 32 -> 48 (the storage tier's health counters)
 HEADER_SLOTS = 16
-GLOBAL_SLOTS = 32
+GLOBAL_SLOTS = 48
 MAX_NS = 64
 NS_SLOTS = 16
 MAX_WORKERS = 64
@@ -97,6 +97,14 @@ class G(IntEnum):
     STORAGE_PROMOTES = 27  # files read into the pool
     STORAGE_EVICTED_FILES = 28  # files removed by the capacity limit
     STORAGE_SPILLS_PENDING = 29  # gauge: spill jobs queued or running (the write-through still to do)
+    # The storage tier's health (a hung or slow mount degrades it, never stalls the server).
+    STORAGE_DEGRADED = 32  # gauge: 1 while the file system answers late or not at all
+    STORAGE_LOOKUPS_BOUNDED = 33  # lookups answered at HPKV_STORAGE_LOOKUP_WAIT_MS, keys unconfirmed
+    STORAGE_STAT_TIMEOUTS = 34  # stat batches still running at the lookup bound
+    STORAGE_STAT_SATURATED = 35  # lookups answered at once: every stat thread busy
+    STORAGE_GONE = 36  # blocks whose files vanished (another server's eviction: ENOENT, ESTALE)
+    STORAGE_SPILLS_DROPPED = 37  # blocks not spilled: storage degraded, a quarter of the pool queued
+    STORAGE_PROMOTE_TIMEOUTS = 38  # promotes answered at their deadline with reads outstanding
 
 
 class W(IntEnum):
@@ -297,4 +305,13 @@ def _storage_snapshot(g: np.ndarray, cat: dict[str, Any]) -> dict[str, Any]:
         "promotes": int(g[G.STORAGE_PROMOTES]),
         "evicted_files": int(g[G.STORAGE_EVICTED_FILES]),
         "spills_pending": int(g[G.STORAGE_SPILLS_PENDING]),
+        "state": "degraded" if g[G.STORAGE_DEGRADED] else "ok",  # the gauge is live, the reason
+        "degraded_reason": cat.get("degraded_reason") if g[G.STORAGE_DEGRADED] else None,  # follows
+        "degraded_since": cat.get("degraded_since") if g[G.STORAGE_DEGRADED] else None,
+        "lookups_bounded": int(g[G.STORAGE_LOOKUPS_BOUNDED]),
+        "stat_timeouts": int(g[G.STORAGE_STAT_TIMEOUTS]),
+        "stat_saturated": int(g[G.STORAGE_STAT_SATURATED]),
+        "gone": int(g[G.STORAGE_GONE]),
+        "spills_dropped": int(g[G.STORAGE_SPILLS_DROPPED]),
+        "promote_timeouts": int(g[G.STORAGE_PROMOTE_TIMEOUTS]),
     }

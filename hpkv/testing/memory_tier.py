@@ -10,7 +10,12 @@ never at once, like IO. Faults:
 * ``delay_polls``: polls a job waits before it finishes (slow answers);
 * ``fail_spills`` / ``fail_promotes``: keys whose spill / promote fails;
 * :meth:`lose`: a block's data vanishes underneath (files deleted from outside): a lookup
-  that checks it, or a promote of it, misses, and the tier forgets it.
+  that checks it, or a promote of it, misses, and the tier forgets it;
+* ``presence_polls``: a slow medium for lookups (a stat on a slow mount). A lookup that must
+  ask the medium about a key nobody knows starts a check that ends after this many polls
+  (None: never, a hung mount), and parks the call for at most ``lookup_wait`` seconds; at
+  most ``max_checks`` checks run at once (beyond: saturated, the lookup answers at once).
+  0 (the default) answers at once, as before.
 
 With ``pool`` (a byte array the size of the index's pool) the data really moves: a spill
 copies the slots out, a promote copies them back in.
@@ -27,7 +32,7 @@ import numpy as np
 
 from hpkv.engine.index import Block, Index, Namespace
 from hpkv.engine.storage.catalog import FileCatalog
-from hpkv.engine.tiers import Client, ParkedPromote, Presence, PromoteAnswer
+from hpkv.engine.tiers import Client, ParkedLookup, ParkedPromote, Presence, PromoteAnswer
 from hpkv.protocol.stats import NsCounter
 from hpkv.protocol.wire import Tier
 
@@ -38,6 +43,16 @@ class _Job:
     block: Block
     polls_left: int
     waiters: list[tuple[ParkedPromote, int]] = field(default_factory=list)
+
+
+@dataclass
+class _Check:
+    """A lookup's question to the slow medium: are these keys there? (answered in order)"""
+
+    ns: Namespace
+    keys: list[bytes]
+    polls_left: int | None  # None: never ends (a hung medium)
+    waiters: list[ParkedLookup] = field(default_factory=list)
 
 
 class MemoryTier:
@@ -52,6 +67,11 @@ class MemoryTier:
         self.fail_spills: set[bytes] = set()
         self.fail_promotes: set[bytes] = set()
         self.attached: set[int] = set()
+        self.presence_polls: int | None = 0
+        self.lookup_wait = 0.005
+        self.max_checks = 4
+        self.saturated = 0  # lookups answered at once because max_checks were running
+        self._checks: list[_Check] = []
         self._jobs: list[_Job] = []
         self._promoting: dict[bytes, _Job] = {}
         self._calls: list[ParkedPromote] = []
@@ -68,7 +88,16 @@ class MemoryTier:
         self.medium[key] = shards if shards is not None else [b""] * ns.world_size
 
     # ------------------------------------------------------------ the contract
-    def lookup(self, ns: Namespace, keys: list[bytes], hit: int, tiers: list[int]) -> Presence:
+    def lookup(
+        self,
+        ns: Namespace,
+        keys: list[bytes],
+        hit: int,
+        tiers: list[int],
+        call: ParkedLookup | None = None,
+    ) -> Presence:
+        if self.presence_polls != 0:
+            return self._slow_lookup(ns, keys, hit, call)
         for i in range(hit):
             if tiers[i] == Tier.STORAGE and keys[i] not in self.medium and keys[i] not in self._promoting:
                 self.catalog.forget(keys[i])
@@ -82,6 +111,41 @@ class MemoryTier:
             tiers.extend(more_tiers)
             hit += more
         return Presence(hit)
+
+    def _slow_lookup(self, ns: Namespace, keys: list[bytes], hit: int, call: ParkedLookup | None) -> Presence:
+        """A slow medium: what is known stands; the keys after it are asked about off the
+        request loop (found ones join the catalog, so the index has them when the call is
+        answered). Deletions underneath are found by promotes only in this mode."""
+        if hit >= len(keys) or not self.catalog.unknown(keys[hit]):
+            return Presence(hit)
+        running = next((c for c in self._checks if keys[hit] in c.keys), None)
+        if running is None:
+            if len(self._checks) >= self.max_checks:
+                self.saturated += 1
+                return Presence(hit)
+            running = _Check(ns, [k for k in keys[hit:] if self.catalog.unknown(k)], self.presence_polls)
+            self._checks.append(running)
+        if call is None:
+            return Presence(hit)
+        running.waiters.append(call)
+        call.outstanding += 1
+        call.deadline = max(call.deadline, time.monotonic() + self.lookup_wait)
+        return Presence(hit, True)
+
+    def _poll_checks(self) -> None:
+        left = []
+        for check in self._checks:
+            if check.polls_left is not None:
+                check.polls_left -= 1
+            if check.polls_left is None or check.polls_left > 0:
+                left.append(check)
+                continue
+            for k in check.keys:
+                if not self._learn(check.ns, k) and k not in self.catalog:
+                    break
+            for call in check.waiters:
+                call.outstanding -= 1
+        self._checks = left
 
     def _learn(self, ns: Namespace, key: bytes) -> bool:
         return self.catalog.unknown(key) and key in self.medium and self.catalog.add(ns, key)
@@ -133,6 +197,7 @@ class MemoryTier:
         return sum(j.spill for j in self._jobs)
 
     def poll(self) -> list[PromoteAnswer]:
+        self._poll_checks()
         due = []
         for job in self._jobs:
             job.polls_left -= 1

@@ -10,6 +10,7 @@ block, one spill or one promote. Completions are returned as values
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -53,6 +54,7 @@ class BlockOp:
 class Job:
     op: BlockOp
     rank: int
+    sent: float = 0.0  # when it was pushed to a worker (monotonic)
 
 
 @dataclass
@@ -123,6 +125,18 @@ class IoLinks:
 
     def spill_jobs(self) -> int:
         return len(self.spill_q) + sum(lk.spills for lk in self.links)
+
+    def spill_queue_bytes(self) -> int:
+        """Pool bytes of the spill jobs queued and not yet pushed to a worker."""
+        return sum(job.op.block.ns.shard_bytes for job in self.spill_q)
+
+    def oldest_job(self, now: float) -> float:
+        """Seconds the oldest job held by a live worker has been running (0 when none)."""
+        oldest = 0.0
+        for link in self.links:
+            if link.inflight and not link.dead:
+                oldest = max(oldest, now - next(iter(link.inflight.values())).sent)
+        return oldest
 
     def worker_died(self, w: WorkerProcess) -> bool:
         """Supervisor: an IO worker exited; the request loop recovers its jobs (:meth:`collect`)."""
@@ -219,5 +233,6 @@ class IoLinks:
                 if not pushed:
                     return  # ring full (a stuck worker): try again on the next wake-up
                 q.popleft()
+                job.sent = time.monotonic()
                 link.inflight[self._seq] = job
                 link.spills += spill

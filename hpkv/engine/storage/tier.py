@@ -40,11 +40,13 @@ import numpy as np
 from hpkv.config import Config
 from hpkv.engine.index import Block, Index, Namespace
 from hpkv.engine.storage.catalog import FileCatalog
+from hpkv.engine.storage.health import Health
 from hpkv.engine.storage.links import BlockOp, Completion, IoLinks
 from hpkv.engine.storage.probe import DirectIoProbe, probe_o_direct, virtio_disk
-from hpkv.engine.storage.scan import Scanner, stat_block
+from hpkv.engine.storage.scan import Scanner
+from hpkv.engine.storage.stat import GONE, THERE, StatBatch, StatPool
 from hpkv.engine.storage.upkeep import IoErrorLog, Upkeep, unlink_quietly
-from hpkv.engine.tiers import Client, ParkedPromote, Presence, PromoteAnswer
+from hpkv.engine.tiers import Client, ParkedLookup, ParkedPromote, Presence, PromoteAnswer
 from hpkv.engine.workers import WorkerProcess
 from hpkv.io_workers import kvfile
 from hpkv.io_workers.tree import StorageTree
@@ -60,6 +62,13 @@ log = logging.getLogger("hpkv.storage")
 VIRTIO_READ_INFLIGHT = 4 << 20
 MAX_SPILL_ATTEMPTS = 3  # for errors other than ENOSPC / a dead worker
 MAX_RETRY_BLOCKS = 100_000
+MAX_STAT_KEYS = 256  # unknown keys after a lookup's prefix checked by one stat batch
+NEGATIVE_TTL_S = 1.0  # a key whose files a stat found missing is not stat-ed again for this long
+MAX_NEGATIVE = 65_536  # keys remembered missing (the oldest are forgotten first)
+SPILL_QUEUE_SHARE = 4  # degraded: queued spills hold at most 1/this of the pool (beyond: dropped)
+SLOW_STAT_S = 1.0  # a stat outstanding this long marks the tier degraded
+GONE_STATUSES = (-errno.ENOENT, -errno.ESTALE)  # a promote's file vanished: gone, not an error
+SLOW_IO_S = 5.0  # an IO job (spill or promote) outstanding this long marks the tier degraded
 
 
 class FileTier:
@@ -104,6 +113,14 @@ class FileTier:
         self._retry: OrderedDict[bytes, int] = OrderedDict()  # key -> failed spill attempts
         self._ns_raw: dict[int, bytes] = {}
         self._catalog_dirty = False
+        # lookups' stats (off the request loop): see lookup() and hpkv.engine.storage.stat
+        self.lookup_wait = float(cfg["HPKV_STORAGE_LOOKUP_WAIT_MS"]) / 1000.0
+        self.stats_pool: StatPool
+        self._checking: dict[bytes, StatBatch] = {}  # key -> the batch stat-ing it
+        self._waiters: dict[int, list[ParkedLookup]] = {}  # id(batch) -> lookups waiting for it
+        self._missing: OrderedDict[bytes, float] = OrderedDict()  # key -> stat-ed missing until
+        self._spill_limit = max(index.alloc.capacity // SPILL_QUEUE_SHARE, 1)  # bytes of queued spills
+        self.health = Health(self.g)
 
     # ================================================================ life cycle
     def start(self, slots: list[int], maintenance: bool = True) -> list[WorkerProcess]:
@@ -137,6 +154,7 @@ class FileTier:
             skip=lambda key: key in self._promoting,
             wake=self.upkeep.wake,
         )
+        self.stats_pool = StatPool(self.tree, self.doorbell)
         self.upkeep.clean_quarantine()
         self.probe = probe_o_direct(self.root, dir_fd=self.tree.root_fd)
         self.o_direct_reason = self.probe.reason
@@ -201,6 +219,7 @@ class FileTier:
         """Stop the threads and close the rings (after the server stopped the workers)."""
         self.upkeep.stop()
         self.scanner.stop()
+        self.stats_pool.shutdown()
         self.links.close()
 
     def describe(self) -> dict[str, Any]:
@@ -211,10 +230,11 @@ class FileTier:
             "fs_type": self.probe.fs_type if self.probe else None,
             "read_bounce": self.bounce_reads,
             "scans_done": sorted(k for k, v in self.scanner.done.items() if v),
+            **self.health.describe(),
         }
 
     def take_catalog_dirty(self) -> bool:
-        dirty = self._catalog_dirty or self.scanner.finished
+        dirty = self._catalog_dirty or self.scanner.finished or self.health.take_changed()
         self._catalog_dirty = self.scanner.finished = False
         return dirty
 
@@ -238,54 +258,165 @@ class FileTier:
         self.catalog.publish(self.g)
 
     # ================================================================ hot path (request loop, lock held)
-    def lookup(self, ns: Namespace, keys: list[bytes], hit: int, tiers: list[int]) -> Presence:
+    def lookup(
+        self,
+        ns: Namespace,
+        keys: list[bytes],
+        hit: int,
+        tiers: list[int],
+        call: ParkedLookup | None = None,
+    ) -> Presence:
         """Cut the prefix at the first storage hit whose files are gone (deleted from outside),
         then continue it past keys nobody knew but whose files exist (the scan is not there
-        yet, or another server wrote them)."""
-        if P.Tier.STORAGE in tiers:
-            hit = self._verify(ns, keys, hit, tiers)
-        while hit < len(keys) and self._stat_unknown(ns, keys[hit]):
-            more, more_tiers = self.index.lookup(ns.ns_id, keys[hit:])
-            if not more:  # its files exist but the index did not take it (another namespace's key)
-                break
-            tiers.extend(more_tiers)
-            hit += more
+        yet, or another server wrote them). The stats run on the stat threads: with ``call``
+        the lookup is parked until they end (at most ``HPKV_STORAGE_LOOKUP_WAIT_MS``); without
+        it, or when the stat threads are saturated, a key not confirmed is a miss now."""
+        now = time.monotonic()
+        verify = [
+            keys[i]
+            for i in range(hit)
+            if tiers[i] == P.Tier.STORAGE and self.catalog.needs_verify(ns, keys[i], now)
+        ]
+        extend = self._to_discover(keys, hit)
+        if not verify and not extend:
+            return Presence(hit)
+        if call is not None:
+            batches = self._check(ns, verify, extend)
+            if batches:
+                for b in batches:
+                    self._waiters.setdefault(id(b), []).append(call)
+                call.outstanding += len(batches)
+                call.deadline = max(call.deadline, now + self.lookup_wait)
+                return Presence(hit, True)
+            self.g[G.STORAGE_STAT_SATURATED] += 1
+        else:
+            self._check(ns, verify, extend)  # for the next lookup, if the threads have room
+        # Answer now: a hit due for a check that is not done is a miss for this lookup.
+        for i in range(hit):
+            if tiers[i] == P.Tier.STORAGE and self.catalog.needs_verify(ns, keys[i], now):
+                if call is None:
+                    self.g[G.STORAGE_LOOKUPS_BOUNDED] += 1
+                del tiers[i:]
+                return Presence(i)
+        if call is None and extend and keys[hit] in self._checking:
+            self.g[G.STORAGE_LOOKUPS_BOUNDED] += 1
         return Presence(hit)
 
-    def _verify(self, ns: Namespace, keys: list[bytes], hit: int, tiers: list[int]) -> int:
-        """The catalog forgets a storage hit whose files are gone, so no load is promised that
-        a promote cannot keep. Each block is stat-ed at most every VERIFY_TTL_S."""
-        now = time.monotonic()
-        for i in range(hit):
-            if tiers[i] != P.Tier.STORAGE or not self.catalog.needs_verify(ns, keys[i], now):
-                continue
-            try:
-                there = stat_block(self.tree, ns, keys[i])
-            except OSError:
-                there = True  # an IO error is not proof it is gone: the promote will tell
-            if there:
-                self.catalog.verified(keys[i], now)
-                continue
-            self.catalog.forget(keys[i])
-            del tiers[i:]
-            return i
-        return hit
+    def _to_discover(self, keys: list[bytes], hit: int) -> list[bytes]:
+        """The keys after the prefix whose files a stat may find: nobody knows them and no
+        stat found them missing within NEGATIVE_TTL_S (the first such key ends the list)."""
+        out: list[bytes] = []
+        if hit >= len(keys) or not self.catalog.unknown(keys[hit]) or self._known_missing(keys[hit]):
+            return out
+        for k in keys[hit : hit + MAX_STAT_KEYS]:
+            if not self.catalog.unknown(k):
+                continue  # in DRAM or known here: a hit of the index by itself
+            if self._known_missing(k):
+                break
+            out.append(k)
+        return out
 
-    def _stat_unknown(self, ns: Namespace, key: bytes) -> bool:
-        """Does a key nobody knows have all its files? If so the catalog learns it."""
-        if not self.catalog.unknown(key):
+    def _known_missing(self, key: bytes) -> bool:
+        until = self._missing.get(key)
+        if until is None:
             return False
-        try:
-            there = stat_block(self.tree, ns, key)
-        except OSError as exc:
-            self.errors.io_error("stat", exc.errno or errno.EIO, str(exc.filename))
-            return False
-        if there:
-            self.catalog.add(ns, key, recent=True)
-        return there
+        if until > time.monotonic():
+            return True
+        del self._missing[key]
+        return False
+
+    def _check(self, ns: Namespace, verify: list[bytes], extend: list[bytes]) -> list[StatBatch]:
+        """The stat batches these keys wait on: the ones running for some of them, and one new
+        batch for the rest. Empty when a new batch was needed and the pool is saturated."""
+        waiting: dict[int, StatBatch] = {}
+        new_verify, new_extend = [], []
+        for k in verify:
+            b = self._checking.get(k)
+            if b is not None:
+                waiting[id(b)] = b
+            else:
+                new_verify.append(k)
+        for k in extend:
+            b = self._checking.get(k)
+            if b is not None:
+                waiting[id(b)] = b
+            else:
+                new_extend.append(k)
+        if new_verify or new_extend:
+            batch = StatBatch(ns, new_verify, new_extend)
+            if not self.stats_pool.submit(batch):
+                return []
+            for k in batch.checked():
+                self._checking[k] = batch
+            waiting[id(batch)] = batch
+        return list(waiting.values())
+
+    def _stats_done(self, now: float) -> None:
+        """Apply finished stat batches (request loop, lock held) and take them off the parked
+        lookups waiting for them."""
+        gone = 0
+        for b in self.stats_pool.take():
+            for k in b.checked():
+                if self._checking.get(k) is b:
+                    del self._checking[k]
+            for call in self._waiters.pop(id(b), ()):
+                call.outstanding -= 1
+            for exc in b.errors:
+                self.errors.io_error("stat", exc.errno or errno.EIO, str(exc.filename))
+            if not b.ns.released:
+                gone += self._apply_verify(b)
+                self._apply_extend(b, now)
+        if gone:
+            self._gone(gone, "a lookup's check")
+
+    def _apply_verify(self, b: StatBatch) -> int:
+        """Storage hits checked: gone ones leave the catalog (returns how many), the others were
+        seen (an error is no proof they are gone)."""
+        gone = 0
+        for k in b.verify:
+            found = b.results.get(k)
+            if found is None or self.catalog.owner(k) is not b.ns:
+                continue
+            if found == GONE and self.index.owner(k) is None and k not in self._promoting:
+                self.catalog.forget(k)
+                gone += 1
+            else:
+                self.catalog.verified(k, b.finished)
+        return gone
+
+    def _apply_extend(self, b: StatBatch, now: float) -> None:
+        """Unknown keys checked: found files join the catalog, missing keys are remembered for
+        NEGATIVE_TTL_S (at most MAX_NEGATIVE of them)."""
+        for k in b.extend:
+            found = b.results.get(k)
+            if found == THERE:
+                if self.catalog.unknown(k) and self.catalog.add(b.ns, k, recent=True):
+                    self.catalog.verified(k, b.finished)
+            elif found == GONE:
+                self._missing[k] = now + NEGATIVE_TTL_S
+                self._missing.move_to_end(k)
+                while len(self._missing) > MAX_NEGATIVE:
+                    self._missing.popitem(last=False)
+
+    def _gone(self, n: int, where: str) -> None:
+        """Files of known blocks vanished: another server's capacity eviction or an operator,
+        normal on a shared directory. Counted and logged at INFO, never an IO error."""
+        self.g[G.STORAGE_GONE] += n
+        self.errors.log(
+            logging.INFO,
+            "gone",
+            "%d block(s) whose files another server or an operator removed (found by %s): "
+            "forgotten, recomputed when needed",
+            n,
+            where,
+        )
 
     def spill(self, blocks: Iterable[Block]) -> None:
-        """Write-through of blocks that just became READY."""
+        """Write-through of blocks that just became READY. Spills queued behind a hung mount
+        keep their blocks' slots unevictable: while the tier is degraded, new ones beyond a
+        quarter of the pool are dropped (counted; the block stays in DRAM, evictable without
+        files). A healthy tier queues any burst: the workers drain it."""
+        queued = self.links.spill_queue_bytes()
         for b in blocks:
             if b.key in self.catalog:
                 self.catalog.touch(b.key)
@@ -294,6 +425,19 @@ class FileTier:
                 self.index.skip_spill(b)
                 self._remember_retry(b.key, 0)
                 continue
+            size = b.ns.world_size * b.ns.shard_bytes
+            if self.health.degraded and queued + size > self._spill_limit:
+                self.index.skip_spill(b)
+                self.g[G.STORAGE_SPILLS_DROPPED] += 1
+                self.errors.log(
+                    logging.WARNING,
+                    "spill-dropped",
+                    "storage degraded and %d bytes of writes queued (a quarter of the pool): new "
+                    "blocks are not written to storage (counted in spills_dropped) until it recovers",
+                    queued,
+                )
+                continue
+            queued += size
             self._start_spill(b)
         self._dispatch()
 
@@ -326,7 +470,7 @@ class FileTier:
                 if running.block.ns is ns:
                     running.waiters.append((call, i))
                     call.outstanding += 1
-            elif self.catalog.owner(k) is ns or self._stat_unknown(ns, k):
+            elif self.catalog.owner(k) is ns:
                 b = idx.begin_promote(ns, k)
                 if b is None:
                     continue  # reserved (being written), or the pool is full of pinned blocks
@@ -335,6 +479,10 @@ class FileTier:
                 self._promoting[k] = op
                 call.outstanding += 1
                 self.links.promote_q.extend(op.jobs())
+            else:
+                # nobody knows its files: missing now (a stat on the request loop could hang
+                # on the mount); the stat threads look, so a later lookup finds them
+                self._check(ns, [], self._to_discover([k], 0))
         ns.counters[NsCounter.LOADS_DRAM] += dram
         if call.outstanding == 0:
             return rows
@@ -360,6 +508,8 @@ class FileTier:
                 self._catalog_dirty = True
             for done in completions:
                 self._complete(done)
+            now = time.monotonic()
+            self._stats_done(now)
             if self.upkeep.take_pause_began():
                 self._end_queued_spills()
             if self.upkeep.take_resumed():
@@ -367,9 +517,9 @@ class FileTier:
             self._dispatch()
             self.g[G.STORAGE_SPILLS_PENDING] = self.links.spill_jobs()
             if self._calls:
-                now = time.monotonic()
                 for call in self._calls:
                     if not call.done and now >= call.deadline:
+                        self.g[G.STORAGE_PROMOTE_TIMEOUTS] += 1
                         self.errors.log(
                             logging.WARNING,
                             "promote-timeout",
@@ -381,9 +531,27 @@ class FileTier:
                         )
                         self._finish_call(call)  # whatever is not loaded yet stays -1
                 self._calls = [call for call in self._calls if not call.done]
+            self.health.update(self._degraded_reason(now))
             self.catalog.publish(self.g)
             answers, self._answers = self._answers, []
         return answers
+
+    def _degraded_reason(self, now: float) -> str | None:
+        """Why the storage tier is degraded now (None: it is not). Counts each stat batch that
+        outlives the lookup bound once (G.STORAGE_STAT_TIMEOUTS)."""
+        running = self.stats_pool.running()
+        for b in running:
+            if not b.late and now - b.submitted > self.lookup_wait:
+                b.late = True
+                self.g[G.STORAGE_STAT_TIMEOUTS] += 1
+        if self.stats_pool.saturated:
+            return "every storage stat thread is stuck (the file system does not answer)"
+        if running and now - running[0].submitted > SLOW_STAT_S:
+            return f"a stat in the storage directory has not returned for over {SLOW_STAT_S:g}s"
+        oldest = self.links.oldest_job(now)
+        if oldest > SLOW_IO_S:
+            return f"an IO worker's read or write has not returned for over {SLOW_IO_S:g}s"
+        return None
 
     def _dispatch(self) -> None:
         self.links.dispatch(self._ns_raw, spills=not self.upkeep.paused)
@@ -394,7 +562,7 @@ class FileTier:
         if done.dead_pid and op.kind == P.SPILL:  # its temporary file is nobody's now
             b = op.block
             name = kvfile.tmp_name(kvfile.file_name(b.key, rank), pid=done.dead_pid)
-            unlink_quietly(self.tree, self.errors, kvfile.rel_dir(b.ns.fingerprint, b.key), name)
+            self._unlink_later(kvfile.rel_dir(b.ns.fingerprint, b.key), [name])
         if flags & P.IO_DIRECT_FALLBACK and g[G.STORAGE_O_DIRECT]:
             g[G.STORAGE_O_DIRECT] = 0
             g[G.STORAGE_IO_ERRORS] += 1
@@ -432,6 +600,8 @@ class FileTier:
             self.upkeep.on_enospc(path)
         elif status == Status.WORKER_DIED:
             g[G.STORAGE_IO_ERRORS] += 1  # logged once by the recovery
+        elif status in GONE_STATUSES and op.kind == P.PROMOTE:
+            pass  # counted once per block by _finish_promote: not an IO error
         else:
             what = "spill" if op.kind == P.SPILL else "promote"
             err = -status if status < 0 and -status < 1000 else errno.EIO
@@ -457,7 +627,8 @@ class FileTier:
         self.index.set_io(b, -1)
         if op.status == 0:
             self._retry.pop(b.key, None)
-            self.catalog.add(b.ns, b.key, recent=True)
+            if self.catalog.add(b.ns, b.key, recent=True):
+                self.catalog.verified(b.key, time.monotonic())  # just written: no stat needed yet
             self.upkeep.spill_succeeded()
             return
         self.index.skip_spill(b)  # evictable without files; retried later if still in DRAM
@@ -471,8 +642,18 @@ class FileTier:
             self._retry.pop(b.key, None)
             # give up: the ranks we did write are orphans nobody will complete
             rel = kvfile.rel_dir(b.ns.fingerprint, b.key)
-            for rank in op.written:
-                unlink_quietly(self.tree, self.errors, rel, kvfile.file_name(b.key, rank))
+            self._unlink_later(rel, [kvfile.file_name(b.key, rank) for rank in op.written])
+
+    def _unlink_later(self, rel: str, names: list[str]) -> None:
+        """Unlink files on a stat thread (never on the request loop: the mount may hang). With
+        the threads saturated they stay: a scan removes a dead writer's temporary file later."""
+
+        def unlink() -> None:
+            for name in names:
+                unlink_quietly(self.tree, self.errors, rel, name)  # IoErrorLog is thread-safe
+
+        if names:
+            self.stats_pool.submit(unlink)
 
     def _remember_retry(self, key: bytes, attempts: int) -> None:
         self._retry[key] = attempts
@@ -503,8 +684,10 @@ class FileTier:
         self.index.finish_promote(key, ok)
         if ok:
             self.catalog.touch(key)
-        elif op.status in (Status.CORRUPT, -errno.ENOENT):
-            self.catalog.forget(key)  # the file is gone or quarantined
+        elif op.status == Status.CORRUPT:
+            self.catalog.forget(key)  # quarantined
+        elif op.status in GONE_STATUSES and self.catalog.forget(key) is not None:
+            self._gone(1, "a promote")  # another server's evictor, an operator
         loaded = 0
         for call, row in op.waiters:
             if ok and not call.done and call.client.alive:
