@@ -316,7 +316,24 @@ def _storage(s: dict[str, Any], width: int) -> list[Line]:
     ]
     second = join_fit(parts, width)
     bad = errors or quarantined or st.get("spill_paused") or not st.get("o_direct")
-    return [(first, "text"), (second, "warn" if bad else "text")]
+    lines: list[Line] = [(first, "text"), (second, "warn" if bad else "text")]
+    if st.get("state") == "degraded":
+        since = st.get("degraded_since")
+        when = time.strftime(" since %H:%M:%S", time.localtime(since)) if since else ""
+        reason = st.get("degraded_reason") or "the file system answers late"
+        lines.append((clip(f"         DEGRADED{when}: {reason}", width), "warn"))
+    counts = [
+        ("lookups at bound", "lookups_bounded"),
+        ("stat timeouts", "stat_timeouts"),
+        ("stats saturated", "stat_saturated"),
+        ("gone", "gone"),
+        ("spills dropped", "spills_dropped"),
+        ("promote timeouts", "promote_timeouts"),
+    ]
+    shown = [f"{label} {fmt_count(st[k])}" for label, k in counts if st.get(k)]
+    if shown:
+        lines.append((join_fit(["        ", *shown], width), "text"))
+    return lines
 
 
 # Traffic rows: (label, series of the rate, series of the token rate or None, is bytes)

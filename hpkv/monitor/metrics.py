@@ -257,6 +257,37 @@ def families(snap: dict[str, Any], rings: dict[str, Any]) -> Iterator[Metric]:
             "Spill jobs queued or running: write-through not yet on storage.",
             st.get("spills_pending", 0),
         )
+        yield gauge(
+            "hpkv_storage_degraded",
+            "1 while the storage file system answers late or not at all (a hung or slow mount): "
+            "storage blocks are misses, DRAM serves; recovers by itself.",
+            1 if st.get("state") == "degraded" else 0,
+        )
+        for name, key, text in (
+            (
+                "lookups_bounded",
+                "lookups_bounded",
+                "Lookups answered at HPKV_STORAGE_LOOKUP_WAIT_MS with keys unconfirmed.",
+            ),
+            ("stat_timeouts", "stat_timeouts", "Stat batches still running at the lookup bound."),
+            (
+                "stat_saturated",
+                "stat_saturated",
+                "Lookups answered at once because every stat thread was busy.",
+            ),
+            (
+                "gone_blocks",
+                "gone",
+                "Blocks whose files another server or an operator removed (ENOENT, ESTALE).",
+            ),
+            ("spills_dropped", "spills_dropped", "Blocks not spilled because the spill queue was full."),
+            (
+                "promote_timeouts",
+                "promote_timeouts",
+                "Promotes answered at their deadline with reads outstanding.",
+            ),
+        ):
+            yield counter(f"hpkv_storage_{name}", text, st.get(key, 0))
 
     # ------------------------------------------------------------ rings
     depth = gauge("hpkv_ring_depth", "Descriptors queued in the ring.", labels=("ring",))

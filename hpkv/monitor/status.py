@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 from hpkv.common.numa import format_cpulist
 from hpkv.config import Config, format_size
@@ -29,13 +30,34 @@ def read_snapshot(cfg: Config) -> dict | None:
         seg.close()
 
 
+def _storage_state(st: dict) -> str:
+    """The storage tier's state after its path: nothing when all is well and nothing went."""
+    out = ""
+    if st.get("state") == "degraded":
+        since = st.get("degraded_since")
+        when = time.strftime(" since %H:%M:%S", time.localtime(since)) if since else ""
+        out += f"  DEGRADED{when}: {st.get('degraded_reason') or 'the file system answers late'}"
+    counts = [
+        ("lookups at bound", "lookups_bounded"),
+        ("stat timeouts", "stat_timeouts"),
+        ("stats saturated", "stat_saturated"),
+        ("gone", "gone"),
+        ("spills dropped", "spills_dropped"),
+        ("promote timeouts", "promote_timeouts"),
+    ]
+    shown = [f"{label} {st[k]}" for label, k in counts if st.get(k)]
+    if shown:
+        out += "\n          " + "  ".join(shown)
+    return out
+
+
 def format_status(s: dict) -> str:
     p = s["pool"]
     lines = [
         f"hpkv server pid {s['server']['pid']}  pool dir {s['server'].get('pool_dir')}",
         f"pool      {format_size(p['used_bytes'])} used / {format_size(p['capacity_bytes'])}"
         f"  pinned {format_size(p['pinned_bytes'])}  blocks {p['blocks']}",
-        f"storage   {s['server'].get('storage') or 'disabled'}",
+        f"storage   {s['server'].get('storage') or 'disabled'}{_storage_state(s.get('storage') or {})}",
         f"requests  {s['requests']}  errors {s['errors']}  worker restarts {s['worker_restarts']}",
         "",
         "NAMESPACE            RANKS  DRAM BLOCKS  PINNED  HITS DRAM  HITS STORAGE  MISSES  EVICTIONS",
