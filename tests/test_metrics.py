@@ -254,3 +254,24 @@ def test_storage_figures_are_exported_when_the_segment_has_them():
     disabled = _exposition(_snapshot(storage={"path": None}, server={"pid": 1, "storage": None}))
     assert value(disabled, "hpkv_storage_enabled") == 0
     assert "hpkv_storage_files" not in disabled
+
+
+def test_a_degraded_storage_tier_and_its_counters_are_exported():
+    storage = {
+        "path": "/nfs/kv",
+        "state": "degraded",
+        "degraded_reason": "a stat in the storage directory has not returned for over 1s",
+        "lookups_bounded": 3,
+        "stat_saturated": 7,
+        "gone": 2,
+        "spills_dropped": 5,
+    }
+    text = _exposition(_snapshot(storage=storage))
+    assert value(text, "hpkv_storage_degraded") == 1
+    assert value(text, "hpkv_storage_lookups_bounded_total") == 3
+    assert value(text, "hpkv_storage_stat_saturated_total") == 7
+    assert value(text, "hpkv_storage_gone_total") == 2
+    assert value(text, "hpkv_storage_spills_dropped_total") == 5
+    assert value(text, "hpkv_storage_promote_timeouts_total") == 0
+    ok = _exposition(_snapshot(storage={**storage, "state": "ok"}))
+    assert value(ok, "hpkv_storage_degraded") == 0

@@ -107,9 +107,14 @@ def test_a_hung_mount_costs_a_lookup_its_bound_and_dram_hits_nothing(tmp_path):
         env = private_env(storage=str(view), HPKV_NUM_IO_WORKERS="1")
         with running(env) as srv:
             w = Writer(srv, shard=SHARD, fp=FP)
+            stored = w.keys(range(10, 14))  # on storage only
+            w.put(stored)
+            w.wait_spilled(4)
+            assert w.c.clear(w.ns.ns_id) == 4
             dram = w.keys(range(4))
             w.put(dram)
-            w.wait_spilled(4)
+            w.wait_spilled(8)
+            assert w.c.lookup(w.ns.ns_id, stored) == (4, [2] * 4)
             other = connect(srv.cfg, spawn=False, call_timeout=10.0)  # client 2: another engine
             ns2 = other.attach_namespace(FP, 1, SHARD, name="storage-test")
             assert other.lookup(ns2.ns_id, dram) == (4, [1] * 4)
@@ -134,9 +139,25 @@ def test_a_hung_mount_costs_a_lookup_its_bound_and_dram_hits_nothing(tmp_path):
                     lambda: (s := status_json(env)["storage"])["state"] == "degraded" and s, 10, "degraded"
                 )
                 assert st["degraded_reason"] and st["degraded_since"]
-                assert st["stat_saturated"] >= 1 and st["lookups_bounded"] >= 1 and st["stat_timeouts"] >= 1
+                assert (
+                    st["stat_saturated"] >= 1 and st["lookups_bounded"] >= 1 and st["stat_timeouts"] >= 1
+                ), {
+                    k: st[k]
+                    for k in (
+                        "stat_saturated",
+                        "lookups_bounded",
+                        "stat_timeouts",
+                        "degraded_reason",
+                        "degraded_misses",
+                    )
+                }
                 worst = max(timed(lambda: other.lookup(ns2.ns_id, dram))[1] for _ in range(20))
                 assert worst < 0.2, f"a DRAM lookup took {worst:.3f}s while degraded"
+                # degraded: storage blocks are misses, and a promote of them does not wait
+                assert w.c.lookup(w.ns.ns_id, [*dram, *stored]) == (4, [1] * 4)
+                rows, took = timed(lambda: w.c.promote(w.ns.ns_id, stored, timeout=10.0))
+                assert (rows == -1).all() and took < 1.0, took
+                assert status_json(env)["storage"]["degraded_misses"] >= 5
             # continued: it recovers by itself and finds what was written meanwhile
             wait_for(lambda: status_json(env)["storage"]["state"] == "ok", 20, "recovery")
             wait_for(
@@ -144,6 +165,8 @@ def test_a_hung_mount_costs_a_lookup_its_bound_and_dram_hits_nothing(tmp_path):
                 10,
                 "the file written while the mount hung",
             )
+            assert w.c.lookup(w.ns.ns_id, stored) == (4, [2] * 4), "storage hits again"
+            w.check_rows(stored, w.c.promote(w.ns.ns_id, stored, timeout=10.0))
             assert "Traceback" not in srv.log()
             other.close()
             w.close()

@@ -59,6 +59,7 @@ STORAGE_FIELDS = {
     "gone",
     "spills_dropped",
     "promote_timeouts",
+    "degraded_misses",
 }
 
 

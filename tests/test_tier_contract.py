@@ -612,3 +612,28 @@ def test_while_degraded_spills_beyond_a_bound_are_dropped_and_counted(files):
     assert g[G.STORAGE_SPILLS_DROPPED] == 2 and tier.pending_spills() == 1
     assert all(idx.in_dram(ns, k) for k in keys), "the DRAM copies stay"
     assert not idx.in_io(keys[1]) and not idx.in_io(keys[2]), "evictable without files"
+
+
+def test_a_healthy_tier_queues_a_burst_of_spills_of_any_size(files):
+    idx, ns, tier, links, g = files
+    tier._spill_limit = SLOT
+    links.dispatch = lambda ns_raw, spills=True: None
+    tier.spill(put(idx, ns, keys_of("0", "1", "2")))
+    assert g[G.STORAGE_SPILLS_DROPPED] == 0 and tier.pending_spills() == 3
+
+
+def test_while_degraded_storage_blocks_are_misses_and_promotes_answer_at_once(files):
+    idx, ns, tier, links, g = files
+    tiers = TierList([tier])
+    a, b = keys_of("a", "b")
+    put(idx, ns, [a])
+    tier.catalog.add(ns, b)
+    tier.catalog.verified(b, time.monotonic())
+    assert lookup(idx, tiers, ns, [a, b]) == (2, [Tier.DRAM, Tier.STORAGE])
+    tier.health.update("a hung mount")
+    assert lookup(idx, tiers, ns, [a, b]) == (1, [Tier.DRAM]), "no load promised that would wait on the mount"
+    rows = tier.promote(FakeClient(), 1, ns, [a, b], timeout=5.0)
+    assert rows is not None and rows[0, 0] >= 0 and rows[1, 0] == -1, "answered at once"
+    assert g[G.STORAGE_DEGRADED_MISSES] == 2 and b in tier.catalog, "kept for when it recovers"
+    tier.health.update(None)
+    assert lookup(idx, tiers, ns, [a, b]) == (2, [Tier.DRAM, Tier.STORAGE])

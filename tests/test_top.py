@@ -490,3 +490,40 @@ def test_ring_peek_reads_the_depth_without_taking_an_end(tmp_path):
         cons.close()
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_status_and_top_show_a_degraded_storage_tier_with_its_reason_and_counters():
+    from hpkv.monitor import frame
+    from hpkv.monitor.status import format_status
+
+    st = {
+        "path": "/nfs/kv",
+        "files": 3,
+        "o_direct": True,
+        "state": "degraded",
+        "degraded_reason": "every storage stat thread is stuck (the file system does not answer)",
+        "degraded_since": time.time() - 5,
+        "stat_saturated": 12,
+        "gone": 0,
+    }
+    lines = frame._storage({"storage": st}, 120)
+    degraded = [text for text, style in lines if "DEGRADED" in text]
+    assert len(degraded) == 1 and "stat thread is stuck" in degraded[0] and " since " in degraded[0]
+    assert any("stats saturated 12" in text and "gone" not in text for text, _ in lines), lines
+    snap = {
+        "server": {"pid": 1, "pool_dir": "/dev/shm/x", "storage": "/nfs/kv"},
+        "pool": {"used_bytes": 0, "capacity_bytes": 1, "pinned_bytes": 0, "blocks": 0},
+        "requests": 0,
+        "errors": 0,
+        "worker_restarts": 0,
+        "namespaces": [],
+        "workers": [],
+        "clients": [],
+        "storage": st,
+    }
+    text = format_status(snap)
+    assert re.search(
+        r"^storage   /nfs/kv  DEGRADED since \d\d:\d\d:\d\d: every storage stat thread", text, re.M
+    )
+    assert "stats saturated 12" in text
+    assert "DEGRADED" not in format_status({**snap, "storage": {**st, "state": "ok"}})

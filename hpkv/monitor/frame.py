@@ -21,6 +21,7 @@ from typing import Any
 
 from hpkv.config import format_size
 from hpkv.monitor.sample import HISTORY_S, View
+from hpkv.protocol.stats import STORAGE_HEALTH_COUNTERS
 
 #: (text, style); style is one of "title", "head", "text", "warn", "dim".
 Line = tuple[str, str]
@@ -322,15 +323,7 @@ def _storage(s: dict[str, Any], width: int) -> list[Line]:
         when = time.strftime(" since %H:%M:%S", time.localtime(since)) if since else ""
         reason = st.get("degraded_reason") or "the file system answers late"
         lines.append((clip(f"         DEGRADED{when}: {reason}", width), "warn"))
-    counts = [
-        ("lookups at bound", "lookups_bounded"),
-        ("stat timeouts", "stat_timeouts"),
-        ("stats saturated", "stat_saturated"),
-        ("gone", "gone"),
-        ("spills dropped", "spills_dropped"),
-        ("promote timeouts", "promote_timeouts"),
-    ]
-    shown = [f"{label} {fmt_count(st[k])}" for label, k in counts if st.get(k)]
+    shown = [f"{label} {fmt_count(st[k])}" for k, label, _ in STORAGE_HEALTH_COUNTERS if st.get(k)]
     if shown:
         lines.append((join_fit(["        ", *shown], width), "text"))
     return lines

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from hpkv.config import Config
 from hpkv.monitor.rings import peek_all
 from hpkv.monitor.sample import ring_names
-from hpkv.protocol.stats import StatsSegment
+from hpkv.protocol.stats import STORAGE_HEALTH_COUNTERS, StatsSegment
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -263,31 +263,8 @@ def families(snap: dict[str, Any], rings: dict[str, Any]) -> Iterator[Metric]:
             "storage blocks are misses, DRAM serves; recovers by itself.",
             1 if st.get("state") == "degraded" else 0,
         )
-        for name, key, text in (
-            (
-                "lookups_bounded",
-                "lookups_bounded",
-                "Lookups answered at HPKV_STORAGE_LOOKUP_WAIT_MS with keys unconfirmed.",
-            ),
-            ("stat_timeouts", "stat_timeouts", "Stat batches still running at the lookup bound."),
-            (
-                "stat_saturated",
-                "stat_saturated",
-                "Lookups answered at once because every stat thread was busy.",
-            ),
-            (
-                "gone_blocks",
-                "gone",
-                "Blocks whose files another server or an operator removed (ENOENT, ESTALE).",
-            ),
-            ("spills_dropped", "spills_dropped", "Blocks not spilled because the spill queue was full."),
-            (
-                "promote_timeouts",
-                "promote_timeouts",
-                "Promotes answered at their deadline with reads outstanding.",
-            ),
-        ):
-            yield counter(f"hpkv_storage_{name}", text, st.get(key, 0))
+        for key, _, text in STORAGE_HEALTH_COUNTERS:
+            yield counter(f"hpkv_storage_{key}", text, st.get(key, 0))
 
     # ------------------------------------------------------------ rings
     depth = gauge("hpkv_ring_depth", "Descriptors queued in the ring.", labels=("ring",))

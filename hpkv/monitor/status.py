@@ -8,7 +8,7 @@ import time
 
 from hpkv.common.numa import format_cpulist
 from hpkv.config import Config, format_size
-from hpkv.protocol.stats import StatsSegment
+from hpkv.protocol.stats import STORAGE_HEALTH_COUNTERS, StatsSegment
 from hpkv.protocol.wire import live_server_pid
 
 
@@ -37,15 +37,7 @@ def _storage_state(st: dict) -> str:
         since = st.get("degraded_since")
         when = time.strftime(" since %H:%M:%S", time.localtime(since)) if since else ""
         out += f"  DEGRADED{when}: {st.get('degraded_reason') or 'the file system answers late'}"
-    counts = [
-        ("lookups at bound", "lookups_bounded"),
-        ("stat timeouts", "stat_timeouts"),
-        ("stats saturated", "stat_saturated"),
-        ("gone", "gone"),
-        ("spills dropped", "spills_dropped"),
-        ("promote timeouts", "promote_timeouts"),
-    ]
-    shown = [f"{label} {st[k]}" for label, k in counts if st.get(k)]
+    shown = [f"{label} {st[k]}" for k, label, _ in STORAGE_HEALTH_COUNTERS if st.get(k)]
     if shown:
         out += "\n          " + "  ".join(shown)
     return out

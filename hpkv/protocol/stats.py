@@ -105,6 +105,7 @@ class G(IntEnum):
     STORAGE_GONE = 36  # blocks whose files vanished (another server's eviction: ENOENT, ESTALE)
     STORAGE_SPILLS_DROPPED = 37  # blocks not spilled: storage degraded, a quarter of the pool queued
     STORAGE_PROMOTE_TIMEOUTS = 38  # promotes answered at their deadline with reads outstanding
+    STORAGE_DEGRADED_MISSES = 39  # storage blocks answered missing at once while degraded
 
 
 class W(IntEnum):
@@ -286,6 +287,22 @@ def spills_pending(directory: str) -> int:
         seg.close()
 
 
+#: The storage tier's health counters as monitors show them: (snapshot key, short label, help).
+STORAGE_HEALTH_COUNTERS = (
+    (
+        "lookups_bounded",
+        "lookups at bound",
+        "Lookups answered at HPKV_STORAGE_LOOKUP_WAIT_MS with keys unconfirmed.",
+    ),
+    ("stat_timeouts", "stat timeouts", "Stat batches still running at the lookup bound."),
+    ("stat_saturated", "stats saturated", "Lookups answered at once because every stat thread was busy."),
+    ("gone", "gone", "Blocks whose files another server or an operator removed (ENOENT, ESTALE)."),
+    ("spills_dropped", "spills dropped", "Blocks not spilled: storage degraded and its spill queue full."),
+    ("promote_timeouts", "promote timeouts", "Promotes answered at their deadline with reads outstanding."),
+    ("degraded_misses", "degraded misses", "Storage blocks answered missing at once while degraded."),
+)
+
+
 def _storage_snapshot(g: np.ndarray, cat: dict[str, Any]) -> dict[str, Any]:
     """The ``"storage"`` section of a snapshot (monitors and Prometheus read exactly these)."""
     return {
@@ -314,4 +331,5 @@ def _storage_snapshot(g: np.ndarray, cat: dict[str, Any]) -> dict[str, Any]:
         "gone": int(g[G.STORAGE_GONE]),
         "spills_dropped": int(g[G.STORAGE_SPILLS_DROPPED]),
         "promote_timeouts": int(g[G.STORAGE_PROMOTE_TIMEOUTS]),
+        "degraded_misses": int(g[G.STORAGE_DEGRADED_MISSES]),
     }

@@ -1,8 +1,9 @@
 """The storage tier's state as monitors show it: ok, or degraded with a reason and since when.
 
 Degraded means the file system answers late or not at all (a hung or slow mount): lookups
-answer storage keys as misses at their bound, promotes and spills end at their deadlines or
-are dropped, the DRAM pool serves as usual. Nothing needs doing to recover: the state goes
+end their prefix at the first storage block, promotes answer storage blocks missing at once,
+new spills beyond a bound are dropped, and nothing waits on the mount; the DRAM pool serves
+as usual. Nothing needs doing to recover: the state goes
 back to ok by itself once nothing is overdue. The request loop evaluates it on every poll
 (:meth:`Health.update`); the gauge ``G.STORAGE_DEGRADED`` and the catalog's ``state``,
 ``degraded_reason`` and ``degraded_since`` carry it to ``hpkv status``, hpkv-top and
@@ -35,8 +36,8 @@ class Health:
         if reason is not None and self.reason is None:
             self.since = time.time()
             log.warning(
-                "storage degraded: %s. Lookups answer storage blocks as misses at their bound, "
-                "DRAM keeps serving; recovers by itself",
+                "storage degraded: %s. Storage blocks are misses and nothing waits on the file "
+                "system (DRAM keeps serving) until it answers again",
                 reason,
             )
         elif reason is None and self.reason is not None:

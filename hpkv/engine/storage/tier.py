@@ -271,6 +271,10 @@ class FileTier:
         yet, or another server wrote them). The stats run on the stat threads: with ``call``
         the lookup is parked until they end (at most ``HPKV_STORAGE_LOOKUP_WAIT_MS``); without
         it, or when the stat threads are saturated, a key not confirmed is a miss now."""
+        if self.health.degraded:  # no load promised that the mount would not keep: all misses
+            if self.stats_pool.saturated and self._to_discover(keys, hit):
+                self.g[G.STORAGE_STAT_SATURATED] += 1  # a stat was due and no thread is free
+            return self._cut_at_storage(tiers, hit)
         now = time.monotonic()
         verify = [
             keys[i]
@@ -300,6 +304,16 @@ class FileTier:
                 return Presence(i)
         if call is None and extend and keys[hit] in self._checking:
             self.g[G.STORAGE_LOOKUPS_BOUNDED] += 1
+        return Presence(hit)
+
+    def _cut_at_storage(self, tiers: list[int], hit: int) -> Presence:
+        """While degraded: the prefix ends at its first storage block (counted), and nothing
+        is stat-ed (the stat threads are stuck, or the IO workers are)."""
+        for i in range(hit):
+            if tiers[i] == P.Tier.STORAGE:
+                self.g[G.STORAGE_DEGRADED_MISSES] += 1
+                del tiers[i:]
+                return Presence(i)
         return Presence(hit)
 
     def _to_discover(self, keys: list[bytes], hit: int) -> list[bytes]:
@@ -471,6 +485,9 @@ class FileTier:
                     running.waiters.append((call, i))
                     call.outstanding += 1
             elif self.catalog.owner(k) is ns:
+                if self.health.degraded:  # the read would wait on the mount till the deadline
+                    self.g[G.STORAGE_DEGRADED_MISSES] += 1
+                    continue
                 b = idx.begin_promote(ns, k)
                 if b is None:
                     continue  # reserved (being written), or the pool is full of pinned blocks
