@@ -65,6 +65,7 @@ MAX_RETRY_BLOCKS = 100_000
 MAX_STAT_KEYS = 256  # unknown keys after a lookup's prefix checked by one stat batch
 NEGATIVE_TTL_S = 1.0  # a key whose files a stat found missing is not stat-ed again for this long
 MAX_NEGATIVE = 65_536  # keys remembered missing (the oldest are forgotten first)
+MAX_WAITERS = 64  # parked lookups on one stat batch before those answered already are dropped
 SPILL_QUEUE_SHARE = 4  # degraded: queued spills hold at most 1/this of the pool (beyond: dropped)
 SLOW_STAT_S = 1.0  # a stat outstanding this long marks the tier degraded
 GONE_STATUSES = (-errno.ENOENT, -errno.ESTALE)  # a promote's file vanished: gone, not an error
@@ -288,7 +289,10 @@ class FileTier:
             batches = self._check(ns, verify, extend)
             if batches:
                 for b in batches:
-                    self._waiters.setdefault(id(b), []).append(call)
+                    waiting = self._waiters.setdefault(id(b), [])
+                    if len(waiting) >= MAX_WAITERS:  # a stuck batch: drop the calls answered already
+                        waiting[:] = [c for c in waiting if not c.done]
+                    waiting.append(call)
                 call.outstanding += len(batches)
                 call.deadline = max(call.deadline, now + self.lookup_wait)
                 return Presence(hit, True)
@@ -667,7 +671,7 @@ class FileTier:
 
         def unlink() -> None:
             for name in names:
-                unlink_quietly(self.tree, self.errors, rel, name)  # IoErrorLog is thread-safe
+                unlink_quietly(self.tree, self.errors, rel, name)  # counted as the upkeep thread does
 
         if names:
             self.stats_pool.submit(unlink)
