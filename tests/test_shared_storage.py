@@ -230,3 +230,21 @@ def test_estale_on_a_promote_means_the_file_is_gone(tmp_path):
         # only the worker's opens were made to fail: the files are there, and a stat finds them
         wait_for(lambda: w.c.lookup(w.ns.ns_id, keys) == (2, [2, 2]), 10, "the files found again")
         w.close()
+
+
+def test_a_server_stops_within_seconds_while_its_storage_mount_hangs(tmp_path):
+    with bindfs_view(tmp_path, NO_CACHE) as (real, view, daemon):
+        env = private_env(storage=str(view), HPKV_NUM_IO_WORKERS="1")
+        with running(env) as srv:
+            w = Writer(srv, shard=SHARD, fp=FP)
+            w.put(w.keys(range(4)))
+            w.wait_spilled(4)
+            with stopped(daemon):
+                w.c.lookup(w.ns.ns_id, w.keys(["unknown"]))  # a stat thread hangs
+                w.put(w.keys(range(10, 14)))  # spills that hang in the IO worker
+                w.wait_storage(lambda s: s["state"] == "degraded", 10, "degraded")
+                w.close()
+                rc, took = timed(lambda: srv.terminate(timeout=60))
+                assert rc == 0 and took < 20, f"exit status {rc} after {took:.1f}s"
+                log = srv.log()
+                assert "not written to storage: it is degraded" in log, log[-3000:]

@@ -637,3 +637,19 @@ def test_while_degraded_storage_blocks_are_misses_and_promotes_answer_at_once(fi
     assert g[G.STORAGE_DEGRADED_MISSES] == 2 and b in tier.catalog, "kept for when it recovers"
     tier.health.update(None)
     assert lookup(idx, tiers, ns, [a, b]) == (2, [Tier.DRAM, Tier.STORAGE])
+
+
+def test_a_stat_thread_stuck_in_the_file_system_does_not_hold_up_a_stop(tmp_path):
+    from hpkv.engine.storage.stat import StatPool
+
+    stuck = threading.Event()
+    pool = StatPool(tree=None, doorbell=None, threads=2, max_batches=2)  # type: ignore[arg-type]
+    try:
+        assert pool.submit(lambda: stuck.wait(30))
+        assert pool.submit(lambda: stuck.wait(30))
+        assert not pool.submit(lambda: None) and pool.saturated, "bounded: no third task queued"
+        t0 = time.monotonic()
+        pool.shutdown()
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        stuck.set()

@@ -386,14 +386,26 @@ class Server(ControlCalls):
                 pending,
                 timeout,
             )
+        degraded = False
         while pending and time.monotonic() - t0 < timeout:
             self._serve_round(0.05)
             with self.lock:
                 pending = self.tiers.pending_spills()
+                degraded = self.tiers.degraded()
+            if degraded:  # a hung mount would only run the timeout out
+                break
         seconds = time.monotonic() - t0
         written = int(self.stats.glob[G.STORAGE_SPILLS]) - written0
         first += self._drain_added
-        if pending:
+        if pending and degraded:
+            log.warning(
+                "stopping: %d block(s) were not written to storage: it is degraded (%s; %d file(s) "
+                "written meanwhile); they will be recomputed when needed",
+                pending,
+                self.tiers.describe().get("degraded_reason"),
+                written,
+            )
+        elif pending:
             log.warning(
                 "stopping: %d block(s) were not written to storage: HPKV_STOP_DRAIN_TIMEOUT=%gs "
                 "expired (%d file(s) written meanwhile); they will be recomputed when needed",

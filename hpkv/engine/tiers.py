@@ -169,6 +169,11 @@ class LowerTier(Protocol):
         """Whether what :meth:`describe` says changed since the last call."""
         ...
 
+    @property
+    def degraded(self) -> bool:
+        """The medium answers late or not at all (a hung mount): nothing waits on it now."""
+        ...
+
     def describe(self) -> dict[str, Any]:
         """The strings of the stats snapshot's section (the numbers are in the stats segment)."""
         ...
@@ -264,6 +269,10 @@ class TierList:
 
     def worker_died(self, worker: Any) -> bool:
         return any(t.worker_died(worker) for t in self.tiers)
+
+    def degraded(self) -> bool:
+        """Any tier is degraded (a stop does not wait for its spills)."""
+        return any(t.degraded for t in self.tiers)
 
     def take_catalog_dirty(self) -> bool:
         return any([t.take_catalog_dirty() for t in self.tiers])  # a list: every tier's flag is taken

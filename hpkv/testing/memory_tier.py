@@ -57,6 +57,7 @@ class _Check:
 
 class MemoryTier:
     name = "storage"
+    degraded = False
 
     def __init__(self, index: Index, pool: np.ndarray | None = None, delay_polls: int = 1):
         self.index = index

@@ -234,6 +234,10 @@ class FileTier:
             **self.health.describe(),
         }
 
+    @property
+    def degraded(self) -> bool:
+        return self.health.degraded
+
     def take_catalog_dirty(self) -> bool:
         dirty = self._catalog_dirty or self.scanner.finished or self.health.take_changed()
         self._catalog_dirty = self.scanner.finished = False
