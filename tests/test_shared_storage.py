@@ -233,18 +233,25 @@ def test_estale_on_a_promote_means_the_file_is_gone(tmp_path):
 
 
 def test_a_server_stops_within_seconds_while_its_storage_mount_hangs(tmp_path):
+    """The stop sequence ends within seconds (no spill drain into a hung mount, bounded joins).
+    The process itself is reaped only when the mount answers if a stat thread sits in a FUSE
+    request the daemon had already read (such a wait cannot be killed; on NFS it can)."""
     with bindfs_view(tmp_path, NO_CACHE) as (real, view, daemon):
         env = private_env(storage=str(view), HPKV_NUM_IO_WORKERS="1")
         with running(env) as srv:
             w = Writer(srv, shard=SHARD, fp=FP)
             w.put(w.keys(range(4)))
             w.wait_spilled(4)
+            assert srv.proc is not None
             with stopped(daemon):
                 w.c.lookup(w.ns.ns_id, w.keys(["unknown"]))  # a stat thread hangs
                 w.put(w.keys(range(10, 14)))  # spills that hang in the IO worker
                 w.wait_storage(lambda s: s["state"] == "degraded", 10, "degraded")
                 w.close()
-                rc, took = timed(lambda: srv.terminate(timeout=60))
-                assert rc == 0 and took < 20, f"exit status {rc} after {took:.1f}s"
+                t0 = time.monotonic()
+                srv.proc.send_signal(signal.SIGTERM)
+                wait_for(lambda: "stopped; pool, rings and stats removed" in srv.log(), 20, "the stop")
+                took = time.monotonic() - t0
                 log = srv.log()
                 assert "not written to storage: it is degraded" in log, log[-3000:]
+            assert srv.proc.wait(20) == 0, f"stopped in {took:.1f}s"

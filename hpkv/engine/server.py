@@ -391,7 +391,7 @@ class Server(ControlCalls):
             self._serve_round(0.05)
             with self.lock:
                 pending = self.tiers.pending_spills()
-                degraded = self.tiers.degraded()
+                degraded = self.tiers.degraded
             if degraded:  # a hung mount would only run the timeout out
                 break
         seconds = time.monotonic() - t0

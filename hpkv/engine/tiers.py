@@ -189,9 +189,8 @@ class TierList:
     A lookup asks each tier in turn to check and extend the prefix; when a tier says it is
     still finding out (``pending``), the call is parked here, and :meth:`poll` returns its
     :class:`LookupAnswer` once no tier has checks of it outstanding or its deadline passed.
-    Write-through and
-    promotes go to the first tier (the only one today); routing them by where each key
-    lives is for the issue that adds a second tier. Empty when storage is off."""
+    Write-through and promotes go to the first tier (the only one today); routing them by
+    where each key lives is for the issue that adds a second tier. Empty when storage is off."""
 
     def __init__(self, tiers: Iterable[LowerTier] = ()):
         self.tiers = list(tiers)
@@ -270,6 +269,7 @@ class TierList:
     def worker_died(self, worker: Any) -> bool:
         return any(t.worker_died(worker) for t in self.tiers)
 
+    @property
     def degraded(self) -> bool:
         """Any tier is degraded (a stop does not wait for its spills)."""
         return any(t.degraded for t in self.tiers)

@@ -112,6 +112,7 @@ class StatPool:
         self._done: deque[StatBatch] = deque()  # appended by the threads, taken by the loop
         self._lock = threading.Lock()  # guards _pending and _outstanding (threads and the loop)
         self._pending: dict[int, StatBatch] = {}  # id -> batches submitted and not finished
+        self._calls: dict[int, float] = {}  # id -> when a callable submitted and not finished was
         self._outstanding = 0  # submitted, not yet taken back (the bound)
         self._stopped = False
         self._threads = [
@@ -129,6 +130,8 @@ class StatPool:
             if isinstance(task, StatBatch):
                 task.submitted = time.monotonic()
                 self._pending[id(task)] = task
+            else:
+                self._calls[id(task)] = time.monotonic()
         self._q.put(task)
         return True
 
@@ -149,6 +152,12 @@ class StatPool:
         """The batches submitted and not finished, oldest first."""
         with self._lock:
             return sorted(self._pending.values(), key=lambda b: b.submitted)
+
+    def oldest(self, now: float) -> float:
+        """Seconds the oldest task submitted and not finished has waited (0 when none)."""
+        with self._lock:
+            since = [b.submitted for b in self._pending.values()] + list(self._calls.values())
+        return now - min(since) if since else 0.0
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -174,7 +183,7 @@ class StatPool:
                 except Exception:  # noqa: BLE001 - a thread of the pool must keep running
                     log.exception("storage file system task failed")
                 finally:
-                    self._done_callable()
+                    self._done_callable(task)
                 continue
             try:
                 task.run(self.tree)
@@ -188,7 +197,8 @@ class StatPool:
             if self.doorbell is not None:
                 self.doorbell.ring()
 
-    def _done_callable(self) -> None:
+    def _done_callable(self, task: Callable[[], None]) -> None:
         # a callable counts against the bound until it ends; the loop's take() never sees it
         with self._lock:
             self._outstanding -= 1
+            self._calls.pop(id(task), None)

@@ -569,9 +569,10 @@ class FileTier:
             if not b.late and now - b.submitted > self.lookup_wait:
                 b.late = True
                 self.g[G.STORAGE_STAT_TIMEOUTS] += 1
-        if self.stats_pool.saturated:
+        waited = self.stats_pool.oldest(now)
+        if self.stats_pool.saturated and waited > self.lookup_wait:  # not a burst of quick stats
             return "every storage stat thread is stuck (the file system does not answer)"
-        if running and now - running[0].submitted > SLOW_STAT_S:
+        if waited > SLOW_STAT_S:
             return f"a stat in the storage directory has not returned for over {SLOW_STAT_S:g}s"
         oldest = self.links.oldest_job(now)
         if oldest > SLOW_IO_S:
