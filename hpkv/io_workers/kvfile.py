@@ -139,6 +139,18 @@ def this_host() -> str:
     return _HOST
 
 
+def leave_access_time(fd: int, st: os.stat_result) -> None:
+    """Mark an opened KV file as read now: its access time is set (its modification time kept),
+    whatever the mount's ``noatime``/``relatime``. The evictor of a shared directory never deletes
+    a file whose access time is after its modification time and within
+    ``HPKV_STORAGE_READ_GRACE`` (one SETATTR per read on NFS). Failure is harmless: the file is
+    then only protected by the journals' recency."""
+    try:
+        os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
+    except OSError:
+        pass
+
+
 def quarantine_name(name: str) -> str:
     """The name the corrupt file ``name`` gets in ``<storage>/quarantine/``."""
     return f"{name}.{time.time_ns()}"
@@ -386,7 +398,9 @@ class KvFileIO:
             fd = self._open_read(rel, name)
         dest = slot.bounce(padded) if self.bounce_reads else payload
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
+            leave_access_time(fd, st)
             if size != want:
                 raise CorruptFile(f"file is {size} bytes, expected {want} for a {length}-byte payload")
             try:
