@@ -1,0 +1,264 @@
+"""Several hpkv servers on one storage directory, as two nodes would run them.
+
+Each server has its own pool directory (its own node id) and, where a test says so, its own
+bindfs view of one real storage directory with NFS-like caching (``entry_timeout``,
+``attr_timeout``, ``negative_timeout``): what a node on NFS sees. Every server, view and
+strace a test starts is stopped in a ``finally``; nothing leaves loopback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_storage import FP, Writer, running  # the storage tests' real-process helpers
+
+from hpkv.engine.storage.journal import JOURNAL_DIR
+from hpkv.engine.storage.shared import LEASE_FILE
+from hpkv.io_workers import kvfile
+from hpkv.testing.server import private_env
+
+POLL = 0.2  # HPKV_STORAGE_JOURNAL_POLL of these tests
+TTL = 1.0  # the views' attribute, entry and negative cache
+
+
+def env(storage, **extra: str) -> dict[str, str]:
+    return private_env(storage=str(storage), HPKV_STORAGE_JOURNAL_POLL=str(POLL), **extra)
+
+
+@contextlib.contextmanager
+def view(src: Path, dst: Path, ttl: float = TTL):
+    """A bindfs view of ``src`` at ``dst`` whose kernel caches entries, attributes and missing
+    names for ``ttl`` seconds (like an NFS mount with ``actimeo=ttl``, ``lookupcache=all``)."""
+    if os.geteuid() != 0 or not shutil.which("bindfs") or not os.path.exists("/dev/fuse"):
+        pytest.skip("needs root, bindfs and /dev/fuse")
+    dst.mkdir(mode=0o755, exist_ok=True)
+    opts = f"entry_timeout={ttl},attr_timeout={ttl},negative_timeout={ttl}"
+    daemon = subprocess.Popen(["bindfs", "-f", "-o", opts, str(src), str(dst)])
+    try:
+        deadline = time.monotonic() + 10
+        while f" {dst} " not in Path("/proc/self/mounts").read_text():
+            assert time.monotonic() < deadline and daemon.poll() is None, "bindfs did not mount"
+            time.sleep(0.05)
+        yield dst
+    finally:
+        subprocess.run(["umount", "-l", str(dst)], check=False)
+        daemon.terminate()
+        daemon.wait(10)
+
+
+@pytest.fixture
+def shared_root(tmp_path):
+    """(the real directory holding ``storage``, the storage directory)."""
+    src = tmp_path / "src"
+    src.mkdir(mode=0o755)
+    (src / "storage").mkdir(mode=0o700)
+    return src, src / "storage"
+
+
+def directory_bytes(root: Path) -> int:
+    """KV file bytes under ``root`` (what the capacity limits)."""
+    total = 0
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            if n.endswith(kvfile.SUFFIX) and not n.startswith("."):
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.lstat(os.path.join(dirpath, n)).st_size
+    return total
+
+
+def wait_for(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def plant_files(root: Path, fp: str, n: int, shard: int, seed: int = 0) -> list[bytes]:
+    """``n`` complete one-rank blocks with random keys (sparse files of the right size)."""
+    keys = [bytes(k) for k in np.random.default_rng(seed).integers(0, 256, (n, 16), dtype=np.uint8)]
+    for k in keys:
+        path = Path(kvfile.file_path(str(root), fp, k, 0))
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            f.truncate(kvfile.file_size(shard))
+    return keys
+
+
+@contextlib.contextmanager
+def traced(pid: int, out: Path, calls: str = "getdents64"):
+    """strace ``calls`` of every thread of ``pid`` into ``out`` while the block runs."""
+    if not shutil.which("strace"):
+        pytest.skip("needs strace")
+    proc = subprocess.Popen(["strace", "-f", "-qq", "-e", f"trace={calls}", "-o", str(out), "-p", str(pid)])
+    try:
+        time.sleep(1.0)  # attached to every thread
+        yield
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(10)
+
+
+def lease_holder(storage: Path) -> int | None:
+    try:
+        return json.loads((storage / LEASE_FILE).read_text()).get("pid")
+    except (OSError, ValueError):
+        return None
+
+
+# ------------------------------------------------------------------ discovery
+def test_a_node_finds_another_nodes_files_within_the_poll_and_cache_ttl(tmp_path, shared_root):
+    src, _ = shared_root
+    with (
+        view(src, tmp_path / "va") as va,
+        view(src, tmp_path / "vb") as vb,
+        running(env(va / "storage")) as a,
+        running(env(vb / "storage")) as b,
+    ):
+        wa, wb = Writer(a), Writer(b)
+        keys = wa.keys(range(6))
+        assert wb.c.lookup(wb.ns.ns_id, keys) == (0, []), "b looked them up: misses are cached in its view"
+        wa.put(keys)
+        wa.wait_spilled(6)
+        t0 = time.monotonic()
+        wait_for(lambda: wb.c.lookup(wb.ns.ns_id, keys) == (6, [2] * 6), 30, "b's storage hits")
+        found = time.monotonic() - t0
+        bound = POLL + TTL + 1.5  # the documented time (journal poll + attribute cache) and a bound
+        assert found <= bound, f"found after {found:.2f}s, documented within {bound:.2f}s"
+        wb.data = wa.data
+        wb.check_rows(keys, wb.c.promote(wb.ns.ns_id, keys))
+        assert "journal" in b.log() and "scan of namespace" not in b.log()
+        wa.close()
+        wb.close()
+
+
+def test_a_block_another_node_deleted_becomes_a_miss_without_an_error(tmp_path, shared_root):
+    src, storage = shared_root
+    with (
+        view(src, tmp_path / "va") as va,
+        view(src, tmp_path / "vb") as vb,
+        running(env(va / "storage")) as a,
+        running(env(vb / "storage")) as b,
+    ):
+        wa, wb = Writer(a), Writer(b)
+        keys = wa.keys(range(4))
+        wa.put(keys)
+        wa.wait_spilled(4)
+        wait_for(lambda: wb.c.lookup(wb.ns.ns_id, keys) == (4, [2] * 4), 30, "b's storage hits")
+        for k in keys[2:]:  # an operator (or another node's evictor) removes two blocks
+            os.unlink(kvfile.file_path(str(storage), wa.fp, k, 0))
+        wait_for(lambda: wb.c.lookup(wb.ns.ns_id, keys) == (2, [2] * 2), POLL + TTL + 5, "the miss")
+        rows = wb.c.promote(wb.ns.ns_id, keys[:3])  # the hit and the next block, as a connector asks
+        assert (rows[:2] >= 0).all() and (rows[2:] == -1).all()
+        wb.c.unpin(wb.ns.ns_id, keys[:2])
+        assert not [ln for ln in b.log().splitlines() if " ERROR " in ln], b.log()[-3000:]
+        assert wb.storage()["io_errors"] == 0
+        wa.close()
+        wb.close()
+
+
+def test_attach_reads_the_journals_instead_of_rescanning_the_tree(tmp_path, shared_root):
+    _, storage = shared_root
+    shard = 4096
+    planted = plant_files(storage, FP, 3000, shard)  # files of an older hpkv: no journal
+    with running(env(storage)) as a:  # the first attach scans the tree once and journals it
+        with traced(a.proc.pid, tmp_path / "a.trace"):
+            wa = Writer(a, shard=shard)
+            wa.wait_storage(lambda s: s["files"] == 3000, 60, "a's scan")
+        assert "scan of namespace" in a.log()
+        scan_reads = (tmp_path / "a.trace").read_text().count("getdents64(")
+        wait_for(lambda: (storage / FP / JOURNAL_DIR).exists(), 10, "a's journal")
+        with running(env(storage)) as b:  # another node attaches: reads the journal
+            with traced(b.proc.pid, tmp_path / "b.trace"):
+                wb = Writer(b, shard=shard)
+                wb.wait_storage(lambda s: s["files"] == 3000, 60, "b's journal read")
+            journal_reads = (tmp_path / "b.trace").read_text().count("getdents64(")
+            assert "scan of namespace" not in b.log() and re.search(
+                r"3000 block\(s\) from the journals", b.log()
+            )
+            assert scan_reads > 1000, f"the scan listed {scan_reads} directories"
+            assert journal_reads < 20, f"b listed {journal_reads} directories: a rescan"
+            assert wb.c.lookup(wb.ns.ns_id, planted[:5]) == (5, [2] * 5)
+            wb.close()
+        wa.close()
+
+
+# ------------------------------------------------------------------ capacity
+def test_two_nodes_keep_the_directory_within_its_cap_and_spare_a_file_read_within_the_grace(
+    tmp_path, shared_root
+):
+    src, storage = shared_root
+    shard = 65536
+    size = kvfile.file_size(shard)
+    cap = 12 * size
+    extra = {"HPKV_KV_STORAGE_SIZE": str(cap), "HPKV_STORAGE_READ_GRACE": "600"}
+    with (
+        view(src, tmp_path / "vb") as vb,
+        running(env(storage, **extra)) as a,
+        running(env(vb / "storage", **extra)) as b,
+    ):
+        wa, wb = Writer(a, shard=shard), Writer(b, shard=shard, seed=1)
+        wait_for(lambda: lease_holder(storage) in (a.proc.pid, b.proc.pid), 10, "an evictor")
+        holder, other = (wa, wb) if lease_holder(storage) == a.proc.pid else (wb, wa)
+        old = wa.keys(["old"])
+        wa.put(old)  # the oldest block: read by b, so it must survive
+        wa.wait_spilled(1)
+        wait_for(lambda: wb.c.lookup(wb.ns.ns_id, old) == (1, [2]), 30, "b finds a's block")
+        wb.data.update(wa.data)
+        wb.check_rows(old, wb.c.promote(wb.ns.ns_id, old))  # b's IO worker reads the file
+        wb.c.unpin(wb.ns.ns_id, old)
+        peak = 0
+        t0 = time.monotonic()
+        for i in range(40):
+            wa.put(wa.keys([f"a{i}"]))
+            wb.put(wb.keys([f"b{i}"]))
+            time.sleep(0.05)
+            peak = max(peak, directory_bytes(storage))
+        rate = 80 / (time.monotonic() - t0)  # blocks per second, both nodes
+        # the documented slack: what all nodes write in two journal polls (a block is journaled at
+        # its writer's next poll and seen at the evictor's next), plus half a second of
+        # scheduling on this loaded machine
+        slack = (int(rate * (2 * POLL + 0.5)) + 1) * size
+        wait_for(lambda: directory_bytes(storage) <= cap, 10, "the directory under its cap")
+        assert peak <= cap + slack, f"peak {peak} over cap {cap} + slack {slack}"
+        assert os.path.exists(wa.path(old[0])), "b read it within the grace: kept"
+        assert other.storage()["evicted_files"] == 0, "only the lease holder deletes"
+        assert holder.storage()["evicted_files"] >= 80 - 12
+        wa.close()
+        wb.close()
+
+
+def test_another_node_takes_the_evictor_lease_over_when_the_holder_is_killed(tmp_path, shared_root):
+    _, storage = shared_root
+    shard = 65536
+    cap = 4 * kvfile.file_size(shard)
+    extra = {"HPKV_KV_STORAGE_SIZE": str(cap), "HPKV_STORAGE_EVICTOR_LEASE": "2"}
+    with running(env(storage, **extra)) as a:
+        wait_for(lambda: lease_holder(storage) == a.proc.pid, 10, "a holds the lease")
+        with running(env(storage, **extra)) as b:
+            wb = Writer(b, shard=shard)
+            time.sleep(1.0)
+            assert lease_holder(storage) == a.proc.pid, "b waits while a renews"
+            a.kill()  # SIGKILL of its process group: no release
+            t0 = time.monotonic()
+            wait_for(lambda: lease_holder(storage) == b.proc.pid, 15, "b takes the lease over")
+            took = time.monotonic() - t0
+            assert took <= 2 * 1.5 + POLL + 2.0, f"took {took:.1f}s (lease 2 s, stale after 1.5 x)"
+            for i in range(8):
+                wb.put(wb.keys([i]))
+            wb.wait_storage(lambda s: s["evicted_files"] >= 4, 30, "b evicts")
+            wait_for(lambda: directory_bytes(storage) <= cap, 10, "the directory under its cap")
+            assert "took the lease over" in b.log()
+            wb.close()
