@@ -389,7 +389,9 @@ KEYS: dict[str, Key] = {
             "0",
             parse_size,
             SIZE_FORM + "; 0 = no limit",
-            "storage capacity (0 = no limit); LRU files are evicted above it",
+            "capacity of the storage directory, all namespaces and all servers sharing it together "
+            "(0 = no limit): one evictor deletes the least recently used blocks above it (see [shared "
+            "storage](shared-storage.md))",
         ),
         Key(
             "HPKV_STORAGE_EVICTOR",
