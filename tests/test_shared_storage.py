@@ -22,9 +22,11 @@ import numpy as np
 import pytest
 from test_storage import FP, Writer, running  # the storage tests' real-process helpers
 
-from hpkv.engine.storage.journal import JOURNAL_DIR
-from hpkv.engine.storage.shared import LEASE_FILE
+from hpkv.engine.storage import journal as J
+from hpkv.engine.storage.journal import JOURNAL_DIR, JournalReader, JournalWriter, Record
+from hpkv.engine.storage.shared import LEASE_FILE, Lease
 from hpkv.io_workers import kvfile
+from hpkv.io_workers.tree import StorageTree
 from hpkv.testing.server import private_env
 
 POLL = 0.2  # HPKV_STORAGE_JOURNAL_POLL of these tests
@@ -116,6 +118,71 @@ def lease_holder(storage: Path) -> int | None:
         return json.loads((storage / LEASE_FILE).read_text()).get("pid")
     except (OSError, ValueError):
         return None
+
+
+# ------------------------------------------------------------------ the journal and the lease, in process
+@pytest.fixture
+def tree(tmp_path):
+    root = tmp_path / "storage"
+    root.mkdir(mode=0o700)
+    t = StorageTree.open(str(root))
+    yield t
+    t.close()
+
+
+def rec(op: int, key: int, t: int) -> Record:
+    return Record(op, 1, t, bytes([key]) * 16, 8192 if op == J.ADD else 0)
+
+
+def test_a_reader_takes_whole_records_only_and_follows_a_compaction(tree):
+    w = JournalWriter(tree, FP, "node-a")
+    w.ensure_open()
+    r = JournalReader(tree, FP)
+    for x in (rec(J.ADD, 1, 10), rec(J.ADD, 2, 11), rec(J.ADD, 3, 12)):
+        w.apply(x, mine=True)
+    w.append([rec(J.ADD, 1, 10), rec(J.ADD, 2, 11)])
+    got = r.poll()
+    assert [x.key[0] for x in got["node-a.log"]] == [1, 2]
+    path = Path(tree.path) / FP / JOURNAL_DIR / "node-a.log"
+    with open(path, "ab") as f:  # a record not yet fully visible (the writer is mid-append)
+        f.write(J.pack_record(rec(J.ADD, 3, 12))[:25])
+    assert r.poll() == {}, "a torn record is not taken"
+    with open(path, "ab") as f:
+        f.write(J.pack_record(rec(J.ADD, 3, 12))[25:])
+    assert [x.key[0] for x in r.poll()["node-a.log"]] == [3]
+    w.apply(rec(J.DEL, 1, 20), mine=False)  # another node's evictor deleted block 1
+    w.compact()
+    assert sorted(x.key[0] for x in r.poll()["node-a.log"]) == [2, 3], "a new file: read from the start"
+    w.close()
+    assert J.unpack_header(path.read_bytes()).pid == 0, "a clean close"
+
+
+def test_a_journal_stays_bounded_by_its_live_blocks(tree):
+    w = JournalWriter(tree, FP, "node-a")
+    w.ensure_open()
+    for i in range(3 * J.COMPACT_MIN_RECORDS // 100):
+        batch = [rec(J.ADD, i % 7, 100 * i + j) for j in range(100)]
+        for x in batch:
+            w.apply(x, mine=True)
+        w.append(batch)
+    size = (Path(tree.path) / FP / JOURNAL_DIR / "node-a.log").stat().st_size
+    assert size <= J.HEADER_BYTES + (2 * 7 + J.COMPACT_MIN_RECORDS + 100) * J.RECORD_BYTES
+    got = JournalReader(tree, FP).poll()["node-a.log"]
+    assert len({x.key for x in got}) == 7
+
+
+def test_the_lease_is_held_by_one_node_and_taken_over_when_stale(tree):
+    a, b = Lease(tree, "node-a", 2.0), Lease(tree, "node-b", 2.0)
+    assert a.tick() and not b.tick() and b.holder == "node-a"
+    # a hangs: its last renewal ran out more than half a lease ago
+    body = json.loads((Path(tree.path) / LEASE_FILE).read_text())
+    (Path(tree.path) / LEASE_FILE).write_text(json.dumps({**body, "until": time.time() - 1.1}))
+    a.until = time.time() - 1.1
+    assert not a.held(), "a holder past its lease does not evict"
+    assert b.tick() and b.holder == "node-b"
+    assert not a.tick() and a.holder == "node-b", "the old holder steps down"
+    b.release()
+    assert a.tick(), "released at a clean stop: taken at once"
 
 
 # ------------------------------------------------------------------ discovery

@@ -181,7 +181,17 @@ class JournalWriter:
         if not records:
             return
         self.ensure_open()
-        os.write(self.fd, b"".join(pack_record(r) for r in records))
+        if os.fstat(self.fd).st_nlink == 0:
+            self.compact()  # removed from outside: write a new one
+        data = memoryview(b"".join(pack_record(r) for r in records))
+        try:
+            while data:
+                data = data[os.write(self.fd, data) :]
+        except OSError:
+            # a partial record would hide every later one from readers: start a new file
+            os.close(self.fd)
+            self.fd = -1
+            raise
         self.records += len(records)
         if self.records > 2 * len(self.live) + COMPACT_MIN_RECORDS:
             self.compact()
@@ -199,7 +209,9 @@ class JournalWriter:
                 dir_fd=dfd,
             )
             try:
-                os.write(fd, body)
+                view = memoryview(body)
+                while view:
+                    view = view[os.write(fd, view) :]
             finally:
                 os.close(fd)
             os.rename(tmp, self.name, src_dir_fd=dfd, dst_dir_fd=dfd)
