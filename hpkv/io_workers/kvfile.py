@@ -30,7 +30,8 @@ tell which writer left it behind if one dies. Corrupt files are moved to
 directories 0700, whatever the umask: a KV file holds a prompt's KV, readable only by
 the user who runs hpkv. Every file is opened relative to its directory's verified
 descriptor (:mod:`hpkv.io_workers.tree`) with O_NOFOLLOW, the temporary file also with
-O_EXCL: nothing planted at a name is followed or overwritten.
+O_EXCL: nothing planted at a name is followed or overwritten. A read sets the file's access
+time (:func:`leave_access_time`): the evictor of a shared directory spares files read recently.
 """
 
 from __future__ import annotations
