@@ -206,6 +206,14 @@ def test_a_node_finds_another_nodes_files_within_the_poll_and_cache_ttl(tmp_path
         assert found <= bound, f"found after {found:.2f}s, documented within {bound:.2f}s"
         wb.data = wa.data
         wb.check_rows(keys, wb.c.promote(wb.ns.ns_id, keys))
+        # blocks b never asked for: its catalog learns them from a's journal, no lookup needed
+        more = wa.keys(range(6, 12))
+        wa.put(more)
+        wa.wait_spilled(12)
+        t0 = time.monotonic()
+        wb.wait_storage(lambda s: s["files"] == 12, 30, "b's catalog")
+        assert time.monotonic() - t0 <= 2 * POLL + TTL + 1.5, "within two polls (a's append, b's read)"
+        assert wb.c.lookup(wb.ns.ns_id, more) == (6, [2] * 6)
         wa.close()
         wb.close()
 
