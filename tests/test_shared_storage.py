@@ -293,6 +293,8 @@ def test_two_nodes_keep_the_directory_within_its_cap_and_spare_a_file_read_withi
         wb.data.update(wa.data)
         wb.check_rows(old, wb.c.promote(wb.ns.ns_id, old))  # b's IO worker reads the file
         wb.c.unpin(wb.ns.ns_id, old)
+        st = os.stat(wa.path(old[0]))
+        assert st.st_atime_ns > st.st_mtime_ns, "b's reader left the access time through its view"
         peak = 0
         t0 = time.monotonic()
         for i in range(40):
