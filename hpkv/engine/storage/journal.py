@@ -36,6 +36,7 @@ import hashlib
 import os
 import socket
 import struct
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -131,7 +132,7 @@ def unpack_header(buf: bytes) -> Header | None:
 
 class JournalWriter:
     """This node's journal of one namespace: appends (one ``write`` per batch) and compaction.
-    Used by one thread (the shared-directory thread)."""
+    Used by the shared-directory thread, and by a scan thread while its namespace attaches."""
 
     def __init__(self, tree: StorageTree, fingerprint: str, node: str):
         self.tree = tree
@@ -142,6 +143,7 @@ class JournalWriter:
         self.records = 0  # records in the file now
         self.live: dict[bytes, Record] = {}  # blocks this node wrote, as of their last record
         self.loaded = False  # live holds what the journal of the last run held
+        self._lock = threading.Lock()  # the file: opened, appended to, compacted by one thread at a time
 
     def apply(self, r: Record, mine: bool) -> None:
         """Keep :attr:`live` up to date with a record (``mine``: this node's)."""
@@ -160,8 +162,11 @@ class JournalWriter:
     def ensure_open(self) -> None:
         """Open this run's journal: a snapshot of what this node's journal of the last run
         holds (when the attach did not read it already)."""
-        if self.fd >= 0:
-            return
+        with self._lock:
+            if self.fd < 0:
+                self._open()
+
+    def _open(self) -> None:
         if not self.loaded:
             reader = JournalReader(self.tree, self.rel.split("/")[0])
             try:
@@ -174,15 +179,20 @@ class JournalWriter:
             except FileNotFoundError:
                 pass
         self.loaded = True
-        self.compact()
+        self._compact()
 
     def append(self, records: list[Record]) -> None:
         """Append records (raises OSError); compacts when the file grew too long."""
         if not records:
             return
-        self.ensure_open()
+        with self._lock:
+            self._append(records)
+
+    def _append(self, records: list[Record]) -> None:
+        if self.fd < 0:
+            self._open()
         if os.fstat(self.fd).st_nlink == 0:
-            self.compact()  # removed from outside: write a new one
+            self._compact()  # removed from outside: write a new one
         data = memoryview(b"".join(pack_record(r) for r in records))
         try:
             while data:
@@ -194,10 +204,14 @@ class JournalWriter:
             raise
         self.records += len(records)
         if self.records > 2 * len(self.live) + COMPACT_MIN_RECORDS:
-            self.compact()
+            self._compact()
 
     def compact(self) -> None:
         """Rewrite the journal as the snapshot of :attr:`live` (temporary name, then rename)."""
+        with self._lock:
+            self._compact()
+
+    def _compact(self) -> None:
         tmp = f".{self.name}.{os.getpid()}.tmp"
         body = _header(time.time_ns(), os.getpid(), self.node)
         body += b"".join(pack_record(r) for r in sorted(self.live.values(), key=lambda r: r.time_ns))

@@ -260,14 +260,6 @@ class SharedDir:
                 w.close()
         self.lease.release()
 
-    def describe(self) -> dict:
-        return {
-            "node": self.node,
-            "evictor": self.evicting,
-            "evictor_node": self.lease.holder if self.evictor == "auto" else None,
-            "directory_bytes": self.total if self.evicting else None,
-        }
-
     # ------------------------------------------------------------ request loop (server lock held)
     def added(self, ns: Namespace, key: bytes) -> None:
         """All ranks' files of ``key`` were written here."""
