@@ -178,6 +178,16 @@ def _float_parser(minimum: float = 0.0, maximum: float = 1e9) -> Callable[[str],
     return parse
 
 
+def _choice_parser(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
 MAX_GID = 0xFFFFFFFE  # (gid_t)-1 means "no change" to chown
 
 
@@ -379,7 +389,43 @@ KEYS: dict[str, Key] = {
             "0",
             parse_size,
             SIZE_FORM + "; 0 = no limit",
-            "storage capacity (0 = no limit); LRU files are evicted above it",
+            "capacity of the storage directory, all namespaces and all servers sharing it together "
+            "(0 = no limit): one evictor deletes the least recently used blocks above it (see [shared "
+            "storage](shared-storage.md))",
+        ),
+        Key(
+            "HPKV_STORAGE_EVICTOR",
+            "auto",
+            _choice_parser("auto", "always", "never"),
+            "auto, always or never",
+            "who keeps the storage directory under `HPKV_KV_STORAGE_SIZE` when several servers share it"
+            " (see [shared storage](shared-storage.md)): `auto`: the servers elect one through a lease "
+            "file in the directory; `always`: this server evicts (give exactly one server this); "
+            "`never`: this server never deletes for capacity",
+        ),
+        Key(
+            "HPKV_STORAGE_EVICTOR_LEASE",
+            "15",
+            _float_parser(minimum=1.0, maximum=3600.0),
+            "a number of seconds 1..3600",
+            "the evictor's lease: renewed by its holder while it runs, taken over by another server "
+            "when it is expired by half of this (the holder died or hangs)",
+        ),
+        Key(
+            "HPKV_STORAGE_READ_GRACE",
+            "60",
+            _float_parser(minimum=0.0),
+            "a number of seconds >= 0",
+            "a KV file any server read within this many seconds is never evicted for capacity (the "
+            "reader leaves the file's access time; the evictor checks it before deleting)",
+        ),
+        Key(
+            "HPKV_STORAGE_JOURNAL_POLL",
+            "1",
+            _float_parser(minimum=0.05, maximum=60.0),
+            "a number of seconds 0.05..60",
+            "how often a server appends to its journals and reads the other servers' journals: a file"
+            " another server writes is found within this (plus the NFS attribute cache for a new server)",
         ),
         Key(
             "HPKV_PROMOTE_PART_SIZE",

@@ -345,17 +345,56 @@ def test_capacity_eviction_takes_the_least_recent_and_skips_blocks_in_use(files)
     assert cat.unknown(k[2])
 
 
-def test_the_upkeep_unlinks_files_over_capacity(files):
+def test_the_evictor_unlinks_the_least_recently_used_files_over_the_directory_capacity(files):
     idx, ns, tier, links, g = files
-    k = keys_of("0", "1")
+    k = keys_of("0", "1", "2")
+    shared = tier.shared
+    assert shared.attach_journals(ns) is None, "no journal yet: the namespace is scanned"
     for key in k:
         write_kv_file(tier.root, key)
         tier.catalog.add(ns, key)
-    tier.upkeep.capacity = kvfile.file_size(SLOT)
-    tier.upkeep.evict_over_capacity()
-    assert not os.path.exists(kvfile.file_path(tier.root, FP, k[0], 0))
-    assert os.path.exists(kvfile.file_path(tier.root, FP, k[1], 0))
-    assert g[G.STORAGE_EVICTED_FILES] == 1 and g[G.STORAGE_FILES] == 1
+        shared.added(ns, key)
+        time.sleep(0.002)  # distinct journal times
+    shared.used(ns, k[0])  # used after the others: the most recent
+    shared.capacity = 2 * kvfile.file_size(SLOT)
+    shared.tick()
+    assert shared.evicting and shared.total == 2 * kvfile.file_size(SLOT)
+    assert [os.path.exists(kvfile.file_path(tier.root, FP, key, 0)) for key in k] == [True, False, True]
+    assert g[G.STORAGE_EVICTED_FILES] == 1 and g[G.STORAGE_FILES] == 2 and k[1] not in tier.catalog
+
+
+def test_the_evictor_keeps_a_file_read_within_the_grace(files):
+    idx, ns, tier, links, g = files
+    k = keys_of("0", "1")
+    shared = tier.shared
+    shared.attach_journals(ns)
+    for key in k:
+        write_kv_file(tier.root, key)
+        shared.added(ns, key)
+        time.sleep(0.002)
+    st = os.stat(kvfile.file_path(tier.root, FP, k[0], 0))
+    os.utime(kvfile.file_path(tier.root, FP, k[0], 0), ns=(time.time_ns(), st.st_mtime_ns))  # a reader
+    shared.capacity = kvfile.file_size(SLOT)
+    shared.tick()
+    assert os.path.exists(kvfile.file_path(tier.root, FP, k[0], 0)), "read within the grace: kept"
+    assert not os.path.exists(kvfile.file_path(tier.root, FP, k[1], 0)), "the next least recent went"
+    shared.grace_ns = 0
+    write_kv_file(tier.root, k[1])
+    shared.added(ns, k[1])
+    shared.tick()
+    assert not os.path.exists(kvfile.file_path(tier.root, FP, k[0], 0)), "past the grace it is evicted"
+
+
+def test_a_server_that_is_not_the_evictor_deletes_nothing(files):
+    idx, ns, tier, links, g = files
+    shared = tier.shared
+    shared.attach_journals(ns)
+    (k,) = keys_of("0")
+    write_kv_file(tier.root, k)
+    shared.added(ns, k)
+    shared.capacity, shared.evictor = 1, "never"
+    shared.tick()
+    assert not shared.evicting and os.path.exists(kvfile.file_path(tier.root, FP, k, 0))
 
 
 def write_kv_file(root: str, key: bytes) -> None:

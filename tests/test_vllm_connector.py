@@ -19,10 +19,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
+from test_shared_storage import view  # a bindfs view with NFS-like caching
 
 from hpkv.testing.server import private_env
 from hpkv.testing.vllm_server import VllmServer, hpkv_loads, hpkv_status
@@ -291,6 +293,48 @@ def test_concurrent_requests_with_overlapping_prefixes_get_the_same_outputs(serv
         texts = list(pool.map(lambda p: complete(server, p)[0], prompts))
     assert len(texts) == 8
     assert delta(before, loaded(hpkv_env))["dram"] > 0
+
+
+def test_another_node_gets_storage_hits_with_its_own_pool_and_a_copy_of_the_model(
+    server, hpkv_env, tiny_model, tmp_path
+):
+    """Two nodes on one storage directory (docs/shared-storage.md): node A (this module's vLLM
+    and hpkv) computes a prompt; node B (another hpkv server with an empty pool of its own, the
+    storage through its own bindfs view with NFS-like caching, and another vLLM serving a copy
+    of the model at another path) finds A's blocks through A's journal and loads them from
+    storage, with the output of its own recompute."""
+    prompt = letters(200, seed=21)  # 6 full blocks and a partial one
+    files = kv_files(hpkv_env)
+    text_a, _ = complete(server, prompt)  # node A computes; its hpkv writes 6 blocks
+    text_a_gpu, lp_a_gpu = complete(server, prompt)  # A's prefix cache: the KV of a hit
+    wait_for_files(hpkv_env, files + 6)
+    model_b = shutil.copytree(tiny_model, tmp_path / "another" / "path" / "model")
+    with view(Path(hpkv_env["HPKV_KV_STORAGE_PATH"]), tmp_path / "node-b-storage") as storage_b:
+        env_b = private_env(
+            pool_size="512m",
+            storage=str(storage_b),
+            VLLM_HPKV_TOKEN_THRESHOLD=str(THRESHOLD),
+            HPKV_SERVER_IDLE_EXIT="30",
+            HPKV_LOG_LEVEL="INFO",
+        )
+        node_b = VllmServer(
+            str(model_b), extra_args=vllm_args(MODULE_PATH_FORM), env=env_b, dev_mode=True, max_model_len=4096
+        )
+        try:
+            node_b.start().wait_ready()
+            before = loaded(env_b)
+            text_b, lp_b = complete(node_b, prompt)
+            assert delta(before, loaded(env_b)) == {"dram": 0, "storage": HIT_TOKENS}, "a storage hit on B"
+            reset(node_b)
+            text_r, lp_r = complete_with(node_b, prompt, kv_transfer_params={"hpkv_skip": True})  # recompute
+            assert text_b == text_r == text_a == text_a_gpu
+            assert lp_b == lp_a_gpu, "A's KV bytes, the same computation: identical logprobs"
+            assert_same_up_to_noise([(text_b, lp_b)], [(text_r, lp_r)])
+        finally:
+            node_b.stop()
+            subprocess.run([sys.executable, "-m", "hpkv", "stop"], env=env_b, capture_output=True, timeout=60)
+            shutil.rmtree(env_b["HPKV_SHARE_MEM_FILE_PATH"], ignore_errors=True)
+            os.unlink(env_b["HPKV_CONFIG_FILE_PATH"])
 
 
 def test_killed_hpkv_server_means_recompute_not_errors(server, hpkv_env):

@@ -30,7 +30,8 @@ tell which writer left it behind if one dies. Corrupt files are moved to
 directories 0700, whatever the umask: a KV file holds a prompt's KV, readable only by
 the user who runs hpkv. Every file is opened relative to its directory's verified
 descriptor (:mod:`hpkv.io_workers.tree`) with O_NOFOLLOW, the temporary file also with
-O_EXCL: nothing planted at a name is followed or overwritten.
+O_EXCL: nothing planted at a name is followed or overwritten. A read sets the file's access
+time (:func:`leave_access_time`): the evictor of a shared directory spares files read recently.
 """
 
 from __future__ import annotations
@@ -137,6 +138,18 @@ def parse_tmp_name(name: str) -> tuple[str, int] | None:
 
 def this_host() -> str:
     return _HOST
+
+
+def leave_access_time(fd: int, st: os.stat_result) -> None:
+    """Mark an opened KV file as read now: its access time is set (its modification time kept),
+    whatever the mount's ``noatime``/``relatime``. The evictor of a shared directory never deletes
+    a file whose access time is after its modification time and within
+    ``HPKV_STORAGE_READ_GRACE`` (one SETATTR per read on NFS). Failure is harmless: the file is
+    then only protected by the journals' recency."""
+    try:
+        os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
+    except OSError:
+        pass
 
 
 def quarantine_name(name: str) -> str:
@@ -386,7 +399,9 @@ class KvFileIO:
             fd = self._open_read(rel, name)
         dest = slot.bounce(padded) if self.bounce_reads else payload
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
+            leave_access_time(fd, st)
             if size != want:
                 raise CorruptFile(f"file is {size} bytes, expected {want} for a {length}-byte payload")
             try:

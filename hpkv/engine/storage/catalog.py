@@ -134,6 +134,15 @@ class FileCatalog:
             self._lru.move_to_end(key, last=False)
         return victims
 
+    def begin_delete(self, key: bytes) -> Namespace | None:
+        """Forget a key whose files the evictor is about to unlink (one at a time, chosen by the
+        directory's recency, :mod:`~hpkv.engine.storage.shared`); it stays marked as being
+        deleted until :meth:`deleted`. Returns its namespace, None if it was not here."""
+        ns = self.forget(key)
+        if ns is not None:
+            self._deleting.add(key)
+        return ns
+
     def deleted(self, keys: list[bytes]) -> None:
         """The victims' files are unlinked: a stat may find new ones again."""
         self._deleting.difference_update(keys)

@@ -1,7 +1,11 @@
-"""How the server learns which files exist: one scan thread per attached namespace lists
-``<storage>/<fingerprint>/`` and adds complete blocks (every rank's file present) to the
-catalog in batches under the lock; a stat (:func:`stat_block`) answers for one block on
-a lookup miss or to check that a storage hit's files are still there."""
+"""How the server learns which files exist: one thread per attached namespace reads the
+namespace's journals (:mod:`~hpkv.engine.storage.shared`: what every node sharing the
+directory wrote and deleted) and adds their blocks to the catalog in batches under the lock.
+Only a namespace without journals, or one this node's crashed last run wrote, is scanned:
+the thread lists ``<storage>/<fingerprint>/`` and adds complete blocks (every rank's file
+present), then journals them so that other nodes need not scan. A stat
+(:func:`stat_block`) answers for one block on a lookup miss or to check that a storage
+hit's files are still there."""
 
 from __future__ import annotations
 
@@ -12,12 +16,16 @@ import stat
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from hpkv.common.proc import pid_alive
 from hpkv.engine.index import Namespace
 from hpkv.engine.storage.catalog import FileCatalog
 from hpkv.io_workers import kvfile
 from hpkv.io_workers.tree import StorageTree
+
+if TYPE_CHECKING:
+    from hpkv.engine.storage.shared import SharedDir
 
 log = logging.getLogger("hpkv.storage")
 
@@ -57,6 +65,7 @@ class Scanner:
         io_error: IoError,
         skip: Callable[[bytes], bool],
         wake: threading.Event,
+        shared: SharedDir | None = None,
     ):
         self.tree = tree
         self.catalog = catalog
@@ -65,6 +74,8 @@ class Scanner:
         self._io_error = io_error
         self._skip = skip  # a key not to add (a promote of it is running)
         self._wake = wake  # the upkeep thread: found files may be over the capacity limit
+        self.shared = shared  # the journals (None: always scan)
+        self.scans = 0  # namespaces scanned (not read from journals), for tests and the log
         self._threads: dict[int, threading.Thread] = {}
         self.done: dict[int, bool] = {}
         self.finished = False  # a scan ended since the last look (the catalog file shows scans)
@@ -90,10 +101,35 @@ class Scanner:
             t.join(timeout=5.0)
 
     def _scan(self, ns: Namespace) -> None:
-        top = ns.fingerprint
         t0 = time.monotonic()
+        journaled: list[bytes] | None = None
+        if self.shared is not None:
+            try:
+                journaled = self.shared.attach_journals(ns)
+            except OSError as exc:  # the scan below finds the files
+                self._io_error("journal", exc.errno or errno.EIO, self.tree.rel_path(ns.fingerprint))
+        if journaled is None:
+            self._walk(ns, t0)
+            return
+        found = self._add_scanned(ns, journaled)
+        self.finished = True
+        self.done[ns.ns_id] = True
+        log.info(
+            "namespace %d (%s): %d block(s) from the journals (%d live) in %.2fs, no scan",
+            ns.ns_id,
+            ns.fingerprint[:12],
+            found or 0,
+            len(journaled),
+            time.monotonic() - t0,
+        )
+        self._wake.set()
+
+    def _walk(self, ns: Namespace, t0: float) -> None:
+        top = ns.fingerprint
         found = files = 0
         host = kvfile.this_host()
+        adopted: list[bytes] = []
+        self.scans += 1
         try:
             for aa in self._subdirs(top):
                 for bb in self._subdirs(aa):
@@ -105,11 +141,14 @@ class Scanner:
                     if added is None:
                         return
                     found += added
+                    adopted += complete
         except OSError as exc:
             self._io_error("scan", exc.errno or errno.EIO, self.tree.rel_path(top))
         finally:
             self.finished = True
             self.done[ns.ns_id] = True
+        if self.shared is not None:
+            self.shared.adopt(ns, adopted)
         log.info(
             "scan of namespace %d (%s): %d complete block(s) from %d file(s) in %.2fs",
             ns.ns_id,

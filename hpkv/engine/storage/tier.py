@@ -11,7 +11,10 @@ detach, describe); the parts live beside it, one concern each:
 * :mod:`~hpkv.engine.storage.scan`: the scan of a namespace's directory at attach and
   the stat of one block on a lookup miss;
 * :mod:`~hpkv.engine.storage.upkeep`: the maintenance thread: free space, the spill pause
-  after ENOSPC, capacity eviction, the quarantine.
+  after ENOSPC, the quarantine;
+* :mod:`~hpkv.engine.storage.shared`: the journals through which servers sharing the
+  directory find each other's files, and the one evictor per directory that keeps it under
+  the capacity limit.
 
 Threads: everything here runs under the server's one lock. The *request loop* issues
 every IO job and consumes every completion (:meth:`FileTier.poll`); nothing waits for
@@ -41,9 +44,11 @@ from hpkv.config import Config
 from hpkv.engine.index import Block, Index, Namespace
 from hpkv.engine.storage.catalog import FileCatalog
 from hpkv.engine.storage.health import Health
+from hpkv.engine.storage.journal import node_id
 from hpkv.engine.storage.links import BlockOp, Completion, IoLinks
 from hpkv.engine.storage.probe import DirectIoProbe, probe_o_direct, virtio_disk
 from hpkv.engine.storage.scan import Scanner
+from hpkv.engine.storage.shared import SharedDir
 from hpkv.engine.storage.stat import GONE, THERE, StatBatch, StatPool
 from hpkv.engine.storage.upkeep import IoErrorLog, Upkeep, unlink_quietly
 from hpkv.engine.tiers import Client, ParkedLookup, ParkedPromote, Presence, PromoteAnswer
@@ -108,6 +113,7 @@ class FileTier:
         self.tree: StorageTree
         self.upkeep: Upkeep
         self.scanner: Scanner
+        self.shared: SharedDir
         self._promoting: dict[bytes, BlockOp] = {}  # key -> its promote's op
         self._calls: list[ParkedPromote] = []
         self._answers: list[PromoteAnswer] = []  # finished calls, returned by the next poll
@@ -137,13 +143,24 @@ class FileTier:
         self.upkeep = Upkeep(
             self.root,
             self.tree,
-            self.catalog,
             self.lock,
             self.g,
             self.doorbell,
             self.errors,
-            self.capacity,
             self.min_free_pct,
+        )
+        self.shared = SharedDir(
+            self.tree,
+            self.catalog,
+            self.lock,
+            self.g,
+            self.errors,
+            node_id(self.pool_path),
+            self.capacity,
+            evictor=self.cfg["HPKV_STORAGE_EVICTOR"],
+            poll_s=float(self.cfg["HPKV_STORAGE_JOURNAL_POLL"]),
+            grace_s=float(self.cfg["HPKV_STORAGE_READ_GRACE"]),
+            lease_s=float(self.cfg["HPKV_STORAGE_EVICTOR_LEASE"]),
             in_use=lambda key: key in self._promoting or self.index.in_io(key),
         )
         self.scanner = Scanner(
@@ -154,6 +171,7 @@ class FileTier:
             self.errors.io_error,
             skip=lambda key: key in self._promoting,
             wake=self.upkeep.wake,
+            shared=self.shared,
         )
         self.stats_pool = StatPool(self.tree, self.doorbell)
         self.upkeep.clean_quarantine()
@@ -197,6 +215,7 @@ class FileTier:
         workers = self.links.start(self.dir, slots, spec)
         if maintenance:
             self.upkeep.start()
+            self.shared.start()
         log.info(
             "storage tier %s: %d IO worker(s), capacity %s, spilling pauses under %g%% free",
             self.root,
@@ -221,6 +240,7 @@ class FileTier:
         self.upkeep.stop()
         self.scanner.stop()
         self.stats_pool.shutdown()
+        self.shared.stop()
         self.links.close()
 
     def describe(self) -> dict[str, Any]:
@@ -259,6 +279,7 @@ class FileTier:
         ns.released = True
         self._ns_raw.pop(ns.ns_id, None)
         self.scanner.forget(ns)
+        self.shared.detach(ns)
         self.catalog.detach(ns)
         self.catalog.publish(self.g)
 
@@ -471,6 +492,9 @@ class FileTier:
         """The blocks were used (pinned for loading): their files are recent too."""
         for k in keys:
             self.catalog.touch(k)
+            ns = self.catalog.owner(k)
+            if ns is not None:
+                self.shared.used(ns, k)  # the evictor orders by use on every node
 
     def promote(
         self, client: Client, seq: int, ns: Namespace, keys: list[bytes], timeout: float
@@ -655,6 +679,7 @@ class FileTier:
             self._retry.pop(b.key, None)
             if self.catalog.add(b.ns, b.key, recent=True):
                 self.catalog.verified(b.key, time.monotonic())  # just written: no stat needed yet
+            self.shared.added(b.ns, b.key)  # other nodes find it in this node's journal
             self.upkeep.spill_succeeded()
             return
         self.index.skip_spill(b)  # evictable without files; retried later if still in DRAM
@@ -710,6 +735,7 @@ class FileTier:
         self.index.finish_promote(key, ok)
         if ok:
             self.catalog.touch(key)
+            self.shared.used(b.ns, key)
         elif op.status == Status.CORRUPT:
             self.catalog.forget(key)  # quarantined
         elif op.status in GONE_STATUSES and self.catalog.forget(key) is not None:

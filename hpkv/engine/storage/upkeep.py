@@ -1,12 +1,12 @@
-"""Keeping the storage directory healthy: free space, the spill pause, the capacity limit
-and the quarantine, on one maintenance thread.
+"""Keeping the storage directory healthy: free space, the spill pause and the quarantine, on
+one maintenance thread.
 
 Spilling pauses while free space is under ``HPKV_STORAGE_MIN_FREE`` and after ENOSPC
 (backing off 1 s → 30 s); the request loop learns the pause's start and end from
 :meth:`Upkeep.take_pause_began` / :meth:`Upkeep.take_resumed` (the doorbell wakes it).
-Files above ``HPKV_KV_STORAGE_SIZE`` are evicted least recently used first, skipping
-blocks in use; the unlinks happen outside the lock. The quarantine keeps the newest
-QUARANTINE_MAX_FILES corrupt files, none older than QUARANTINE_MAX_AGE_S.
+The capacity limit ``HPKV_KV_STORAGE_SIZE`` is the directory's, kept by one evictor for
+every server that shares it (:mod:`~hpkv.engine.storage.shared`), not here. The quarantine
+keeps the newest QUARANTINE_MAX_FILES corrupt files, none older than QUARANTINE_MAX_AGE_S.
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 
 from hpkv.common.ratelimit import RateLimitedLog
-from hpkv.engine.storage.catalog import FileCatalog
 from hpkv.io_workers import kvfile
 from hpkv.io_workers.tree import StorageTree
 from hpkv.protocol.stats import G
@@ -77,25 +75,19 @@ class Upkeep:
         self,
         root: str,
         tree: StorageTree,
-        catalog: FileCatalog,
         lock: threading.RLock,
         glob,
         doorbell: Doorbell | None,
         errors: IoErrorLog,
-        capacity: int,
         min_free_pct: float,
-        in_use: Callable[[bytes], bool],
     ):
         self.root = root
         self.tree = tree
-        self.catalog = catalog
         self.lock = lock
         self.g = glob
         self.doorbell = doorbell
         self.errors = errors
-        self.capacity = capacity
         self.min_free_pct = min_free_pct
-        self._in_use = in_use  # a block whose files must stay (a promote or spill runs)
         self._low_space = False
         self._enospc_until = 0.0
         self._enospc_backoff = ENOSPC_BACKOFF_S[0]
@@ -122,14 +114,10 @@ class Upkeep:
                 return
             try:
                 self.check_free_space()
-                self.evict_over_capacity()
                 if time.monotonic() - self._quarantine_checked > QUARANTINE_CHECK_S:
                     self.clean_quarantine()
             except Exception:  # noqa: BLE001 - maintenance must keep running
                 log.exception("storage maintenance step failed")
-
-    def over_capacity(self) -> bool:
-        return bool(self.capacity) and self.catalog.bytes > self.capacity
 
     # ------------------------------------------------------------ the spill pause
     def take_pause_began(self) -> bool:
@@ -171,8 +159,6 @@ class Upkeep:
             log.warning("spilling works again after %d ENOSPC failure(s)", self._enospc_episode)
             self._enospc_episode = 0
             self._enospc_backoff = ENOSPC_BACKOFF_S[0]
-        if self.over_capacity():
-            self.wake.set()
 
     def _set_paused(self) -> None:
         paused = self._low_space or time.monotonic() < self._enospc_until
@@ -215,26 +201,7 @@ class Upkeep:
             self._low_space = low
             self._set_paused()
 
-    # ------------------------------------------------------------ capacity and quarantine
-    def evict_over_capacity(self) -> None:
-        if not self.capacity:
-            return
-        with self.lock:
-            victims = self.catalog.take_victims(self.capacity, self._in_use)
-            self.catalog.publish(self.g)
-        if not victims:
-            return
-        removed = 0
-        for ns, key in victims:
-            rel = kvfile.rel_dir(ns.fingerprint, key)
-            for rank in range(ns.world_size):
-                if unlink_quietly(self.tree, self.errors, rel, kvfile.file_name(key, rank)):
-                    removed += 1
-        with self.lock:
-            self.catalog.deleted([k for _, k in victims])
-            self.g[G.STORAGE_EVICTED_FILES] += removed
-        log.debug("capacity limit: evicted %d block(s), %d file(s)", len(victims), removed)
-
+    # ------------------------------------------------------------ the quarantine
     def clean_quarantine(self) -> None:
         """Keep the quarantine bounded: the newest QUARANTINE_MAX_FILES files, none older
         than QUARANTINE_MAX_AGE_S (maintenance thread, no lock needed)."""
