@@ -61,6 +61,8 @@ from hpkv.protocol.stats import G
 
 log = logging.getLogger("hpkv.storage")
 
+STOP_WAIT_S = 2.0  # each step of a stop that touches the storage directory
+
 LEASE_FILE = ".evictor"
 READ_EVERY_S = 10.0  # a block's READ is journaled at most this often per node
 READ_MEMORY = 200_000  # blocks whose last READ time is remembered (the oldest forgotten)
@@ -247,10 +249,26 @@ class SharedDir:
         self._thread.start()
 
     def stop(self) -> None:
+        """Write what is queued, close the journals and give the lease up, each within
+        STOP_WAIT_S: a storage directory that does not answer (a hung mount) does not hold the
+        stop; its last records are lost and its lease expires by itself."""
         self._stop.set()
         self.wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=10.0)
+            self._thread.join(timeout=STOP_WAIT_S)
+            if self._thread.is_alive():
+                log.warning(
+                    "the storage journal thread is still in the file system at stop: its last "
+                    "records are not written, and the evictor lease expires by itself"
+                )
+                return
+        last = threading.Thread(target=self._write_last, name="hpkv-journal-stop", daemon=True)
+        last.start()
+        last.join(timeout=STOP_WAIT_S)
+        if last.is_alive():
+            log.warning("the storage directory did not answer the journal's last write at stop: left behind")
+
+    def _write_last(self) -> None:
         try:
             self._flush()
         except OSError as exc:
