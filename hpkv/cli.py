@@ -48,7 +48,8 @@ def _config_markdown(page: str) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from hpkv.config import ConfigError, check_runtime, describe, dumps_json, load_config
+    from hpkv.common.checks import check_runtime
+    from hpkv.config import ConfigError, describe, dumps_json, load_config
 
     if args.markdown is not None:
         return _config_markdown(args.markdown)

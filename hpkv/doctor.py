@@ -36,22 +36,19 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from hpkv.common.numa import format_cpulist, node_cpus, numa_nodes
-from hpkv.common.security import InsecurePath, check_private
-from hpkv.config import (
+from hpkv.common.checks import (
     RAM_FILESYSTEMS,
-    Config,
-    ConfigError,
     Mount,
     existing_ancestor,
-    format_size,
-    load_config,
     memory_available,
     mount_of,
     pool_disk_warning,
     pool_space_error,
     write_probe_error,
 )
+from hpkv.common.numa import format_cpulist, node_cpus, numa_nodes
+from hpkv.common.security import InsecurePath, check_private
+from hpkv.config import Config, ConfigError, format_size, load_config
 from hpkv.connectors import ENGINE_DISTRIBUTIONS, TESTED_VERSIONS
 
 OK, WARN, FAIL = "ok", "warn", "fail"

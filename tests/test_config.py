@@ -14,7 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hpkv import config as C
-from hpkv.config import ConfigError, check_runtime, load_config, parse_size
+from hpkv.common import checks
+from hpkv.common.checks import check_runtime
+from hpkv.config import ConfigError, load_config, parse_size
 
 
 def write(path, text: str) -> str:
@@ -284,7 +286,7 @@ def test_pool_on_tmpfs_passes_and_on_disk_warns(tmp_path, env):
     finally:
         os.rmdir(shm)
 
-    assert C.filesystem_type(str(tmp_path)) not in C.RAM_FILESYSTEMS
+    assert checks.filesystem_type(str(tmp_path)) not in checks.RAM_FILESYSTEMS
     cfg = cfg_with(
         env,
         tmp_path,
@@ -299,7 +301,7 @@ def test_pool_on_tmpfs_passes_and_on_disk_warns(tmp_path, env):
 
 
 def test_ramfs_counts_as_memory(monkeypatch, tmp_path, env):
-    monkeypatch.setattr(C, "filesystem_type", lambda path: "ramfs")
+    monkeypatch.setattr(checks, "filesystem_type", lambda path: "ramfs")
     cfg = cfg_with(
         env,
         tmp_path,
@@ -377,7 +379,7 @@ def test_pool_larger_than_free_space_is_an_error_with_both_numbers(tmp_path, env
         HPKV_KV_MEM_POOL_SIZE="1t",
         HPKV_KV_STORAGE_PATH="",
     )
-    free = C.free_bytes("/dev/shm")
+    free = checks.free_bytes("/dev/shm")
     try:
         with pytest.raises(ConfigError) as err:
             check_runtime(cfg)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from hpkv import doctor
-from hpkv.config import Mount
+from hpkv.common.checks import Mount
 from hpkv.connectors import TESTED_VERSIONS
 from hpkv.doctor import FAIL, OK, WARN, Finding, run_checks
 from hpkv.testing.server import ServerProcess, private_env

@@ -322,7 +322,7 @@ def _checksum_gbps(repeat: int) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpkv.config import filesystem_type
+    from hpkv.common.checks import filesystem_type
 
     root = os.path.join(os.path.abspath(args.dir), f"run-{os.getpid()}")
     os.makedirs(root, exist_ok=True)

@@ -24,12 +24,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hpkv.common import shm
+from hpkv.common.checks import free_bytes
 from hpkv.common.numa import device_cpus, format_cpulist
 from hpkv.common.pool import PoolFile
 from hpkv.common.proc import pid_running
 from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.common.text import printable
-from hpkv.config import Config, format_size, free_bytes
+from hpkv.config import Config, format_size
 from hpkv.engine.devices import int_arg, validate_cuda, validate_device
 from hpkv.engine.index import Index, Namespace
 from hpkv.engine.tiers import TierList

@@ -32,11 +32,12 @@ from typing import Any
 
 import numpy as np
 
+from hpkv.common.checks import check_runtime
 from hpkv.common.pool import PoolFile
 from hpkv.common.proc import pid_running
 from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.common.security import open_nofollow, open_private_dir
-from hpkv.config import Config, check_runtime, format_size
+from hpkv.config import Config, format_size
 from hpkv.engine.calls import ControlCalls, ServerConn
 from hpkv.engine.control import ControlTransport
 from hpkv.engine.index import Index, Namespace

@@ -23,7 +23,7 @@ import os
 import secrets
 from dataclasses import dataclass
 
-from hpkv.config import filesystem_type
+from hpkv.common.checks import filesystem_type
 
 PROBE_BYTES = 4096
 
