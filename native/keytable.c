@@ -2,6 +2,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 /* Slot states live in `state`: EMPTY ends a probe, TOMB keeps it going. */
 enum { EMPTY = 0, FULL = 1, TOMB = 2 };
@@ -20,10 +21,27 @@ struct hpkv_keytable {
     key128 *keys;
     uint8_t *state;
     uint8_t *meta;
-    uint64_t cap; /* power of two */
+    uint64_t *rec;   /* recency per slot; NULL in a table without columns */
+    uint32_t *stamp; /* stamp per slot; NULL likewise */
+    uint64_t cap;    /* power of two */
     uint64_t live;
     uint64_t tombs;
+    int columns;
 };
+
+/* Anonymous mappings: zero-filled, and given back whole by munmap (malloc keeps freed
+ * blocks of up to 32 MiB in its heap once its mmap threshold has grown). */
+static void *map(size_t bytes)
+{
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static void unmap(void *p, size_t bytes)
+{
+    if (p)
+        munmap(p, bytes);
+}
 
 static inline key128 load_key(const uint8_t *p)
 {
@@ -39,23 +57,36 @@ static inline uint64_t slot_of(key128 k, uint64_t cap)
     return (k.lo ^ (k.hi >> 7)) & (cap - 1);
 }
 
+static void free_arrays(hpkv_keytable *t)
+{
+    unmap(t->keys, t->cap * sizeof(key128));
+    unmap(t->state, t->cap);
+    unmap(t->meta, t->cap);
+    unmap(t->rec, t->cap * sizeof(uint64_t));
+    unmap(t->stamp, t->cap * sizeof(uint32_t));
+    t->keys = NULL;
+    t->state = t->meta = NULL;
+    t->rec = NULL;
+    t->stamp = NULL;
+}
+
 static int alloc_arrays(hpkv_keytable *t, uint64_t cap)
 {
-    t->keys = malloc(cap * sizeof(key128));
-    t->state = calloc(cap, 1);
-    t->meta = malloc(cap);
-    if (!t->keys || !t->state || !t->meta) {
-        free(t->keys);
-        free(t->state);
-        free(t->meta);
+    t->cap = cap;
+    t->keys = map(cap * sizeof(key128));
+    t->state = map(cap);
+    t->meta = map(cap);
+    t->rec = t->columns ? map(cap * sizeof(uint64_t)) : NULL;
+    t->stamp = t->columns ? map(cap * sizeof(uint32_t)) : NULL;
+    if (!t->keys || !t->state || !t->meta || (t->columns && (!t->rec || !t->stamp))) {
+        free_arrays(t);
         return -1;
     }
-    t->cap = cap;
     t->live = t->tombs = 0;
     return 0;
 }
 
-hpkv_keytable *hpkv_keytable_new(uint64_t initial_capacity)
+static hpkv_keytable *make(uint64_t initial_capacity, int columns)
 {
     uint64_t cap = 1024;
     while (cap < initial_capacity)
@@ -63,6 +94,7 @@ hpkv_keytable *hpkv_keytable_new(uint64_t initial_capacity)
     hpkv_keytable *t = calloc(1, sizeof(*t));
     if (!t)
         return NULL;
+    t->columns = columns;
     if (alloc_arrays(t, cap) != 0) {
         free(t);
         return NULL;
@@ -70,13 +102,21 @@ hpkv_keytable *hpkv_keytable_new(uint64_t initial_capacity)
     return t;
 }
 
+hpkv_keytable *hpkv_keytable_new(uint64_t initial_capacity)
+{
+    return make(initial_capacity, 0);
+}
+
+hpkv_keytable *hpkv_keytable_new_columns(uint64_t initial_capacity)
+{
+    return make(initial_capacity, 1);
+}
+
 void hpkv_keytable_free(hpkv_keytable *t)
 {
     if (!t)
         return;
-    free(t->keys);
-    free(t->state);
-    free(t->meta);
+    free_arrays(t);
     free(t);
 }
 
@@ -100,6 +140,14 @@ static uint64_t find(const hpkv_keytable *t, key128 k, int *found)
     }
 }
 
+/* The slot of a present key, or -1. */
+static int64_t slot_of_key(const hpkv_keytable *t, const uint8_t *key)
+{
+    int found;
+    uint64_t i = find(t, load_key(key), &found);
+    return found ? (int64_t)i : -1;
+}
+
 static int grow(hpkv_keytable *t)
 {
     hpkv_keytable old = *t;
@@ -117,11 +165,13 @@ static int grow(hpkv_keytable *t)
         t->keys[j] = old.keys[i];
         t->meta[j] = old.meta[i];
         t->state[j] = FULL;
+        if (t->columns) {
+            t->rec[j] = old.rec[i];
+            t->stamp[j] = old.stamp[i];
+        }
         t->live++;
     }
-    free(old.keys);
-    free(old.state);
-    free(old.meta);
+    free_arrays(&old);
     return 0;
 }
 
@@ -140,6 +190,10 @@ int hpkv_keytable_set(hpkv_keytable *t, const uint8_t *key, uint8_t ns, uint8_t 
         t->keys[i] = k;
         t->state[i] = FULL;
         t->live++;
+        if (t->columns) {
+            t->rec[i] = 0;
+            t->stamp[i] = 0;
+        }
     }
     t->meta[i] = (uint8_t)(ns << VALUE_BITS | value);
     return 0;
@@ -147,9 +201,8 @@ int hpkv_keytable_set(hpkv_keytable *t, const uint8_t *key, uint8_t ns, uint8_t 
 
 uint8_t hpkv_keytable_get(const hpkv_keytable *t, const uint8_t *key, uint8_t *ns)
 {
-    int found;
-    uint64_t i = find(t, load_key(key), &found);
-    if (!found)
+    int64_t i = slot_of_key(t, key);
+    if (i < 0)
         return 0;
     if (ns)
         *ns = t->meta[i] >> VALUE_BITS;
@@ -158,9 +211,8 @@ uint8_t hpkv_keytable_get(const hpkv_keytable *t, const uint8_t *key, uint8_t *n
 
 int hpkv_keytable_remove(hpkv_keytable *t, const uint8_t *key)
 {
-    int found;
-    uint64_t i = find(t, load_key(key), &found);
-    if (!found)
+    int64_t i = slot_of_key(t, key);
+    if (i < 0)
         return 0;
     t->state[i] = TOMB;
     t->live--;
@@ -173,6 +225,11 @@ uint64_t hpkv_keytable_len(const hpkv_keytable *t)
     return t->live;
 }
 
+uint64_t hpkv_keytable_capacity(const hpkv_keytable *t)
+{
+    return t->cap;
+}
+
 uint64_t hpkv_keytable_prefix(const hpkv_keytable *t, uint8_t ns, const uint8_t *keys, uint64_t n,
                               uint8_t *out)
 {
@@ -182,6 +239,129 @@ uint64_t hpkv_keytable_prefix(const hpkv_keytable *t, uint8_t ns, const uint8_t 
         if (!found || t->meta[i] >> VALUE_BITS != ns) /* another namespace's key is absent to it */
             return j;
         out[j] = t->meta[i] & VALUE_MASK;
+    }
+    return n;
+}
+
+/* ------------------------------------------------------------------ columns */
+uint8_t hpkv_keytable_get_columns(const hpkv_keytable *t, const uint8_t *key, uint8_t *ns,
+                                  uint64_t *rec, uint32_t *stamp)
+{
+    if (!t->columns)
+        return 0;
+    int64_t i = slot_of_key(t, key);
+    if (i < 0)
+        return 0;
+    if (ns)
+        *ns = t->meta[i] >> VALUE_BITS;
+    if (rec)
+        *rec = t->rec[i];
+    if (stamp)
+        *stamp = t->stamp[i];
+    return t->meta[i] & VALUE_MASK;
+}
+
+int hpkv_keytable_set_recency(hpkv_keytable *t, const uint8_t *key, uint64_t rec)
+{
+    int64_t i = t->columns ? slot_of_key(t, key) : -1;
+    if (i < 0)
+        return 0;
+    t->rec[i] = rec;
+    return 1;
+}
+
+int hpkv_keytable_set_stamp(hpkv_keytable *t, const uint8_t *key, uint32_t stamp)
+{
+    int64_t i = t->columns ? slot_of_key(t, key) : -1;
+    if (i < 0)
+        return 0;
+    t->stamp[i] = stamp;
+    return 1;
+}
+
+/* A max-heap of (recency, slot) by recency: its top is the newest of the k oldest so far. */
+typedef struct {
+    uint64_t rec;
+    uint64_t slot;
+} aged;
+
+static void sift_down(aged *h, uint64_t n, uint64_t i)
+{
+    for (;;) {
+        uint64_t l = 2 * i + 1, r = l + 1, top = i;
+        if (l < n && h[l].rec > h[top].rec)
+            top = l;
+        if (r < n && h[r].rec > h[top].rec)
+            top = r;
+        if (top == i)
+            return;
+        aged tmp = h[i];
+        h[i] = h[top];
+        h[top] = tmp;
+        i = top;
+    }
+}
+
+static void sift_up(aged *h, uint64_t i)
+{
+    while (i > 0) {
+        uint64_t parent = (i - 1) / 2;
+        if (h[parent].rec >= h[i].rec)
+            return;
+        aged tmp = h[i];
+        h[i] = h[parent];
+        h[parent] = tmp;
+        i = parent;
+    }
+}
+
+uint64_t hpkv_keytable_oldest(const hpkv_keytable *t, uint8_t mask, uint64_t k, uint8_t *keys_out,
+                              uint64_t *rec_out)
+{
+    if (!t->columns || k == 0)
+        return 0;
+    if (k > t->live)
+        k = t->live;
+    aged *heap = malloc((k ? k : 1) * sizeof(aged));
+    if (!heap)
+        return 0;
+    uint64_t n = 0;
+    for (uint64_t i = 0; i < t->cap; i++) {
+        if (t->state[i] != FULL || !(t->meta[i] & mask))
+            continue;
+        if (n < k) {
+            heap[n] = (aged){t->rec[i], i};
+            sift_up(heap, n++);
+        } else if (t->rec[i] < heap[0].rec) {
+            heap[0] = (aged){t->rec[i], i};
+            sift_down(heap, n, 0);
+        }
+    }
+    /* Heap sort in place: the largest goes last, so the array ends up least recent first. */
+    for (uint64_t m = n; m > 1; m--) {
+        aged tmp = heap[0];
+        heap[0] = heap[m - 1];
+        heap[m - 1] = tmp;
+        sift_down(heap, m - 1, 0);
+    }
+    for (uint64_t j = 0; j < n; j++) {
+        memcpy(keys_out + 16 * j, &t->keys[heap[j].slot], 16);
+        rec_out[j] = heap[j].rec;
+    }
+    free(heap);
+    return n;
+}
+
+uint64_t hpkv_keytable_select(const hpkv_keytable *t, int ns, uint8_t mask, uint8_t *keys_out,
+                              uint64_t max)
+{
+    uint64_t n = 0;
+    for (uint64_t i = 0; i < t->cap && n < max; i++) {
+        if (t->state[i] != FULL || !(t->meta[i] & mask))
+            continue;
+        if (ns >= 0 && t->meta[i] >> VALUE_BITS != (unsigned)ns)
+            continue;
+        memcpy(keys_out + 16 * n++, &t->keys[i], 16);
     }
     return n;
 }

@@ -35,7 +35,9 @@ from typing import Any
 LOOKUP_KEYS = 128
 WARM_BLOCKS = 256  # a first namespace's, before the measured one
 SCAN_TIMEOUT_S = 900.0
-_SCAN_LOG = re.compile(r"scan of namespace (\d+) \(\w+\): (\d+) complete block\(s\) from (\d+) file\(s\) in ([\d.]+)s")
+_SCAN_LOG = re.compile(
+    r"scan of namespace (\d+) \(\w+\): (\d+) complete block\(s\) from (\d+) file\(s\) in ([\d.]+)s"
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -113,6 +115,8 @@ def measure(n: int, root: str, shard_bytes: int, lookups: int) -> dict[str, Any]
 
     srv = ServerProcess(private_env(pool_size="64m", storage=storage, HPKV_LOG_LEVEL="INFO"))
     srv.start()
+    assert srv.proc is not None
+    pid = srv.proc.pid
     try:
         client = connect(srv.cfg, spawn=False, call_timeout=60.0)
         # A small namespace first, scanned and looked up: whatever the server sets up on its
@@ -124,7 +128,7 @@ def measure(n: int, root: str, shard_bytes: int, lookups: int) -> dict[str, Any]
             client.lookup(warm.ns_id, warm_keys[:LOOKUP_KEYS])
             client.lookup(warm.ns_id, [os.urandom(16) for _ in range(LOOKUP_KEYS)])
         time.sleep(0.2)
-        rss0 = _rss(srv.proc.pid)
+        rss0 = _rss(pid)
 
         def hit_keys() -> list[bytes]:
             return [keys[i] for i in _randints(n, LOOKUP_KEYS)]
@@ -154,7 +158,7 @@ def measure(n: int, root: str, shard_bytes: int, lookups: int) -> dict[str, Any]
             lat["miss_during"].append(time.perf_counter() - t)
         seen_done = time.perf_counter() - t_attach
         stored = int(client.stats()["storage"].get("files", -1))
-        rss1 = _rss(srv.proc.pid)
+        rss1 = _rss(pid)
         full = 0
         for _ in range(lookups):
             k = hit_keys()
@@ -168,7 +172,7 @@ def measure(n: int, root: str, shard_bytes: int, lookups: int) -> dict[str, Any]
             t = time.perf_counter()
             client.lookup(ns.ns_id, m)
             lat["miss_after"].append(time.perf_counter() - t)
-        rss2 = _rss(srv.proc.pid)
+        rss2 = _rss(pid)
         client.close()
     finally:
         srv.stop()
@@ -226,7 +230,9 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(root, ignore_errors=True)
     ext = extrapolate(rows)
     if args.json:
-        print(json.dumps({"shard_bytes": shard, "lookup_keys": LOOKUP_KEYS, "runs": rows, "extrapolated": ext}))
+        print(
+            json.dumps({"shard_bytes": shard, "lookup_keys": LOOKUP_KEYS, "runs": rows, "extrapolated": ext})
+        )
         return 0
     print(
         f"hpkv bench scale: one namespace, N sparse KV files of {args.shard_mib:g} MiB payload, random keys; "
@@ -255,4 +261,3 @@ def run(args: argparse.Namespace) -> int:
 
 def _pair(r: dict[str, Any], kind: str) -> str:
     return f"{r[f'{kind}_p50_us']}/{r[f'{kind}_p99_us']}"
-

@@ -6,6 +6,10 @@ It behaves like the ``dict`` it replaces for the index (``t.set(key, ns, tier)``
 lookup over keys lying in a buffer (the client's mailbox) without building a
 Python object per key. A key belongs to one namespace: a lookup for another
 namespace does not see it.
+
+A table made with ``columns=True`` (the storage catalog's) also keeps a 64-bit recency
+and a 32-bit stamp per key (:meth:`columns`, :meth:`set_recency`, :meth:`set_stamp`),
+and finds the least recent keys in one pass (:meth:`oldest`).
 """
 
 from __future__ import annotations
@@ -18,15 +22,22 @@ from hpkv.protocol.stats import MAX_NS
 
 
 class KeyTable:
-    def __init__(self, initial_capacity: int = 1 << 16):
-        self._t = ffi.gc(lib.hpkv_keytable_new(initial_capacity), lib.hpkv_keytable_free)
+    def __init__(self, initial_capacity: int = 1 << 16, columns: bool = False):
+        new = lib.hpkv_keytable_new_columns if columns else lib.hpkv_keytable_new
+        self._t = ffi.gc(new(initial_capacity), lib.hpkv_keytable_free)
         if self._t == ffi.NULL:
             raise MemoryError("cannot allocate the key table")
+        self.has_columns = columns
         self._set = lib.hpkv_keytable_set
         self._get = lib.hpkv_keytable_get
         self._remove = lib.hpkv_keytable_remove
         self._prefix = lib.hpkv_keytable_prefix
         self._ns_out = ffi.new("uint8_t *")
+        self._rec_out = ffi.new("uint64_t *")
+        self._stamp_out = ffi.new("uint32_t *")
+        self._get_columns = lib.hpkv_keytable_get_columns
+        self._set_recency = lib.hpkv_keytable_set_recency
+        self._set_stamp = lib.hpkv_keytable_set_stamp
 
     def set(self, key: bytes, ns: int, value: int) -> None:
         """Insert or update ``key``, owned by namespace ``ns`` (0..MAX_NS-1), with ``value`` (1..3:
@@ -61,6 +72,10 @@ class KeyTable:
     def __len__(self) -> int:
         return int(lib.hpkv_keytable_len(self._t))
 
+    def capacity(self) -> int:
+        """Slots the arrays hold (live keys, free slots and tombstones)."""
+        return int(lib.hpkv_keytable_capacity(self._t))
+
     def prefix(self, ns: int, keys: Any, n: int, out: Any) -> int:
         """Leading keys of namespace ``ns`` present among ``n`` 16-byte keys in buffer ``keys``;
         their values go to ``out``. A key of another namespace ends the prefix like a miss."""
@@ -72,3 +87,41 @@ class KeyTable:
         out = bytearray(len(keys))
         n = self.prefix(ns, b"".join(keys), len(keys), out)
         return n, list(out[:n])
+
+    # ------------------------------------------------------------ columns
+    def columns(self, key: bytes) -> tuple[int, int, int, int]:
+        """(value, owner, recency, stamp) of ``key``; value 0 (and the rest 0) when absent."""
+        v = self._get_columns(self._t, key, self._ns_out, self._rec_out, self._stamp_out)
+        if not v:
+            return 0, 0, 0, 0
+        return v, self._ns_out[0], self._rec_out[0], self._stamp_out[0]
+
+    def set_recency(self, key: bytes, rec: int) -> bool:
+        """False when the key is absent."""
+        return bool(self._set_recency(self._t, key, rec))
+
+    def set_stamp(self, key: bytes, stamp: int) -> bool:
+        """False when the key is absent."""
+        return bool(self._set_stamp(self._t, key, stamp))
+
+    def oldest(self, mask: int, k: int) -> list[tuple[bytes, int]]:
+        """The (at most) ``k`` keys whose value has a bit of ``mask``, least recent first,
+        with their recency: one pass over the table."""
+        k = min(k, len(self))
+        if k <= 0:
+            return []
+        keys = ffi.new("uint8_t[]", 16 * k)
+        recs = ffi.new("uint64_t[]", k)
+        n = int(lib.hpkv_keytable_oldest(self._t, mask, k, keys, recs))
+        raw = ffi.buffer(keys, 16 * n)[:]
+        return [(raw[16 * i : 16 * i + 16], int(recs[i])) for i in range(n)]
+
+    def select(self, mask: int, ns: int | None = None) -> list[bytes]:
+        """The keys (of namespace ``ns``, or all) whose value has a bit of ``mask``."""
+        cap = len(self)
+        if cap == 0:
+            return []
+        keys = ffi.new("uint8_t[]", 16 * cap)
+        n = int(lib.hpkv_keytable_select(self._t, -1 if ns is None else ns, mask, keys, cap))
+        raw = ffi.buffer(keys, 16 * n)[:]
+        return [raw[16 * i : 16 * i + 16] for i in range(n)]
