@@ -243,6 +243,35 @@ uint64_t hpkv_keytable_prefix(const hpkv_keytable *t, uint8_t ns, const uint8_t 
     return n;
 }
 
+uint64_t hpkv_keytable_peek(const hpkv_keytable *t, const uint8_t *key)
+{
+    int64_t i = slot_of_key(t, key);
+    if (i < 0)
+        return 0;
+    return t->meta[i] | (t->columns ? (uint64_t)t->stamp[i] << 8 : 0);
+}
+
+void hpkv_keytable_get_many(const hpkv_keytable *t, const uint8_t *keys, uint64_t n, uint8_t *out)
+{
+    for (uint64_t j = 0; j < n; j++) {
+        int64_t i = slot_of_key(t, keys + 16 * j);
+        out[j] = i < 0 ? 0 : t->meta[i] & VALUE_MASK;
+    }
+}
+
+int hpkv_keytable_set_many(hpkv_keytable *t, const uint8_t *keys, uint64_t n, uint8_t ns,
+                           uint8_t value, uint64_t rec, int64_t rec_step)
+{
+    for (uint64_t j = 0; j < n; j++) {
+        int rc = hpkv_keytable_set(t, keys + 16 * j, ns, value);
+        if (rc != 0)
+            return rc;
+        if (t->columns)
+            t->rec[slot_of_key(t, keys + 16 * j)] = rec + (uint64_t)((int64_t)j * rec_step);
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------------ columns */
 uint8_t hpkv_keytable_get_columns(const hpkv_keytable *t, const uint8_t *key, uint8_t *ns,
                                   uint64_t *rec, uint32_t *stamp)

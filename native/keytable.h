@@ -50,6 +50,17 @@ uint64_t hpkv_keytable_capacity(const hpkv_keytable *t);
 uint64_t hpkv_keytable_prefix(const hpkv_keytable *t, uint8_t ns, const uint8_t *keys, uint64_t n,
                               uint8_t *out);
 
+/* The key's meta byte (owner << 2 | value; 0 when absent) in bits 0..7 and, in a table with
+ * columns, its stamp in bits 8..39: one call where Python needs both. */
+uint64_t hpkv_keytable_peek(const hpkv_keytable *t, const uint8_t *key);
+/* The value of each of n consecutive 16-byte keys (0: absent) to out[i]. */
+void hpkv_keytable_get_many(const hpkv_keytable *t, const uint8_t *keys, uint64_t n, uint8_t *out);
+/* Insert or update n consecutive 16-byte keys, all owned by `ns` with `value`; in a table with
+ * columns key i also gets recency rec + i * rec_step (and stamp 0 when new). Returns as
+ * hpkv_keytable_set (the keys before a failure are in). */
+int hpkv_keytable_set_many(hpkv_keytable *t, const uint8_t *keys, uint64_t n, uint8_t ns,
+                           uint8_t value, uint64_t rec, int64_t rec_step);
+
 /* ---- tables with columns (others: these return 0 and change nothing) ---- */
 /* The value (0: absent) and, for a present key, its owner, recency and stamp (any out
  * pointer may be NULL). */

@@ -44,6 +44,33 @@ def test_scanned_keys_are_colder_than_used_ones_and_the_latest_scanned_is_coldes
     assert cat.keys() == found[::-1] + used[1:] + used[:1]
 
 
+def test_a_scans_batch_enters_like_one_cold_add_after_another_and_skips_what_is_known():
+    idx, cat, ns, other = make()
+    used, batch = keys(2), keys(5)
+    for k in used:
+        cat.add(ns, k)
+    cat.add(other, batch[1])  # another namespace's: known, left alone
+    skipped = batch[3]
+    assert cat.add_found(ns, batch, skip=lambda k: k == skipped) == 3
+    fresh = [batch[0], batch[2], batch[4]]
+    assert cat.keys() == fresh[::-1] + [used[0], used[1], batch[1]]
+    assert cat.bytes == 6 * SIZE and ns.counters[NsCounter.BLOCKS_STORAGE] == 5
+    assert idx.lookup(ns.ns_id, fresh) == (3, [Tier.STORAGE] * 3) and cat.unknown(skipped)
+    assert cat.owner(batch[1]) is other
+
+
+def test_a_scans_batch_with_a_key_held_in_dram_takes_the_index_checks_key_by_key():
+    idx, cat, ns, other = make()
+    mine, theirs, plain = keys(3)
+    idx.reserve(ns.ns_id, [mine])
+    idx.commit(ns.ns_id, [mine], 0)
+    idx.reserve(other.ns_id, [theirs])
+    assert cat.add_found(ns, [mine, theirs, plain], skip=lambda k: False) == 2
+    assert cat.owner(mine) is ns and cat.owner(theirs) is None and cat.owner(plain) is ns
+    assert cat.keys() == [plain, mine]
+    assert idx.lookup(ns.ns_id, [mine, plain]) == (2, [Tier.DRAM, Tier.STORAGE])
+
+
 def test_victims_are_the_least_recent_and_one_in_use_stays_least_recent_for_the_next_round():
     _, cat, ns, _ = make()
     k = keys(6)

@@ -38,6 +38,7 @@ class KeyTable:
         self._get_columns = lib.hpkv_keytable_get_columns
         self._set_recency = lib.hpkv_keytable_set_recency
         self._set_stamp = lib.hpkv_keytable_set_stamp
+        self._peek = lib.hpkv_keytable_peek
 
     def set(self, key: bytes, ns: int, value: int) -> None:
         """Insert or update ``key``, owned by namespace ``ns`` (0..MAX_NS-1), with ``value`` (1..3:
@@ -71,6 +72,25 @@ class KeyTable:
 
     def __len__(self) -> int:
         return int(lib.hpkv_keytable_len(self._t))
+
+    def peek(self, key: bytes) -> int:
+        """``value | owner << 2 | stamp << 8`` of ``key`` in one call (0 when absent): for
+        callers on a hot path that need more than the value."""
+        return int(self._peek(self._t, key))
+
+    def get_many(self, keys: bytes, n: int) -> bytes:
+        """The value of each of ``n`` 16-byte keys in ``keys`` (0: absent)."""
+        out = bytearray(n)
+        lib.hpkv_keytable_get_many(self._t, keys, n, ffi.from_buffer(out, require_writable=True))
+        return bytes(out)
+
+    def set_many(self, keys: bytes, n: int, ns: int, value: int, rec: int = 0, rec_step: int = 0) -> None:
+        """:meth:`set` for ``n`` 16-byte keys in ``keys``; with columns key i's recency is
+        ``rec + i * rec_step``."""
+        if len(keys) != 16 * n or not 1 <= value <= 3 or not 0 <= ns < MAX_NS:
+            raise ValueError(f"{n} keys need {16 * n} bytes, got {len(keys)}; ns {ns}, value {value}")
+        if lib.hpkv_keytable_set_many(self._t, keys, n, ns, value, rec, rec_step) != 0:
+            raise MemoryError("cannot grow the key table")
 
     def capacity(self) -> int:
         """Slots the arrays hold (live keys, free slots and tombstones)."""

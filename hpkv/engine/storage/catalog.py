@@ -73,8 +73,8 @@ class FileCatalog:
         return bool(self._t.get(key, 0) & FILES)
 
     def owner(self, key: bytes) -> Namespace | None:
-        v, ns_id, _, _ = self._t.columns(key)
-        return self._ns[ns_id] if v & FILES else None
+        m = self._t.peek(key)
+        return self._ns[m >> 2 & 63] if m & FILES else None
 
     def keys(self) -> list[bytes]:
         """The keys with files, least recently used first."""
@@ -92,42 +92,56 @@ class FileCatalog:
     def add(self, ns: Namespace, key: bytes, recent: bool = True) -> bool:
         """All ranks' files of ``ns``'s ``key`` are on storage. False, and nothing changed, when
         the key is another namespace's (its files are no hit for ``ns``) or already known."""
-        v, ns_id, _, _ = self._t.columns(key)
-        if v & FILES:
-            if recent and self._ns[ns_id] is ns:
+        m = self._t.peek(key)
+        if m & FILES:
+            if recent and self._ns[m >> 2 & 63] is ns:
                 self._t.set_recency(key, self._next_hot())
             return False
         held = self.index.owner(key)
         if held is not None and held is not ns:
             return False
-        known = self._ns.get(ns.ns_id)
-        if known is not ns:
-            if known is not None:  # a released namespace's id, taken again: its entries go
-                self.detach(known)
-            self._ns[ns.ns_id] = ns
-        self._t.set(key, ns.ns_id, v | FILES)
+        self._register(ns)
+        self._t.set(key, ns.ns_id, m & 3 | FILES)  # (a stamp of 0: a new slot, or reset by _drop)
         if recent:
             self._t.set_recency(key, self._next_hot())
         else:  # found on disk: older than anything used here
             self._cold -= 1
             self._t.set_recency(key, self._cold)
             self._candidates.clear()  # older than the candidates
-        self._t.set_stamp(key, 0)
-        self._per_ns[ns.ns_id] = self._per_ns.get(ns.ns_id, 0) + 1
-        self._entries += 1
-        self.files += ns.world_size
-        self.bytes += ns.world_size * kvfile.file_size(ns.shard_bytes)
-        ns.counters[NsCounter.BLOCKS_STORAGE] += 1
+        self._count_in(ns, 1)
         self.index.files_added(ns, key)
         return True
 
+    def add_found(self, ns: Namespace, keys: list[bytes], skip: Callable[[bytes], bool]) -> int:
+        """:meth:`add` (``recent=False``) of the keys a scan found, in order, each colder than
+        the one before, skipping keys known already or being deleted and those ``skip`` names;
+        returns how many were added. Keys that hold no pool slots (all, unless a block was saved
+        meanwhile) go into the table and the index in one native call each."""
+        if not keys:
+            return 0
+        known = self._t.get_many(b"".join(keys), len(keys))
+        blocks = self.index.blocks
+        fresh = [k for k, v in zip(keys, known, strict=True) if not v and not skip(k)]
+        if any(k in blocks for k in fresh):  # the index's own checks, key by key
+            return sum(self.add(ns, k, recent=False) for k in fresh)
+        n = len(fresh)
+        if n:
+            raw = b"".join(fresh)
+            self._register(ns)
+            self._t.set_many(raw, n, ns.ns_id, FILES, rec=self._cold - 1, rec_step=-1)
+            self._cold -= n
+            self._candidates.clear()
+            self._count_in(ns, n)
+            self.index.files_found(ns, raw, n)
+        return n
+
     def forget(self, key: bytes) -> Namespace | None:
         """The key's files are gone or going (evicted, corrupt, missing); returns their namespace."""
-        v, ns_id, _, _ = self._t.columns(key)
-        if not v & FILES:
+        m = self._t.peek(key)
+        if not m & FILES:
             return None
-        ns = self._ns[ns_id]
-        self._drop(key, ns)
+        ns = self._ns[m >> 2 & 63]
+        self._drop(key, m, ns)
         ns.counters[NsCounter.BLOCKS_STORAGE] -= 1
         self.index.files_gone(key)
         return ns
@@ -138,7 +152,7 @@ class FileCatalog:
         if self._ns.get(ns.ns_id) is not ns:
             return
         for key in self._t.select(FILES, ns.ns_id):
-            self._drop(key, ns)
+            self._drop(key, self._t.peek(key), ns)
             self.index.files_gone(key)
 
     def touch(self, key: bytes) -> None:
@@ -147,13 +161,11 @@ class FileCatalog:
 
     def needs_verify(self, ns: Namespace, key: bytes, now: float) -> bool:
         """A hit on files only whose files were not seen for VERIFY_TTL_S."""
-        v, ns_id, _, seen = self._t.columns(key)
-        return (
-            bool(v & FILES)
-            and self._ns[ns_id] is ns
-            and self.index.owner(key) is None
-            and (seen == 0 or (_stamp(now) - seen) & _STAMP_MASK >= _TTL_MS)
-        )
+        m = self._t.peek(key)
+        if not m & FILES or self._ns[m >> 2 & 63] is not ns or self.index.owner(key) is not None:
+            return False
+        seen = m >> 8
+        return seen == 0 or (int(now * 1000) - seen) & _STAMP_MASK >= _TTL_MS
 
     def verified(self, key: bytes, now: float) -> None:
         self._t.set_stamp(key, _stamp(now))
@@ -189,11 +201,11 @@ class FileCatalog:
     def deleted(self, keys: list[bytes]) -> None:
         """The victims' files are unlinked: a stat may find new ones again."""
         for key in keys:
-            v, ns_id, _, _ = self._t.columns(key)
-            if v == DELETING:
+            m = self._t.peek(key)
+            if m & 3 == DELETING:
                 self._t.pop(key)
-            elif v & DELETING:
-                self._t.set(key, ns_id, v & ~DELETING)
+            elif m & DELETING:
+                self._t.set(key, m >> 2 & 63, m & 3 & ~DELETING)
 
     def publish(self, glob) -> None:
         """The gauges of what it holds (the stats segment's global row)."""
@@ -208,12 +220,25 @@ class FileCatalog:
         self._hot += 1
         return self._hot
 
-    def _drop(self, key: bytes, ns: Namespace) -> None:
-        """Clear the entry's FILES flag (the slot goes unless its files are being deleted)
-        and count it out."""
-        v, ns_id, _, _ = self._t.columns(key)
-        if v & ~FILES:
-            self._t.set(key, ns_id, v & ~FILES)
+    def _register(self, ns: Namespace) -> None:
+        known = self._ns.get(ns.ns_id)
+        if known is not ns:
+            if known is not None:  # a released namespace's id, taken again: its entries go
+                self.detach(known)
+            self._ns[ns.ns_id] = ns
+
+    def _count_in(self, ns: Namespace, n: int) -> None:
+        self._per_ns[ns.ns_id] = self._per_ns.get(ns.ns_id, 0) + n
+        self._entries += n
+        self.files += n * ns.world_size
+        self.bytes += n * ns.world_size * kvfile.file_size(ns.shard_bytes)
+        ns.counters[NsCounter.BLOCKS_STORAGE] += n
+
+    def _drop(self, key: bytes, m: int, ns: Namespace) -> None:
+        """Clear the entry's FILES flag (``m``: its :meth:`KeyTable.peek`; the slot goes unless
+        its files are being deleted) and count it out."""
+        if m & DELETING:
+            self._t.set(key, m >> 2 & 63, DELETING)
             self._t.set_stamp(key, 0)
         else:
             self._t.pop(key)
