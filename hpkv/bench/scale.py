@@ -157,7 +157,7 @@ def measure(n: int, root: str, shard_bytes: int, lookups: int) -> dict[str, Any]
             client.lookup(ns.ns_id, [os.urandom(16) for _ in range(LOOKUP_KEYS)])
             lat["miss_during"].append(time.perf_counter() - t)
         seen_done = time.perf_counter() - t_attach
-        stored = int(client.stats()["storage"].get("files", -1))
+        stored = int(client.stats()["storage"]["files"]) - WARM_BLOCKS  # the measured namespace's
         rss1 = _rss(pid)
         full = 0
         for _ in range(lookups):
