@@ -128,3 +128,36 @@ def test_a_table_without_columns_has_none():
     k = os.urandom(16)
     t.set(k, 0, 1)
     assert t.columns(k) == (0, 0, 0, 0) and not t.set_recency(k, 5) and t.oldest(1, 4) == []
+
+
+def test_a_table_that_grows_step_by_step_answers_like_a_dict_throughout():
+    """Growing moves the old slots a few per insert or removal: every key stays findable,
+    with its columns, while it lives in the old arrays or the new ones."""
+    rng = random.Random(11)
+    t, ref = KeyTable(16, columns=True), {}
+    pool = [os.urandom(16) for _ in range(6000)]
+    checked_while_moving = 0
+    for step in range(30_000):
+        k = pool[rng.randrange(len(pool))]
+        if rng.random() < 0.7:
+            v = rng.randrange(1, 4)
+            t.set(k, 7, v)
+            if k not in ref:
+                t.set_recency(k, step)
+            ref[k] = (v, step if k not in ref else ref[k][1])
+        elif t.pop(k) is not None:
+            del ref[k]
+        if step % 97 == 0:
+            checked_while_moving += t.capacity() & (t.capacity() - 1) != 0  # old and new arrays
+            assert len(t) == len(ref)
+            probe = rng.sample(pool, 64)
+            assert [t.columns(p)[:3] for p in probe] == [
+                (*(ref[p][:1]), 7, ref[p][1]) if p in ref else (0, 0, 0) for p in probe
+            ]
+            oldest = sorted(ref, key=lambda x: ref[x][1])[:20]
+            assert [key for key, _ in t.oldest(3, 20)] == oldest
+            assert sorted(t.select(3, ns=7)) == sorted(ref)
+    assert checked_while_moving, "no check ran while the table grew"
+    for k in list(ref)[: len(ref) // 2]:
+        t.pop(k)
+    assert t.capacity() & (t.capacity() - 1) == 0, "the old arrays are gone once every slot moved"
