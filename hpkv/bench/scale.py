@@ -114,6 +114,36 @@ def _scan_seconds(log: str, ns_id: int) -> float | None:
     return None
 
 
+def _timed(client: Any, ns_id: int, keys: list[bytes], into: list[float]) -> int:
+    """One lookup, its round trip appended to ``into``; returns the hit count."""
+    t = time.perf_counter()
+    hit, _ = client.lookup(ns_id, keys)
+    into.append(time.perf_counter() - t)
+    return hit
+
+
+def _misses() -> list[bytes]:
+    return [os.urandom(16) for _ in range(LOOKUP_KEYS)]
+
+
+def _during_scan(client: Any, srv: Any, ns_id: int, hit_keys: Any, lat: dict, t_attach: float) -> tuple:
+    """Hits and misses, alternating, until the scan's log line: (scan seconds, first hit)."""
+    first_hit = None
+    next_poll = 0.0
+    while True:
+        now = time.perf_counter()
+        if now >= next_poll:
+            scan_s = _scan_seconds(srv.log(), ns_id)
+            if scan_s is not None:
+                return scan_s, first_hit
+            next_poll = time.perf_counter() + 0.05
+            if now - t_attach > SCAN_TIMEOUT_S:
+                raise TimeoutError(f"the scan did not end within {SCAN_TIMEOUT_S:g} s")
+        if _timed(client, ns_id, hit_keys(), lat["hit_during"]) and first_hit is None:
+            first_hit = time.perf_counter() - t_attach
+        _timed(client, ns_id, _misses(), lat["miss_during"])
+
+
 def measure(n: int, root: str, shard_bytes: int, lookups: int, headers: bool = True) -> dict[str, Any]:
     """One N: create the files, start a server, attach, measure, stop; the files stay."""
     from hpkv.client import connect
@@ -143,7 +173,7 @@ def measure(n: int, root: str, shard_bytes: int, lookups: int, headers: bool = T
             time.sleep(0.02)
         for _ in range(20):
             client.lookup(warm.ns_id, warm_keys[:LOOKUP_KEYS])
-            client.lookup(warm.ns_id, [os.urandom(16) for _ in range(LOOKUP_KEYS)])
+            client.lookup(warm.ns_id, _misses())
         time.sleep(0.2)
         rss0 = _rss(pid)
 
@@ -159,48 +189,21 @@ def measure(n: int, root: str, shard_bytes: int, lookups: int, headers: bool = T
         }
         t_attach = time.perf_counter()
         ns = client.attach_namespace(fp, 1, shard_bytes, name=f"bench-scale-{n}")
-        first_hit = None
-        next_poll = 0.0
-        while True:
-            now = time.perf_counter()
-            if now >= next_poll:
-                scan_s = _scan_seconds(srv.log(), ns.ns_id)
-                if scan_s is not None:
-                    break
-                next_poll = time.perf_counter() + 0.05
-                if now - t_attach > SCAN_TIMEOUT_S:
-                    raise TimeoutError(f"the scan of {n} files did not end within {SCAN_TIMEOUT_S:g} s")
-            t = time.perf_counter()
-            hit, _ = client.lookup(ns.ns_id, hit_keys())
-            t1 = time.perf_counter()
-            lat["hit_during"].append(t1 - t)
-            if hit and first_hit is None:
-                first_hit = t1 - t_attach
-            t = time.perf_counter()
-            client.lookup(ns.ns_id, [os.urandom(16) for _ in range(LOOKUP_KEYS)])
-            lat["miss_during"].append(time.perf_counter() - t)
+        scan_s, first_hit = _during_scan(client, srv, ns.ns_id, hit_keys, lat, t_attach)
         seen_done = time.perf_counter() - t_attach
         stored = int(client.stats()["storage"]["files"]) - WARM_BLOCKS  # the measured namespace's
         rss1 = _rss(pid)
         full = 0
         for _ in range(lookups):
-            k = hit_keys()
-            t = time.perf_counter()
-            hit, _ = client.lookup(ns.ns_id, k)
-            lat["hit_after"].append(time.perf_counter() - t)
+            hit = _timed(client, ns.ns_id, hit_keys(), lat["hit_after"])
             full += hit == LOOKUP_KEYS
             if first_hit is None and hit:
                 first_hit = time.perf_counter() - t_attach
-            m = [os.urandom(16) for _ in range(LOOKUP_KEYS)]
-            t = time.perf_counter()
-            client.lookup(ns.ns_id, m)
-            lat["miss_after"].append(time.perf_counter() - t)
+            _timed(client, ns.ns_id, _misses(), lat["miss_after"])
         same = hit_keys()  # the same keys again and again: verified within the last 2 s, no stat
         client.lookup(ns.ns_id, same)
         for _ in range(lookups):
-            t = time.perf_counter()
-            client.lookup(ns.ns_id, same)
-            lat["hit_verified"].append(time.perf_counter() - t)
+            _timed(client, ns.ns_id, same, lat["hit_verified"])
         rss2 = _rss(pid)
         client.close()
     finally:
