@@ -460,6 +460,20 @@ uint64_t hpkv_keytable_oldest(const hpkv_keytable *t, uint8_t mask, uint64_t k, 
     return n;
 }
 
+uint64_t hpkv_keytable_stale(const hpkv_keytable *t, const uint8_t *keys, uint64_t n, uint8_t ns,
+                             uint8_t mask, uint32_t now, uint32_t age, uint8_t *out)
+{
+    uint64_t stale = 0;
+    for (uint64_t j = 0; j < n; j++) {
+        uint64_t i;
+        const slots *s = t->columns ? locate(t, load_key(keys + 16 * j), &i) : NULL;
+        out[j] = s && (s->meta[i] & mask) && s->meta[i] >> VALUE_BITS == ns &&
+                 (s->stamp[i] == 0 || (uint32_t)(now - s->stamp[i]) >= age);
+        stale += out[j];
+    }
+    return stale;
+}
+
 static uint64_t select_in(const slots *s, int ns, uint8_t mask, uint8_t *keys_out, uint64_t n,
                           uint64_t max)
 {

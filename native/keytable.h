@@ -74,6 +74,11 @@ int hpkv_keytable_set_stamp(hpkv_keytable *t, const uint8_t *key, uint32_t stamp
  * One pass over the table keeping a heap of k: O(capacity + n log k). */
 uint64_t hpkv_keytable_oldest(const hpkv_keytable *t, uint8_t mask, uint64_t k, uint8_t *keys_out,
                               uint64_t *rec_out);
+/* For each of n consecutive 16-byte keys, out[i] = 1 when it is present with a bit of `mask`,
+ * owned by `ns`, and its stamp is 0 or at least `age` older than `now` (modulo 2^32), else 0.
+ * Returns how many are. */
+uint64_t hpkv_keytable_stale(const hpkv_keytable *t, const uint8_t *keys, uint64_t n, uint8_t ns,
+                             uint8_t mask, uint32_t now, uint32_t age, uint8_t *out);
 /* Up to `max` keys owned by `ns` (any owner when ns < 0) whose value has a bit of `mask`,
  * in slot order, to keys_out. Returns how many. */
 uint64_t hpkv_keytable_select(const hpkv_keytable *t, int ns, uint8_t mask, uint8_t *keys_out,

@@ -133,6 +133,23 @@ def test_verify_times_expire_after_the_ttl_and_a_forget_clears_them():
     assert cat.needs_verify(ns, k, now + 0.5), "files found again are verified again"
 
 
+def test_to_verify_names_the_keys_needs_verify_names():
+    idx, cat, ns, other = make()
+    k = keys(8)
+    for key in k[:6]:
+        cat.add(ns, key)
+    cat.add(other, k[6])
+    idx.reserve(ns.ns_id, [k[5]])
+    idx.commit(ns.ns_id, [k[5]], 0)  # held in DRAM: no stat
+    cat.verified(k[1], 100.0)
+    cat.verified(k[2], 99.0)
+    for now in (100.5, 101.5, 102.0, 103.0):
+        want = [i for i, key in enumerate(k) if cat.needs_verify(ns, key, now)]
+        assert cat.to_verify(ns, k, now) == want
+    assert cat.to_verify(ns, k, 100.5) == [0, 3, 4]
+    assert cat.to_verify(other, k, 100.5) == [6]
+
+
 def test_a_key_held_in_dram_needs_no_verify_and_another_namespace_never_does():
     idx, cat, ns, other = make()
     k, held = keys(2)

@@ -14,7 +14,8 @@ and finds the least recent keys in one pass (:meth:`oldest`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hpkv.common.native import ffi, lib
@@ -78,6 +79,11 @@ class KeyTable:
         callers on a hot path that need more than the value."""
         return int(self._peek(self._t, key))
 
+    def peeker(self) -> Callable[[bytes], int]:
+        """:meth:`peek` as a bare function of the key, for loops per key of a lookup (one
+        Python call less per key)."""
+        return functools.partial(self._peek, self._t)
+
     def get_many(self, keys: bytes, n: int) -> bytes:
         """The value of each of ``n`` 16-byte keys in ``keys`` (0: absent)."""
         out = bytearray(n)
@@ -123,6 +129,15 @@ class KeyTable:
     def set_stamp(self, key: bytes, stamp: int) -> bool:
         """False when the key is absent."""
         return bool(self._set_stamp(self._t, key, stamp))
+
+    def stale(self, keys: bytes, n: int, ns: int, mask: int, now: int, age: int) -> bytes:
+        """For each of ``n`` 16-byte keys: 1 when present with a bit of ``mask``, owned by ``ns``,
+        and its stamp 0 or at least ``age`` older than ``now`` (modulo 2**32), else 0."""
+        out = bytearray(n)
+        lib.hpkv_keytable_stale(
+            self._t, keys, n, ns, mask, now, age, ffi.from_buffer(out, require_writable=True)
+        )
+        return bytes(out)
 
     def oldest(self, mask: int, k: int) -> list[tuple[bytes, int]]:
         """The (at most) ``k`` keys whose value has a bit of ``mask``, least recent first,

@@ -55,6 +55,7 @@ class FileCatalog:
     def __init__(self, index: Index):
         self.index = index
         self._t = KeyTable(columns=True)
+        self._peek = self._t.peeker()  # key -> value | owner << 2 | stamp << 8 (0: absent)
         self._ns: dict[int, Namespace] = {}  # namespace id -> the namespace its entries belong to
         self._per_ns: dict[int, int] = {}  # namespace id -> entries
         self._entries = 0
@@ -70,10 +71,10 @@ class FileCatalog:
         return self._entries
 
     def __contains__(self, key: bytes) -> bool:
-        return bool(self._t.get(key, 0) & FILES)
+        return bool(self._peek(key) & FILES)
 
     def owner(self, key: bytes) -> Namespace | None:
-        m = self._t.peek(key)
+        m = self._peek(key)
         return self._ns[m >> 2 & 63] if m & FILES else None
 
     def keys(self) -> list[bytes]:
@@ -92,7 +93,7 @@ class FileCatalog:
     def add(self, ns: Namespace, key: bytes, recent: bool = True) -> bool:
         """All ranks' files of ``ns``'s ``key`` are on storage. False, and nothing changed, when
         the key is another namespace's (its files are no hit for ``ns``) or already known."""
-        m = self._t.peek(key)
+        m = self._peek(key)
         if m & FILES:
             if recent and self._ns[m >> 2 & 63] is ns:
                 self._t.set_recency(key, self._next_hot())
@@ -137,7 +138,7 @@ class FileCatalog:
 
     def forget(self, key: bytes) -> Namespace | None:
         """The key's files are gone or going (evicted, corrupt, missing); returns their namespace."""
-        m = self._t.peek(key)
+        m = self._peek(key)
         if not m & FILES:
             return None
         ns = self._ns[m >> 2 & 63]
@@ -152,20 +153,31 @@ class FileCatalog:
         if self._ns.get(ns.ns_id) is not ns:
             return
         for key in self._t.select(FILES, ns.ns_id):
-            self._drop(key, self._t.peek(key), ns)
+            self._drop(key, self._peek(key), ns)
             self.index.files_gone(key)
 
     def touch(self, key: bytes) -> None:
-        if self._t.get(key, 0) & FILES:
+        if self._peek(key) & FILES:
             self._t.set_recency(key, self._next_hot())
 
     def needs_verify(self, ns: Namespace, key: bytes, now: float) -> bool:
         """A hit on files only whose files were not seen for VERIFY_TTL_S."""
-        m = self._t.peek(key)
+        m = self._peek(key)
         if not m & FILES or self._ns[m >> 2 & 63] is not ns or self.index.owner(key) is not None:
             return False
         seen = m >> 8
         return seen == 0 or (int(now * 1000) - seen) & _STAMP_MASK >= _TTL_MS
+
+    def to_verify(self, ns: Namespace, keys: list[bytes], now: float) -> list[int]:
+        """The positions in ``keys`` where :meth:`needs_verify` is true, in one native call
+        over the keys (for a lookup's whole prefix of storage hits)."""
+        if not keys or self._ns.get(ns.ns_id) is not ns:
+            return []
+        flags = self._t.stale(
+            b"".join(keys), len(keys), ns.ns_id, FILES, int(now * 1000) & _STAMP_MASK, _TTL_MS
+        )
+        owner = self.index.owner
+        return [i for i, f in enumerate(flags) if f and owner(keys[i]) is None]
 
     def verified(self, key: bytes, now: float) -> None:
         self._t.set_stamp(key, _stamp(now))
@@ -201,7 +213,7 @@ class FileCatalog:
     def deleted(self, keys: list[bytes]) -> None:
         """The victims' files are unlinked: a stat may find new ones again."""
         for key in keys:
-            m = self._t.peek(key)
+            m = self._peek(key)
             if m & 3 == DELETING:
                 self._t.pop(key)
             elif m & DELETING:
