@@ -26,6 +26,7 @@ memory per block and scan time from the two largest N.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -260,6 +261,8 @@ def run(args: argparse.Namespace) -> int:
                 shutil.rmtree(os.path.join(root, f"n{n}"), ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(args.dir)  # when empty: nothing else of anyone's was in it
     ext = extrapolate(rows)
     if args.json:
         print(
