@@ -24,6 +24,7 @@ BENCHES = {
     "pool": ("hpkv.bench.pool", "cost of making pool memory exist vs. mapping it (start-up cost)"),
     "startup": ("hpkv.bench.startup", "vLLM's start-up time with and without hpkv (default 8 GiB pool)"),
     "kernels": ("hpkv.bench.kernels", "native block copy and CRC32C throughput vs. a single-thread memcpy"),
+    "scale": ("hpkv.bench.scale", "server memory per stored block, scan rate, lookup latency vs. N"),
     "ttft": ("hpkv.bench.ttft", "the CT-HPKV four-tier TTFT experiment against real vLLM"),
 }
 

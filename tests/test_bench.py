@@ -401,3 +401,20 @@ def test_a_thread_that_ends_keeps_the_cpu_it_was_seen_with():
     finally:
         child.kill()
         child.wait()
+
+
+def test_bench_scale_reports_memory_scan_rate_first_hit_and_latencies_and_removes_its_files(tmp_path, capsys):
+    from hpkv.bench import scale
+    from hpkv.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "scale", "--json", "--n", "500", "--lookups", "50", "--dir", str(tmp_path / "s")]
+    )
+    assert scale.run(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    (row,) = out["runs"]
+    assert row["n"] == 500 and row["stored_files"] == 500, "every file passed the scan's checks"
+    assert row["bytes_per_block"] > 0 and row["scan_files_per_s"] > 0
+    assert row["attach_to_first_hit_ms"] is not None and row["full_hits_after"] == 50
+    assert row["hit_after_p50_us"] > 0 and row["miss_after_p99_us"] > 0
+    assert not (tmp_path / "s").exists(), "the files are removed, and the directory it made"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -76,3 +77,87 @@ def test_namespace_ids_and_values_outside_the_packed_byte_are_refused():
     assert lib.hpkv_keytable_set(t._t, k, MAX_NS, 1) == -2, "the C table packs ns ids below MAX_NS"
     assert lib.hpkv_keytable_set(t._t, k, MAX_NS - 1, 3) == 0 and t.get(k) == 3 and t.owner(k) == MAX_NS - 1
     assert len(t) == 1
+
+
+def test_columns_follow_their_key_through_growth_and_reuse_of_tombstones():
+    t = KeyTable(16, columns=True)
+    keys = [os.urandom(16) for _ in range(20_000)]
+    for i, k in enumerate(keys):
+        t.set(k, i % 64, 1 + i % 3)
+        assert t.set_recency(k, 1000 + i) and t.set_stamp(k, i)
+    for k in keys[::3]:
+        t.pop(k)
+    assert t.capacity() >= len(keys) and len(t) == len(keys) - len(keys[::3])
+    for i, k in enumerate(keys):
+        want = (0, 0, 0, 0) if i % 3 == 0 else (1 + i % 3, i % 64, 1000 + i, i)
+        assert t.columns(k) == want
+    t.set(keys[0], 5, 2)
+    assert t.columns(keys[0]) == (2, 5, 0, 0), "a key new to the table starts with zero columns"
+    assert not t.set_recency(os.urandom(16), 1), "an absent key is not added"
+
+
+def test_oldest_returns_the_least_recent_keys_with_a_flag_in_order():
+    t = KeyTable(16, columns=True)
+    keys = [os.urandom(16) for _ in range(3000)]
+    recs = list(range(3000))
+    random.Random(3).shuffle(recs)
+    for k, r in zip(keys, recs, strict=True):
+        t.set(k, 0, 1 if r % 2 == 0 else 2)
+        t.set_recency(k, r)
+    even = sorted((r, k) for k, r in zip(keys, recs, strict=True) if r % 2 == 0)
+    assert t.oldest(1, 10) == [(k, r) for r, k in even[:10]]
+    assert t.oldest(1, 10**6) == [(k, r) for r, k in even], "k above the entries: all of them"
+    assert [r for _, r in t.oldest(3, 5)] == [0, 1, 2, 3, 4]
+
+
+def test_select_finds_a_namespaces_keys_with_a_flag():
+    t = KeyTable(16, columns=True)
+    a = [os.urandom(16) for _ in range(100)]
+    b = [os.urandom(16) for _ in range(50)]
+    for k in a:
+        t.set(k, 1, 1)
+    for k in b:
+        t.set(k, 2, 3)
+    assert sorted(t.select(1, ns=1)) == sorted(a)
+    assert sorted(t.select(2)) == sorted(b) and t.select(2, ns=1) == []
+    assert len(t.select(1)) == 150
+
+
+def test_a_table_without_columns_has_none():
+    t = KeyTable(16)
+    k = os.urandom(16)
+    t.set(k, 0, 1)
+    assert t.columns(k) == (0, 0, 0, 0) and not t.set_recency(k, 5) and t.oldest(1, 4) == []
+
+
+def test_a_table_that_grows_step_by_step_answers_like_a_dict_throughout():
+    """Growing moves the old slots a few per insert or removal: every key stays findable,
+    with its columns, while it lives in the old arrays or the new ones."""
+    rng = random.Random(11)
+    t, ref = KeyTable(16, columns=True), {}
+    pool = [os.urandom(16) for _ in range(6000)]
+    checked_while_moving = 0
+    for step in range(30_000):
+        k = pool[rng.randrange(len(pool))]
+        if rng.random() < 0.7:
+            v = rng.randrange(1, 4)
+            t.set(k, 7, v)
+            if k not in ref:
+                t.set_recency(k, step)
+            ref[k] = (v, step if k not in ref else ref[k][1])
+        elif t.pop(k) is not None:
+            del ref[k]
+        if step % 97 == 0:
+            checked_while_moving += t.capacity() & (t.capacity() - 1) != 0  # old and new arrays
+            assert len(t) == len(ref)
+            probe = rng.sample(pool, 64)
+            assert [t.columns(p)[:3] for p in probe] == [
+                (*(ref[p][:1]), 7, ref[p][1]) if p in ref else (0, 0, 0) for p in probe
+            ]
+            oldest = sorted(ref, key=lambda x: ref[x][1])[:20]
+            assert [key for key, _ in t.oldest(3, 20)] == oldest
+            assert sorted(t.select(3, ns=7)) == sorted(ref)
+    assert checked_while_moving, "no check ran while the table grew"
+    for k in list(ref)[: len(ref) // 2]:
+        t.pop(k)
+    assert t.capacity() & (t.capacity() - 1) == 0, "the old arrays are gone once every slot moved"

@@ -527,6 +527,11 @@ class Index:
         else:
             self._refresh(b)
 
+    def files_found(self, ns: Namespace, keys: bytes, n: int) -> None:
+        """:meth:`files_added` of ``n`` keys (16 bytes each in ``keys``) that hold no slots (a
+        scan's batch): storage hits, in one native call."""
+        self.present.set_many(keys, n, ns.ns_id, Tier.STORAGE)
+
     def files_gone(self, key: bytes) -> None:
         """The catalog forgot the key's files (evicted, corrupt, missing, namespace released):
         a key with files only is no hit any more, a DRAM copy stays (and is not spilled again)."""

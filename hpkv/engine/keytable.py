@@ -6,11 +6,16 @@ It behaves like the ``dict`` it replaces for the index (``t.set(key, ns, tier)``
 lookup over keys lying in a buffer (the client's mailbox) without building a
 Python object per key. A key belongs to one namespace: a lookup for another
 namespace does not see it.
+
+A table made with ``columns=True`` (the storage catalog's) also keeps a 64-bit recency
+and a 32-bit stamp per key (:meth:`columns`, :meth:`set_recency`, :meth:`set_stamp`),
+and finds the least recent keys in one pass (:meth:`oldest`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hpkv.common.native import ffi, lib
@@ -18,15 +23,23 @@ from hpkv.protocol.stats import MAX_NS
 
 
 class KeyTable:
-    def __init__(self, initial_capacity: int = 1 << 16):
-        self._t = ffi.gc(lib.hpkv_keytable_new(initial_capacity), lib.hpkv_keytable_free)
+    def __init__(self, initial_capacity: int = 1 << 16, columns: bool = False):
+        new = lib.hpkv_keytable_new_columns if columns else lib.hpkv_keytable_new
+        self._t = ffi.gc(new(initial_capacity), lib.hpkv_keytable_free)
         if self._t == ffi.NULL:
             raise MemoryError("cannot allocate the key table")
+        self.has_columns = columns
         self._set = lib.hpkv_keytable_set
         self._get = lib.hpkv_keytable_get
         self._remove = lib.hpkv_keytable_remove
         self._prefix = lib.hpkv_keytable_prefix
         self._ns_out = ffi.new("uint8_t *")
+        self._rec_out = ffi.new("uint64_t *")
+        self._stamp_out = ffi.new("uint32_t *")
+        self._get_columns = lib.hpkv_keytable_get_columns
+        self._set_recency = lib.hpkv_keytable_set_recency
+        self._set_stamp = lib.hpkv_keytable_set_stamp
+        self._peek = lib.hpkv_keytable_peek
 
     def set(self, key: bytes, ns: int, value: int) -> None:
         """Insert or update ``key``, owned by namespace ``ns`` (0..MAX_NS-1), with ``value`` (1..3:
@@ -61,6 +74,34 @@ class KeyTable:
     def __len__(self) -> int:
         return int(lib.hpkv_keytable_len(self._t))
 
+    def peek(self, key: bytes) -> int:
+        """``value | owner << 2 | stamp << 8`` of ``key`` in one call (0 when absent): for
+        callers on a hot path that need more than the value."""
+        return int(self._peek(self._t, key))
+
+    def peeker(self) -> Callable[[bytes], int]:
+        """:meth:`peek` as a bare function of the key, for loops per key of a lookup (one
+        Python call less per key)."""
+        return functools.partial(self._peek, self._t)
+
+    def get_many(self, keys: bytes, n: int) -> bytes:
+        """The value of each of ``n`` 16-byte keys in ``keys`` (0: absent)."""
+        out = bytearray(n)
+        lib.hpkv_keytable_get_many(self._t, keys, n, ffi.from_buffer(out, require_writable=True))
+        return bytes(out)
+
+    def set_many(self, keys: bytes, n: int, ns: int, value: int, rec: int = 0, rec_step: int = 0) -> None:
+        """:meth:`set` for ``n`` 16-byte keys in ``keys``; with columns key i's recency is
+        ``rec + i * rec_step``."""
+        if len(keys) != 16 * n or not 1 <= value <= 3 or not 0 <= ns < MAX_NS:
+            raise ValueError(f"{n} keys need {16 * n} bytes, got {len(keys)}; ns {ns}, value {value}")
+        if lib.hpkv_keytable_set_many(self._t, keys, n, ns, value, rec, rec_step) != 0:
+            raise MemoryError("cannot grow the key table")
+
+    def capacity(self) -> int:
+        """Slots the arrays hold (live keys, free slots and tombstones)."""
+        return int(lib.hpkv_keytable_capacity(self._t))
+
     def prefix(self, ns: int, keys: Any, n: int, out: Any) -> int:
         """Leading keys of namespace ``ns`` present among ``n`` 16-byte keys in buffer ``keys``;
         their values go to ``out``. A key of another namespace ends the prefix like a miss."""
@@ -72,3 +113,50 @@ class KeyTable:
         out = bytearray(len(keys))
         n = self.prefix(ns, b"".join(keys), len(keys), out)
         return n, list(out[:n])
+
+    # ------------------------------------------------------------ columns
+    def columns(self, key: bytes) -> tuple[int, int, int, int]:
+        """(value, owner, recency, stamp) of ``key``; value 0 (and the rest 0) when absent."""
+        v = self._get_columns(self._t, key, self._ns_out, self._rec_out, self._stamp_out)
+        if not v:
+            return 0, 0, 0, 0
+        return v, self._ns_out[0], self._rec_out[0], self._stamp_out[0]
+
+    def set_recency(self, key: bytes, rec: int) -> bool:
+        """False when the key is absent."""
+        return bool(self._set_recency(self._t, key, rec))
+
+    def set_stamp(self, key: bytes, stamp: int) -> bool:
+        """False when the key is absent."""
+        return bool(self._set_stamp(self._t, key, stamp))
+
+    def stale(self, keys: bytes, n: int, ns: int, mask: int, now: int, age: int) -> bytes:
+        """For each of ``n`` 16-byte keys: 1 when present with a bit of ``mask``, owned by ``ns``,
+        and its stamp 0 or at least ``age`` older than ``now`` (modulo 2**32), else 0."""
+        out = bytearray(n)
+        lib.hpkv_keytable_stale(
+            self._t, keys, n, ns, mask, now, age, ffi.from_buffer(out, require_writable=True)
+        )
+        return bytes(out)
+
+    def oldest(self, mask: int, k: int) -> list[tuple[bytes, int]]:
+        """The (at most) ``k`` keys whose value has a bit of ``mask``, least recent first,
+        with their recency: one pass over the table."""
+        k = min(k, len(self))
+        if k <= 0:
+            return []
+        keys = ffi.new("uint8_t[]", 16 * k)
+        recs = ffi.new("uint64_t[]", k)
+        n = int(lib.hpkv_keytable_oldest(self._t, mask, k, keys, recs))
+        raw = ffi.buffer(keys, 16 * n)[:]
+        return [(raw[16 * i : 16 * i + 16], int(recs[i])) for i in range(n)]
+
+    def select(self, mask: int, ns: int | None = None) -> list[bytes]:
+        """The keys (of namespace ``ns``, or all) whose value has a bit of ``mask``."""
+        cap = len(self)
+        if cap == 0:
+            return []
+        keys = ffi.new("uint8_t[]", 16 * cap)
+        n = int(lib.hpkv_keytable_select(self._t, -1 if ns is None else ns, mask, keys, cap))
+        raw = ffi.buffer(keys, 16 * n)[:]
+        return [raw[16 * i : 16 * i + 16] for i in range(n)]

@@ -11,19 +11,42 @@ by a scan enter at the cold end, in directory order. A key belongs to one namesp
 catalog takes no key whose block the index holds for another namespace, and the index
 reserves no key whose files are another namespace's.
 
+Compact at scale: a million stored blocks must not cost the server a Python object each.
+Every entry lives in one native key table with columns (:class:`~hpkv.engine.keytable.KeyTable`,
+~30 bytes a slot): the key, its namespace id, two flag bits (:data:`FILES`: the entry;
+:data:`DELETING`: its files are being unlinked), a 64-bit recency and a 32-bit stamp (when a
+lookup last saw its files). Recency is a counter, not a list: a key used here takes the next
+value above :data:`_MID`, a key found by a scan the next one below it, so "least recently
+used" is "smallest recency". Capacity eviction finds the oldest entries in one pass over
+the table (:meth:`KeyTable.oldest`) and keeps them as candidates for its next rounds: keys
+only ever become more recent, except those a scan adds at the cold end, which drop the
+candidates. Nothing on the lookup path is proportional to the number of entries.
+
 Everything here runs under the server's lock; nothing here touches the disk.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 
 from hpkv.engine.index import Index, Namespace
+from hpkv.engine.keytable import KeyTable
 from hpkv.io_workers import kvfile
 from hpkv.protocol.stats import G, NsCounter
 
 VERIFY_TTL_S = 2.0  # a storage hit's files are stat-ed again at most this often
+FILES = 1  # flag: all ranks' files are on storage (the key is in the catalog)
+DELETING = 2  # flag: the key's files are being unlinked (capacity eviction)
+VICTIM_CANDIDATES = 1024  # least recent entries found per pass over the table
+SLOT_BYTES = 16 + 1 + 1 + 8 + 4  # a table slot: key, state, namespace and flags, recency, stamp
+_MID = 1 << 62  # recencies: keys used here count up from it, keys found by a scan down
+_STAMP_MASK = 0xFFFFFFFF  # stamps are milliseconds of time.monotonic(), modulo 2**32
+_TTL_MS = int(VERIFY_TTL_S * 1000)
+
+
+def _stamp(now: float) -> int:
+    """A verification time as a stamp (0 is "never")."""
+    return int(now * 1000) & _STAMP_MASK or 1
 
 
 class FileCatalog:
@@ -31,62 +54,95 @@ class FileCatalog:
 
     def __init__(self, index: Index):
         self.index = index
-        self._lru: OrderedDict[bytes, Namespace] = OrderedDict()
-        self._verified: dict[bytes, float] = {}  # when a lookup last saw the files exist
-        self._deleting: set[bytes] = set()  # files being unlinked (capacity eviction)
+        self._t = KeyTable(columns=True)
+        self._peek = self._t.peeker()  # key -> value | owner << 2 | stamp << 8 (0: absent)
+        self._ns: dict[int, Namespace] = {}  # namespace id -> the namespace its entries belong to
+        self._per_ns: dict[int, int] = {}  # namespace id -> entries
+        self._entries = 0
+        self._hot = _MID  # the recency of the most recently used key
+        self._cold = _MID  # the recency of the last key a scan found (the coldest)
+        # the least recent entries when last looked for, most recent first (pop() is the oldest)
+        self._candidates: list[tuple[bytes, int]] = []
         self.files = 0
         self.bytes = 0
         index.files = self
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return self._entries
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._lru
+        return bool(self._peek(key) & FILES)
 
     def owner(self, key: bytes) -> Namespace | None:
-        return self._lru.get(key)
+        m = self._peek(key)
+        return self._ns[m >> 2 & 63] if m & FILES else None
 
     def keys(self) -> list[bytes]:
         """The keys with files, least recently used first."""
-        return list(self._lru)
+        return [k for k, _ in self._t.oldest(FILES, self._entries)]
 
     def knows(self, key: bytes) -> bool:
         """The key has files here, or its files are being unlinked."""
-        return key in self._lru or key in self._deleting
+        return key in self._t
 
     def unknown(self, key: bytes) -> bool:
         """Neither the catalog nor the index knows the key, and no unlink of its files runs:
         a stat may find files the scan has not reached (or another server wrote)."""
-        return not self.knows(key) and self.index.owner(key) is None
+        return key not in self._t and self.index.owner(key) is None
 
     def add(self, ns: Namespace, key: bytes, recent: bool = True) -> bool:
         """All ranks' files of ``ns``'s ``key`` are on storage. False, and nothing changed, when
         the key is another namespace's (its files are no hit for ``ns``) or already known."""
-        known = self._lru.get(key)
-        if known is not None:
-            if recent and known is ns:
-                self._lru.move_to_end(key)
+        m = self._peek(key)
+        if m & FILES:
+            if recent and self._ns[m >> 2 & 63] is ns:
+                self._t.set_recency(key, self._next_hot())
             return False
         held = self.index.owner(key)
         if held is not None and held is not ns:
             return False
-        self._lru[key] = ns
-        if not recent:
-            self._lru.move_to_end(key, last=False)  # found on disk: older than anything used here
-        self.files += ns.world_size
-        self.bytes += ns.world_size * kvfile.file_size(ns.shard_bytes)
-        ns.counters[NsCounter.BLOCKS_STORAGE] += 1
+        self._register(ns)
+        self._t.set(key, ns.ns_id, m & 3 | FILES)  # (a stamp of 0: a new slot, or reset by _drop)
+        if recent:
+            self._t.set_recency(key, self._next_hot())
+        else:  # found on disk: older than anything used here
+            self._cold -= 1
+            self._t.set_recency(key, self._cold)
+            self._candidates.clear()  # older than the candidates
+        self._count_in(ns, 1)
         self.index.files_added(ns, key)
         return True
 
+    def add_found(self, ns: Namespace, keys: list[bytes], skip: Callable[[bytes], bool]) -> int:
+        """:meth:`add` (``recent=False``) of the keys a scan found, in order, each colder than
+        the one before, skipping keys known already or being deleted and those ``skip`` names;
+        returns how many were added. Keys that hold no pool slots (all, unless a block was saved
+        meanwhile) go into the table and the index in one native call each."""
+        if not keys:
+            return 0
+        known = self._t.get_many(b"".join(keys), len(keys))
+        blocks = self.index.blocks
+        fresh = [k for k, v in zip(keys, known, strict=True) if not v and not skip(k)]
+        if any(k in blocks for k in fresh):  # the index's own checks, key by key
+            return sum(self.add(ns, k, recent=False) for k in fresh)
+        n = len(fresh)
+        if n:
+            raw = b"".join(fresh)
+            self._register(ns)
+            self._t.set_many(raw, n, ns.ns_id, FILES, rec=self._cold - 1, rec_step=-1)
+            self._cold -= n
+            self._candidates.clear()
+            self._count_in(ns, n)
+            self.index.files_found(ns, raw, n)
+        return n
+
     def forget(self, key: bytes) -> Namespace | None:
         """The key's files are gone or going (evicted, corrupt, missing); returns their namespace."""
-        ns = self._lru.pop(key, None)
-        self._verified.pop(key, None)
-        if ns is None:
+        m = self._peek(key)
+        if not m & FILES:
             return None
-        self._count_out(ns)
+        ns = self._ns[m >> 2 & 63]
+        self._drop(key, m, ns)
         ns.counters[NsCounter.BLOCKS_STORAGE] -= 1
         self.index.files_gone(key)
         return ns
@@ -94,44 +150,64 @@ class FileCatalog:
     def detach(self, ns: Namespace) -> None:
         """Forget a released namespace's entries (the files stay). Its counters were reset
         with the namespace (the stats row now belongs to the id's next user): not touched."""
-        for key in [k for k, n in self._lru.items() if n is ns]:
-            del self._lru[key]
-            self._verified.pop(key, None)
-            self._count_out(ns)
+        if self._ns.get(ns.ns_id) is not ns:
+            return
+        for key in self._t.select(FILES, ns.ns_id):
+            self._drop(key, self._peek(key), ns)
             self.index.files_gone(key)
 
     def touch(self, key: bytes) -> None:
-        if key in self._lru:
-            self._lru.move_to_end(key)
+        if self._peek(key) & FILES:
+            self._t.set_recency(key, self._next_hot())
 
     def needs_verify(self, ns: Namespace, key: bytes, now: float) -> bool:
         """A hit on files only whose files were not seen for VERIFY_TTL_S."""
-        return (
-            self._lru.get(key) is ns
-            and self.index.owner(key) is None
-            and now - self._verified.get(key, 0.0) >= VERIFY_TTL_S
+        m = self._peek(key)
+        if not m & FILES or self._ns[m >> 2 & 63] is not ns or self.index.owner(key) is not None:
+            return False
+        seen = m >> 8
+        return seen == 0 or (int(now * 1000) - seen) & _STAMP_MASK >= _TTL_MS
+
+    def to_verify(self, ns: Namespace, keys: list[bytes], now: float) -> list[int]:
+        """The positions in ``keys`` where :meth:`needs_verify` is true, in one native call
+        over the keys (for a lookup's whole prefix of storage hits)."""
+        if not keys or self._ns.get(ns.ns_id) is not ns:
+            return []
+        flags = self._t.stale(
+            b"".join(keys), len(keys), ns.ns_id, FILES, int(now * 1000) & _STAMP_MASK, _TTL_MS
         )
+        owner = self.index.owner
+        return [i for i, f in enumerate(flags) if f and owner(keys[i]) is None]
 
     def verified(self, key: bytes, now: float) -> None:
-        self._verified[key] = now
+        self._t.set_stamp(key, _stamp(now))
 
     def take_victims(self, capacity: int, in_use: Callable[[bytes], bool]) -> list[tuple[Namespace, bytes]]:
         """Forget least recently used entries, skipping those ``in_use``, until the files fit in
         ``capacity`` bytes; they stay marked as being deleted until :meth:`deleted`."""
         victims: list[tuple[Namespace, bytes]] = []
-        skipped: list[tuple[bytes, Namespace]] = []
-        while self.bytes > capacity and self._lru:
-            key, ns = next(iter(self._lru.items()))
+        kept: list[tuple[bytes, int]] = []  # in use: still the least recent, looked at again next time
+        kept_keys: set[bytes] = set()
+        cand = self._candidates
+        while self.bytes > capacity and self._entries:
+            if not cand:
+                found = self._t.oldest(FILES, len(kept) + VICTIM_CANDIDATES)
+                cand.extend(reversed([c for c in found if c[0] not in kept_keys]))
+                if not cand:
+                    break  # everything left is in use
+            key, rec = cand.pop()
+            v, ns_id, now_rec, _ = self._t.columns(key)
+            if not v & FILES or now_rec != rec:
+                continue  # forgotten, or used, since it was found
             if in_use(key):
-                self._lru.popitem(last=False)  # in use: keep it, look further
-                skipped.append((key, ns))
+                kept.append((key, rec))
+                kept_keys.add(key)
                 continue
+            ns = self._ns[ns_id]
             self.forget(key)
-            self._deleting.add(key)
+            self._t.set(key, ns_id, (self._t.get(key, 0) or 0) | DELETING)
             victims.append((ns, key))
-        for key, ns in reversed(skipped):
-            self._lru[key] = ns
-            self._lru.move_to_end(key, last=False)
+        cand.extend(reversed(kept))
         return victims
 
     def begin_delete(self, key: bytes) -> Namespace | None:
@@ -145,13 +221,54 @@ class FileCatalog:
 
     def deleted(self, keys: list[bytes]) -> None:
         """The victims' files are unlinked: a stat may find new ones again."""
-        self._deleting.difference_update(keys)
+        for key in keys:
+            m = self._peek(key)
+            if m & 3 == DELETING:
+                self._t.pop(key)
+            elif m & DELETING:
+                self._t.set(key, m >> 2 & 63, m & 3 & ~DELETING)
 
     def publish(self, glob) -> None:
         """The gauges of what it holds (the stats segment's global row)."""
         glob[G.STORAGE_FILES] = self.files
         glob[G.STORAGE_BYTES] = self.bytes
 
-    def _count_out(self, ns: Namespace) -> None:
+    def memory_bytes(self) -> int:
+        """Bytes the entries' table takes (its slots, used or not)."""
+        return self._t.capacity() * SLOT_BYTES
+
+    def _next_hot(self) -> int:
+        self._hot += 1
+        return self._hot
+
+    def _register(self, ns: Namespace) -> None:
+        known = self._ns.get(ns.ns_id)
+        if known is not ns:
+            if known is not None:  # a released namespace's id, taken again: its entries go
+                self.detach(known)
+            self._ns[ns.ns_id] = ns
+
+    def _count_in(self, ns: Namespace, n: int) -> None:
+        self._per_ns[ns.ns_id] = self._per_ns.get(ns.ns_id, 0) + n
+        self._entries += n
+        self.files += n * ns.world_size
+        self.bytes += n * ns.world_size * kvfile.file_size(ns.shard_bytes)
+        ns.counters[NsCounter.BLOCKS_STORAGE] += n
+
+    def _drop(self, key: bytes, m: int, ns: Namespace) -> None:
+        """Clear the entry's FILES flag (``m``: its :meth:`KeyTable.peek`; the slot goes unless
+        its files are being deleted) and count it out."""
+        if m & DELETING:
+            self._t.set(key, m >> 2 & 63, DELETING)
+            self._t.set_stamp(key, 0)
+        else:
+            self._t.pop(key)
+        self._entries -= 1
+        left = self._per_ns[ns.ns_id] - 1
+        if left:
+            self._per_ns[ns.ns_id] = left
+        else:
+            del self._per_ns[ns.ns_id]
+            del self._ns[ns.ns_id]
         self.files -= ns.world_size
         self.bytes -= ns.world_size * kvfile.file_size(ns.shard_bytes)

@@ -186,11 +186,7 @@ class Scanner:
             with self.lock:
                 if ns.released:
                     return None
-                for k in complete[i : i + SCAN_BATCH]:
-                    if cat.knows(k) or self._skip(k):
-                        continue
-                    cat.add(ns, k, recent=False)
-                    found += 1
+                found += cat.add_found(ns, complete[i : i + SCAN_BATCH], self._skip)
                 cat.publish(self.g)
         return found
 
