@@ -205,7 +205,7 @@ class FileCatalog:
                 continue
             ns = self._ns[ns_id]
             self.forget(key)
-            self._t.set(key, ns_id, (self._t.get(key, 0) or 0) | DELETING)
+            self._mark_deleting(key, ns_id)
             victims.append((ns, key))
         cand.extend(reversed(kept))
         return victims
@@ -216,8 +216,12 @@ class FileCatalog:
         deleted until :meth:`deleted`. Returns its namespace, None if it was not here."""
         ns = self.forget(key)
         if ns is not None:
-            self._deleting.add(key)
+            self._mark_deleting(key, ns.ns_id)
         return ns
+
+    def _mark_deleting(self, key: bytes, ns_id: int) -> None:
+        """A forgotten key's files are being unlinked: a stat must not find them meanwhile."""
+        self._t.set(key, ns_id, (self._t.get(key, 0) or 0) | DELETING)
 
     def deleted(self, keys: list[bytes]) -> None:
         """The victims' files are unlinked: a stat may find new ones again."""

@@ -302,11 +302,8 @@ class FileTier:
                 self.g[G.STORAGE_STAT_SATURATED] += 1  # a stat was due and no thread is free
             return self._cut_at_storage(tiers, hit)
         now = time.monotonic()
-        verify = [
-            keys[i]
-            for i in range(hit)
-            if tiers[i] == P.Tier.STORAGE and self.catalog.needs_verify(ns, keys[i], now)
-        ]
+        due = [i for i in self.catalog.to_verify(ns, keys[:hit], now) if tiers[i] == P.Tier.STORAGE]
+        verify = [keys[i] for i in due]
         extend = self._to_discover(keys, hit)
         if not verify and not extend:
             return Presence(hit)
@@ -325,12 +322,11 @@ class FileTier:
         else:
             self._check(ns, verify, extend)  # for the next lookup, if the threads have room
         # Answer now: a hit due for a check that is not done is a miss for this lookup.
-        for i in range(hit):
-            if tiers[i] == P.Tier.STORAGE and self.catalog.needs_verify(ns, keys[i], now):
-                if call is None:
-                    self.g[G.STORAGE_LOOKUPS_BOUNDED] += 1
-                del tiers[i:]
-                return Presence(i)
+        if due:  # checks were sent, not answered: the first one cuts the prefix
+            if call is None:
+                self.g[G.STORAGE_LOOKUPS_BOUNDED] += 1
+            del tiers[due[0] :]
+            return Presence(due[0])
         if call is None and extend and keys[hit] in self._checking:
             self.g[G.STORAGE_LOOKUPS_BOUNDED] += 1
         return Presence(hit)
