@@ -41,7 +41,6 @@ VICTIM_CANDIDATES = 1024  # least recent entries found per pass over the table
 SLOT_BYTES = 16 + 1 + 1 + 8 + 4  # a table slot: key, state, namespace and flags, recency, stamp
 _MID = 1 << 62  # recencies: keys used here count up from it, keys found by a scan down
 _STAMP_MASK = 0xFFFFFFFF  # stamps are milliseconds of time.monotonic(), modulo 2**32
-_TTL_MS = int(VERIFY_TTL_S * 1000)
 
 
 def _stamp(now: float) -> int:
@@ -166,7 +165,7 @@ class FileCatalog:
         if not m & FILES or self._ns[m >> 2 & 63] is not ns or self.index.owner(key) is not None:
             return False
         seen = m >> 8
-        return seen == 0 or (int(now * 1000) - seen) & _STAMP_MASK >= _TTL_MS
+        return seen == 0 or (int(now * 1000) - seen) & _STAMP_MASK >= int(VERIFY_TTL_S * 1000)
 
     def to_verify(self, ns: Namespace, keys: list[bytes], now: float) -> list[int]:
         """The positions in ``keys`` where :meth:`needs_verify` is true, in one native call
@@ -174,7 +173,12 @@ class FileCatalog:
         if not keys or self._ns.get(ns.ns_id) is not ns:
             return []
         flags = self._t.stale(
-            b"".join(keys), len(keys), ns.ns_id, FILES, int(now * 1000) & _STAMP_MASK, _TTL_MS
+            b"".join(keys),
+            len(keys),
+            ns.ns_id,
+            FILES,
+            int(now * 1000) & _STAMP_MASK,
+            int(VERIFY_TTL_S * 1000),
         )
         owner = self.index.owner
         return [i for i, f in enumerate(flags) if f and owner(keys[i]) is None]
