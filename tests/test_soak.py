@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from hpkv.client import connect
-from hpkv.protocol.errors import HpkvError, NotOwner
+from hpkv.protocol.errors import HpkvError, HpkvUnavailable, NotOwner
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.testing.device import make_device
 from hpkv.testing.server import ServerProcess, assert_serves_correctly, private_env
@@ -196,7 +196,14 @@ def test_soak_mixed_traffic_with_workers_killed_serves_no_wrong_byte_and_leaks_n
         )
         try:
             assert flooder.stdout is not None and flooder.stdout.readline() == b"flooding\n"
-            killed = _kill_workers(srv, time.monotonic() + SOAK_S, random.Random(7))
+            try:
+                killed = _kill_workers(srv, time.monotonic() + SOAK_S, random.Random(7))
+            except HpkvUnavailable as exc:  # the server stopped answering: show what it waits on
+                os.kill(srv.proc.pid, signal.SIGUSR2)
+                time.sleep(1.0)
+                raise AssertionError(
+                    f"{exc}; the server's log ends:\n" + "\n".join(srv.log().splitlines()[-300:])
+                ) from exc
             results = []
             deadline = time.monotonic() + 120
             while len(results) < len(procs):

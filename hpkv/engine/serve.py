@@ -4,6 +4,7 @@ an engine, which reads its status line from the ready pipe)."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -11,6 +12,7 @@ import signal
 from hpkv.config import Config, ConfigError
 from hpkv.engine.server import AlreadyServed, Server
 from hpkv.protocol.errors import ExitCode
+from hpkv.protocol.wire import LOG_FILE
 from hpkv.runtime.logs import setup_logging
 
 log = logging.getLogger("hpkv.server")
@@ -51,6 +53,9 @@ def serve(
     """``hpkv serve``: run the server in the foreground until told to stop."""
     ready = ready or ReadyPipe(None)
     setup_logging(cfg.pool_dir, log_level or cfg["HPKV_LOG_LEVEL"], max_bytes=cfg["HPKV_LOG_MAX_BYTES"])
+    # `kill -USR2 <server pid>` writes every thread's stack to the log: what a stuck server waits on.
+    stacks = open(os.path.join(cfg.pool_dir, LOG_FILE), "a")  # noqa: SIM115 - open for the process's life
+    faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)
     server = Server(cfg, auto=auto)
     try:
         server.start()
