@@ -25,7 +25,8 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from hpkv.engine.index import Block, Namespace
+from hpkv.engine.index import Block, Index, Namespace
+from hpkv.protocol.stats import NsCounter
 
 
 class Client(Protocol):
@@ -48,6 +49,28 @@ class ParkedPromote:
     deadline: float
     outstanding: int = 0
     done: bool = False
+
+    def finish(self, answers: list[PromoteAnswer]) -> None:
+        """Answer the call once (with what ``rows`` holds now), unless its client is gone."""
+        self.done = True
+        if self.client.alive:
+            answers.append(PromoteAnswer(self.client, self.seq, self.rows))
+
+
+def settle_waiters(
+    index: Index, b: Block, ok: bool, waiters: list[tuple[ParkedPromote, int]], answers: list[PromoteAnswer]
+) -> None:
+    """A promote of ``b`` ended: pin it for every call still waiting (``(call, row)``), answer
+    the calls that waited for nothing else, and count the blocks loaded."""
+    loaded = 0
+    for call, row in waiters:
+        if ok and not call.done and call.client.alive:
+            call.rows[row] = index.pin(b.ns, [b.key], owner=call.client.cid)[0]
+            loaded += 1
+        call.outstanding -= 1
+        if call.outstanding == 0 and not call.done:
+            call.finish(answers)
+    b.ns.counters[NsCounter.LOADS_STORAGE] += loaded
 
 
 @dataclass

@@ -32,7 +32,7 @@ import numpy as np
 
 from hpkv.engine.index import Block, Index, Namespace
 from hpkv.engine.storage.catalog import FileCatalog
-from hpkv.engine.tiers import Client, ParkedLookup, ParkedPromote, Presence, PromoteAnswer
+from hpkv.engine.tiers import Client, ParkedLookup, ParkedPromote, Presence, PromoteAnswer, settle_waiters
 from hpkv.protocol.stats import NsCounter
 from hpkv.protocol.wire import Tier
 
@@ -210,7 +210,7 @@ class MemoryTier:
         now = time.monotonic()
         for call in self._calls:
             if not call.done and now >= call.deadline:
-                self._finish_call(call)
+                call.finish(self._answers)
         self._calls = [c for c in self._calls if not c.done]
         answers, self._answers = self._answers, []
         return answers
@@ -265,20 +265,7 @@ class MemoryTier:
             self.catalog.touch(key)
         elif data is None:
             self.catalog.forget(key)  # lost underneath: no hit any more
-        loaded = 0
-        for call, row in job.waiters:
-            if ok and not call.done and call.client.alive:
-                call.rows[row] = self.index.pin(b.ns, [key], owner=call.client.cid)[0]
-                loaded += 1
-            call.outstanding -= 1
-            if call.outstanding == 0 and not call.done:
-                self._finish_call(call)
-        b.ns.counters[NsCounter.LOADS_STORAGE] += loaded
-
-    def _finish_call(self, call: ParkedPromote) -> None:
-        call.done = True
-        if call.client.alive:
-            self._answers.append(PromoteAnswer(call.client, call.seq, call.rows))
+        settle_waiters(self.index, b, ok, job.waiters, self._answers)
 
     def _read_slots(self, b: Block) -> list[bytes]:
         if self.pool is None or b.slots is None:

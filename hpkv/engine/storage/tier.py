@@ -51,7 +51,7 @@ from hpkv.engine.storage.scan import Scanner
 from hpkv.engine.storage.shared import SharedDir
 from hpkv.engine.storage.stat import GONE, THERE, StatBatch, StatPool
 from hpkv.engine.storage.upkeep import IoErrorLog, Upkeep, unlink_quietly
-from hpkv.engine.tiers import Client, ParkedLookup, ParkedPromote, Presence, PromoteAnswer
+from hpkv.engine.tiers import Client, ParkedLookup, ParkedPromote, Presence, PromoteAnswer, settle_waiters
 from hpkv.engine.workers import WorkerProcess
 from hpkv.io_workers import kvfile
 from hpkv.io_workers.tree import StorageTree
@@ -574,7 +574,7 @@ class FileTier:
                             call.client.cid,
                             int((call.rows[:, 0] >= 0).sum()),
                         )
-                        self._finish_call(call)  # whatever is not loaded yet stays -1
+                        call.finish(self._answers)  # whatever is not loaded yet stays -1
                 self._calls = [call for call in self._calls if not call.done]
             self.health.update(self._degraded_reason(now))
             self.catalog.publish(self.g)
@@ -736,17 +736,4 @@ class FileTier:
             self.catalog.forget(key)  # quarantined
         elif op.status in GONE_STATUSES and self.catalog.forget(key) is not None:
             self._gone(1, "a promote")  # another server's evictor, an operator
-        loaded = 0
-        for call, row in op.waiters:
-            if ok and not call.done and call.client.alive:
-                call.rows[row] = self.index.pin(b.ns, [key], owner=call.client.cid)[0]
-                loaded += 1
-            call.outstanding -= 1
-            if call.outstanding == 0 and not call.done:
-                self._finish_call(call)
-        b.ns.counters[NsCounter.LOADS_STORAGE] += loaded
-
-    def _finish_call(self, call: ParkedPromote) -> None:
-        call.done = True
-        if call.client.alive:
-            self._answers.append(PromoteAnswer(call.client, call.seq, call.rows))
+        settle_waiters(self.index, b, ok, op.waiters, self._answers)
