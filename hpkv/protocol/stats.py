@@ -305,6 +305,7 @@ STORAGE_HEALTH_COUNTERS = (
 
 def _storage_snapshot(g: np.ndarray, cat: dict[str, Any]) -> dict[str, Any]:
     """The ``"storage"`` section of a snapshot (monitors and Prometheus read exactly these)."""
+    degraded = bool(g[G.STORAGE_DEGRADED]) and bool(cat.get("degraded_reason"))
     return {
         "path": cat.get("path"),
         "files": int(g[G.STORAGE_FILES]),
@@ -322,9 +323,11 @@ def _storage_snapshot(g: np.ndarray, cat: dict[str, Any]) -> dict[str, Any]:
         "promotes": int(g[G.STORAGE_PROMOTES]),
         "evicted_files": int(g[G.STORAGE_EVICTED_FILES]),
         "spills_pending": int(g[G.STORAGE_SPILLS_PENDING]),
-        "state": "degraded" if g[G.STORAGE_DEGRADED] else "ok",  # the gauge is live, the reason
-        "degraded_reason": cat.get("degraded_reason") if g[G.STORAGE_DEGRADED] else None,  # follows
-        "degraded_since": cat.get("degraded_since") if g[G.STORAGE_DEGRADED] else None,
+        # The gauge is live; the reason and the time come with the catalog (within 0.2 s):
+        # degraded once both say so, so a snapshot never shows the state without its reason.
+        "state": "degraded" if degraded else "ok",
+        "degraded_reason": cat.get("degraded_reason") if degraded else None,
+        "degraded_since": cat.get("degraded_since") if degraded else None,
         "lookups_bounded": int(g[G.STORAGE_LOOKUPS_BOUNDED]),
         "stat_timeouts": int(g[G.STORAGE_STAT_TIMEOUTS]),
         "stat_saturated": int(g[G.STORAGE_STAT_SATURATED]),
