@@ -444,6 +444,16 @@ KEYS: dict[str, Key] = {
             "lookup this bound, never more, and DRAM hits never wait",
         ),
         Key(
+            "HPKV_STORAGE_LOOKUP_RETRY_MS",
+            "1000",
+            _float_parser(0.0, 60_000.0),
+            "milliseconds, e.g. 1000; 0 = never",
+            "vLLM: a request whose lookup ended at HPKV_STORAGE_LOOKUP_WAIT_MS with its next block "
+            "still being checked on storage is not scheduled yet and asks again on the next steps "
+            "(the other requests keep running), for at most this long; then what is not confirmed "
+            "is recomputed. A stat that hangs for 1 s marks storage degraded, which ends the wait",
+        ),
+        Key(
             "HPKV_STORAGE_READ_BOUNCE",
             "auto",
             parse_auto_bool,

@@ -316,6 +316,9 @@ def test_another_node_gets_storage_hits_with_its_own_pool_and_a_copy_of_the_mode
             VLLM_HPKV_TOKEN_THRESHOLD=str(THRESHOLD),
             HPKV_SERVER_IDLE_EXIT="30",
             HPKV_LOG_LEVEL="INFO",
+            # B's lookups are answered before any stat can return: A's blocks are unconfirmed
+            # at first, and vLLM asks again (HPKV_STORAGE_LOOKUP_RETRY_MS) until they are hits
+            HPKV_STORAGE_LOOKUP_WAIT_MS="0",
         )
         node_b = VllmServer(
             str(model_b), extra_args=vllm_args(MODULE_PATH_FORM), env=env_b, dev_mode=True, max_model_len=4096
@@ -325,6 +328,8 @@ def test_another_node_gets_storage_hits_with_its_own_pool_and_a_copy_of_the_mode
             before = loaded(env_b)
             text_b, lp_b = complete(node_b, prompt)
             assert delta(before, loaded(env_b)) == {"dram": 0, "storage": HIT_TOKENS}, "a storage hit on B"
+            bounded = hpkv_status(env_b)["storage"]["lookups_bounded"]
+            print(f"node B: {bounded} lookup(s) answered with a block unconfirmed, asked again")
             reset(node_b)
             text_r, lp_r = complete_with(node_b, prompt, kv_transfer_params={"hpkv_skip": True})  # recompute
             assert text_b == text_r == text_a == text_a_gpu

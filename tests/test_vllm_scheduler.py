@@ -182,6 +182,35 @@ def test_storage_hits_are_reported_per_tier_and_load_with_missing_rows():
     assert load.background
 
 
+def test_a_block_still_being_checked_on_storage_defers_the_request_then_it_hits():
+    e = Engine()
+    r = request("a", 4 * BS + 1)
+    e.admit(r)
+    e.save_all(e.side.build_connector_meta(step((r, r.num_tokens))))
+    e.side.reset_cache()
+    b = request("b", 4 * BS + 1)
+    e.store.checking[e.side._keys(b.block_hashes[:1])[0]] = 2  # its stat outlives two lookups
+    e.side.on_new_request(b)
+    assert e.side.get_num_new_matched_tokens(b, 0) == (None, False), "not scheduled yet: asked again"
+    assert e.side.get_num_new_matched_tokens(b, 0) == (None, False)
+    assert e.side.get_num_new_matched_tokens(b, 0) == (4 * BS, True), "confirmed: the whole hit"
+
+
+def test_a_check_that_outlasts_the_retry_bound_is_recomputed():
+    e = Engine()
+    e.side.lookup_retry_s = 0.05
+    r = request("a", 4 * BS + 1)
+    e.admit(r)
+    e.save_all(e.side.build_connector_meta(step((r, r.num_tokens))))
+    e.side.reset_cache()
+    b = request("b", 4 * BS + 1)
+    e.store.checking[e.side._keys(b.block_hashes[2:3])[0]] = 1000  # a hung stat
+    e.side.on_new_request(b)
+    assert e.side.get_num_new_matched_tokens(b, 0) == (None, False)
+    time.sleep(0.06)
+    assert e.side.get_num_new_matched_tokens(b, 0) == (2 * BS, True), "the confirmed prefix, no longer"
+
+
 def test_dram_hits_and_async_off_load_in_the_step():
     e = Engine(background=False)
     r = request("a", 4 * BS + 1)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from hpkv.client.contract import Probe
 from hpkv.client.device import DeviceHandle
 from hpkv.common import shm
 from hpkv.protocol import wire as P
@@ -159,9 +160,16 @@ class HpkvClient:
 
     def lookup(self, ns_id: int, keys: Sequence[bytes]) -> tuple[int, list[int]]:
         """(number of leading keys present, tier of each: 1 DRAM, 2 storage)."""
+        hit, tiers, _ = self.probe(ns_id, keys)
+        return hit, tiers
+
+    def probe(self, ns_id: int, keys: Sequence[bytes]) -> Probe:
+        """A lookup that also says whether the key after the prefix is still being checked
+        on storage (the lookup's bound, ``HPKV_STORAGE_LOOKUP_WAIT_MS``, ended first): an
+        engine that can wait asks again later rather than recomputing what may be there."""
         with self._hot_lock:
-            hit, _ = self._rpc(P.LOOKUP, ns_id, keys)
-            return hit, self._mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + hit].tolist()
+            hit, unconfirmed = self._rpc(P.LOOKUP, ns_id, keys)
+            return Probe(hit, self._mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + hit].tolist(), bool(unconfirmed))
 
     def _batches(self, ns_id: int, keys: Sequence[bytes]) -> list[Sequence[bytes]]:
         """Split a reserve/pin/promote whose answer (8 bytes per rank per key) would not fit

@@ -15,9 +15,18 @@ gives the offset; copy jobs take the value as it is)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
+
+
+class Probe(NamedTuple):
+    """A lookup's answer: ``hit`` leading keys present, the tier of each (1 DRAM, 2 storage),
+    and whether the key after them is still being checked on storage."""
+
+    hit: int
+    tiers: list[int]
+    unconfirmed: bool
 
 
 class KvStore(Protocol):
@@ -27,6 +36,11 @@ class KvStore(Protocol):
 
     def lookup(self, ns_id: int, keys: Sequence[bytes]) -> tuple[int, list[int]]:
         """(number of leading keys present, the :class:`~hpkv.protocol.wire.Tier` of each)."""
+        ...
+
+    def probe(self, ns_id: int, keys: Sequence[bytes]) -> Probe:
+        """A lookup that also says whether the key after the prefix is still being checked
+        on storage (its bound ended first): an engine that can wait asks again later."""
         ...
 
     def reserve(self, ns_id: int, keys: Sequence[bytes]) -> np.ndarray:

@@ -479,15 +479,15 @@ class Server(ControlCalls):
         self._park(c, False)
         if not c.alive:
             return
-        status, hit = 0, 0
+        status, hit, unconfirmed = 0, 0, 0
         if a.ns.released:  # its namespace was dropped meanwhile
             status = int(Status.NO_NAMESPACE)
             self.stats.glob[G.ERRORS] += 1
         else:
-            hit = self._lookup(c, a.ns, a.n, None) or 0  # not parked again: an int
+            hit, unconfirmed = self._lookup(c, a.ns, a.n, None) or (0, 0)  # not parked again
             self._publish_pool_gauges()
         try:
-            c.resp.try_push(P.COMPLETION, a.seq, hit, 0, status=status)
+            c.resp.try_push(P.COMPLETION, a.seq, hit, unconfirmed, status=status)
         except RingError as exc:
             log.info("client %d: cannot answer (%s)", c.cid, exc)
         self.doorbell.ring()  # requests it queued meanwhile are taken on the next round
@@ -577,28 +577,30 @@ class Server(ControlCalls):
         if n > P.MAX_KEYS_PER_CALL:
             raise CallTooLarge("too many keys in one call")
         call = ParkedLookup(c, d.seq, ns, n, time.monotonic()) if self.tiers else None
-        hit = self._lookup(c, ns, n, call)
-        if hit is None:  # a tier is asking its medium: answered by _answer_lookup
+        answer = self._lookup(c, ns, n, call)
+        if answer is None:  # a tier is asking its medium: answered by _answer_lookup
             self._park(c, True)
             return None, 0, 0
-        return 0, hit, 0
+        return 0, *answer
 
-    def _lookup(self, c: Client, ns: Namespace, n: int, call: ParkedLookup | None) -> int | None:
+    def _lookup(self, c: Client, ns: Namespace, n: int, call: ParkedLookup | None) -> tuple[int, int] | None:
         """The one way a lookup is answered: the prefix's tiers into the mailbox, counted;
-        None (nothing written) when a tier parked ``call`` to ask its medium first."""
+        (hit, 1 when the key after the prefix is still being checked, else 0). None (nothing
+        written) when a tier parked ``call`` to ask its medium first."""
         idx = self.index
         out = c.mbox[P.MAILBOX_HALF :]
         # The hot path: keys read and tiers written in place, in C.
         hit = idx.present.prefix(ns.ns_id, c.mbox[: n * KEY_BYTES], n, out[:n])
         tiers = out[:hit].tolist()
+        pending = False
         if self.tiers and (hit < n or Tier.STORAGE in tiers):
             # files deleted from outside are not hits; files the index has not seen yet are
             hit, pending = self.tiers.lookup(ns, self._keys(c, n), hit, tiers, call)
-            if pending:
+            if pending and call is not None:
                 return None
             out[:hit] = np.frombuffer(bytes(tiers), np.uint8)
         idx.count_lookup(ns, n, tiers)
-        return hit
+        return hit, int(pending)
 
     def _hot_reserve(self, c: Client, d) -> tuple[int, int, int]:
         idx = self.index

@@ -109,8 +109,9 @@ class PromoteAnswer(NamedTuple):
 
 class Presence(NamedTuple):
     """A lookup's prefix as a tier knows it now. ``pending``: the tier is still finding out
-    about the next keys (a later :meth:`LowerTier.poll` knows more), so a caller that can
-    wait may park the lookup and ask again; a tier that answers at once says False."""
+    about the next keys (a later :meth:`LowerTier.poll` knows more). With a call to park, the
+    call is parked and asked again; without one (a parked call answered at its bound), the
+    answer says so, and the engine may ask again later instead of taking the miss for good."""
 
     hit: int
     pending: bool = False
@@ -140,7 +141,8 @@ class LowerTier(Protocol):
         ``call.deadline`` to its bound at the latest, and says ``pending`` (``hit`` and
         ``tiers`` may then be left as they came). Without ``call`` (the answer of a parked
         lookup) or when it cannot start them (its checks are saturated) it answers from what
-        it knows now: a key not confirmed is a miss for this lookup (not forgotten)."""
+        it knows now: a key not confirmed is a miss for this lookup (not forgotten); without
+        ``call`` it says ``pending`` when the key after its prefix is still being checked."""
         ...
 
     def promote(
@@ -231,11 +233,13 @@ class TierList:
         call: ParkedLookup | None = None,
     ) -> Presence:
         """Pending from any tier parks ``call`` (the tiers after it are asked when the call is
-        answered: what they would check lies past a prefix not known yet)."""
+        answered: what they would check lies past a prefix not known yet); without ``call``
+        it ends the answer there, pending (unconfirmed)."""
         for t in self.tiers:
             hit, pending = t.lookup(ns, keys, hit, tiers, call)
-            if pending and call is not None:
-                self._lookups.append(call)
+            if pending:
+                if call is not None:
+                    self._lookups.append(call)
                 return Presence(hit, True)
         return Presence(hit, False)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hpkv.client.contract import Probe
 from hpkv.protocol.errors import ROW_MISSING, ROW_POOL_FULL, ROW_PRESENT, HpkvUnavailable, NotOwner
 from hpkv.protocol.wire import Tier
 
@@ -43,6 +44,7 @@ class MemoryKvStore:
         self.write_through = write_through  # committed blocks are also "on storage"
         self.blocks: dict[tuple[int, bytes], _Block] = {}
         self.fail: set[str] = set()
+        self.checking: dict[bytes, int] = {}  # key -> probes that still find it unconfirmed
         self.calls: list[str] = []
         self.closed = False
         self._next_offset = 0
@@ -71,6 +73,16 @@ class MemoryKvStore:
                 break
             tiers.append(Tier.DRAM if b.in_dram else Tier.STORAGE)
         return len(tiers), tiers
+
+    def probe(self, ns_id: int, keys: Sequence[bytes]) -> Probe:
+        """A lookup whose prefix ends at a key of ``checking`` (still being checked, for that
+        many more probes): unconfirmed."""
+        hit, tiers = self.lookup(ns_id, keys)
+        for i, k in enumerate(keys[: hit + 1]):
+            if self.checking.get(k, 0) > 0:
+                self.checking[k] -= 1
+                return Probe(i, tiers[:i], True)
+        return Probe(hit, tiers, False)
 
     def reserve(self, ns_id: int, keys: Sequence[bytes]) -> np.ndarray:
         self._call("reserve")

@@ -127,7 +127,7 @@ class MemoryTier:
             running = _Check(ns, [k for k in keys[hit:] if self.catalog.unknown(k)], self.presence_polls)
             self._checks.append(running)
         if call is None:
-            return Presence(hit)
+            return Presence(hit, True)  # unconfirmed: still being asked
         running.waiters.append(call)
         call.outstanding += 1
         call.deadline = max(call.deadline, time.monotonic() + self.lookup_wait)

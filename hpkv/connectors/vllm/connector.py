@@ -188,6 +188,7 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             # The CUDA path loads synchronously for now (its saves are the asynchronous part).
             background_storage_loads=bool(self.cfg["HPKV_ASYNC_STORAGE_LOADS"])
             and str(vllm_config.device_config.device_type) != "cuda",
+            lookup_retry_s=float(self.cfg["HPKV_STORAGE_LOOKUP_RETRY_MS"]) / 1000.0,
         )
         side.hpkv.connect_now(timeout=120.0)
         log.info(

@@ -9,6 +9,7 @@ Any hpkv failure means fewer hits or fewer saves, never a failed request.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,7 @@ class _ReqState:
     saved_upto: int = 0  # blocks [0, saved_upto) need no save
     plan: tuple[int, list[bytes], list[int]] | None = None  # (first block, keys, tiers) of a hit
     pinned: list[bytes] = field(default_factory=list)
+    unconfirmed_since: float | None = None  # its lookups end at a block still being checked
 
 
 class SchedulerSide:
@@ -60,11 +62,13 @@ class SchedulerSide:
         open_store: Callable[[], tuple[KvStore, int]],
         block_ids_of: Callable[[str], Sequence[int] | None],
         background_storage_loads: bool = True,
+        lookup_retry_s: float = 1.0,
     ):
         self.layout = layout
         self.block_size = layout.block_size
         self.policy = LoadPolicy(threshold)  # threshold None: VLLM_HPKV_TOKEN_THRESHOLD=auto
         self.background_storage_loads = background_storage_loads
+        self.lookup_retry_s = lookup_retry_s  # HPKV_STORAGE_LOOKUP_RETRY_MS
         self.ns_id = -1
         self._open_store = open_store
         self._block_ids_of = block_ids_of
@@ -91,7 +95,10 @@ class SchedulerSide:
     def on_new_request(self, request: Any) -> None:
         self._new_state(request)
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """(tokens hpkv can load, whether they load in the background); (None, False) while
+        the block after the hit is still being checked on storage: vLLM asks again on a
+        later step (at most HPKV_STORAGE_LOOKUP_RETRY_MS), the other requests run meanwhile."""
         st = self._state(request)
         st.plan = None
         if st.skip:
@@ -106,10 +113,13 @@ class SchedulerSide:
             return 0, False
         keys = self._keys(request.block_hashes[first:last])
         try:
-            n, tiers = client.lookup(self.ns_id, keys)
+            n, tiers, unconfirmed = client.probe(self.ns_id, keys)
         except Exception as exc:  # noqa: BLE001 - hpkv trouble means recompute
             self.hpkv.lost(exc)
             return 0, False
+        if unconfirmed and self._wait_for_checks(st):
+            return None, False
+        st.unconfirmed_since = None
         n = self.policy.blocks_to_load(tiers[:n], self.block_size) if n else 0
         if n == 0:
             return 0, False
@@ -118,6 +128,21 @@ class SchedulerSide:
         # A hit that needs the disk loads in the background (vLLM's async load): the request
         # waits, the others keep stepping. A DRAM-only hit costs milliseconds: synchronous.
         return n * self.block_size, self.background_storage_loads and Tier.STORAGE in tiers[:n]
+
+    def _wait_for_checks(self, st: _ReqState) -> bool:
+        """Whether the request may wait another step for its storage checks."""
+        now = time.monotonic()
+        if st.unconfirmed_since is None:
+            st.unconfirmed_since = now
+        if now - st.unconfirmed_since < self.lookup_retry_s:
+            return True
+        log.info(
+            "request %s: its next block was still being checked on storage after %.0f ms "
+            "(HPKV_STORAGE_LOOKUP_RETRY_MS): the rest of its prefix is recomputed",
+            st.request.request_id,
+            (now - st.unconfirmed_since) * 1000,
+        )
+        return False
 
     def update_state_after_alloc(
         self, request: Any, block_ids: Sequence[int], num_external_tokens: int

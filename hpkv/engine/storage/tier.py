@@ -323,13 +323,14 @@ class FileTier:
             self._check(ns, verify, extend)  # for the next lookup, if the threads have room
         # Answer now: a hit due for a check that is not done is a miss for this lookup.
         if due:  # checks were sent, not answered: the first one cuts the prefix
-            if call is None:
-                self.g[G.STORAGE_LOOKUPS_BOUNDED] += 1
-            del tiers[due[0] :]
-            return Presence(due[0])
-        if call is None and extend and keys[hit] in self._checking:
+            hit = due[0]
+            del tiers[hit:]
+        # Without ``call`` (a parked lookup answered at its bound): the key after the prefix
+        # still being checked is unconfirmed, not missing; the engine may ask again.
+        unconfirmed = call is None and hit < len(keys) and keys[hit] in self._checking
+        if unconfirmed:
             self.g[G.STORAGE_LOOKUPS_BOUNDED] += 1
-        return Presence(hit)
+        return Presence(hit, unconfirmed)
 
     def _cut_at_storage(self, tiers: list[int], hit: int) -> Presence:
         """While degraded: the prefix ends at its first storage block (counted), and nothing
