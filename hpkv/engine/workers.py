@@ -15,6 +15,7 @@ the server shows it as such, kills it, and then treats it like a dead one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -210,6 +211,8 @@ class WorkerProcess:
         p = self.proc
         if p is not None and p.poll() is None:
             p.send_signal(signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGCONT)  # a stopped (hung) worker takes its SIGTERM too
             try:
                 p.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -301,17 +304,29 @@ class WorkerProcess:
         row[W.STATE] = WorkerState.DEAD
         self._release_fence()
         inflight = int(row[W.INFLIGHT_SEQ])
-        failed = 0
+        failed = unanswered = 0
         try:
             req = Ring.attach(self.dir, self.req_name, role="consumer")
             resp = Ring.attach(self.dir, self.resp_name, role="producer")
             try:
-                if inflight:
-                    resp.push(P.ERROR, inflight, status=Status.WORKER_DIED, timeout=1.0)
-                    failed += 1
+                # Never waits for room (this runs under the server's lock, and the reader of
+                # the answers may be the server itself): a job whose answer does not fit is
+                # timed out by its client.
+                seqs = [inflight] if inflight else []
                 while (d := req.try_pop()) is not None:
-                    resp.push(P.ERROR, d.seq, status=Status.WORKER_DIED, timeout=1.0)
-                    failed += 1
+                    seqs.append(d.seq)
+                for seq in seqs:
+                    if unanswered or not resp.try_push(P.ERROR, seq, status=Status.WORKER_DIED):
+                        unanswered += 1
+                    else:
+                        failed += 1
+                if unanswered:
+                    log.warning(
+                        "worker %s: %d failed job(s) not reported (its answer ring is full); "
+                        "their client times them out",
+                        self.base,
+                        unanswered,
+                    )
             finally:
                 req.close()
                 resp.close()
