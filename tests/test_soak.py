@@ -170,6 +170,13 @@ def _kill_workers(srv: ServerProcess, until: float, rng: random.Random) -> dict[
     return killed
 
 
+def _server_threads(srv: ServerProcess) -> str:
+    """The server's thread stacks (SIGUSR2 writes them to its log) and the log's end."""
+    os.kill(srv.proc.pid, signal.SIGUSR2)
+    time.sleep(1.0)
+    return "the server's log ends:\n" + "\n".join(srv.log().splitlines()[-300:])
+
+
 def test_soak_mixed_traffic_with_workers_killed_serves_no_wrong_byte_and_leaks_nothing(tmp_path):
     storage = tmp_path / "storage"
     env = private_env(
@@ -199,11 +206,7 @@ def test_soak_mixed_traffic_with_workers_killed_serves_no_wrong_byte_and_leaks_n
             try:
                 killed = _kill_workers(srv, time.monotonic() + SOAK_S, random.Random(7))
             except HpkvUnavailable as exc:  # the server stopped answering: show what it waits on
-                os.kill(srv.proc.pid, signal.SIGUSR2)
-                time.sleep(1.0)
-                raise AssertionError(
-                    f"{exc}; the server's log ends:\n" + "\n".join(srv.log().splitlines()[-300:])
-                ) from exc
+                raise AssertionError(f"{exc}; {_server_threads(srv)}") from exc
             results = []
             deadline = time.monotonic() + 120
             while len(results) < len(procs):
@@ -211,7 +214,9 @@ def test_soak_mixed_traffic_with_workers_killed_serves_no_wrong_byte_and_leaks_n
                     results.append(q.get(timeout=1.0))
                 except Exception:  # noqa: BLE001 - queue.Empty: check the clients are alive
                     crashed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                    assert not crashed, f"a soak client crashed (exit {crashed}); see its traceback above"
+                    assert not crashed, (
+                        f"a soak client crashed (exit {crashed}); see its traceback above; {_server_threads(srv)}"
+                    )
                     assert time.monotonic() < deadline, "soak clients did not finish"
             assert flooder.poll() is None, "the flooding client stopped before the soak ended"
         finally:
