@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import sys
 from typing import TextIO
 
@@ -32,7 +33,7 @@ def setup_logging(directory: str, level: str, to_stderr: bool = True, max_bytes:
     root.propagate = False
     path = os.path.join(directory, LOG_FILE)
     if to_stderr and not _same_file(2, path):  # a spawned server's stderr is server.log itself
-        h = logging.StreamHandler(sys.stderr)
+        h = StderrHandler()
         h.setFormatter(fmt)
         root.addHandler(h)
     try:
@@ -44,6 +45,40 @@ def setup_logging(directory: str, level: str, to_stderr: bool = True, max_bytes:
     else:
         fh.setFormatter(fmt)
         root.addHandler(fh)
+
+
+class StderrHandler(logging.Handler):
+    """stderr that never blocks: the server logs under its lock, so a stderr pipe nobody
+    reads (a harness that reads it at exit, a stopped ``| less``) must not stall every
+    engine. A line that does not fit now is dropped and counted, and the next line that
+    fits says so; ``server.log`` has every line."""
+
+    def __init__(self, fd: int = 2):
+        super().__init__()
+        self.fd = fd
+        self.dropped = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            data = (self.format(record) + "\n").encode(errors="replace")
+            if self.dropped and self._write(
+                f"hpkv: {self.dropped} log line(s) not written to stderr (nobody read it); "
+                f"{LOG_FILE} has them\n".encode()
+            ):
+                self.dropped = 0
+            if not self._write(data):
+                self.dropped += 1
+        except Exception:  # noqa: BLE001 - logging's own rule: never raise into the caller
+            self.handleError(record)
+
+    def _write(self, data: bytes) -> bool:
+        """Write in pieces of at most PIPE_BUF, each only when the fd has room for it (a pipe
+        writes such a piece whole or not at all); False when it had no room."""
+        for i in range(0, len(data), select.PIPE_BUF):
+            if not select.select([], [self.fd], [], 0)[1]:
+                return False
+            os.write(self.fd, data[i : i + select.PIPE_BUF])
+        return True
 
 
 def _open_log(directory: str) -> int:
