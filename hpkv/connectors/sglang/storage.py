@@ -39,6 +39,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,7 @@ log = logging.getLogger("sglang.hpkv")
 CALL_TIMEOUT_S = 5.0
 PROMOTE_TIMEOUT_S = 5.0  # a storage read that takes longer is a miss (SGLang recomputes)
 CONNECT_AT_START_S = 120.0  # the first connect may spawn the hpkv server
+RECHECK_S = 0.002  # between lookups of a page still being checked on storage
 
 
 # ---------------------------------------------------------------------------- layout
@@ -243,6 +245,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
         # None ("auto"): no threshold of hpkv's own; SGLang's prefetch_threshold decides.
         self.threshold: int | None = self.cfg["VLLM_HPKV_TOKEN_THRESHOLD"]
         self.promote_part_bytes = int(self.cfg["HPKV_PROMOTE_PART_SIZE"])
+        self.lookup_retry_s = float(self.cfg["HPKV_STORAGE_LOOKUP_RETRY_MS"]) / 1000.0
         self.enabled = True
 
     # ------------------------------------------------------------------ attach
@@ -339,16 +342,22 @@ class HpkvHiCacheStorage(HiCacheStorage):
     # ------------------------------------------------------------------ queries
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many leading pages of ``keys`` hpkv has (DRAM or storage); 0 when that is fewer
-        tokens than VLLM_HPKV_TOKEN_THRESHOLD (recomputing them is cheaper)."""
+        tokens than VLLM_HPKV_TOKEN_THRESHOLD (recomputing them is cheaper). HiCache asks from
+        its prefetch thread, so a page still being checked on storage is asked about again
+        (for at most HPKV_STORAGE_LOOKUP_RETRY_MS) rather than taken as a miss."""
         client = self._client()
         if client is None or not keys:
             return 0
         hkeys = self._keys(keys)
         hit = 0
+        give_up = time.monotonic() + self.lookup_retry_s
         try:
             for i in range(0, len(hkeys), MAX_KEYS_PER_CALL):
                 chunk = hkeys[i : i + MAX_KEYS_PER_CALL]
-                n, _ = client.lookup(self.ns_id, chunk)
+                n, _, unconfirmed = client.probe(self.ns_id, chunk)
+                while unconfirmed and time.monotonic() < give_up:
+                    time.sleep(RECHECK_S)
+                    n, _, unconfirmed = client.probe(self.ns_id, chunk)
                 hit += n
                 if n < len(chunk):
                     break
