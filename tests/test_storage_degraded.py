@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -140,6 +141,31 @@ def test_a_hung_mount_costs_a_lookup_its_bound_and_dram_hits_nothing(tmp_path):
             w.check_rows(stored, w.c.promote(w.ns.ns_id, stored, timeout=10.0))
             assert "Traceback" not in srv.log()
             other.close()
+            w.close()
+
+
+def test_a_slow_stat_delays_a_storage_hit_for_a_caller_that_waits_instead_of_missing_it(tmp_path):
+    """A mount that answers in 0.3 s (beyond the 5 ms bound, short of the 1 s that degrades):
+    the lookup's answer says the block is unconfirmed, and a caller that asks again (vLLM's
+    scheduler, SGLang's prefetch thread: HPKV_STORAGE_LOOKUP_RETRY_MS) gets the hit."""
+    with storage_view(tmp_path, NO_CACHE) as (real, view, daemon):
+        env = private_env(storage=str(view), HPKV_NUM_IO_WORKERS="1")
+        with running(env) as srv:
+            w = Writer(srv, shard=SHARD, fp=FP)
+            (k,) = w.keys(["written-by-another-node"])
+            write_foreign_file(real, k)
+            with stopped(daemon):
+                resume = threading.Timer(0.3, lambda: daemon.send_signal(signal.SIGCONT))
+                resume.start()
+                try:
+                    got, took = timed(lambda: w.c.probe(w.ns.ns_id, [k]))
+                    assert got == (0, [], True) and took < 0.2, (got, took)
+                    got, took = timed(lambda: w.c.settled_lookup(w.ns.ns_id, [k], 5.0))
+                    assert got == (1, [2]), "asked again until the stat returned: a hit"
+                    assert took < 3.0, took
+                finally:
+                    resume.cancel()
+            assert status_json(env)["storage"]["state"] == "ok"
             w.close()
 
 

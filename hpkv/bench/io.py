@@ -278,7 +278,7 @@ class _Bench:
                 client = connect(srv.cfg, spawn=False, call_timeout=60.0)
                 ns = client.attach_namespace(fp, 1, HEADLINE)
                 pool = PoolFile.attach(os.path.join(srv.pool_dir, P.POOL_FILE))
-                hit, _ = client.lookup(ns.ns_id, keys)  # a stat on the miss finds them, or the scan
+                hit, _ = client.settled_lookup(ns.ns_id, keys, 10.0)  # the stats or the scan find them
                 if hit != len(keys):
                     raise RuntimeError(f"a fresh server found {hit} of {len(keys)} blocks")
                 times = []

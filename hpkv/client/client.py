@@ -36,6 +36,7 @@ _CALL_NAMES = {
 
 HOT_CALL_SPIN_US = 300.0
 PROMOTE_GRACE_S = 2.0  # beyond a promote's timeout, for the server's answer to arrive
+RECHECK_S = 0.002  # between the lookups of settled_lookup
 
 
 def promote_timeout(nbytes: int) -> float:
@@ -170,6 +171,17 @@ class HpkvClient:
         with self._hot_lock:
             hit, unconfirmed = self._rpc(P.LOOKUP, ns_id, keys)
             return Probe(hit, self._mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + hit].tolist(), bool(unconfirmed))
+
+    def settled_lookup(self, ns_id: int, keys: Sequence[bytes], patience_s: float) -> tuple[int, list[int]]:
+        """A lookup asked again (every RECHECK_S) while its next key is still being checked
+        on storage, for at most ``patience_s``: for callers that may wait (not a scheduler
+        loop), such as SGLang's prefetch thread and the benches."""
+        give_up = time.monotonic() + patience_s
+        hit, tiers, unconfirmed = self.probe(ns_id, keys)
+        while unconfirmed and time.monotonic() < give_up:
+            time.sleep(RECHECK_S)
+            hit, tiers, unconfirmed = self.probe(ns_id, keys)
+        return hit, tiers
 
     def _batches(self, ns_id: int, keys: Sequence[bytes]) -> list[Sequence[bytes]]:
         """Split a reserve/pin/promote whose answer (8 bytes per rank per key) would not fit

@@ -39,7 +39,6 @@ import ctypes
 import logging
 import os
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,7 +68,6 @@ log = logging.getLogger("sglang.hpkv")
 CALL_TIMEOUT_S = 5.0
 PROMOTE_TIMEOUT_S = 5.0  # a storage read that takes longer is a miss (SGLang recomputes)
 CONNECT_AT_START_S = 120.0  # the first connect may spawn the hpkv server
-RECHECK_S = 0.002  # between lookups of a page still being checked on storage
 
 
 # ---------------------------------------------------------------------------- layout
@@ -350,14 +348,10 @@ class HpkvHiCacheStorage(HiCacheStorage):
             return 0
         hkeys = self._keys(keys)
         hit = 0
-        give_up = time.monotonic() + self.lookup_retry_s
         try:
             for i in range(0, len(hkeys), MAX_KEYS_PER_CALL):
                 chunk = hkeys[i : i + MAX_KEYS_PER_CALL]
-                n, _, unconfirmed = client.probe(self.ns_id, chunk)
-                while unconfirmed and time.monotonic() < give_up:
-                    time.sleep(RECHECK_S)
-                    n, _, unconfirmed = client.probe(self.ns_id, chunk)
+                n, _ = client.settled_lookup(self.ns_id, chunk, self.lookup_retry_s)
                 hit += n
                 if n < len(chunk):
                     break
