@@ -128,6 +128,10 @@ def derive_layout(
             f"hpkv serves models with {len(groups)} KV cache groups (hybrid attention) on the CPU "
             f"backend only so far, not on {device}"
         )
+    unit = getattr(cc, "prefix_match_unit", None)
+    if len(groups) > 1 and unit not in (None, cc.block_size):
+        # request.block_hashes then come every `unit` tokens, not one per block
+        raise NotImplementedError(f"--prefix-match-unit {unit} differs from the block size {cc.block_size}")
     pages = {int(g.kv_cache_spec.page_size_bytes) for g in groups}
     if len(pages) != 1:
         raise NotImplementedError(f"KV cache groups with different page sizes {sorted(pages)}")
