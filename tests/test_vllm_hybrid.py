@@ -25,13 +25,14 @@ from test_vllm_connector import (
     kv_files,
     letters,
     loaded,
+    newest_kv_files,
     reset,
     wait_for_files,
 )
 
 from hpkv.testing.model import generate_model
 from hpkv.testing.server import private_env
-from hpkv.testing.vllm_server import VllmServer
+from hpkv.testing.vllm_server import VllmServer, hpkv_status
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -128,3 +129,28 @@ def test_gpu_dram_and_storage_hits_give_the_cold_runs_output_and_logprobs(server
     assert delta(before, loaded(hpkv_env)) == {"dram": 0, "storage": loaded_keys(blocks)}
     assert storage_text == cold_text
     assert storage_lp == gpu_lp
+
+
+def test_a_failed_load_recomputes_the_request_and_the_engine_keeps_serving(server, hpkv_env):
+    """vLLM cannot take a hybrid model's failed blocks by id (its scheduler raises): hpkv
+    reports the request's load failed and vLLM recomputes all of it."""
+    prompt = letters(6 * BLOCK + 8, seed=200)
+    files = kv_files(hpkv_env)
+    cold_text, cold_lp = complete(server, prompt)
+    saved = (FULL_GROUPS + SLIDING_GROUPS) * 6
+    wait_for_files(hpkv_env, files + saved)
+    for victim in newest_kv_files(hpkv_env, saved):  # every block's payload no longer matches its checksum
+        with open(victim, "r+b") as f:
+            f.seek(os.path.getsize(victim) // 2)
+            f.write(b"\xa5" * 512)
+    reset(server, external=True)  # only the files are left
+    quarantined = hpkv_status(hpkv_env)["storage"]["quarantined"]
+    before = loaded(hpkv_env)
+    text, lp = complete(server, prompt)
+    assert delta(before, loaded(hpkv_env)) == {"dram": 0, "storage": 0}
+    assert hpkv_status(hpkv_env)["storage"]["quarantined"] > quarantined
+    assert_same_up_to_noise([(text, lp)], [(cold_text, cold_lp)])
+    log = server.log_tail(100_000)
+    assert "could not be loaded" in log
+    assert "invalid_block_ids" not in log, "block-level failures kill a hybrid model's engine"
+    assert complete(server, prompt)[0] == text, "the engine still serves"
