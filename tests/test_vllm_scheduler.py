@@ -59,18 +59,22 @@ class Engine:
         self.store = store or MemoryKvStore()
         self.tables: dict[str, list[int]] = {}
         self.side = SchedulerSide(
-            LAYOUT, threshold, lambda: (self.store, NS), self.tables.get, background_storage_loads=background
+            LAYOUT, threshold, lambda: (self.store, NS), self.block_ids, background_storage_loads=background
         )
         self.background: dict[str, bool] = {}
         self.side.hpkv.connect_now(timeout=5)
         assert self.side.hpkv.client is self.store
+
+    def block_ids(self, rid: str) -> tuple[list[int], ...] | None:
+        """vLLM's block table of a request: one list per KV cache group (one group here)."""
+        return (self.tables[rid],) if rid in self.tables else None
 
     def admit(self, r: Req) -> int:
         """What vLLM does for a new request: ask for external tokens, allocate, get them."""
         self.side.on_new_request(r)
         n, self.background[r.request_id] = self.side.get_num_new_matched_tokens(r, r.num_computed_tokens)
         self.tables[r.request_id] = [100 * len(self.tables) + i for i in range(r.num_tokens // BS + 1)]
-        self.side.update_state_after_alloc(r, self.tables[r.request_id], n)
+        self.side.update_state_after_alloc(r, (self.tables[r.request_id],), n)
         return n
 
     def save_all(self, meta) -> None:
@@ -277,7 +281,7 @@ def test_a_failing_hpkv_means_recompute_and_a_reconnect(failing):
 
 def test_reconnect_gets_a_new_store():
     stores = [MemoryKvStore(), MemoryKvStore()]
-    side = SchedulerSide(LAYOUT, 0, lambda: (stores.pop(0), NS), lambda rid: [0] * 8)
+    side = SchedulerSide(LAYOUT, 0, lambda: (stores.pop(0), NS), lambda rid: ([0] * 8,))
     side.hpkv.connect_now(timeout=5)
     first = side.hpkv.client
     side.hpkv.lost(RuntimeError("gone"))

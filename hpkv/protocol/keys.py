@@ -40,10 +40,18 @@ def _hash_bytes(block_hash: bytes | int) -> bytes:
     return block_hash
 
 
-def block_keys(fingerprint: str, block_hashes: Sequence[bytes | int]) -> list[bytes]:
-    """The index keys of engine blocks (all TP shards of a block share its key)."""
+def block_keys(fingerprint: str, block_hashes: Sequence[bytes | int], group: int = 0) -> list[bytes]:
+    """The index keys of engine blocks (all TP shards of a block share its key).
+
+    ``group``: the engine's KV cache group (hybrid models keep one per attention kind, each
+    with its own blocks for the same token positions). It salts the hash; group 0's salt is
+    blake2b's default (zeros), so single-group keys are the keys hpkv always wrote."""
     fp = bytes.fromhex(fingerprint)
-    return [hashlib.blake2b(_hash_bytes(bh), digest_size=KEY_BYTES, key=fp).digest() for bh in block_hashes]
+    salt = group.to_bytes(16, "little")  # blake2b's salt is at most 16 bytes
+    return [
+        hashlib.blake2b(_hash_bytes(bh), digest_size=KEY_BYTES, key=fp, salt=salt).digest()
+        for bh in block_hashes
+    ]
 
 
 def block_key(fingerprint: str, block_hash: bytes | int) -> bytes:

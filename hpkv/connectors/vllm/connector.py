@@ -22,6 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -88,7 +90,10 @@ def _start_server_early(cfg: Config) -> None:
     threading.Thread(target=run, name="hpkv-early-start", daemon=True).start()
 
 
-class HpkvConnectorV1(KVConnectorBase_V1):
+class HpkvConnectorV1(KVConnectorBase_V1, SupportsHMA):
+    """``SupportsHMA``: vLLM keeps its hybrid KV cache manager on with hpkv (a model with
+    several KV cache groups gets per-group block ids in every hook, :mod:`.groups`)."""
+
     if CacheHitSource is not None:
         _cache_hit_source = CacheHitSource.HOST
 
@@ -101,6 +106,8 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._orphan_load_errors: set[int] = set()
+        self._orphan_loads: set[str] = set()  # background loads promised with no worker here
+        self._orphan_failed: set[str] = set()
         self._idle_step = False
         # CUDA: saves complete after wait_for_save returns, so finished requests' blocks are
         # freed only once the workers report them (request_finished -> True, get_finished).
@@ -200,10 +207,10 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         )
         return side
 
-    def _block_ids_of(self, req_id: str) -> Sequence[int] | None:
+    def _block_ids_of(self, req_id: str) -> Sequence[Sequence[int]] | None:
         if self._kv_cache_manager is None:
             return None
-        return self._kv_cache_manager.get_block_ids(req_id)[0]
+        return self._kv_cache_manager.get_block_ids(req_id)
 
     def on_new_request(self, request: Request) -> None:
         if self._scheduler is not None:
@@ -220,7 +227,7 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         if self._scheduler is not None:
-            block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+            block_ids = blocks.get_block_ids() if num_external_tokens else ()
             self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
@@ -247,6 +254,12 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         if self._scheduler is not None:
             stats = connector_output.kv_connector_stats
             self._scheduler.step_finished(stats.data if stats is not None else None)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict | None]:
+        """vLLM calls this instead of ``request_finished`` (``SupportsHMA``), with every group's blocks."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         if self._scheduler is not None:
@@ -329,7 +342,11 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if isinstance(meta, HpkvMetadata) and meta.loads:
             if self._worker is None:  # hpkv off here but a load promised: vLLM must recompute
-                self._orphan_load_errors.update(b for op in meta.loads for b in op.block_ids)
+                if self.layout is not None and len(self.layout.groups) > 1:
+                    self._orphan_failed.update(op.req_id for op in meta.loads)  # by request: hybrid
+                else:
+                    self._orphan_load_errors.update(b for op in meta.loads for b in op.block_ids)
+                self._orphan_loads.update(op.req_id for op in meta.loads if op.background)
                 return
             self._worker.start_load_kv(meta)
 
@@ -355,9 +372,23 @@ class HpkvConnectorV1(KVConnectorBase_V1):
 
         if isinstance(self._worker, CudaWorkerSide):
             return self._worker.get_finished(finished_req_ids)
+        orphans, self._orphan_loads = self._orphan_loads, set()
         if self._worker is None:
-            return None, None
-        return None, self._worker.take_finished_loads(idle_step=self._idle_step) or None
+            return None, orphans or None
+        return None, (self._worker.take_finished_loads(idle_step=self._idle_step) | orphans) or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished`` plus the loads that failed, by request (hybrid models: vLLM cannot
+        recompute their failed blocks by id)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        done = set(recving or ())
+        failed = self._orphan_failed & done
+        self._orphan_failed -= failed
+        if self._worker is not None and not self._async_saves:
+            failed |= self._worker.take_failed_loads(done)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=done, failed_recving=failed
+        )
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         from hpkv.connectors.vllm.cuda_worker import CudaWorkerSide

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from hpkv.connectors.vllm.groups import FULL, GroupNeed, group_needs
 from hpkv.protocol.keys import namespace_fingerprint
 from hpkv.protocol.model_identity import ModelIdentityError, model_identity
 
@@ -19,7 +20,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Layout:
-    """What both roles derive from the engine config: the namespace and the shard size."""
+    """What both roles derive from the engine config: the namespace and the shard size.
+
+    ``num_layers``: the KV cache regions a block spans. vLLM's KV cache groups overlay the
+    same regions (layer ``j`` of every group shares one) and draw their blocks from one pool,
+    so a block id names one group's pages in every region: a copy needs no group.
+    ``groups``: what a hit needs from each KV cache group (:mod:`.groups`), in vLLM's order."""
 
     fingerprint: str
     name: str
@@ -27,6 +33,7 @@ class Layout:
     block_size: int
     num_layers: int
     page_bytes: int
+    groups: tuple[GroupNeed, ...] = (FULL,)
 
     @property
     def shard_bytes(self) -> int:
@@ -112,12 +119,24 @@ def derive_layout(
     if kv_cache_config is None:
         raise NotImplementedError("this vLLM gives connectors no KV cache config (vLLM >= 0.30 needed)")
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise NotImplementedError(f"hpkv supports models with one KV cache group, this one has {len(groups)}")
-    spec = groups[0].kv_cache_spec
-    page_bytes = int(spec.page_size_bytes)
-    num_layers = len(groups[0].layer_names)
+    if not groups:
+        raise NotImplementedError("this model has no KV cache (attention-free): nothing for hpkv to keep")
     device = str(vllm_config.device_config.device_type)
+    needs = group_needs(kv_cache_config, cc.block_size)
+    if len(groups) > 1 and device != "cpu":
+        raise NotImplementedError(
+            f"hpkv serves models with {len(groups)} KV cache groups (hybrid attention) on the CPU "
+            f"backend only so far, not on {device}"
+        )
+    unit = getattr(cc, "prefix_match_unit", None)
+    if len(groups) > 1 and unit not in (None, cc.block_size):
+        # request.block_hashes then come every `unit` tokens, not one per block
+        raise NotImplementedError(f"--prefix-match-unit {unit} differs from the block size {cc.block_size}")
+    pages = {int(g.kv_cache_spec.page_size_bytes) for g in groups}
+    if len(pages) != 1:
+        raise NotImplementedError(f"KV cache groups with different page sizes {sorted(pages)}")
+    page_bytes = pages.pop()
+    num_layers = max(len(g.layer_names) for g in groups)  # groups overlay the same regions
     spec_dict = {
         **vllm_model_identity(vllm_config, model_id),
         "dtype": str(mc.dtype),
@@ -135,9 +154,17 @@ def derive_layout(
         "torch": torch.__version__.split("+")[0],
         "hash_algo": str(cc.prefix_caching_hash_algo),
     }
+    if needs != (FULL,):  # a single full-attention group keeps the namespace it always had
+        spec_dict["groups"] = [n.tag for n in needs]
     name = f"{os.path.basename(str(mc.model).rstrip('/'))} tp{pc.tensor_parallel_size} bs{cc.block_size}"
     return Layout(
-        namespace_fingerprint(spec_dict), name, pc.tensor_parallel_size, cc.block_size, num_layers, page_bytes
+        namespace_fingerprint(spec_dict),
+        name,
+        pc.tensor_parallel_size,
+        cc.block_size,
+        num_layers,
+        page_bytes,
+        needs,
     )
 
 

@@ -16,6 +16,7 @@ class LoadOp:
     block_ids: list[int]
     offsets: np.ndarray  # [n, world] pool byte offsets; ROW_MISSING: not in DRAM (promote)
     background: bool = False  # loaded while the engine steps (vLLM's async load); get_finished reports it
+    tokens: int | None = None  # tokens the load completes; None: a block's per key (one KV cache group)
 
 
 @dataclass

@@ -18,6 +18,7 @@ import numpy as np
 
 from hpkv.client.contract import KvStore
 from hpkv.connectors.reconnect import Reconnecting
+from hpkv.connectors.vllm.groups import longest_hit
 from hpkv.connectors.vllm.layout import Layout
 from hpkv.connectors.vllm.metadata import HpkvMetadata, LoadOp, SaveOp
 from hpkv.connectors.vllm.worth import LoadPolicy
@@ -33,6 +34,10 @@ log = logging.getLogger("vllm.hpkv")
 #: {"hpkv_skip": true}``.
 SKIP_PARAM = "hpkv_skip"
 
+#: vLLM's null block (``BlockPool.null_block``, the pool's first block): what a sliding-window
+#: group's block table holds outside its window. Never saved, never loaded into.
+NULL_BLOCK_ID = 0
+
 
 def skipped(request: Any) -> bool:
     """Whether the request asked hpkv to leave it alone (:data:`SKIP_PARAM`)."""
@@ -41,26 +46,42 @@ def skipped(request: Any) -> bool:
 
 
 @dataclass
+class _Plan:
+    """A hit found by a lookup, for the allocation that follows: blocks ``[first, first + n)``,
+    each group's keys and tiers over that range (``keys[g][i - first]``)."""
+
+    first: int
+    n: int
+    keys: list[list[bytes]]
+    tiers: list[list[int]]
+
+
+@dataclass
 class _ReqState:
     request: Any
     skip: bool = False  # the request asked hpkv to leave it alone
     saved_upto: int = 0  # blocks [0, saved_upto) need no save
-    plan: tuple[int, list[bytes], list[int]] | None = None  # (first block, keys, tiers) of a hit
+    plan: _Plan | None = None
     pinned: list[bytes] = field(default_factory=list)
     unconfirmed_since: float | None = None  # its lookups end at a block still being checked
 
 
 class SchedulerSide:
     """``open_store`` connects and attaches the namespace: (store, namespace id).
-    ``block_ids_of(req_id)`` gives a request's KV cache block ids (None before vLLM binds its
-    KV cache manager)."""
+    ``block_ids_of(req_id)`` gives a request's KV cache block ids, one list per KV cache group
+    (None before vLLM binds its KV cache manager).
+
+    A hybrid model (several KV cache groups, :mod:`.groups`) saves each group's blocks under
+    its own keys and loads each group what a hit needs from it. Its loads all run in the
+    background (vLLM's async load): vLLM recomputes a failed load of such a model only as a
+    failed request (``failed_recving``), never by block ids, which are per group."""
 
     def __init__(
         self,
         layout: Layout,
         threshold: int | None,
         open_store: Callable[[], tuple[KvStore, int]],
-        block_ids_of: Callable[[str], Sequence[int] | None],
+        block_ids_of: Callable[[str], Sequence[Sequence[int]] | None],
         background_storage_loads: bool = True,
         lookup_retry_s: float = 1.0,
     ):
@@ -68,6 +89,7 @@ class SchedulerSide:
         self.block_size = layout.block_size
         self.policy = LoadPolicy(threshold)  # threshold None: VLLM_HPKV_TOKEN_THRESHOLD=auto
         self.background_storage_loads = background_storage_loads
+        self.background_all_loads = len(layout.groups) > 1
         self.lookup_retry_s = lookup_retry_s  # HPKV_STORAGE_LOOKUP_RETRY_MS
         self.ns_id = -1
         self._open_store = open_store
@@ -81,8 +103,8 @@ class SchedulerSide:
         store, self.ns_id = self._open_store()
         return store
 
-    def _keys(self, hashes: Sequence[bytes]) -> list[bytes]:
-        return block_keys(self.layout.fingerprint, list(hashes))
+    def _keys(self, hashes: Sequence[bytes], group: int = 0) -> list[bytes]:
+        return block_keys(self.layout.fingerprint, list(hashes), group)
 
     def _state(self, request: Any) -> _ReqState:
         st = self._reqs.get(request.request_id)
@@ -111,23 +133,53 @@ class SchedulerSide:
         last = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
         if last <= first:
             return 0, False
-        keys = self._keys(request.block_hashes[first:last])
+        groups = self.layout.groups
+        width = len(groups)
+        hashes = request.block_hashes[first:last]
+        keys = [self._keys(hashes, g) for g in range(width)]
+        # One lookup for all groups, block by block with every group's key: the prefix it
+        # answers says which blocks each group has.
+        probe_keys = keys[0] if width == 1 else [k for block in zip(*keys, strict=True) for k in block]
         try:
-            n, tiers, unconfirmed = client.probe(self.ns_id, keys)
+            hit, found, unconfirmed = client.probe(self.ns_id, probe_keys)
         except Exception as exc:  # noqa: BLE001 - hpkv trouble means recompute
             self.hpkv.lost(exc)
             return 0, False
         if unconfirmed and self._wait_for_checks(st):
             return None, False
         st.unconfirmed_since = None
-        n = self.policy.blocks_to_load(tiers[:n], self.block_size) if n else 0
-        if n == 0:
-            return 0, False
-        tiers = tiers[:n]
-        st.plan = (first, keys[:n], tiers)
+        span = last - first
+        tiers = [
+            [found[i * width + g] if i * width + g < hit else 0 for i in range(span)] for g in range(width)
+        ]
+        present = [[t != 0 for t in row] for row in tiers]
+        end = last
+        while True:
+            n = longest_hit(groups, present, first, end)
+            block_tiers = self._block_tiers(tiers, first, n)
+            load = self.policy.blocks_to_load(block_tiers, self.block_size) if n > first else 0
+            if load == 0:
+                return 0, False
+            if first + load >= n:
+                break
+            end = first + load  # the policy loads less: the groups' needs at that length
+        st.plan = _Plan(
+            first, n - first, [row[: n - first] for row in keys], [row[: n - first] for row in tiers]
+        )
         # A hit that needs the disk loads in the background (vLLM's async load): the request
         # waits, the others keep stepping. A DRAM-only hit costs milliseconds: synchronous.
-        return n * self.block_size, self.background_storage_loads and Tier.STORAGE in tiers[:n]
+        background = self.background_all_loads or (
+            self.background_storage_loads and Tier.STORAGE in block_tiers
+        )
+        return (n - first) * self.block_size, background
+
+    def _block_tiers(self, tiers: list[list[int]], first: int, n: int) -> list[int]:
+        """The slowest tier each block of ``[first, n)`` loads from, over the groups that need it."""
+        out = [int(Tier.DRAM)] * (n - first)
+        for need, row in zip(self.layout.groups, tiers, strict=True):
+            for i in need.needed(first, n):
+                out[i - first] = max(out[i - first], row[i - first])
+        return out
 
     def _wait_for_checks(self, st: _ReqState) -> bool:
         """Whether the request may wait another step for its storage checks."""
@@ -145,27 +197,35 @@ class SchedulerSide:
         return False
 
     def update_state_after_alloc(
-        self, request: Any, block_ids: Sequence[int], num_external_tokens: int
+        self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
     ) -> None:
-        """``block_ids``: the request's KV cache blocks (vLLM's first KV cache group)."""
+        """``block_ids``: the request's KV cache blocks, one list per KV cache group."""
         st = self._state(request)
         plan, st.plan = st.plan, None
         if num_external_tokens == 0 or plan is None:
             return
-        first, keys, tiers = plan
-        n = num_external_tokens // self.block_size
-        keys, tiers = keys[:n], tiers[:n]
-        targets = list(block_ids[first : first + n])
+        first = plan.first
+        n = min(plan.n, num_external_tokens // self.block_size)
+        keys: list[bytes] = []
+        targets: list[int] = []
+        for g, need in enumerate(self.layout.groups):
+            for i in need.needed(first, first + n):
+                block = block_ids[g][i]
+                if need.window_blocks is None or block != NULL_BLOCK_ID:  # no block there: nothing to load
+                    keys.append(plan.keys[g][i - first])
+                    targets.append(block)
+        tiers = self._block_tiers(plan.tiers, first, first + n)
         client = self.hpkv.get()
-        offsets = np.full((n, self.layout.world_size), ROW_MISSING, np.int64)
+        offsets = np.full((len(keys), self.layout.world_size), ROW_MISSING, np.int64)
         if client is not None:
             try:
                 offsets = client.pin(self.ns_id, keys)
                 st.pinned.extend(keys)
             except Exception as exc:  # noqa: BLE001 - the worker reports the blocks failed
                 self.hpkv.lost(exc)
-        background = self.background_storage_loads and Tier.STORAGE in tiers
-        self._pending_loads.append(LoadOp(request.request_id, keys, targets, offsets, background))
+        background = self.background_all_loads or (self.background_storage_loads and Tier.STORAGE in tiers)
+        tokens = n * self.block_size if len(self.layout.groups) > 1 else None
+        self._pending_loads.append(LoadOp(request.request_id, keys, targets, offsets, background, tokens))
         dram = sum(1 for t in tiers if t == Tier.DRAM) * self.block_size
         self._hit_tiers[request.request_id] = (dram, num_external_tokens - dram)
         st.saved_upto = max(st.saved_upto, first + n)
@@ -203,8 +263,7 @@ class SchedulerSide:
             block_ids = self._block_ids_of(rid)
             if block_ids is None:
                 return meta
-            first = st.saved_upto
-            keys = self._keys(req.block_hashes[first:full])
+            keys, sources = self._blocks_to_save(req.block_hashes, block_ids, st.saved_upto, full)
             try:
                 offsets = client.reserve(self.ns_id, keys)
             except Exception as exc:  # noqa: BLE001 - hpkv trouble: fewer hits, never a failed request
@@ -214,10 +273,24 @@ class SchedulerSide:
             rows = np.flatnonzero((offsets >= 0).all(axis=1))
             if len(rows) == 0:
                 continue
-            meta.saves.append(
-                SaveOp(rid, [keys[i] for i in rows], [block_ids[first + i] for i in rows], offsets[rows])
-            )
+            meta.saves.append(SaveOp(rid, [keys[i] for i in rows], [sources[i] for i in rows], offsets[rows]))
         return meta
+
+    def _blocks_to_save(
+        self, hashes: Sequence[bytes], block_ids: Sequence[Sequence[int]], first: int, full: int
+    ) -> tuple[list[bytes], list[int]]:
+        """(keys, block ids) of every group's blocks in ``[first, full)``: all a later hit may need."""
+        keys: list[bytes] = []
+        sources: list[int] = []
+        for g, need in enumerate(self.layout.groups):
+            ids = block_ids[g]
+            windowed = need.window_blocks is not None
+            for i, key in enumerate(self._keys(hashes[first:full], g), first):
+                # A sliding-window group holds no block outside its window (vLLM's null block).
+                if i < len(ids) and not (windowed and ids[i] == NULL_BLOCK_ID):
+                    keys.append(key)
+                    sources.append(ids[i])
+        return keys, sources
 
     def step_finished(self, stats: dict[str, float] | None) -> None:
         """A step's output arrived, with the workers' connector stats (auto threshold)."""

@@ -69,6 +69,10 @@ class WorkerSide:
         self._open_store = open_store
         self._device: BlockMover | None = None
         self._load_errors: set[int] = set()
+        # A hybrid model's (several KV cache groups) failed loads are reported by request: vLLM
+        # cannot map block ids back to requests there (Scheduler._handle_invalid_blocks raises).
+        self._fail_by_request = len(getattr(layout, "groups", ())) > 1  # (a test places KV with no layout)
+        self._failed_requests: set[str] = set()
         self._lock = threading.Lock()  # errors and stats: the step thread and the background loads
         self._kv_file: str | None = None
         self._kv_mmap: mmap.mmap | None = None
@@ -177,7 +181,7 @@ class WorkerSide:
             if client is None:
                 # The scheduler promised these blocks; if this worker cannot deliver them (hpkv
                 # disabled here, or unreachable), vLLM must recompute them, never read garbage.
-                self._fail_loads([b for op in now for b in op.block_ids], self.unavailable_reason())
+                self._fail_loads(now, self.unavailable_reason())
             else:
                 self.load(client, self.ns_id, now, self.hpkv.lost)
         for op in meta.loads:
@@ -200,7 +204,7 @@ class WorkerSide:
         blocks = [b for op in ops for b in op.block_ids]
         device = self._device
         if device is None:
-            self._fail_loads(blocks, self.unavailable_reason())
+            self._fail_loads(ops, self.unavailable_reason())
             return
         t0 = time.perf_counter()
         keys = [k for op in ops for k in op.keys]
@@ -225,17 +229,26 @@ class WorkerSide:
             )
         except Exception as exc:  # noqa: BLE001 - whatever failed, vLLM recomputes
             lost(exc)
-            self._fail_loads(blocks, str(exc))
+            self._fail_loads(ops, str(exc))
             return
-        failed = [b for b, good in zip(blocks, ok, strict=True) if not good]
-        if failed:
-            self._fail_loads(failed, "blocks missing or copy failed")
+        if not ok.all():
+            self._fail_loads(ops, "blocks missing or copy failed", ok)
         n_ok = int(ok.sum())
-        n_storage = int(ok[missing].sum())
+        from_storage = np.zeros(len(keys), bool)
+        from_storage[missing] = True
+        # Tokens per key: a hybrid model's hit loads several groups' keys per block (the
+        # auto threshold compares these tokens with recomputing them).
+        bs = self.layout.block_size
+        per_key = np.concatenate(
+            [
+                np.full(len(op.keys), bs if op.tokens is None else op.tokens / max(len(op.keys), 1))
+                for op in ops
+            ]
+        )
         with self._lock:
             s = self.stats.data
-            s["loaded_tokens_dram"] += (n_ok - n_storage) * self.layout.block_size
-            s["loaded_tokens_storage"] += n_storage * self.layout.block_size
+            s["loaded_tokens_dram"] += round(float(per_key[ok & ~from_storage].sum()))
+            s["loaded_tokens_storage"] += round(float(per_key[ok & from_storage].sum()))
             s["loaded_bytes"] += n_ok * self.layout.shard_bytes
             elapsed = time.perf_counter() - t0
             s["load_time_s"] += elapsed
@@ -247,11 +260,26 @@ class WorkerSide:
             return "no hpkv server"
         return self.disabled_reason or "hpkv is disabled on this worker"
 
-    def _fail_loads(self, block_ids: list[int], why: str) -> None:
+    def _fail_loads(self, ops: list[LoadOp], why: str, ok: np.ndarray | None = None) -> None:
+        """Report the blocks of ``ops`` that did not load (``ok``: per block, in order; None:
+        none loaded): by block id, or for a hybrid model by request."""
+        failed: list[int] = []
+        requests: set[str] = set()
+        at = 0
+        for op in ops:
+            good = ok[at : at + len(op.block_ids)] if ok is not None else np.zeros(len(op.block_ids), bool)
+            at += len(op.block_ids)
+            lost = [b for b, g in zip(op.block_ids, good, strict=True) if not g]
+            if lost:
+                failed.extend(lost)
+                requests.add(op.req_id)
         with self._lock:
-            self._load_errors.update(block_ids)
-            self.stats.data["load_failed_blocks"] += len(block_ids)
-        log.warning("hpkv: %d block(s) could not be loaded (%s); vLLM recomputes them", len(block_ids), why)
+            if self._fail_by_request:
+                self._failed_requests.update(requests)
+            else:
+                self._load_errors.update(failed)
+            self.stats.data["load_failed_blocks"] += len(failed)
+        log.warning("hpkv: %d block(s) could not be loaded (%s); vLLM recomputes them", len(failed), why)
 
     def wait_for_save(self, meta: HpkvMetadata) -> None:
         if not self.enabled or not meta.saves:
@@ -291,6 +319,14 @@ class WorkerSide:
         while a request waits for its load and nothing else runs, vLLM steps empty batches
         back to back, and on a small CPU that spin starves the very processes doing the load."""
         return self._background.take_finished(IDLE_STEP_WAIT_S if idle_step else 0.0)
+
+    def take_failed_loads(self, finished: set[str]) -> set[str]:
+        """Of the requests whose load is reported ``finished`` now, those whose load failed
+        (hybrid models; vLLM counts a failure only with its finish, so the others wait)."""
+        with self._lock:
+            failed = self._failed_requests & finished
+            self._failed_requests -= failed
+        return failed
 
     def take_stats(self) -> HpkvConnectorStats | None:
         with self._lock:
@@ -378,11 +414,11 @@ class BackgroundLoads:
                     self.hpkv.connect_now(timeout=LOAD_CONNECT_TIMEOUT_S)
                     client = self.hpkv.client
                 if client is None or not self._side.enabled:
-                    self._side._fail_loads(op.block_ids, self._side.unavailable_reason())
+                    self._side._fail_loads([op], self._side.unavailable_reason())
                 else:
                     self._side.load(client, self.ns_id, [op], self.hpkv.lost, BACKGROUND_PROMOTE_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - the request must end; vLLM recomputes
-                self._side._fail_loads(op.block_ids, f"background load failed: {exc}")
+                self._side._fail_loads([op], f"background load failed: {exc}")
             with self._done:
                 self._finished.add(op.req_id)
                 self._pending -= 1

