@@ -193,6 +193,20 @@ def test_one_lookup_finds_the_hit_and_each_group_loads_what_it_needs():
     assert e.side.build_connector_meta(step(b, 3)).saves == [], "loaded blocks are not saved back"
 
 
+def test_a_prompt_longer_than_one_lookup_call_holds_hits_its_first_part(monkeypatch):
+    from hpkv.connectors.vllm import scheduler as scheduler_mod
+
+    monkeypatch.setattr(scheduler_mod, "MAX_KEYS_PER_CALL", 8)  # 4 blocks of 2 groups a call
+    e = HybridEngine()
+    r = request("a", 6)
+    e.admit(r)
+    e.save_all(e.side.build_connector_meta(step(r, r.num_tokens)))
+    e.side.request_finished("a")
+    e.store.calls.clear()
+    n, _ = e.admit(request("b", 6), base=1000)
+    assert n == 4 * BS and e.store.calls.count("lookup") == 1, "one call, capped; the rest recomputed"
+
+
 def test_a_window_block_outside_vllms_window_is_never_saved():
     e = HybridEngine()
     r = request("a", 6)

@@ -24,7 +24,7 @@ from hpkv.connectors.vllm.metadata import HpkvMetadata, LoadOp, SaveOp
 from hpkv.connectors.vllm.worth import LoadPolicy
 from hpkv.protocol.errors import ROW_MISSING
 from hpkv.protocol.keys import block_keys
-from hpkv.protocol.wire import Tier
+from hpkv.protocol.wire import MAX_KEYS_PER_CALL, Tier
 
 log = logging.getLogger("vllm.hpkv")
 
@@ -135,6 +135,7 @@ class SchedulerSide:
             return 0, False
         groups = self.layout.groups
         width = len(groups)
+        last = min(last, first + MAX_KEYS_PER_CALL // width)  # one call: beyond it, recomputed
         hashes = request.block_hashes[first:last]
         keys = [self._keys(hashes, g) for g in range(width)]
         # One lookup for all groups, block by block with every group's key: the prefix it
