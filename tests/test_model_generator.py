@@ -195,3 +195,22 @@ def test_cli_prints_the_path(tmp_path: Path) -> None:
     )
     assert res.stdout.strip() == str(out)
     assert is_complete(out)
+
+
+@pytest.mark.parametrize(
+    ("kind", "other_layers"),
+    [("gemma3", "sliding_attention"), ("qwen3_next", "linear_attention")],
+)
+def test_hybrid_kinds_load_in_transformers_with_every_weight(
+    tmp_path: Path, kind: str, other_layers: str
+) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = generate_model(tmp_path / kind, kind=kind, num_layers=4, full_attention_every=4)
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert model.config.layer_types == [other_layers] * 3 + ["full_attention"]
+    with torch.no_grad():
+        logits = model(torch.tensor([[69, 292, 292]])).logits
+    assert torch.isfinite(logits.float()).all()
