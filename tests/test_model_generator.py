@@ -214,3 +214,15 @@ def test_hybrid_kinds_load_in_transformers_with_every_weight(
     with torch.no_grad():
         logits = model(torch.tensor([[69, 292, 292]])).logits
     assert torch.isfinite(logits.float()).all()
+
+
+def test_a_head_size_apart_from_the_width_is_written_and_unset_changes_no_digest(tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    assert ModelSpec(kind="gemma3").digest() == ModelSpec(kind="gemma3", attention_head_dim=0).digest()
+    assert ModelSpec(kind="gemma3").digest() != ModelSpec(kind="gemma3", attention_head_dim=128).digest()
+    path = generate_model(tmp_path / "g", kind="gemma3", num_layers=2, attention_head_dim=128)
+    cfg = AutoConfig.from_pretrained(path)
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim) == (512, 8, 128)
+    with pytest.raises(ValueError, match="qwen2"):
+        ModelSpec(attention_head_dim=128).validate()

@@ -127,6 +127,9 @@ class ModelSpec:
     kind: str = "qwen2"
     sliding_window: int = 256  # gemma3: tokens a sliding-window layer attends to
     full_attention_every: int = 6  # gemma3, qwen3_next: layer i is full attention if (i + 1) % this == 0
+    # gemma3, qwen3_next: the attention head size, independent of the width as in those models
+    # (Gemma 3 has 256 at every size); 0: hidden_size // num_attention_heads
+    attention_head_dim: int = 0
 
     def validate(self) -> None:
         if self.kind not in KINDS:
@@ -135,7 +138,11 @@ class ModelSpec:
             raise ValueError("gemma3 needs sliding_window >= 1 and full_attention_every >= 1")
         if self.kind == "qwen3_next" and self.full_attention_every < 1:
             raise ValueError("qwen3_next needs full_attention_every >= 1")
-        if self.hidden_size % self.num_attention_heads:
+        if self.attention_head_dim and self.kind == "qwen2":
+            raise ValueError("qwen2 derives its head size from hidden_size: no attention_head_dim")
+        if self.attention_head_dim < 0:
+            raise ValueError("attention_head_dim must be positive (or 0: hidden_size // heads)")
+        if not self.attention_head_dim and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} must be a multiple of "
                 f"num_attention_heads {self.num_attention_heads}"
@@ -152,7 +159,7 @@ class ModelSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.attention_head_dim or self.hidden_size // self.num_attention_heads
 
     @property
     def vocab_size(self) -> int:
@@ -161,8 +168,11 @@ class ModelSpec:
 
     def fields(self) -> dict[str, Any]:
         """The spec as recorded: a Qwen2 spec without the other kinds' fields, so the Qwen2
-        models generated before kinds existed keep their digest and directory."""
+        models generated before kinds existed keep their digest and directory (and a spec whose
+        head size follows its width the one it had before the head size could be set)."""
         d = asdict(self)
+        if not self.attention_head_dim:
+            d.pop("attention_head_dim")
         if self.kind == "qwen2":
             for name in ("kind", "sliding_window", "full_attention_every"):
                 d.pop(name)
@@ -224,6 +234,7 @@ def generate_model(
     kind: str = "qwen2",
     sliding_window: int = 256,
     full_attention_every: int = 6,
+    attention_head_dim: int = 0,
     force: bool = False,
 ) -> str:
     """Write the tiny model into ``path`` (default: the cache) and return the directory.
@@ -244,6 +255,7 @@ def generate_model(
         kind=kind,
         sliding_window=sliding_window,
         full_attention_every=full_attention_every,
+        attention_head_dim=attention_head_dim,
     )
     spec.validate()
     target = Path(path).expanduser() if path is not None else default_model_dir(spec)
@@ -722,6 +734,9 @@ def main(argv: list[str] | None = None) -> int:
         default=6,
         help="gemma3, qwen3_next: every n-th layer is full attention",
     )
+    parser.add_argument(
+        "--attention-head-dim", type=int, default=0, help="gemma3, qwen3_next: head size (0: hidden / heads)"
+    )
     parser.add_argument("--out", default=None, help="target directory (default: the model cache)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden-size", type=int, default=512)
@@ -746,6 +761,7 @@ def main(argv: list[str] | None = None) -> int:
         kind=args.kind,
         sliding_window=args.sliding_window,
         full_attention_every=args.full_attention_every,
+        attention_head_dim=args.attention_head_dim,
         force=args.force,
     )
     print(path)
