@@ -198,19 +198,23 @@ def test_cli_prints_the_path(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kind", "other_layers"),
-    [("gemma3", "sliding_attention"), ("qwen3_next", "linear_attention")],
+    ("kind", "other_layers", "every"),
+    [
+        ("gemma3", "sliding_attention", 4),
+        ("qwen3_next", "linear_attention", 4),
+        ("gpt_oss", "sliding_attention", 2),
+    ],
 )
 def test_hybrid_kinds_load_in_transformers_with_every_weight(
-    tmp_path: Path, kind: str, other_layers: str
+    tmp_path: Path, kind: str, other_layers: str, every: int
 ) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    path = generate_model(tmp_path / kind, kind=kind, num_layers=4, full_attention_every=4)
+    path = generate_model(tmp_path / kind, kind=kind, num_layers=4, full_attention_every=every)
     model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    assert model.config.layer_types == [other_layers] * 3 + ["full_attention"]
+    assert model.config.layer_types == ([other_layers] * (every - 1) + ["full_attention"]) * (4 // every)
     with torch.no_grad():
         logits = model(torch.tensor([[69, 292, 292]])).logits
     assert torch.isfinite(logits.float()).all()
