@@ -58,6 +58,29 @@ def test_added_time_is_set_against_the_floor_for_the_bytes_loaded():
     assert "storage_added_ms" not in s, "no storage phase, no storage columns"
 
 
+def test_a_hybrid_models_hit_is_counted_in_its_keys_bytes_and_set_against_every_layers_kv(capsys):
+    # gemma3 shape: 34 layers of 4 KiB per token; a key is one KV cache group's block of 128
+    # tokens over 5 layer regions (20 KiB per token). A hit of 8192 tokens loaded 112 keys:
+    # 64 of the full-attention group, 8 (its window) of each of the 6 sliding-window groups.
+    res = {
+        "ttft": {"gpu_hit": [0.19], "dram_hit": [0.266]},
+        "served_tokens": {"dram_hit": {"dram": 112 * 128, "storage": 0}},
+        "requests": 1,
+        "tokens": 8192,
+        "model": "m",
+        "kv_bytes_per_token": 34 * 4096,
+        "loaded_bytes_per_token": 5 * 4096,
+        "block_tokens": 128,
+        "dram_floor_gbps": {"threads_1": 10.0, "best": 10.0},
+    }
+    s = ttft.summarize(res)
+    assert s["dram_bytes_per_request"] == 112 * 128 * 5 * 4096  # 280 MiB
+    ttft.print_table(s)
+    out = capsys.readouterr().out
+    assert "dram hit of 8192 tokens loaded 280.0 MiB" in out
+    assert "(a full-attention model of this shape) would be 1088.0 MiB: 0.257x" in out
+
+
 def test_the_baseline_half_of_a_cold_pair_is_the_same_prompt_in_lowercase():
     assert ttft.baseline_prompt_for("A", 3) == "a a a "
 

@@ -195,3 +195,38 @@ def test_cli_prints_the_path(tmp_path: Path) -> None:
     )
     assert res.stdout.strip() == str(out)
     assert is_complete(out)
+
+
+@pytest.mark.parametrize(
+    ("kind", "other_layers", "every"),
+    [
+        ("gemma3", "sliding_attention", 4),
+        ("qwen3_next", "linear_attention", 4),
+        ("gpt_oss", "sliding_attention", 2),
+    ],
+)
+def test_hybrid_kinds_load_in_transformers_with_every_weight(
+    tmp_path: Path, kind: str, other_layers: str, every: int
+) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = generate_model(tmp_path / kind, kind=kind, num_layers=4, full_attention_every=every)
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert model.config.layer_types == ([other_layers] * (every - 1) + ["full_attention"]) * (4 // every)
+    with torch.no_grad():
+        logits = model(torch.tensor([[69, 292, 292]])).logits
+    assert torch.isfinite(logits.float()).all()
+
+
+def test_a_head_size_apart_from_the_width_is_written_and_unset_changes_no_digest(tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    assert ModelSpec(kind="gemma3").digest() == ModelSpec(kind="gemma3", attention_head_dim=0).digest()
+    assert ModelSpec(kind="gemma3").digest() != ModelSpec(kind="gemma3", attention_head_dim=128).digest()
+    path = generate_model(tmp_path / "g", kind="gemma3", num_layers=2, attention_head_dim=128)
+    cfg = AutoConfig.from_pretrained(path)
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim) == (512, 8, 128)
+    with pytest.raises(ValueError, match="qwen2"):
+        ModelSpec(attention_head_dim=128).validate()

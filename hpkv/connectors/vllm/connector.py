@@ -31,6 +31,7 @@ from hpkv.client import connect, ensure_server
 from hpkv.client.contract import KvStore
 from hpkv.common.numa import current_numa_node
 from hpkv.config import Config, ConfigError, load_config
+from hpkv.connectors.vllm.groups import has_recurrent_state
 from hpkv.connectors.vllm.layout import Layout, derive_layout
 from hpkv.connectors.vllm.metadata import HpkvConnectorStats, HpkvMetadata
 from hpkv.connectors.vllm.scheduler import SchedulerSide
@@ -59,6 +60,12 @@ def _hpkv_config() -> Config:
         return load_config()
     except ConfigError as exc:
         raise ValueError(f"hpkv configuration error: {exc}") from None
+
+
+def _model_kind(vllm_config: VllmConfig) -> str:
+    """The model as an operator names it: its architecture and directory (or hub name)."""
+    mc = vllm_config.model_config
+    return f"{getattr(mc, 'architecture', '?')} ({os.path.basename(str(mc.model).rstrip('/'))})"
 
 
 _early_start = threading.Lock()
@@ -122,7 +129,9 @@ class HpkvConnectorV1(KVConnectorBase_V1, SupportsHMA):
         try:
             self.layout = derive_layout(vllm_config, kv_cache_config, self.cfg["HPKV_MODEL_ID"])
         except NotImplementedError as exc:
-            log.error("hpkv disabled: %s", exc)
+            # Both roles derive the same layout: the scheduler says why, once per engine.
+            say = log.error if role == KVConnectorRole.SCHEDULER else log.debug
+            say("hpkv disabled for %s: %s", _model_kind(vllm_config), exc)
             self.enabled = False
             return
         if role == KVConnectorRole.SCHEDULER:
@@ -146,7 +155,8 @@ class HpkvConnectorV1(KVConnectorBase_V1, SupportsHMA):
             return None  # the connector's constructor reports the configuration error
         if not cfg["VLLM_ENABLE_HPKV"]:
             return None
-        _start_server_early(cfg)
+        if not has_recurrent_state(vllm_config):  # hpkv turns itself off for those
+            _start_server_early(cfg)
         if str(vllm_config.device_config.device_type) != "cuda" or not cfg["HPKV_CUDA_BLOCK_OUTERMOST"]:
             return None
         return REQUESTED_LAYOUT

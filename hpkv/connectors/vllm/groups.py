@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
@@ -54,7 +55,7 @@ def group_needs(kv_cache_config: KVCacheConfig, block_size: int) -> tuple[GroupN
     for a group hpkv cannot serve yet (Mamba/linear-attention state, chunked local attention,
     per-group block sizes); a single group of another kind is served as full attention, as
     before hybrid support."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     groups = kv_cache_config.kv_cache_groups
     needs: list[GroupNeed] = []
@@ -75,12 +76,29 @@ def group_needs(kv_cache_config: KVCacheConfig, block_size: int) -> tuple[GroupN
                     "hpkv serves hybrid models whose groups share one block size"
                 )
             needs.append(FULL)
+        elif isinstance(spec, MambaSpec):
+            raise NotImplementedError(
+                f"this is an SSM/linear-attention hybrid (KV cache group {i} holds {type(spec).__name__} "
+                "recurrent state), and hpkv keeps only full and sliding-window attention KV so far; "
+                "vLLM serves the model without hpkv (remove --kv-transfer-config to silence this)"
+            )
         else:
             raise NotImplementedError(
                 f"KV cache group {i} is {type(spec).__name__}: hpkv serves hybrid models of full "
-                "and sliding-window attention (no SSM/linear-attention state yet)"
+                "and sliding-window attention only; vLLM serves the model without hpkv "
+                "(remove --kv-transfer-config to silence this)"
             )
     return tuple(needs)
+
+
+def has_recurrent_state(vllm_config: VllmConfig) -> bool:
+    """True for an SSM/linear-attention model (vLLM's ``has_inner_state``): its Mamba groups
+    make :func:`group_needs` refuse it, which the engine only learns with its KV cache config;
+    known earlier, hpkv starts no server for it."""
+    try:
+        return bool(vllm_config.model_config.has_inner_state)
+    except (AttributeError, RuntimeError):  # no model config, or a registry that cannot tell
+        return False
 
 
 def longest_hit(needs: Sequence[GroupNeed], present: Sequence[Sequence[bool]], first: int, last: int) -> int:
