@@ -24,7 +24,7 @@ from test_storage import FP, Writer, running  # the storage tests' real-process 
 
 from hpkv.engine.storage import journal as J
 from hpkv.engine.storage.journal import JOURNAL_DIR, JournalReader, JournalWriter, Record
-from hpkv.engine.storage.shared import LEASE_FILE, Lease
+from hpkv.engine.storage.shared import LEASE_FILE, READ_EVERY_S, Lease, RecentReads
 from hpkv.io_workers import kvfile
 from hpkv.io_workers.tree import StorageTree
 from hpkv.testing.mounts import bindfs_view
@@ -156,6 +156,14 @@ def test_a_journal_stays_bounded_by_its_live_blocks(tree):
     assert size <= J.HEADER_BYTES + (2 * 7 + J.COMPACT_MIN_RECORDS + 100) * J.RECORD_BYTES
     got = JournalReader(tree, FP).poll()["node-a.log"]
     assert len({x.key for x in got}) == 7
+
+
+def test_a_blocks_read_is_journaled_at_most_once_per_period_in_a_fixed_table():
+    reads = RecentReads(slots=4)
+    a, b = bytes(16), b"\x02" + bytes(15)  # one slot (the same bytes 8..11), other keys
+    assert reads.due(a, 100.0) and not reads.due(a, 100.0 + READ_EVERY_S / 2)
+    assert reads.due(a, 100.0 + READ_EVERY_S), "the period is over"
+    assert reads.due(b, 200.0) and reads.due(a, 200.0), "b took a's slot: a is journaled again, early"
 
 
 def test_the_lease_is_held_by_one_node_and_taken_over_when_stale(tree):
