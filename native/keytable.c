@@ -17,8 +17,16 @@ typedef struct {
 #define VALUE_BITS 2
 #define VALUE_MASK ((1u << VALUE_BITS) - 1)
 
+/* A table grows when live slots and tombstones would pass this share of its slots (in %).
+ * 85 % rather than the usual 70 %: the catalog's and the index's tables are most of the
+ * server's memory per stored block (10^5 blocks: 2^17 slots instead of 2^18). Keys are
+ * uniform hashes, so probes stay short: 128 keys absent from a table of 10^5 at 76 % load
+ * took 3.5 us (p50) against 1.5 us at 38 %, present ones 2.5 against 1.6-2.9 us; a
+ * lookup's round trip to the server is 30 us and more. */
+#define MAX_LOAD_PCT 85
+
 /* Old slots moved into the new arrays per insert or removal while the table grows. A doubled
- * table (cap slots, the old arrays cap/2) is at 35 % and full again (70 %) after 0.35 cap
+ * table (cap slots, the old arrays cap/2) is at 42.5 % and full again (85 %) after 0.425 cap
  * inserts; the move ends after cap/32 calls. One call never moves more than this many, so none
  * holds its caller's lock for a whole rehash (~100 ms at a million keys). */
 #define MOVE_STEP 16
@@ -217,7 +225,7 @@ static int grow(hpkv_keytable *t)
     move_some(t, UINT64_MAX); /* a grow still moving (only if MOVE_STEP were too small) ends now */
     uint64_t live = t->cur.live;
     /* Double only when live entries need it; otherwise rebuild to drop tombstones. */
-    uint64_t cap = (live + 1) * 10 / 7 >= t->cur.cap / 2 ? t->cur.cap * 2 : t->cur.cap;
+    uint64_t cap = (live + 1) * 100 / MAX_LOAD_PCT >= t->cur.cap / 2 ? t->cur.cap * 2 : t->cur.cap;
     slots fresh;
     if (alloc_slots(&fresh, cap, t->columns) != 0)
         return -1;
@@ -239,7 +247,7 @@ int hpkv_keytable_set(hpkv_keytable *t, const uint8_t *key, uint8_t ns, uint8_t 
         s->meta[i] = meta;
         return 0;
     }
-    if ((t->cur.live + t->cur.tombs + 1) * 10 > t->cur.cap * 7) {
+    if ((t->cur.live + t->cur.tombs + 1) * 100 > t->cur.cap * MAX_LOAD_PCT) {
         if (grow(t) != 0)
             return -1;
         s = locate(t, k, &i); /* the key may have moved */

@@ -6,7 +6,7 @@
  * over the keys where the client wrote them (the mailbox) costs ~20-40 ns a key
  * instead of ~100 ns in Python. Single-threaded: only the server's index (under
  * its lock) touches a table. Open addressing, linear probing, tombstones,
- * power-of-two capacity, grown at 70 % load (live + tombstones). The arrays are
+ * power-of-two capacity, grown at 85 % load (live + tombstones). The arrays are
  * mapped anonymously and unmapped when the table grows or is freed, so the memory of
  * a table that shrank or moved goes back to the system at once.
  *

@@ -8,7 +8,10 @@ without pause from the attach on, alternating 128-key *hits* (random keys that h
 files) and 128-key *misses* (random keys that have none). Reported per N:
 
 * bytes of server memory per stored block: the server's private resident memory (RssAnon)
-  once the scan ended, less the same before the attach, over N;
+  once the scan's finds are journaled (the namespace's journal holds all N records, and
+  RssAnon has settled: the flush's temporary buffers are freed), less the same before the
+  attach, over N; also at the scan's log line (``bytes_per_block_scan_end``), when the
+  journal's buffers may still be held;
 * the scan rate: N over the scan's duration (from the server's log line);
 * attach-to-first-hit: from the attach call to the end of the first lookup that reported
   a storage hit;
@@ -38,6 +41,9 @@ from typing import Any
 LOOKUP_KEYS = 128
 WARM_BLOCKS = 256  # a first namespace's, before the measured one
 SCAN_TIMEOUT_S = 900.0
+JOURNAL_TIMEOUT_S = 120.0  # from the scan's log line to its finds in the journal
+SETTLE_S = 0.2  # RssAnon settled: unchanged over this long (at most SETTLE_TRIES times)
+SETTLE_TRIES = 25
 _SCAN_LOG = re.compile(
     r"scan of namespace (\d+) \(\w+\): (\d+) complete block\(s\) from (\d+) file\(s\) in ([\d.]+)s"
 )
@@ -123,6 +129,36 @@ def _timed(client: Any, ns_id: int, keys: list[bytes], into: list[float]) -> int
     return hit
 
 
+def _journaled(storage: str, fingerprint: str, n: int) -> float:
+    """Wait until the namespace's journals hold ``n`` records (the server journals what its
+    scan found on its storage thread, after the scan's log line); returns the seconds waited."""
+    from hpkv.engine.storage import journal
+
+    d = os.path.join(storage, journal.journal_dir(fingerprint))
+    want = journal.HEADER_BYTES + n * journal.RECORD_BYTES
+    t0 = time.perf_counter()
+    while True:
+        with contextlib.suppress(FileNotFoundError):
+            have = sum(e.stat().st_size for e in os.scandir(d) if e.name.endswith(journal.SUFFIX))
+            if have >= want:
+                return time.perf_counter() - t0
+        if time.perf_counter() - t0 > JOURNAL_TIMEOUT_S:
+            raise TimeoutError(f"{d}: fewer than {n} records {JOURNAL_TIMEOUT_S:g} s after the scan")
+        time.sleep(0.02)
+
+
+def _settled_rss(pid: int) -> int:
+    """RssAnon once two readings :data:`SETTLE_S` apart agree (or the last of SETTLE_TRIES)."""
+    last = _rss(pid)
+    for _ in range(SETTLE_TRIES):
+        time.sleep(SETTLE_S)
+        now = _rss(pid)
+        if now == last:
+            break
+        last = now
+    return last
+
+
 def _misses() -> list[bytes]:
     return [os.urandom(16) for _ in range(LOOKUP_KEYS)]
 
@@ -175,8 +211,8 @@ def measure(n: int, root: str, shard_bytes: int, lookups: int, headers: bool = T
         for _ in range(20):
             client.lookup(warm.ns_id, warm_keys[:LOOKUP_KEYS])
             client.lookup(warm.ns_id, _misses())
-        time.sleep(0.2)
-        rss0 = _rss(pid)
+        _journaled(storage, warm_fp, WARM_BLOCKS)
+        rss0 = _settled_rss(pid)
 
         def hit_keys() -> list[bytes]:
             return [keys[i] for i in _randints(n, LOOKUP_KEYS)]
@@ -193,7 +229,9 @@ def measure(n: int, root: str, shard_bytes: int, lookups: int, headers: bool = T
         scan_s, first_hit = _during_scan(client, srv, ns.ns_id, hit_keys, lat, t_attach)
         seen_done = time.perf_counter() - t_attach
         stored = int(client.stats()["storage"]["files"]) - WARM_BLOCKS  # the measured namespace's
-        rss1 = _rss(pid)
+        rss_scan = _rss(pid)
+        journal_s = _journaled(storage, fp, stored)
+        rss1 = _settled_rss(pid)
         full = 0
         for _ in range(lookups):
             hit = _timed(client, ns.ns_id, hit_keys(), lat["hit_after"])
@@ -214,6 +252,8 @@ def measure(n: int, root: str, shard_bytes: int, lookups: int, headers: bool = T
         "n": n,
         "create_s": round(create_s, 2),
         "bytes_per_block": round((rss1 - rss0) / n, 1),
+        "bytes_per_block_scan_end": round((rss_scan - rss0) / n, 1),
+        "journal_after_scan_s": round(journal_s, 3),
         "bytes_per_block_after_lookups": round((rss2 - rss0) / n, 1),
         "scan_s": round(scan_s, 3),
         "scan_files_per_s": round(n / scan_s) if scan_s else None,
@@ -274,13 +314,14 @@ def run(args: argparse.Namespace) -> int:
         f"{LOOKUP_KEYS}-key lookups (client round trip), hits and misses alternating"
     )
     print(
-        f"{'N':>9} {'B/block':>8} {'scan/s':>9} {'1st hit ms':>10} "
+        f"{'N':>9} {'B/block':>8} {'(scan end)':>10} {'scan/s':>9} {'1st hit ms':>10} "
         f"{'hit p50/p99 us (scan)':>22} {'miss p50/p99 (scan)':>20} {'hit p50/p99 (after)':>20} "
         f"{'miss p50/p99 (after)':>21}"
     )
     for r in rows:
         print(
-            f"{r['n']:>9} {r['bytes_per_block']:>8} {r['scan_files_per_s'] or '-':>9} "
+            f"{r['n']:>9} {r['bytes_per_block']:>8} {r['bytes_per_block_scan_end']:>10} "
+            f"{r['scan_files_per_s'] or '-':>9} "
             f"{r['attach_to_first_hit_ms'] or '-':>10} "
             f"{_pair(r, 'hit_during'):>22} {_pair(r, 'miss_during'):>20} {_pair(r, 'hit_after'):>20} "
             f"{_pair(r, 'miss_after'):>21}"

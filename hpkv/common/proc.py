@@ -40,3 +40,23 @@ def pid_running(pid: int) -> bool:
     # "pid (comm) S ...": comm may hold spaces and parentheses; the state follows the last ')'
     state = stat_line[stat_line.rfind(b")") + 2 : stat_line.rfind(b")") + 3]
     return state not in (b"Z", b"X")
+
+
+MMAP_THRESHOLD = 256 << 10  # malloc blocks from this size up are mapped alone, unmapped when freed
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def unmap_big_frees() -> bool:
+    """Make glibc's malloc map every block of :data:`MMAP_THRESHOLD` bytes or more on its own,
+    so that its memory goes back to the system when freed. By default glibc raises that
+    threshold to the size of any mapped block freed (up to 32 MiB), after which big temporary
+    arrays (numpy's, a scan's batches) land in the heap and leave it holed: measured in the
+    server, 70 B per stored block of free but resident heap after a scan of 10^5 blocks.
+    Returns False where there is no glibc."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError):
+        return False

@@ -23,7 +23,9 @@ from hpkv.protocol.stats import MAX_NS
 
 
 class KeyTable:
-    def __init__(self, initial_capacity: int = 1 << 16, columns: bool = False):
+    # Small at first (4096 slots, ~200 KB with columns): the table grows step by step, and a
+    # server with few stored blocks should not hold megabytes for them.
+    def __init__(self, initial_capacity: int = 1 << 12, columns: bool = False):
         new = lib.hpkv_keytable_new_columns if columns else lib.hpkv_keytable_new
         self._t = ffi.gc(new(initial_capacity), lib.hpkv_keytable_free)
         if self._t == ffi.NULL:

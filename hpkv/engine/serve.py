@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 
+from hpkv.common.proc import unmap_big_frees
 from hpkv.config import Config, ConfigError
 from hpkv.engine.server import AlreadyServed, Server
 from hpkv.protocol.errors import ExitCode
@@ -52,6 +53,7 @@ def serve(
 ) -> int:
     """``hpkv serve``: run the server in the foreground until told to stop."""
     ready = ready or ReadyPipe(None)
+    unmap_big_frees()  # the server's memory stays what it holds, not what its scans once used
     setup_logging(cfg.pool_dir, log_level or cfg["HPKV_LOG_LEVEL"], max_bytes=cfg["HPKV_LOG_MAX_BYTES"])
     # `kill -USR2 <server pid>` writes every thread's stack to the log: what a stuck server waits on.
     stacks = open(os.path.join(cfg.pool_dir, LOG_FILE), "a")  # noqa: SIM115 - open for the process's life

@@ -41,8 +41,11 @@ import time
 import zlib
 from dataclasses import dataclass
 
+import numpy as np
+
 from hpkv.common.proc import pid_alive
 from hpkv.common.security import PRIVATE_FILE_MODE
+from hpkv.engine.storage.keytimes import KeyTimes
 from hpkv.io_workers.tree import StorageTree
 
 MAGIC = b"HPKVJRN1"
@@ -55,6 +58,15 @@ _REC = struct.Struct("<BB2xQ16sQI")
 HEADER_BYTES = _HDR.size
 RECORD_BYTES = _REC.size
 assert HEADER_BYTES == 64 and RECORD_BYTES == 40
+# _REC as a numpy record, to pack many records without an object each
+_REC_ARRAY = np.dtype(
+    {
+        "names": ["op", "world", "time", "key", "nbytes", "crc"],
+        "formats": ["u1", "u1", "<u8", "S16", "<u8", "<u4"],
+        "offsets": [0, 1, 4, 12, 28, 36],
+        "itemsize": RECORD_BYTES,
+    }
+)
 COMPACT_MIN_RECORDS = 4096  # a journal is never compacted below this many records
 READ_MAX_BYTES = 64 << 20  # bytes of records one poll reads from one journal (the rest: next poll)
 
@@ -91,9 +103,34 @@ class Record:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class Adds:
+    """ADD records of many blocks with one time and shape (a scan's finds): the keys lie end to
+    end in ``keys``, 16 bytes each, so that a million of them are one bytes object."""
+
+    world: int
+    time_ns: int
+    keys: bytes
+    nbytes: int
+
+
 def pack_record(r: Record) -> bytes:
     body = _REC.pack(r.op, r.world, r.time_ns, r.key, r.nbytes, 0)[:-4]
     return body + struct.pack("<I", zlib.crc32(body))
+
+
+def pack_records(op: int, world: np.ndarray | int, times, keys, nbytes) -> memoryview:
+    """Records of ``op`` for the keys of ``keys`` (an ``S16`` array), the other fields arrays
+    of as many or one value each: what :func:`pack_record` gives, for many at once (one
+    buffer, no object a record)."""
+    recs = np.zeros(len(keys), _REC_ARRAY)
+    recs["op"], recs["world"], recs["time"], recs["key"], recs["nbytes"] = op, world, times, keys, nbytes
+    raw = recs.view(np.uint8).data
+    body = RECORD_BYTES - 4
+    recs["crc"] = np.fromiter(
+        (zlib.crc32(raw[i : i + body]) for i in range(0, len(raw), RECORD_BYTES)), np.uint32, len(recs)
+    )
+    return raw
 
 
 def unpack_records(buf: bytes) -> tuple[list[Record], int]:
@@ -141,7 +178,9 @@ class JournalWriter:
         self.name = node + SUFFIX
         self.fd = -1
         self.records = 0  # records in the file now
-        self.live: dict[bytes, Record] = {}  # blocks this node wrote, as of their last record
+        # blocks this node wrote, as of their last record: time and shape (an index into shapes)
+        self.live = KeyTimes()
+        self.shapes: list[tuple[int, int]] = []  # (world, nbytes): one per namespace, in practice
         self.loaded = False  # live holds what the journal of the last run held
         self._lock = threading.Lock()  # the file: opened, appended to, compacted by one thread at a time
 
@@ -149,15 +188,29 @@ class JournalWriter:
         """Keep :attr:`live` up to date with a record (``mine``: this node's)."""
         if r.op == DEL:
             old = self.live.get(r.key)
-            if old is not None and old.time_ns <= r.time_ns:
-                del self.live[r.key]
+            if old is not None and old[0] <= r.time_ns:
+                self.live.remove(r.key)
         elif r.op == ADD and mine:
             old = self.live.get(r.key)
-            self.live[r.key] = r if old is None or old.time_ns < r.time_ns else old
+            if old is None or old[0] < r.time_ns:
+                self.live.put(r.key, r.time_ns, self._shape(r.world, r.nbytes))
         elif r.op == READ:
             old = self.live.get(r.key)
-            if old is not None and old.time_ns < r.time_ns:
-                self.live[r.key] = Record(ADD, old.world, r.time_ns, r.key, old.nbytes)
+            if old is not None and old[0] < r.time_ns:
+                self.live.put(r.key, r.time_ns, old[1])
+
+    def apply_adds(self, adds: Adds) -> Adds:
+        """:meth:`apply` of this node's ``adds``; returns those of blocks not live already."""
+        fresh = self.live.missing(adds.keys)
+        self.live.put_many(fresh, adds.time_ns, self._shape(adds.world, adds.nbytes))
+        return Adds(adds.world, adds.time_ns, fresh, adds.nbytes)
+
+    def _shape(self, world: int, nbytes: int) -> int:
+        try:
+            return self.shapes.index((world, nbytes))
+        except ValueError:
+            self.shapes.append((world, nbytes))
+            return len(self.shapes) - 1
 
     def ensure_open(self) -> None:
         """Open this run's journal: a snapshot of what this node's journal of the last run
@@ -181,19 +234,20 @@ class JournalWriter:
         self.loaded = True
         self._compact()
 
-    def append(self, records: list[Record]) -> None:
+    def append(self, records: list[Record | Adds]) -> None:
         """Append records (raises OSError); compacts when the file grew too long."""
         if not records:
             return
         with self._lock:
             self._append(records)
 
-    def _append(self, records: list[Record]) -> None:
+    def _append(self, records: list[Record | Adds]) -> None:
         if self.fd < 0:
             self._open()
         if os.fstat(self.fd).st_nlink == 0:
             self._compact()  # removed from outside: write a new one
-        data = memoryview(b"".join(pack_record(r) for r in records))
+        data = memoryview(b"".join(map(_pack, records)))
+        count = len(data) // RECORD_BYTES
         try:
             while data:
                 data = data[os.write(self.fd, data) :]
@@ -202,7 +256,7 @@ class JournalWriter:
             os.close(self.fd)
             self.fd = -1
             raise
-        self.records += len(records)
+        self.records += count
         if self.records > 2 * len(self.live) + COMPACT_MIN_RECORDS:
             self._compact()
 
@@ -213,8 +267,11 @@ class JournalWriter:
 
     def _compact(self) -> None:
         tmp = f".{self.name}.{os.getpid()}.tmp"
+        keys, times, tags = self.live.by_time()
+        shapes = np.array(self.shapes or [(0, 0)], np.uint64).reshape(-1, 2)[tags]
         body = _header(time.time_ns(), os.getpid(), self.node)
-        body += b"".join(pack_record(r) for r in sorted(self.live.values(), key=lambda r: r.time_ns))
+        body += pack_records(ADD, shapes[:, 0], times, keys, shapes[:, 1])
+        del keys, times, tags, shapes
         with self.tree.dir(self.rel, create=True) as dfd:
             fd = os.open(
                 tmp,
@@ -252,6 +309,12 @@ class JournalWriter:
             pass
         os.close(self.fd)
         self.fd = -1
+
+
+def _pack(r: Record | Adds) -> bytes | memoryview:
+    if isinstance(r, Adds):
+        return pack_records(ADD, r.world, r.time_ns, np.frombuffer(r.keys, "S16"), r.nbytes)
+    return pack_record(r)
 
 
 @dataclass

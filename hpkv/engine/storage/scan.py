@@ -128,7 +128,7 @@ class Scanner:
         top = ns.fingerprint
         found = files = 0
         host = kvfile.this_host()
-        adopted: list[bytes] = []
+        adopted: list[bytes] = []  # each leaf's complete keys, end to end
         self.scans += 1
         try:
             for aa in self._subdirs(top):
@@ -141,14 +141,14 @@ class Scanner:
                     if added is None:
                         return
                     found += added
-                    adopted += complete
+                    adopted.append(b"".join(complete))
         except OSError as exc:
             self._io_error("scan", exc.errno or errno.EIO, self.tree.rel_path(top))
         finally:
             self.finished = True
             self.done[ns.ns_id] = True
         if self.shared is not None:
-            self.shared.adopt(ns, adopted)
+            self.shared.adopt(ns, b"".join(adopted))
         log.info(
             "scan of namespace %d (%s): %d complete block(s) from %d file(s) in %.2fs",
             ns.ns_id,

@@ -37,9 +37,8 @@ import os
 import socket
 import threading
 import time
-from collections import OrderedDict
+from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from hpkv.common.proc import pid_alive
 from hpkv.engine.index import Namespace
@@ -49,11 +48,13 @@ from hpkv.engine.storage.journal import (
     DEL,
     READ,
     SUFFIX,
+    Adds,
     JournalReader,
     JournalWriter,
     Record,
     writer_crashed,
 )
+from hpkv.engine.storage.keytimes import KeyTimes
 from hpkv.engine.storage.upkeep import IoErrorLog, unlink_quietly
 from hpkv.io_workers import kvfile
 from hpkv.io_workers.tree import StorageTree
@@ -65,17 +66,30 @@ STOP_WAIT_S = 2.0  # each step of a stop that touches the storage directory
 
 LEASE_FILE = ".evictor"
 READ_EVERY_S = 10.0  # a block's READ is journaled at most this often per node
-READ_MEMORY = 200_000  # blocks whose last READ time is remembered (the oldest forgotten)
+READ_SLOTS = 1 << 17  # blocks whose last READ time is remembered (a key's slot: by its bytes)
 EVICT_CANDIDATES = 4096  # least recently used entries sorted by time per eviction pass
 _FP_LEN = 32
 
 
-@dataclass
-class _Entry:
-    fingerprint: str
-    world: int
-    nbytes: int
-    last_ns: int
+class RecentReads:
+    """When this node last journaled a READ of a block, for :data:`READ_EVERY_S`: a fixed table
+    of :data:`READ_SLOTS` (8 bytes of the key, a time) indexed by other bytes of the key (keys are
+    uniform hashes), 2 MiB whatever the number of blocks. A key that lost its slot to another
+    is journaled again a little early: one record more, never one less."""
+
+    def __init__(self, slots: int = READ_SLOTS):
+        self._tags = array("Q", bytes(8 * slots))
+        self._times = array("d", bytes(8 * slots))
+        self._mask = slots - 1
+
+    def due(self, key: bytes, now: float) -> bool:
+        """Should a READ of ``key`` be journaled at ``now`` (then it counts as journaled)?"""
+        i = int.from_bytes(key[8:12], "little") & self._mask
+        tag = int.from_bytes(key[:8], "little") | 1  # (0: an empty slot)
+        if self._tags[i] == tag and now - self._times[i] < READ_EVERY_S:
+            return False
+        self._tags[i], self._times[i] = tag, now
+        return True
 
 
 class Lease:
@@ -229,14 +243,17 @@ class SharedDir:
         self._in_use = in_use
         self.lease = Lease(tree, node, lease_s)
         self._mu = threading.Lock()  # guards the dicts below against the scan threads and the loop
-        self._pending: dict[str, list[Record]] = {}  # fingerprint -> records to append
-        self._read_at: OrderedDict[bytes, float] = OrderedDict()
+        self._pending: dict[str, list[Record | Adds]] = {}  # fingerprint -> records to append
+        self._reads = RecentReads()
         self._writers: dict[str, JournalWriter] = {}
         self._readers: dict[str, JournalReader] = {}  # discovery, attached namespaces
         self._attached: dict[str, Namespace] = {}
-        # the evictor's view of the whole directory
+        # the evictor's view of the whole directory: key -> last ADD or READ time, and its kind,
+        # an index into _kinds: (fingerprint, world, bytes of its files)
         self.evicting = False
-        self._dir: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._dir = KeyTimes()
+        self._kinds: list[tuple[str, int, int]] = []
+        self._kind_ids: dict[tuple[str, int, int], int] = {}
         self.total = 0
         self._dir_readers: dict[str, JournalReader] = {}
         self._stop = threading.Event()
@@ -286,14 +303,8 @@ class SharedDir:
 
     def used(self, ns: Namespace, key: bytes) -> None:
         """The block was used here (a pin or promote): its files are recent for the evictor."""
-        now = time.monotonic()
-        last = self._read_at.get(key)
-        if last is not None and now - last < READ_EVERY_S:
+        if not self._reads.due(key, time.monotonic()):
             return
-        self._read_at[key] = now
-        self._read_at.move_to_end(key)
-        while len(self._read_at) > READ_MEMORY:
-            self._read_at.popitem(last=False)
         self._queue(ns.fingerprint, Record(READ, ns.world_size, time.time_ns(), key, 0))
 
     def _queue(self, fp: str, r: Record) -> None:
@@ -333,15 +344,13 @@ class SharedDir:
         self.wake.set()
         return None if scan else list(live)
 
-    def adopt(self, ns: Namespace, keys: list[bytes]) -> None:
-        """A scan found these blocks: journal them as this node's, so no other node scans."""
+    def adopt(self, ns: Namespace, keys: bytes) -> None:
+        """A scan found these blocks (16-byte keys end to end): journal them as this node's, so
+        no other node scans (those this node's journal holds already are left out when written)."""
         nbytes = ns.world_size * kvfile.file_size(ns.shard_bytes)
-        now = time.time_ns()
+        adds = Adds(ns.world_size, time.time_ns(), keys, nbytes)
         with self._mu:
-            writer = self._writers.get(ns.fingerprint)
-            known = writer.live if writer is not None else {}
-            recs = [Record(ADD, ns.world_size, now, k, nbytes) for k in keys if k not in known]
-            self._pending.setdefault(ns.fingerprint, []).extend(recs)
+            self._pending.setdefault(ns.fingerprint, []).append(adds)
         self.wake.set()
 
     def detach(self, ns: Namespace) -> None:
@@ -390,6 +399,8 @@ class SharedDir:
             log.info("storage evictor: this node %s evicting", "starts" if evicting else "stops")
             if not evicting:
                 self._dir.clear()
+                self._kinds.clear()
+                self._kind_ids.clear()
                 self._dir_readers.clear()
                 self.total = 0
             self.evicting = evicting
@@ -406,8 +417,11 @@ class SharedDir:
         for fp, recs in pending.items():
             w = writers[fp]
             w.ensure_open()
-            for r in recs:
-                w.apply(r, mine=True)
+            for i, r in enumerate(recs):
+                if isinstance(r, Adds):
+                    recs[i] = w.apply_adds(r)
+                else:
+                    w.apply(r, mine=True)
             w.append(recs)
 
     def _discover(self) -> None:
@@ -460,45 +474,45 @@ class SharedDir:
                 self._apply_dir(fp, r)
 
     def _apply_dir(self, fp: str, r: Record) -> None:
-        e = self._dir.get(r.key)
+        e = self._dir.get(r.key)  # (last time, kind)
         if r.op == ADD:
             if e is None:
-                self._dir[r.key] = _Entry(fp, r.world, r.nbytes, r.time_ns)
+                self._dir.put(r.key, r.time_ns, self._kind(fp, r.world, r.nbytes))
                 self.total += r.nbytes
-            elif r.time_ns > e.last_ns:
-                e.last_ns = r.time_ns
-                self._dir.move_to_end(r.key)
+            elif r.time_ns > e[0]:
+                self._dir.put(r.key, r.time_ns, e[1])
         elif r.op == READ:
-            if e is not None and r.time_ns > e.last_ns:
-                e.last_ns = r.time_ns
-                self._dir.move_to_end(r.key)
-        elif e is not None and r.time_ns >= e.last_ns:
-            del self._dir[r.key]
-            self.total -= e.nbytes
+            if e is not None and r.time_ns > e[0]:
+                self._dir.put(r.key, r.time_ns, e[1])
+        elif e is not None and r.time_ns >= e[0]:
+            self._dir.remove(r.key)
+            self.total -= self._kinds[e[1]][2]
+
+    def _kind(self, fp: str, world: int, nbytes: int) -> int:
+        kind = (fp, world, nbytes)
+        i = self._kind_ids.get(kind)
+        if i is None:
+            i = self._kind_ids[kind] = len(self._kinds)
+            self._kinds.append(kind)
+        return i
 
     def _evict(self) -> None:
         """Delete least recently used blocks until the directory fits the capacity."""
         if self.total <= self.capacity or not self.lease_ok():
             return
-        head = []
-        for key, e in self._dir.items():
-            head.append((e.last_ns, key))
-            if len(head) >= EVICT_CANDIDATES:
-                break
-        head.sort()
         removed = blocks = 0
         deleted: list[bytes] = []
-        dels: dict[str, list[Record]] = {}
-        for _, key in head:
+        dels: dict[str, list[Record | Adds]] = {}
+        for _, key, kind in self._dir.oldest(EVICT_CANDIDATES):
             if self.total <= self.capacity or not self.lease_ok():
                 break
-            e = self._dir[key]
-            n = self._evict_one(key, e, deleted)
+            fp, world, nbytes = self._kinds[kind]
+            n = self._evict_one(key, kind, deleted)
             if n is None:
                 continue
             removed += n
             blocks += 1
-            dels.setdefault(e.fingerprint, []).append(Record(DEL, e.world, time.time_ns(), key, e.nbytes))
+            dels.setdefault(fp, []).append(Record(DEL, world, time.time_ns(), key, nbytes))
         with self.lock:
             self.catalog.deleted(deleted)
             self.catalog.publish(self.g)
@@ -523,39 +537,39 @@ class SharedDir:
                 self.capacity,
             )
 
-    def _evict_one(self, key: bytes, e: _Entry, deleted: list[bytes]) -> int | None:
+    def _evict_one(self, key: bytes, kind: int, deleted: list[bytes]) -> int | None:
         """Unlink one block's files (returns how many were there), or None when it must stay: in
         use here, or read by some node within the grace (then it counts as used at that time)."""
+        fp, world, nbytes = self._kinds[kind]
         with self.lock:
             if self._in_use(key):
                 return None
-        read_at = self._read_within_grace(e, key)
+        read_at = self._read_within_grace(fp, world, key)
         if read_at is not None:
-            e.last_ns = read_at
-            self._dir.move_to_end(key)
+            self._dir.put(key, read_at, kind)
             return None
         with self.lock:
             if self._in_use(key):
                 return None
             if self.catalog.begin_delete(key) is not None:
                 deleted.append(key)
-        rel = kvfile.rel_dir(e.fingerprint, key)
+        rel = kvfile.rel_dir(fp, key)
         removed = 0
-        for rank in range(e.world):
+        for rank in range(world):
             removed += unlink_quietly(self.tree, self.errors, rel, kvfile.file_name(key, rank))
-        del self._dir[key]
-        self.total -= e.nbytes
+        self._dir.remove(key)
+        self.total -= nbytes
         return removed
 
     def lease_ok(self) -> bool:
         return self.evictor == "always" or self.lease.held()
 
-    def _read_within_grace(self, e: _Entry, key: bytes) -> int | None:
+    def _read_within_grace(self, fp: str, world: int, key: bytes) -> int | None:
         """The last read time (ns) of the block's files when one was read within the grace,
         else None (evict it; files already gone count as evicted)."""
-        rel = kvfile.rel_dir(e.fingerprint, key)
+        rel = kvfile.rel_dir(fp, key)
         newest = 0
-        for rank in range(e.world):
+        for rank in range(world):
             try:
                 st = self.tree.stat(rel, kvfile.file_name(key, rank))
             except OSError:
@@ -564,7 +578,7 @@ class SharedDir:
                 newest = max(newest, st.st_atime_ns)
         return newest if newest and time.time_ns() - newest < self.grace_ns else None
 
-    def _journal_dels(self, fp: str, recs: list[Record]) -> None:
+    def _journal_dels(self, fp: str, recs: list[Record | Adds]) -> None:
         """Deletions go into this node's journal of the namespace (made if it has none)."""
         with self._mu:
             writer = self._writers.get(fp)
