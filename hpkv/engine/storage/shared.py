@@ -37,8 +37,9 @@ import os
 import socket
 import threading
 import time
-from array import array
 from collections.abc import Callable
+
+import numpy as np
 
 from hpkv.common.proc import pid_alive
 from hpkv.engine.index import Namespace
@@ -75,18 +76,20 @@ class RecentReads:
     """When this node last journaled a READ of a block, for :data:`READ_EVERY_S`: a fixed table
     of :data:`READ_SLOTS` (8 bytes of the key, a time) indexed by other bytes of the key (keys are
     uniform hashes), 2 MiB whatever the number of blocks. A key that lost its slot to another
-    is journaled again a little early: one record more, never one less."""
+    is journaled again a little early: one record more, never one less. The arrays are
+    zero-filled by the kernel as they are touched (calloc'd pages), so a server that reads few
+    blocks keeps few of these pages."""
 
     def __init__(self, slots: int = READ_SLOTS):
-        self._tags = array("Q", bytes(8 * slots))
-        self._times = array("d", bytes(8 * slots))
+        self._tags = np.zeros(slots, np.uint64)
+        self._times = np.zeros(slots, np.float64)
         self._mask = slots - 1
 
     def due(self, key: bytes, now: float) -> bool:
         """Should a READ of ``key`` be journaled at ``now`` (then it counts as journaled)?"""
         i = int.from_bytes(key[8:12], "little") & self._mask
         tag = int.from_bytes(key[:8], "little") | 1  # (0: an empty slot)
-        if self._tags[i] == tag and now - self._times[i] < READ_EVERY_S:
+        if int(self._tags[i]) == tag and now - float(self._times[i]) < READ_EVERY_S:
             return False
         self._tags[i], self._times[i] = tag, now
         return True
