@@ -32,14 +32,23 @@ def pid_running(pid: int) -> bool:
     its engine's shutdown whose parent has not waited for it) counts as gone."""
     if not pid_alive(pid):
         return False
+    return _state(pid) not in (b"Z", b"X")  # unknown (b""): alive as far as we know
+
+
+def pid_stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP, or a tracer): it would not act on a SIGTERM."""
+    return _state(pid) in (b"T", b"t")
+
+
+def _state(pid: int) -> bytes:
+    """The process's state letter from /proc (b"" when it cannot be read)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat_line = f.read()
     except OSError:
-        return True  # no /proc to tell: alive as far as we know
+        return b""
     # "pid (comm) S ...": comm may hold spaces and parentheses; the state follows the last ')'
-    state = stat_line[stat_line.rfind(b")") + 2 : stat_line.rfind(b")") + 3]
-    return state not in (b"Z", b"X")
+    return stat_line[stat_line.rfind(b")") + 2 : stat_line.rfind(b")") + 3]
 
 
 MMAP_THRESHOLD = 256 << 10  # malloc blocks from this size up are mapped alone, unmapped when freed

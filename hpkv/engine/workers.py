@@ -15,7 +15,6 @@ the server shows it as such, kills it, and then treats it like a dead one.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpkv.common.native import ffi, lib
 from hpkv.common.numa import format_cpulist
+from hpkv.common.proc import pid_stopped
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status
 from hpkv.protocol.stats import StatsSegment, W, WorkerState
@@ -209,10 +209,12 @@ class WorkerProcess:
     def stop(self, timeout: float = 3.0) -> None:
         self._stopping = True
         p = self.proc
+        if p is not None and p.poll() is None and pid_stopped(p.pid):
+            # A stopped worker would not act on SIGTERM, and continued it would finish a job
+            # its stop has already given up on (a file written after "NOT written"): killed.
+            p.kill()
         if p is not None and p.poll() is None:
             p.send_signal(signal.SIGTERM)
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGCONT)  # a stopped (hung) worker takes its SIGTERM too
             try:
                 p.wait(timeout)
             except subprocess.TimeoutExpired:
