@@ -14,11 +14,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +25,7 @@ from typing import Any
 import pytest
 import requests
 
-from hpkv.testing.server import private_env
+from hpkv.testing.server import engine_env
 from hpkv.testing.sglang_server import SglangServer, cached_tokens, hpkv_backend_args, sglang_python
 from hpkv.testing.vllm_server import SEED_KV_TRANSFER_CONFIG, VllmServer, hpkv_loads, hpkv_status
 
@@ -48,10 +46,9 @@ def letters(n: int, seed: int) -> str:
 
 @pytest.fixture(scope="module")
 def hpkv_env() -> Iterator[dict[str, str]]:
-    storage = tempfile.mkdtemp(prefix="hpkv-sglang-storage-", dir="/var/tmp")
-    env = private_env(
+    with engine_env(
+        "sglang",
         pool_size="256m",
-        storage=storage,
         VLLM_HPKV_TOKEN_THRESHOLD=str(THRESHOLD),
         HPKV_SERVER_IDLE_EXIT="60",
         HPKV_LOG_LEVEL="INFO",
@@ -59,14 +56,8 @@ def hpkv_env() -> Iterator[dict[str, str]]:
         # lookups answered before a stat can return: after the restart the files are found by
         # asking again (batch_exists, HPKV_STORAGE_LOOKUP_RETRY_MS), not in the first answer
         HPKV_STORAGE_LOOKUP_WAIT_MS="0",
-    )
-    try:
+    ) as env:
         yield env
-    finally:
-        subprocess.run([sys.executable, "-m", "hpkv", "stop"], env=env, capture_output=True, timeout=60)
-        shutil.rmtree(env["HPKV_SHARE_MEM_FILE_PATH"], ignore_errors=True)
-        shutil.rmtree(storage, ignore_errors=True)
-        os.unlink(env["HPKV_CONFIG_FILE_PATH"])
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import pytest
 import requests
 from test_shared_storage import view  # a bindfs view with NFS-like caching
 
-from hpkv.testing.server import private_env
+from hpkv.testing.server import engine_env, private_env
 from hpkv.testing.vllm_server import VllmServer, hpkv_loads, hpkv_status
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -46,22 +45,15 @@ def vllm_args(ktc: dict) -> list[str]:
 
 @pytest.fixture(scope="module")
 def hpkv_env():
-    storage = tempfile.mkdtemp(prefix="hpkv-e2e-storage-", dir="/var/tmp")
-    env = private_env(
+    with engine_env(
+        "e2e",
         pool_size="512m",
-        storage=storage,
         VLLM_HPKV_TOKEN_THRESHOLD=str(THRESHOLD),
         HPKV_PROMOTE_PART_SIZE="256k",  # 2 blocks: a 7-block storage hit is read in 3 parts
         HPKV_SERVER_IDLE_EXIT="30",
         HPKV_LOG_LEVEL="INFO",
-    )
-    try:
+    ) as env:
         yield env
-    finally:
-        subprocess.run([sys.executable, "-m", "hpkv", "stop"], env=env, capture_output=True, timeout=60)
-        shutil.rmtree(env["HPKV_SHARE_MEM_FILE_PATH"], ignore_errors=True)
-        shutil.rmtree(storage, ignore_errors=True)
-        os.unlink(env["HPKV_CONFIG_FILE_PATH"])
 
 
 @pytest.fixture(scope="module")

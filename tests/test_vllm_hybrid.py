@@ -13,10 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import subprocess
-import sys
-import tempfile
 
 import pytest
 from test_vllm_connector import (
@@ -32,7 +28,7 @@ from test_vllm_connector import (
 )
 
 from hpkv.testing.model import generate_model
-from hpkv.testing.server import private_env
+from hpkv.testing.server import engine_env
 from hpkv.testing.vllm_server import VllmServer, hpkv_status
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -60,21 +56,14 @@ KTC = {
 
 @pytest.fixture(scope="module")
 def hpkv_env():
-    storage = tempfile.mkdtemp(prefix="hpkv-hybrid-storage-", dir="/var/tmp")
-    env = private_env(
+    with engine_env(
+        "hybrid",
         pool_size="512m",
-        storage=storage,
         VLLM_HPKV_TOKEN_THRESHOLD=str(THRESHOLD),
         HPKV_SERVER_IDLE_EXIT="30",
         HPKV_LOG_LEVEL="INFO",
-    )
-    try:
+    ) as env:
         yield env
-    finally:
-        subprocess.run([sys.executable, "-m", "hpkv", "stop"], env=env, capture_output=True, timeout=60)
-        shutil.rmtree(env["HPKV_SHARE_MEM_FILE_PATH"], ignore_errors=True)
-        shutil.rmtree(storage, ignore_errors=True)
-        os.unlink(env["HPKV_CONFIG_FILE_PATH"])
 
 
 @pytest.fixture(scope="module")

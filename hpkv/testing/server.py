@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from hpkv.config import Config, load_config
@@ -42,6 +42,22 @@ def private_env(pool_size: str = "64m", storage: str | None = None, **extra: str
     )
     env.update(extra)
     return env
+
+
+@contextlib.contextmanager
+def engine_env(name: str, pool_size: str, **extra: str) -> Iterator[dict[str, str]]:
+    """:func:`private_env` with a storage directory of its own under /var/tmp, for a module
+    whose engine spawns hpkv; at the end the spawned server is stopped (``hpkv stop``) and its
+    pool directory, storage and config file removed."""
+    storage = tempfile.mkdtemp(prefix=f"hpkv-{name}-storage-", dir="/var/tmp")
+    env = private_env(pool_size=pool_size, storage=storage, **extra)
+    try:
+        yield env
+    finally:
+        subprocess.run([sys.executable, "-m", "hpkv", "stop"], env=env, capture_output=True, timeout=60)
+        shutil.rmtree(env["HPKV_SHARE_MEM_FILE_PATH"], ignore_errors=True)
+        shutil.rmtree(storage, ignore_errors=True)
+        os.unlink(env["HPKV_CONFIG_FILE_PATH"])
 
 
 def _own_group() -> dict[str, Any]:
