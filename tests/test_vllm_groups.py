@@ -157,6 +157,12 @@ class HybridEngine:
         for op in meta.saves:
             self.store.commit(NS, op.keys)
 
+    def computed(self, r: Req) -> None:
+        """``r`` is prefilled, all its blocks saved, and finished."""
+        self.admit(r)
+        self.save_all(self.side.build_connector_meta(step(r, r.num_tokens)))
+        self.side.request_finished(r.request_id)
+
 
 def keys(r: Req, group: int, blocks: range) -> list[bytes]:
     return block_keys(HYBRID.fingerprint, [r.block_hashes[i] for i in blocks], group)
@@ -174,10 +180,7 @@ def test_a_miss_saves_every_groups_blocks_under_the_groups_keys():
 
 def test_one_lookup_finds_the_hit_and_each_group_loads_what_it_needs():
     e = HybridEngine()
-    r = request("a", 6)
-    e.admit(r)
-    e.save_all(e.side.build_connector_meta(step(r, r.num_tokens)))
-    e.side.request_finished("a")
+    e.computed(request("a", 6))
 
     b = request("b", 6)
     e.store.calls.clear()
@@ -198,10 +201,7 @@ def test_a_prompt_longer_than_one_lookup_call_holds_hits_its_first_part(monkeypa
 
     monkeypatch.setattr(scheduler_mod, "MAX_KEYS_PER_CALL", 8)  # 4 blocks of 2 groups a call
     e = HybridEngine()
-    r = request("a", 6)
-    e.admit(r)
-    e.save_all(e.side.build_connector_meta(step(r, r.num_tokens)))
-    e.side.request_finished("a")
+    e.computed(request("a", 6))
     e.store.calls.clear()
     n, _ = e.admit(request("b", 6), base=1000)
     assert n == 4 * BS and e.store.calls.count("lookup") == 1, "one call, capped; the rest recomputed"
@@ -238,10 +238,7 @@ def test_a_missing_window_block_shortens_the_hit_to_where_every_group_has_its_bl
 
 def test_a_hit_after_the_engines_own_loads_only_blocks_past_it():
     e = HybridEngine()
-    r = request("a", 6)
-    e.admit(r)
-    e.save_all(e.side.build_connector_meta(step(r, r.num_tokens)))
-    e.side.request_finished("a")
+    e.computed(request("a", 6))
 
     b = request("b", 6)
     b.num_computed_tokens = 3 * BS  # vLLM's own prefix cache holds 3 blocks of every group
