@@ -327,6 +327,31 @@ def test_namespace_lookup_reserve_commit_pin_through_the_server(server):
         assert c.lookup(ns.ns_id, keys)[0] == 0
 
 
+def test_commit_unpin_and_abort_of_more_keys_than_one_call_takes_are_split():
+    """An engine step may finish more blocks than one call carries: the client splits commit,
+    unpin and abort like it splits reserve and pin, and every key is handled."""
+    srv = ServerProcess(private_env(pool_size="160m")).start()
+    n = P.MAX_KEYS_PER_CALL + 7
+    try:
+        with client_of(srv, call_timeout=60.0) as c:
+            ns = c.attach_namespace(FP, 1, 4096)
+            keys = [os.urandom(16) for _ in range(n)]
+            assert (c.reserve(ns.ns_id, keys) >= 0).all()
+            assert c.commit(ns.ns_id, keys) == n
+            assert c.lookup(ns.ns_id, keys[-P.MAX_KEYS_PER_CALL :])[0] == P.MAX_KEYS_PER_CALL
+            c.pin(ns.ns_id, keys)
+            assert c.stats()["namespaces"][0]["blocks_pinned"] == n
+            c.unpin(ns.ns_id, keys)
+            assert c.stats()["namespaces"][0]["blocks_pinned"] == 0
+            assert c.clear(ns.ns_id) == n
+            assert (c.reserve(ns.ns_id, keys) >= 0).all()
+            c.abort(ns.ns_id, keys)
+            st = c.stats()["namespaces"][0]
+            assert st["blocks_reserved"] == 0 and st["blocks_dram"] == 0
+    finally:
+        srv.cleanup()
+
+
 def test_dead_clients_pins_and_reservations_are_released(server):
     c1 = client_of(server)
     ns = c1.attach_namespace(FP, 1, 65536)

@@ -209,14 +209,24 @@ class HpkvClient:
         with self._hot_lock:
             return self._rows(P.RESERVE, ns_id, keys)
 
-    def commit(self, ns_id: int, keys: Sequence[bytes], rank: int = 0) -> int:
+    def _each_call(self, kind: int, ns_id: int, keys: Sequence[bytes], a2: int = 0, flags: int = 0) -> int:
+        """A call whose answer is a count, in as many calls of at most MAX_KEYS_PER_CALL keys
+        as ``keys`` needs (an engine step may finish more blocks than one call takes); the
+        counts summed."""
+        per = P.MAX_KEYS_PER_CALL
         with self._hot_lock:
-            return self._rpc(P.COMMIT, ns_id, keys, rank)[0]
+            if len(keys) <= per:
+                return self._rpc(kind, ns_id, keys, a2, flags)[0]
+            return sum(
+                self._rpc(kind, ns_id, keys[i : i + per], a2, flags)[0] for i in range(0, len(keys), per)
+            )
+
+    def commit(self, ns_id: int, keys: Sequence[bytes], rank: int = 0) -> int:
+        return self._each_call(P.COMMIT, ns_id, keys, rank)
 
     def abort(self, ns_id: int, keys: Sequence[bytes]) -> None:
         """The shards of these reserved keys could not be written: free their slots."""
-        with self._hot_lock:
-            self._rpc(P.COMMIT, ns_id, keys, flags=P.FLAG_ABORT)
+        self._each_call(P.COMMIT, ns_id, keys, flags=P.FLAG_ABORT)
 
     def pin(self, ns_id: int, keys: Sequence[bytes]) -> np.ndarray:
         """Pin keys; pool offsets ``[len(keys), world]`` (-1 where not in DRAM)."""
@@ -243,8 +253,7 @@ class HpkvClient:
             )
 
     def unpin(self, ns_id: int, keys: Sequence[bytes]) -> None:
-        with self._hot_lock:
-            self._rpc(P.UNPIN, ns_id, keys)
+        self._each_call(P.UNPIN, ns_id, keys)
 
     def _answer(self, n: int, world: int) -> np.ndarray:
         nbytes = n * world * 8
