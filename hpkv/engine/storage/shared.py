@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from hpkv.common.proc import pid_alive
+from hpkv.common.proc import pid_alive, trim_heap
 from hpkv.engine.index import Namespace
 from hpkv.engine.storage.catalog import FileCatalog
 from hpkv.engine.storage.journal import (
@@ -417,15 +417,19 @@ class SharedDir:
             for fp in pending:
                 del self._pending[fp]
             writers = dict(self._writers)
+        scanned = False
         for fp, recs in pending.items():
             w = writers[fp]
             w.ensure_open()
             for i, r in enumerate(recs):
                 if isinstance(r, Adds):
                     recs[i] = w.apply_adds(r)
+                    scanned = True
                 else:
                     w.apply(r, mine=True)
             w.append(recs)
+        if scanned:  # a scan's finds, journaled: its temporary objects are all freed now
+            trim_heap()
 
     def _discover(self) -> None:
         with self._mu:
