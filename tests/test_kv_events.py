@@ -358,3 +358,20 @@ def test_the_feed_fetches_only_while_vllm_takes_events():
         wait_for(lambda: len(calls) >= 2, 5, "a fetch after take")
     finally:
         feed.close()
+
+
+def test_a_request_events_cannot_describe_stops_events_not_the_engine(hasher):
+    store = MemoryKvStore()
+    s = Sched(store)
+    try:
+
+        class Odd:  # a request without the token ids events need
+            def __init__(self, r: Request):
+                self.request_id, self.num_tokens, self.num_computed_tokens = r.request_id, r.num_tokens, 0
+                self.block_hashes, self.kv_transfer_params = r.block_hashes, None
+
+        s.run(Odd(vllm_request(hasher, "a", list(range(9)))))  # type: ignore[arg-type]
+        assert store.ready(NS) == 2, "saves go on"
+        assert s.side.events is None and s.side.take_events() == []
+    finally:
+        s.side.close()

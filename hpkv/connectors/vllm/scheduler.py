@@ -114,11 +114,36 @@ class SchedulerSide:
         """vLLM KV events since the last call (every scheduler step)."""
         if self.events is None or self.feed is None:
             return []
-        records = self.feed.take()
-        if records:
-            self._kv_events += self.events.translate(records)
+        try:
+            records = self.feed.take()
+            if records:
+                self._kv_events += self.events.translate(records)
+        except Exception as exc:  # noqa: BLE001 - events are a courtesy to routers: never break a step
+            self._events_broke(exc)
         out, self._kv_events = self._kv_events, []
         return out
+
+    def _remember(self, request: Any, keys: list[bytes], where: Sequence[tuple[int, ...]]) -> None:
+        """The blocks a request saves or loads, for its KV events; ``where``: (block, group[, tier])."""
+        if self.events is None:
+            return
+        try:
+            self.events.remember(request, keys, [w[0] for w in where], [w[1] for w in where])
+            if where and len(where[0]) > 2:  # a hit: news to a router that missed the save (a restart)
+                self._kv_events += self.events.translate(
+                    [(k, w[2]) for k, w in zip(keys, where, strict=True)]
+                )
+        except Exception as exc:  # noqa: BLE001 - events are a courtesy to routers: never break a step
+            self._events_broke(exc)
+
+    def _events_broke(self, exc: BaseException) -> None:
+        log.warning(
+            "hpkv: KV events stopped (%s: %s); serving goes on", type(exc).__name__, exc, exc_info=True
+        )
+        if self.feed is not None:
+            self.feed.close()
+        self.events = self.feed = None
+        self._kv_events = []
 
     def _connect(self) -> KvStore:
         store, self.ns_id = self._open_store()
@@ -238,9 +263,7 @@ class SchedulerSide:
                     keys.append(plan.keys[g][i - first])
                     targets.append(block)
                     where.append((i, g, plan.tiers[g][i - first]))
-        if self.events is not None:  # a hit is news to a router that missed its save (a restart)
-            self.events.remember(request, keys, [w[0] for w in where], [w[1] for w in where])
-            self._kv_events += self.events.translate([(k, w[2]) for k, w in zip(keys, where, strict=True)])
+        self._remember(request, keys, where)
         tiers = self._block_tiers(plan.tiers, first, first + n)
         client = self.hpkv.get()
         offsets = np.full((len(keys), self.layout.world_size), ROW_MISSING, np.int64)
@@ -301,10 +324,8 @@ class SchedulerSide:
             rows = np.flatnonzero((offsets >= 0).all(axis=1))
             if len(rows) == 0:
                 continue
-            if self.events is not None and where is not None:
-                self.events.remember(
-                    req, [keys[i] for i in rows], [where[i][0] for i in rows], [where[i][1] for i in rows]
-                )
+            if where is not None:
+                self._remember(req, [keys[i] for i in rows], [where[i] for i in rows])
             meta.saves.append(SaveOp(rid, [keys[i] for i in rows], [sources[i] for i in rows], offsets[rows]))
         return meta
 
@@ -366,9 +387,11 @@ class SchedulerSide:
             self.layout.fingerprint[:12],
         )
         if self.events is not None and self.feed is not None:
-            # What happened before the reset is published before it.
-            self._kv_events += self.events.translate(self.feed.take())
-            self._kv_events += self.events.cleared()
+            try:  # what happened before the reset is published before it
+                self._kv_events += self.events.translate(self.feed.take())
+                self._kv_events += self.events.cleared()
+            except Exception as exc:  # noqa: BLE001 - events are a courtesy to routers
+                self._events_broke(exc)
         return True
 
     def close(self) -> None:
