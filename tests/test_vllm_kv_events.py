@@ -5,7 +5,8 @@ vLLM's own GPU prefix-cache events say which hashes a prompt's blocks have; hpkv
 must carry the same hashes, tokens and parents, with medium ``CPU`` once a block is in the
 DRAM pool and ``STORAGE`` once its file is written, and ``BlockRemoved`` when the pool (2 MiB:
 16 blocks) or the storage capacity (16 files) evicts it. A reset with ``reset_external``
-publishes ``AllBlocksCleared`` and then what storage still holds.
+publishes ``AllBlocksCleared`` and then what storage still holds; a storage hit read back into the
+pool is published in ``CPU`` again.
 
 vLLM publishes a connector's events only while it steps: the test keeps it stepping with
 short requests ("pokes") while it waits.
@@ -205,8 +206,9 @@ def test_a_prompts_blocks_are_published_stored_in_dram_and_storage_then_removed_
 
     # Two more prompts: the pool (16 blocks) and storage (16 files) evict the first one's blocks.
     later = []
+    newest: list[int] = []
     for seed in (2, 3):
-        p = prompt(seed)
+        p = newest = prompt(seed)
         srv.completion(p, max_tokens=4, temperature=0)
         hs = wait_events(srv, sub, all_gpu_hashes(p), "GPU")
         wait_events(
@@ -230,6 +232,16 @@ def test_a_prompts_blocks_are_published_stored_in_dram_and_storage_then_removed_
         return bool(cleared) and set(later) <= set(stored(new[cleared[-1] :], "STORAGE"))
 
     wait_events(srv, sub, after_reset, "AllBlocksCleared and storage announced again")
+
+    # The newest prompt again: a storage hit, read back into the pool: in DRAM again.
+    mark = len(sub.snapshot())
+    srv.completion(newest, max_tokens=4, temperature=0)
+    wait_events(
+        srv,
+        sub,
+        lambda ev: set(later[PROMPT_BLOCKS:]) <= set(stored(ev[mark:], "CPU")),
+        "the promoted blocks in DRAM",
+    )
     events = sub.snapshot()
     print("captured events:", summary(events))
     for kind, medium in (
