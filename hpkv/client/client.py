@@ -6,6 +6,7 @@ the :class:`~hpkv.client.device.DeviceHandle` of a device's transfer workers.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
@@ -17,11 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from hpkv.client.contract import Probe
+from hpkv.client.contract import Events, Probe
 from hpkv.client.device import DeviceHandle
 from hpkv.common import shm
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import HpkvError, HpkvUnavailable, error_for, raise_refusal
+from hpkv.protocol.events import decode
 from hpkv.protocol.keys import KEY_BYTES
 from hpkv.ring import Ring, RingError, RingTimeout
 
@@ -118,6 +120,10 @@ class HpkvClient:
 
     def stats(self) -> dict[str, Any]:
         return self.call("stats")["stats"]
+
+    def events(self, ns_id: int, since: int, limit: int = 8192) -> Events:
+        r = self.call("events", ns_id=ns_id, since=since, limit=limit)
+        return Events(decode(base64.b64decode(r["records"])), r["seq"], r["lost"], r["more"])
 
     def shutdown_server(self) -> None:
         self.call("shutdown", pid=os.getpid())

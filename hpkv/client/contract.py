@@ -29,6 +29,17 @@ class Probe(NamedTuple):
     unconfirmed: bool
 
 
+class Events(NamedTuple):
+    """An ``events`` call's answer: (key, code) records (:mod:`hpkv.protocol.events`), the seq to
+    ask from next time, how many records before them the server's log no longer had, and
+    whether more are waiting."""
+
+    records: list[tuple[bytes, int]]
+    seq: int
+    lost: int
+    more: bool
+
+
 class KvStore(Protocol):
     """The hot calls of one client of the hpkv server (one namespace id per model layout)."""
 
@@ -67,6 +78,12 @@ class KvStore(Protocol):
 
     def clear(self, ns_id: int) -> int:
         """Drop the namespace from the DRAM tier (files stay); returns the blocks dropped."""
+        ...
+
+    def events(self, ns_id: int, since: int, limit: int = 8192) -> Events:
+        """The namespace's tier changes (blocks stored in or removed from DRAM and storage) from
+        seq ``since`` on; ``since`` -1 starts watching (the server logs a namespace's changes
+        only once asked) and answers no records, only the seq to ask from."""
         ...
 
     def close(self) -> None: ...

@@ -1,5 +1,5 @@
 """The server's control calls (hello, hold, stats, shutdown, namespace, register_device,
-clear): one line of JSON in, its reply out. :class:`hpkv.engine.control.ControlTransport`
+clear, events): one line of JSON in, its reply out. :class:`hpkv.engine.control.ControlTransport`
 carries the lines; these methods run on its thread and answer them.
 
 :class:`ControlCalls` is a part of :class:`hpkv.engine.server.Server` (its base class), like
@@ -8,6 +8,7 @@ carries the lines; these methods run on its thread and answer them.
 
 from __future__ import annotations
 
+import base64
 import errno
 import json
 import logging
@@ -21,9 +22,10 @@ from hpkv.common.proc import PID_MAX, valid_pid
 from hpkv.common.text import printable
 from hpkv.engine.control import Conn, ControlTransport
 from hpkv.engine.devices import int_arg
+from hpkv.engine.events import MAX_READ, NsEventLog
 from hpkv.engine.registry import MAX_NAME, Client
 from hpkv.engine.supervisor import Supervision
-from hpkv.protocol.errors import TOO_MANY_CONNECTIONS, HpkvError, Status, refusal
+from hpkv.protocol.errors import TOO_MANY_CONNECTIONS, HpkvError, NamespaceNotAttached, Status, refusal
 from hpkv.protocol.stats import MAX_NS, G
 
 log = logging.getLogger("hpkv.server")
@@ -216,3 +218,27 @@ class ControlCalls(Supervision):
             self._publish_pool_gauges()  # `hpkv status` right after shows the pool as it is now
         log.info("client %d cleared namespace %s from the DRAM tier: %d blocks", c.cid, ns_id, n)
         return {"ok": True, "dropped": n}
+
+    def _ctl_events(self, conn: ServerConn, msg: dict[str, Any]) -> dict[str, Any]:
+        """The namespace's tier changes from seq ``since`` on (:mod:`hpkv.engine.events`), for a
+        client that attached it. The first call (``since`` -1) starts the namespace's log and
+        answers its head: an engine publishes what happens from then on."""
+        c = self._client_of(conn, msg)
+        ns_id = int_arg(msg, "ns_id", 0, MAX_NS - 1)
+        since = int_arg(msg, "since", -1, 1 << 62)
+        limit = int_arg(msg, "limit", 0, MAX_READ, default=MAX_READ)
+        with self.lock:
+            ns = self.index.namespaces.get(ns_id)
+            if ns is None or ns_id not in c.namespaces:
+                raise NamespaceNotAttached(f"namespace id {ns_id} is not attached by this client")
+            if ns.events is None:
+                ns.events = NsEventLog()
+            records, seq, lost = ns.events.read(since, limit)
+            more = seq < ns.events.head
+        return {
+            "ok": True,
+            "records": base64.b64encode(records).decode(),
+            "seq": seq,
+            "lost": lost,
+            "more": more,
+        }

@@ -57,6 +57,7 @@ from typing import Protocol
 import numpy as np
 
 from hpkv.engine.allocator import PoolAllocator, PoolMemory, align_up
+from hpkv.engine.events import REMOVED_DRAM, STORED_DRAM, NsEventLog
 from hpkv.engine.keytable import KeyTable
 from hpkv.protocol.errors import NamespaceNotAttached, NotOwner
 from hpkv.protocol.stats import NS_COUNTERS, NsCounter
@@ -88,6 +89,8 @@ class Namespace:
     block_tokens: int = 0  # tokens per block (for token counts in monitors; 0 = unknown)
     released: bool = False  # dropped by the server (no client, id reused): scans stop
     counters: np.ndarray = field(default_factory=lambda: np.zeros(NS_COUNTERS, np.int64))
+    # Its blocks' tier changes, once a client asked for them (KV events); None: nobody did.
+    events: NsEventLog | None = None
 
     @property
     def slot_bytes(self) -> int:
@@ -248,6 +251,8 @@ class Index:
         c[NsCounter.EVICTIONS] += 1
         self._free_slots(b)
         self._drop_from_dram(b)
+        if b.ns.events is not None:
+            b.ns.events.add(key, REMOVED_DRAM)
         if self._on_evict is not None:
             self._on_evict(b)
         return True
@@ -367,6 +372,8 @@ class Index:
                 c[NsCounter.COMMITS] += 1
                 self._refresh(b, touch=True)
                 ready.append(b)
+                if ns.events is not None:
+                    ns.events.add(k, STORED_DRAM)
         return ready
 
     def _seal(self, b: Block) -> bool:
@@ -605,6 +612,8 @@ class Index:
             c[NsCounter.BLOCKS_DRAM] += 1
             c[NsCounter.BYTES_DRAM] += b.ns.slot_bytes * b.ns.world_size
             self._refresh(b, touch=True)
+            if b.ns.events is not None:
+                b.ns.events.add(key, STORED_DRAM)
         else:
             self._free_slots(b)
             self._drop_from_dram(b)
@@ -641,5 +650,7 @@ class Index:
             ns.counters[NsCounter.BYTES_DRAM] -= ns.slot_bytes * ns.world_size
             self._free_slots(b)
             self._drop_from_dram(b)
+            if ns.events is not None:
+                ns.events.add(k, REMOVED_DRAM)
             dropped += 1
         return dropped

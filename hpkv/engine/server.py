@@ -8,7 +8,7 @@ simply taken over). Threads:
   client's request ring and answers hot calls (lookup, reserve, commit, pin,
   unpin) through the clients' mailboxes (this module);
 * the *control thread* accepts Unix-socket connections (:mod:`hpkv.engine.control`) and
-  serves the rare JSON calls (hello, namespace, register_device, clear, stats, shutdown:
+  serves the rare JSON calls (hello, namespace, register_device, clear, events, stats, shutdown:
   :mod:`hpkv.engine.calls`, registering through :mod:`hpkv.engine.registry`); a closed
   socket means the client is gone and its pins and reservations go too;
 * the *supervisor thread* restarts dead workers (their in-flight and queued jobs
@@ -154,6 +154,7 @@ class Server(ControlCalls):
             "namespace": self._ctl_namespace,
             "register_device": self._ctl_register_device,
             "clear": self._ctl_clear,
+            "events": self._ctl_events,
         }
 
     # ================================================================ life cycle

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hpkv.client.contract import Probe
+from hpkv.client.contract import Events, Probe
 from hpkv.protocol.errors import ROW_MISSING, ROW_POOL_FULL, ROW_PRESENT, HpkvUnavailable, NotOwner
+from hpkv.protocol.events import REMOVED
 from hpkv.protocol.wire import Tier
 
 
@@ -48,6 +49,23 @@ class MemoryKvStore:
         self.calls: list[str] = []
         self.closed = False
         self._next_offset = 0
+        self.log: list[tuple[int, bytes, int]] = []  # (ns id, key, code) once events are watched
+        self.watched: set[int] = set()
+
+    def _event(self, ns_id: int, key: bytes, code: int) -> None:
+        if ns_id in self.watched:
+            self.log.append((ns_id, key, code))
+
+    def evict(self, ns_id: int, key: bytes, tier: Tier) -> None:
+        """The block left ``tier`` (as the server's LRU or storage capacity would drop it)."""
+        b = self.blocks[(ns_id, key)]
+        if tier == Tier.DRAM:
+            b.in_dram = False
+        else:
+            b.stored = False
+        self._event(ns_id, key, int(tier) | REMOVED)
+        if not (b.in_dram or b.stored):
+            del self.blocks[(ns_id, key)]
 
     def _call(self, name: str) -> None:
         self.calls.append(name)
@@ -110,6 +128,9 @@ class MemoryKvStore:
                 b.in_dram = True
                 b.stored = self.write_through
                 ready += 1
+                self._event(ns_id, k, Tier.DRAM)
+                if b.stored:
+                    self._event(ns_id, k, Tier.STORAGE)
         return ready
 
     def abort(self, ns_id: int, keys: Sequence[bytes]) -> None:
@@ -135,6 +156,8 @@ class MemoryKvStore:
         for i, k in enumerate(keys):
             b = self.blocks.get((ns_id, k))
             if b is not None and (b.in_dram or b.stored):
+                if not b.in_dram:
+                    self._event(ns_id, k, Tier.DRAM)
                 b.in_dram = True
                 b.pins += 1
                 rows[i] = self._row(b)
@@ -154,9 +177,19 @@ class MemoryKvStore:
             if ns == ns_id and b.in_dram:
                 b.in_dram = False
                 dropped += 1
+                self._event(ns, k, Tier.DRAM | REMOVED)
                 if not b.stored:
                     del self.blocks[(ns, k)]
         return dropped
+
+    def events(self, ns_id: int, since: int, limit: int = 8192) -> Events:
+        self._call("events")
+        self.watched.add(ns_id)
+        if since < 0:
+            return Events([], len(self.log), 0, False)
+        mine = [(k, c) for n, k, c in self.log[since : since + limit] if n == ns_id]
+        end = min(len(self.log), since + limit)
+        return Events(mine, end, 0, end < len(self.log))
 
     def close(self) -> None:
         self.closed = True

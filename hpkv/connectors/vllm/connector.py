@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +31,7 @@ from hpkv.client import connect, ensure_server
 from hpkv.client.contract import KvStore
 from hpkv.common.numa import current_numa_node
 from hpkv.config import Config, ConfigError, load_config
+from hpkv.connectors.vllm.events import INTERVAL_S, MAX_BLOCKS
 from hpkv.connectors.vllm.groups import has_recurrent_state
 from hpkv.connectors.vllm.layout import Layout, derive_layout
 from hpkv.connectors.vllm.metadata import HpkvConnectorStats, HpkvMetadata
@@ -44,6 +45,7 @@ except ImportError:  # pragma: no cover - older vLLM
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -208,6 +210,14 @@ class HpkvConnectorV1(KVConnectorBase_V1, SupportsHMA):
             lookup_retry_s=float(self.cfg["HPKV_STORAGE_LOOKUP_RETRY_MS"]) / 1000.0,
         )
         side.hpkv.connect_now(timeout=120.0)
+        kec = vllm_config.kv_events_config
+        if kec is not None and kec.enable_kv_cache_events:
+            extra = ktc.get_from_extra_config if ktc is not None else (lambda _k, d: d)
+            side.enable_kv_events(
+                interval_s=float(extra("hpkv_kv_events_interval_ms", INTERVAL_S * 1000)) / 1000.0,
+                max_blocks=int(extra("hpkv_kv_events_max_blocks", MAX_BLOCKS)),
+            )
+            log.info("hpkv: publishing KV events of the DRAM pool (medium CPU) and storage (STORAGE)")
         log.info(
             "hpkv scheduler connector: namespace %s (%s), token threshold %s (%s)",
             layout.fingerprint[:12],
@@ -278,6 +288,10 @@ class HpkvConnectorV1(KVConnectorBase_V1, SupportsHMA):
             self._saving.discard(request.request_id)
             return True, None
         return False, None  # CPU: saves were copied synchronously in wait_for_save
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """hpkv's tier changes as vLLM KV events (``--kv-events-config``; :mod:`.events`)."""
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def reset_cache(self) -> bool | None:
         """``/reset_prefix_cache?reset_external=true``: drop this namespace from the DRAM tier (files stay)."""
@@ -420,6 +434,6 @@ class HpkvConnectorV1(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self) -> None:
         if self._scheduler is not None:
-            self._scheduler.hpkv.close()
+            self._scheduler.close()
         if self._worker is not None:
             self._worker.shutdown()

@@ -18,6 +18,7 @@ import numpy as np
 
 from hpkv.client.contract import KvStore
 from hpkv.connectors.reconnect import Reconnecting
+from hpkv.connectors.vllm.events import INTERVAL_S, MAX_BLOCKS, EventFeed, EventTranslator
 from hpkv.connectors.vllm.groups import longest_hit
 from hpkv.connectors.vllm.layout import Layout
 from hpkv.connectors.vllm.metadata import HpkvMetadata, LoadOp, SaveOp
@@ -98,6 +99,51 @@ class SchedulerSide:
         self._pending_loads: list[LoadOp] = []
         self._hit_tiers: dict[str, tuple[int, int]] = {}  # req -> (dram tokens, storage tokens)
         self.hpkv: Reconnecting[KvStore] = Reconnecting("scheduler", self._connect, log)
+        # KV events (vLLM's --kv-events-config): None unless enabled, then nothing is recorded.
+        self.events: EventTranslator | None = None
+        self.feed: EventFeed | None = None
+        self._kv_events: list[Any] = []  # translated, for the next take_events
+
+    def enable_kv_events(self, interval_s: float = INTERVAL_S, max_blocks: int = MAX_BLOCKS) -> None:
+        """Publish hpkv's tier changes of the blocks this engine saves or loads (:mod:`.events`)."""
+        self.events = EventTranslator(self.block_size, max_blocks)
+        self.feed = EventFeed(lambda: self.hpkv.client, lambda: self.ns_id, interval_s)
+        self.feed.start()
+
+    def take_events(self) -> list[Any]:
+        """vLLM KV events since the last call (every scheduler step)."""
+        if self.events is None or self.feed is None:
+            return []
+        try:
+            records = self.feed.take()
+            if records:
+                self._kv_events += self.events.translate(records)
+        except Exception as exc:  # noqa: BLE001 - events are a courtesy to routers: never break a step
+            self._events_broke(exc)
+        out, self._kv_events = self._kv_events, []
+        return out
+
+    def _remember(self, request: Any, keys: list[bytes], where: Sequence[tuple[int, ...]]) -> None:
+        """The blocks a request saves or loads, for its KV events; ``where``: (block, group[, tier])."""
+        if self.events is None:
+            return
+        try:
+            self.events.remember(request, keys, [w[0] for w in where], [w[1] for w in where])
+            if where and len(where[0]) > 2:  # a hit: news to a router that missed the save (a restart)
+                self._kv_events += self.events.translate(
+                    [(k, w[2]) for k, w in zip(keys, where, strict=True)]
+                )
+        except Exception as exc:  # noqa: BLE001 - events are a courtesy to routers: never break a step
+            self._events_broke(exc)
+
+    def _events_broke(self, exc: BaseException) -> None:
+        log.warning(
+            "hpkv: KV events stopped (%s: %s); serving goes on", type(exc).__name__, exc, exc_info=True
+        )
+        if self.feed is not None:
+            self.feed.close()
+        self.events = self.feed = None
+        self._kv_events = []
 
     def _connect(self) -> KvStore:
         store, self.ns_id = self._open_store()
@@ -209,12 +255,15 @@ class SchedulerSide:
         n = min(plan.n, num_external_tokens // self.block_size)
         keys: list[bytes] = []
         targets: list[int] = []
+        where: list[tuple[int, int, int]] = []  # (block, group, tier) of each key, for KV events
         for g, need in enumerate(self.layout.groups):
             for i in need.needed(first, first + n):
                 block = block_ids[g][i]
                 if need.window_blocks is None or block != NULL_BLOCK_ID:  # no block there: nothing to load
                     keys.append(plan.keys[g][i - first])
                     targets.append(block)
+                    where.append((i, g, plan.tiers[g][i - first]))
+        self._remember(request, keys, where)
         tiers = self._block_tiers(plan.tiers, first, first + n)
         client = self.hpkv.get()
         offsets = np.full((len(keys), self.layout.world_size), ROW_MISSING, np.int64)
@@ -264,7 +313,8 @@ class SchedulerSide:
             block_ids = self._block_ids_of(rid)
             if block_ids is None:
                 return meta
-            keys, sources = self._blocks_to_save(req.block_hashes, block_ids, st.saved_upto, full)
+            where: list[tuple[int, int]] | None = [] if self.events is not None else None
+            keys, sources = self._blocks_to_save(req.block_hashes, block_ids, st.saved_upto, full, where)
             try:
                 offsets = client.reserve(self.ns_id, keys)
             except Exception as exc:  # noqa: BLE001 - hpkv trouble: fewer hits, never a failed request
@@ -274,13 +324,21 @@ class SchedulerSide:
             rows = np.flatnonzero((offsets >= 0).all(axis=1))
             if len(rows) == 0:
                 continue
+            if where is not None:
+                self._remember(req, [keys[i] for i in rows], [where[i] for i in rows])
             meta.saves.append(SaveOp(rid, [keys[i] for i in rows], [sources[i] for i in rows], offsets[rows]))
         return meta
 
     def _blocks_to_save(
-        self, hashes: Sequence[bytes], block_ids: Sequence[Sequence[int]], first: int, full: int
+        self,
+        hashes: Sequence[bytes],
+        block_ids: Sequence[Sequence[int]],
+        first: int,
+        full: int,
+        where: list[tuple[int, int]] | None = None,
     ) -> tuple[list[bytes], list[int]]:
-        """(keys, block ids) of every group's blocks in ``[first, full)``: all a later hit may need."""
+        """(keys, block ids) of every group's blocks in ``[first, full)``: all a later hit may need;
+        ``where`` gets each key's (block index, group)."""
         keys: list[bytes] = []
         sources: list[int] = []
         for g, need in enumerate(self.layout.groups):
@@ -291,6 +349,8 @@ class SchedulerSide:
                 if i < len(ids) and not (windowed and ids[i] == NULL_BLOCK_ID):
                     keys.append(key)
                     sources.append(ids[i])
+                    if where is not None:
+                        where.append((i, g))
         return keys, sources
 
     def step_finished(self, stats: dict[str, float] | None) -> None:
@@ -326,4 +386,15 @@ class SchedulerSide:
             dropped,
             self.layout.fingerprint[:12],
         )
+        if self.events is not None and self.feed is not None:
+            try:  # what happened before the reset is published before it
+                self._kv_events += self.events.translate(self.feed.take())
+                self._kv_events += self.events.cleared()
+            except Exception as exc:  # noqa: BLE001 - events are a courtesy to routers
+                self._events_broke(exc)
         return True
+
+    def close(self) -> None:
+        if self.feed is not None:
+            self.feed.close()
+        self.hpkv.close()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from hpkv.engine.events import REMOVED_STORAGE, STORED_STORAGE
 from hpkv.engine.index import Index, Namespace
 from hpkv.engine.keytable import KeyTable
 from hpkv.io_workers import kvfile
@@ -110,6 +111,10 @@ class FileCatalog:
             self._candidates.clear()  # older than the candidates
         self._count_in(ns, 1)
         self.index.files_added(ns, key)
+        # Not for keys found on disk (a scan, another server's journal): no engine here saved
+        # them, so none knows their hashes; an engine that hits one learns it then.
+        if recent and ns.events is not None:
+            ns.events.add(key, STORED_STORAGE)
         return True
 
     def add_found(self, ns: Namespace, keys: list[bytes], skip: Callable[[bytes], bool]) -> int:
@@ -144,6 +149,8 @@ class FileCatalog:
         self._drop(key, m, ns)
         ns.counters[NsCounter.BLOCKS_STORAGE] -= 1
         self.index.files_gone(key)
+        if ns.events is not None:
+            ns.events.add(key, REMOVED_STORAGE)
         return ns
 
     def detach(self, ns: Namespace) -> None:
