@@ -69,6 +69,11 @@ class KvStore(Protocol):
         """Drop the namespace from the DRAM tier (files stay); returns the blocks dropped."""
         ...
 
+    def report_time_saved(self, ns_id: int, tiers: dict[str, tuple[int, int, int]]) -> None:
+        """Add ``{"dram" | "storage": (tokens loaded, prefill µs saved, load µs)}`` to the
+        namespace's prefill-time-saved counters (``hpkv status``, hpkv-top, Prometheus)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -154,6 +154,7 @@ class Server(ControlCalls):
             "namespace": self._ctl_namespace,
             "register_device": self._ctl_register_device,
             "clear": self._ctl_clear,
+            "time_saved": self._ctl_time_saved,
         }
 
     # ================================================================ life cycle

@@ -46,6 +46,7 @@ class MemoryKvStore:
         self.fail: set[str] = set()
         self.checking: dict[bytes, int] = {}  # key -> probes that still find it unconfirmed
         self.calls: list[str] = []
+        self.time_saved: dict[tuple[int, str], list[int]] = {}  # (ns, tier) -> [tokens, prefill µs, load µs]
         self.closed = False
         self._next_offset = 0
 
@@ -157,6 +158,13 @@ class MemoryKvStore:
                 if not b.stored:
                     del self.blocks[(ns, k)]
         return dropped
+
+    def report_time_saved(self, ns_id: int, tiers: dict[str, tuple[int, int, int]]) -> None:
+        self._call("report_time_saved")
+        for tier, values in tiers.items():
+            now = self.time_saved.setdefault((ns_id, tier), [0, 0, 0])
+            for i, v in enumerate(values):
+                now[i] += v
 
     def close(self) -> None:
         self.closed = True
