@@ -22,6 +22,9 @@ from hpkv.connectors.vllm.scheduler import SchedulerSide
 from hpkv.connectors.vllm.worker import WorkerSide
 from hpkv.connectors.vllm.worth import Rate, TimeSaved
 from hpkv.io_workers import kvfile
+from hpkv.monitor.frame import fmt_seconds, render_text
+from hpkv.monitor.metrics import families
+from hpkv.monitor.sample import View
 from hpkv.monitor.status import format_status
 from hpkv.protocol.errors import ROW_MISSING, HpkvError
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
@@ -170,6 +173,33 @@ def test_dram_and_storage_hits_report_the_prefill_time_they_saved(server, tmp_pa
         4 * BS / PREFILL_TPS * 1e6
     )
     assert "saved-model tp1 bs16" in format_status(s)
+
+    # hpkv-top: both tiers' net saving, then each tier's, where the screen is wide enough
+    frame = render_text(View(pool_dir=server.pool_dir, status="up", snap=s, pid=s["server"]["pid"]), 200)
+    head = next(line for line in frame.splitlines() if line.startswith("NAMESPACE"))
+    row = next(line for line in frame.splitlines() if line.startswith("saved-model"))
+    total = t["dram"]["time_saved_s"] + t["storage"]["time_saved_s"]
+    for label, seconds in (
+        ("TIME SAVED", total),
+        ("SAVED DRAM", t["dram"]["time_saved_s"]),
+        ("SAVED STOR", t["storage"]["time_saved_s"]),
+    ):
+        end = head.index(label) + len(label)
+        assert row[:end].split()[-1] == fmt_seconds(seconds), label
+
+    # Prometheus: the same figures, per namespace and tier
+    got = {
+        (m.name, sample.labels["tier"]): sample.value
+        for m in families(s, {})
+        for sample in m.samples
+        if m.name
+        in ("hpkv_loaded_tokens", "hpkv_prefill_saved_seconds", "hpkv_load_seconds", "hpkv_namespace_bytes")
+    }
+    for tier in ("dram", "storage"):
+        assert got[("hpkv_loaded_tokens", tier)] == t[tier]["loaded_tokens"]
+        assert got[("hpkv_prefill_saved_seconds", tier)] == t[tier]["prefill_saved_s"]
+        assert got[("hpkv_load_seconds", tier)] == t[tier]["load_s"]
+        assert got[("hpkv_namespace_bytes", tier)] == t[tier]["bytes"]
 
 
 def test_a_report_for_a_namespace_the_client_did_not_attach_is_refused(server):
