@@ -306,14 +306,15 @@ class SchedulerSide:
             self.time_saved.loads_measured(stats)
 
     def _send_time_saved(self, report: Report) -> bool:
-        """Deliver a :class:`TimeSaved` report to the server (its thread); False: not now."""
-        client = self.hpkv.get()
+        """Deliver a :class:`TimeSaved` report to the server (on its thread); False: not now.
+        A failed connection is left to this side's own thread to drop: its next hot call
+        fails too, and closing the client here could pull it from under a call."""
+        client = self.hpkv.client
         if client is None:
             return False
         try:
             client.report_time_saved(self.ns_id, report)
-        except HpkvUnavailable as exc:
-            self.hpkv.lost(exc)
+        except HpkvUnavailable:
             return False
         except Exception as exc:  # noqa: BLE001 - refused (an older server): the figures are dropped
             log.debug("hpkv: the server refused a time-saved report: %s", exc)
