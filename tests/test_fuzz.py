@@ -241,9 +241,11 @@ fields = st.sampled_from(
         "device",
         "numa_node",
         "pid",
+        "dram",
+        "storage",
     ]
 )
-ops = st.sampled_from(["hello", "namespace", "register_device", "clear", "stats", "nope", ""])
+ops = st.sampled_from(["hello", "namespace", "register_device", "clear", "time_saved", "stats", "nope", ""])
 messages = st.one_of(
     st.builds(lambda op, extra: {"op": op, **extra}, ops, st.dictionaries(fields, json_values, max_size=6)),
     json_values,

@@ -246,10 +246,10 @@ def test_layout_follows_the_terminal_size(server, traffic, tmux_top):
     top = tmux_top(server.env, 100, 30, "-d", "0.5")
     pid = f"server {server.proc.pid}"
     screen = top.wait_for(pid, lambda s: pid in s)
-    assert "TOK/BLK" in line_with(screen, "^NAMESPACE") and "COMMITS" not in screen
+    assert "TIME SAVED" in line_with(screen, "^NAMESPACE") and "COMMITS" not in screen
 
     top.resize(80, 24)
-    screen = top.wait_for("the 80-column layout", lambda s: "TOK/BLK" not in s)
+    screen = top.wait_for("the 80-column layout", lambda s: "TIME SAVED" not in s)
     assert widest(screen) <= 80 and len(screen.rstrip("\n").splitlines()) <= 24
     assert pid in screen and "top-model" in screen and str(traffic.worker_pid) in screen
     head, row = table(screen, "NAMESPACE", "NAMESPACE", "top-model")

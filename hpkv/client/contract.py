@@ -86,6 +86,11 @@ class KvStore(Protocol):
         only once asked) and answers no records, only the seq to ask from."""
         ...
 
+    def report_time_saved(self, ns_id: int, tiers: dict[str, tuple[int, int, int]]) -> None:
+        """Add ``{"dram" | "storage": (tokens loaded, prefill µs saved, load µs)}`` to the
+        namespace's prefill-time-saved counters (``hpkv status``, hpkv-top, Prometheus)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -1,5 +1,5 @@
 """The server's control calls (hello, hold, stats, shutdown, namespace, register_device,
-clear, events): one line of JSON in, its reply out. :class:`hpkv.engine.control.ControlTransport`
+clear, events, time_saved): one line of JSON in, its reply out. :class:`hpkv.engine.control.ControlTransport`
 carries the lines; these methods run on its thread and answer them.
 
 :class:`ControlCalls` is a part of :class:`hpkv.engine.server.Server` (its base class), like
@@ -26,11 +26,23 @@ from hpkv.engine.events import MAX_READ, NsEventLog
 from hpkv.engine.registry import MAX_NAME, Client
 from hpkv.engine.supervisor import Supervision
 from hpkv.protocol.errors import TOO_MANY_CONNECTIONS, HpkvError, NamespaceNotAttached, Status, refusal
-from hpkv.protocol.stats import MAX_NS, G
+from hpkv.protocol.stats import MAX_NS, TIERS, G, NsCounter
 
 log = logging.getLogger("hpkv.server")
 
 MAX_LOGGED_ERROR = 500  # characters of an error message that quotes client input
+# Bounds of one time_saved report (per tier): a day's worth of microseconds, 2**40 tokens.
+# A report beyond them is refused, so a confused client cannot wrap the counters.
+MAX_REPORTED_US = 86_400 * 10**6
+MAX_REPORTED_TOKENS = 1 << 40
+_TIME_SAVED_COUNTERS = {
+    tier: (
+        NsCounter[f"LOADED_TOKENS_{tier.upper()}"],
+        NsCounter[f"PREFILL_SAVED_US_{tier.upper()}"],
+        NsCounter[f"LOAD_US_{tier.upper()}"],
+    )
+    for tier in TIERS
+}
 
 
 @dataclass
@@ -242,3 +254,31 @@ class ControlCalls(Supervision):
             "lost": lost,
             "more": more,
         }
+
+    def _ctl_time_saved(self, conn: ServerConn, msg: dict[str, Any]) -> dict[str, Any]:
+        """An engine's connector reports the prefill time its loads saved since its last report,
+        per tier: ``{"ns_id": n, "dram": [tokens, prefill_us, load_us], "storage": [...]}``
+        (either tier may be left out). Added to the namespace's counters; only a client that
+        attached the namespace may report for it."""
+        c = self._client_of(conn, msg)
+        ns_id = int_arg(msg, "ns_id", 0, MAX_NS - 1)
+        if ns_id not in c.namespaces:
+            raise NamespaceNotAttached(f"namespace id {ns_id} is not attached by this client")
+        adds = []
+        for tier, counters in _TIME_SAVED_COUNTERS.items():
+            v = msg.get(tier)
+            if v is None:
+                continue
+            if not isinstance(v, list) or len(v) != 3:
+                raise ValueError(f"{tier!r} must be [tokens, prefill_us, load_us]")
+            row = dict(zip(("tokens", "prefill_us", "load_us"), v, strict=True))
+            bounds = (MAX_REPORTED_TOKENS, MAX_REPORTED_US, MAX_REPORTED_US)
+            adds += [
+                (counter, int_arg(row, key, 0, hi))
+                for counter, key, hi in zip(counters, row, bounds, strict=True)
+            ]
+        with self.lock:
+            ns = self.index.ns(ns_id)
+            for counter, n in adds:
+                ns.counters[counter] += n
+        return {"ok": True}

@@ -155,6 +155,7 @@ class Server(ControlCalls):
             "register_device": self._ctl_register_device,
             "clear": self._ctl_clear,
             "events": self._ctl_events,
+            "time_saved": self._ctl_time_saved,
         }
 
     # ================================================================ life cycle

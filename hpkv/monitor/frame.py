@@ -21,7 +21,7 @@ from typing import Any
 
 from hpkv.config import format_size
 from hpkv.monitor.sample import HISTORY_S, View
-from hpkv.protocol.stats import STORAGE_HEALTH_COUNTERS
+from hpkv.protocol.stats import STORAGE_HEALTH_COUNTERS, TIERS
 
 #: (text, style); style is one of "title", "head", "text", "warn", "dim".
 Line = tuple[str, str]
@@ -64,6 +64,16 @@ def fmt_bps(x: float) -> str:
         if x >= div:
             return f"{x / div:.2f} {unit}"
     return f"{x:.0f} B/s"
+
+
+def fmt_seconds(s: float) -> str:
+    """Prefill time saved: ms below a second, s below an hour, then h (negative: a loss)."""
+    a = abs(s)
+    if a < 1:
+        return f"{s * 1000:.0f}ms"
+    if a < 3600:
+        return f"{s:.1f}s"
+    return f"{s / 3600:.1f}h"
 
 
 def fmt_duration(s: float) -> str:
@@ -388,12 +398,22 @@ def _namespaces(s: dict[str, Any], width: int) -> Section:
         Col("EVICT", 6, 7, lambda n: fmt_count(n.get("evictions", 0), 6)),
         Col("COMMITS", 8, 11, lambda n: fmt_count(n.get("commits", 0), 8)),
         Col("RSV FAIL", 8, 13, lambda n: fmt_count(n.get("reserve_failed", 0), 8)),
+        # prefill time the hits saved (less the loads' time), both tiers, then each
+        Col("TIME SAVED", 10, 7, lambda n: fmt_seconds(sum(_tier(n, t, "time_saved_s") for t in TIERS))),
+        Col("SAVED DRAM", 10, 12, lambda n: fmt_seconds(_tier(n, "dram", "time_saved_s"))),
+        Col("SAVED STOR", 10, 12, lambda n: fmt_seconds(_tier(n, "storage", "time_saved_s"))),
+        Col("STORED B", 9, 13, lambda n: format_size(_tier(n, "storage", "bytes"))),
     ]
     nss = s.get("namespaces", [])
     head, rows = table(cols, nss, width)
     return Section(
         (head, "head"), [(r, "text") for r in rows] or [("(no namespace attached)", "dim")], "namespaces"
     )
+
+
+def _tier(n: dict[str, Any], tier: str, key: str) -> Any:
+    """A namespace's figure for one tier (0 from a server that does not publish it)."""
+    return ((n.get("tiers") or {}).get(tier) or {}).get(key, 0)
 
 
 def _workers(view: View, width: int) -> Section:

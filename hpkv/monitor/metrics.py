@@ -9,7 +9,7 @@ figures are the segment's, the same ones ``hpkv status`` and ``hpkv-top`` show.
 
 Names follow the Prometheus conventions: ``hpkv_`` prefix, the unit in the name
 (``_bytes``, ``_seconds``), counters end in ``_total``. Per-namespace series carry
-``namespace="<name>"`` (``tier`` for hits and blocks), per-worker series
+``namespace="<name>"`` (``tier`` for hits, blocks, bytes and the prefill time saved), per-worker series
 ``worker="<slot>", kind="transfer|io"``, ring series ``ring="<name>"``.
 """
 
@@ -120,6 +120,22 @@ def families(snap: dict[str, Any], rings: dict[str, Any]) -> Iterator[Metric]:
         "Reservations refused: the pool was full of unevictable blocks.",
         labels=("namespace",),
     )
+    tier_bytes = gauge(
+        "hpkv_namespace_bytes", "Bytes held per tier (storage: every rank's KV file).", labels=ns_tier
+    )
+    loaded_tokens = counter(
+        "hpkv_loaded_tokens", "Tokens the engines loaded instead of computing them, per tier.", labels=ns_tier
+    )
+    prefill_saved = counter(
+        "hpkv_prefill_saved_seconds",
+        "Prefill time the loaded tokens would have cost at the engine's measured prefill rate, per tier.",
+        labels=ns_tier,
+    )
+    load_seconds = counter(
+        "hpkv_load_seconds",
+        "Time the engines' loads took, per tier (time saved = prefill saved - load).",
+        labels=ns_tier,
+    )
     for n in snap.get("namespaces", []):
         name = labels[n["id"]]
         tokens = int(n.get("block_tokens") or 0)
@@ -132,6 +148,12 @@ def families(snap: dict[str, Any], rings: dict[str, Any]) -> Iterator[Metric]:
         for tier in ("dram", "storage"):
             hits.add_metric([name, tier], n[f"hits_{tier}"])
             hit_tokens.add_metric([name, tier], n[f"hits_{tier}"] * tokens)
+            t = (n.get("tiers") or {}).get(tier)
+            if t:  # a server before the time-saved counters has no "tiers"
+                tier_bytes.add_metric([name, tier], t["bytes"])
+                loaded_tokens.add_metric([name, tier], t["loaded_tokens"])
+                prefill_saved.add_metric([name, tier], t["prefill_saved_s"])
+                load_seconds.add_metric([name, tier], t["load_s"])
         lookups.add_metric([name], n["lookups"])
         misses.add_metric([name], n["misses"])
         evictions.add_metric([name], n["evictions"])
@@ -150,6 +172,10 @@ def families(snap: dict[str, Any], rings: dict[str, Any]) -> Iterator[Metric]:
         evictions,
         commits,
         rsv_failed,
+        tier_bytes,
+        loaded_tokens,
+        prefill_saved,
+        load_seconds,
     )
 
     # ------------------------------------------------------------ workers

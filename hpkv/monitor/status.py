@@ -43,6 +43,23 @@ def _storage_state(st: dict) -> str:
     return out
 
 
+def _tier_table(namespaces: list[dict]) -> list[str]:
+    """Per namespace and tier: what it holds there, and the prefill time its loads from there
+    saved (TIME SAVED = PREFILL SAVED - LOAD TIME: see hpkv.protocol.stats._tiers)."""
+    lines = [
+        "NAMESPACE            FINGERPRINT   TIER       BLOCKS       BYTES  LOADED TOKENS"
+        "  PREFILL SAVED  LOAD TIME  TIME SAVED"
+    ]
+    for ns in namespaces:
+        for i, (tier, t) in enumerate((ns.get("tiers") or {}).items()):
+            who = f"{ns['name'][:20]:20} {ns['fingerprint'][:12]:12}" if i == 0 else " " * 33
+            lines.append(
+                f"{who}  {tier:8} {t['blocks']:8}  {format_size(t['bytes']):>10}  {t['loaded_tokens']:13}"
+                f"  {t['prefill_saved_s']:12.3f}s  {t['load_s']:8.3f}s  {t['time_saved_s']:9.3f}s"
+            )
+    return lines
+
+
 def format_status(s: dict) -> str:
     p = s["pool"]
     lines = [
@@ -59,6 +76,7 @@ def format_status(s: dict) -> str:
             f"{ns['name'][:20]:20} {ns['world_size']:5}  {ns['blocks_dram']:11}  {ns['blocks_pinned']:6}"
             f"  {ns['hits_dram']:9}  {ns['hits_storage']:12}  {ns['misses']:6}  {ns['evictions']:9}"
         )
+    lines += ["", *_tier_table(s["namespaces"])]
     lines += ["", "WORKER  KIND      PID      DEVICE  NODE  CPUS    STATE     JOBS  FAILED  RESTARTS  HANGS"]
     for w in s["workers"]:
         cpus = format_cpulist(w["cpus"])

@@ -44,16 +44,26 @@ class NsCounter(IntEnum):
     BLOCKS_RESERVED = 11  # gauge
     LOADS_DRAM = 12  # blocks pinned for loading from the pool (connector loads)
     LOADS_STORAGE = 13  # blocks promoted from storage for loading
+    BYTES_STORAGE = 14  # gauge: bytes of the KV files of BLOCKS_STORAGE (every rank's file)
+    # Prefill time saved (:func:`time_saved`), as the engines' connectors report it
+    # (control call ``time_saved``): tokens they loaded instead of computing, the prefill
+    # those tokens would have cost at the engine's measured prefill rate, the loads' time.
+    LOADED_TOKENS_DRAM = 15
+    LOADED_TOKENS_STORAGE = 16
+    PREFILL_SAVED_US_DRAM = 17  # microseconds
+    PREFILL_SAVED_US_STORAGE = 18
+    LOAD_US_DRAM = 19
+    LOAD_US_STORAGE = 20
 
 
 NS_COUNTERS = len(NsCounter)
 
 MAGIC = 0x53544154564B5048  # "HPKVTATS"
-VERSION = 2  # 2: GLOBAL_SLOTS 32 -> 48 (the storage tier's health counters)
+VERSION = 3  # 2: GLOBAL_SLOTS 32 -> 48 (the storage tier's health counters); 3: NS_SLOTS 16 -> 32
 HEADER_SLOTS = 16
 GLOBAL_SLOTS = 48
 MAX_NS = 64
-NS_SLOTS = 16
+NS_SLOTS = 32
 MAX_WORKERS = 64
 W_SLOTS = 16
 CATALOG_BYTES = 256 * 1024
@@ -252,7 +262,8 @@ class StatsSegment:
         }
         for ns in cat.get("namespaces", []):
             row = self.ns[ns["id"]]
-            out["namespaces"].append({**ns, **{c.name.lower(): int(row[c]) for c in NsCounter}})
+            counters = {c.name.lower(): int(row[c]) for c in NsCounter}
+            out["namespaces"].append({**ns, **counters, "tiers": _tiers(counters)})
         for w in cat.get("workers", []):
             row = self.workers[w["slot"]]
             out["workers"].append(
@@ -285,6 +296,31 @@ def spills_pending(directory: str) -> int:
         return int(seg.glob[G.STORAGE_SPILLS_PENDING])
     finally:
         seg.close()
+
+
+#: The tiers a namespace's blocks live in, as snapshots and monitors name them.
+TIERS = ("dram", "storage")
+
+
+def _tiers(c: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """A namespace's ``"tiers"`` section: per tier its blocks and bytes now, and the prefill
+    time its hits saved. ``prefill_saved_s`` is what computing the loaded tokens would have
+    cost at the engine's measured prefill rate, ``load_s`` what loading them took, and
+    ``time_saved_s`` the difference (negative where loading was slower than computing)."""
+    out = {}
+    for tier in TIERS:
+        saved_s = c[f"prefill_saved_us_{tier}"] / 1e6
+        load_s = c[f"load_us_{tier}"] / 1e6
+        out[tier] = {
+            "blocks": c[f"blocks_{tier}"],
+            "bytes": c[f"bytes_{tier}"],
+            "hits": c[f"hits_{tier}"],
+            "loaded_tokens": c[f"loaded_tokens_{tier}"],
+            "prefill_saved_s": saved_s,
+            "load_s": load_s,
+            "time_saved_s": saved_s - load_s,
+        }
+    return out
 
 
 #: The storage tier's health counters as monitors show them: (snapshot key, short label, help).

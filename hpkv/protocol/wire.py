@@ -2,7 +2,7 @@
 
 Control path. A client connects to ``server.sock`` (Unix socket) and speaks
 newline-delimited JSON for the rare calls: hello, namespace, register_device,
-clear, stats, shutdown. The socket also tells the server when a client dies
+clear, time_saved, stats, shutdown. The socket also tells the server when a client dies
 (EOF): its pins and reservations are released.
 
 Hot path. ``hello`` hands the client a ring pair and a *mailbox* (a shared-memory

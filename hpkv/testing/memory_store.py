@@ -47,6 +47,7 @@ class MemoryKvStore:
         self.fail: set[str] = set()
         self.checking: dict[bytes, int] = {}  # key -> probes that still find it unconfirmed
         self.calls: list[str] = []
+        self.time_saved: dict[tuple[int, str], list[int]] = {}  # (ns, tier) -> [tokens, prefill µs, load µs]
         self.closed = False
         self._next_offset = 0
         self.log: list[tuple[int, bytes, int]] = []  # (ns id, key, code) once events are watched
@@ -190,6 +191,13 @@ class MemoryKvStore:
         mine = [(k, c) for n, k, c in self.log[since : since + limit] if n == ns_id]
         end = min(len(self.log), since + limit)
         return Events(mine, end, 0, end < len(self.log))
+
+    def report_time_saved(self, ns_id: int, tiers: dict[str, tuple[int, int, int]]) -> None:
+        self._call("report_time_saved")
+        for tier, values in tiers.items():
+            now = self.time_saved.setdefault((ns_id, tier), [0, 0, 0])
+            for i, v in enumerate(values):
+                now[i] += v
 
     def close(self) -> None:
         self.closed = True

@@ -22,8 +22,8 @@ from hpkv.connectors.vllm.events import INTERVAL_S, MAX_BLOCKS, EventFeed, Event
 from hpkv.connectors.vllm.groups import longest_hit
 from hpkv.connectors.vllm.layout import Layout
 from hpkv.connectors.vllm.metadata import HpkvMetadata, LoadOp, SaveOp
-from hpkv.connectors.vllm.worth import LoadPolicy
-from hpkv.protocol.errors import ROW_MISSING
+from hpkv.connectors.vllm.worth import REPORT_EVERY_S, LoadPolicy, Report, TimeSaved
+from hpkv.protocol.errors import ROW_MISSING, HpkvUnavailable
 from hpkv.protocol.keys import block_keys
 from hpkv.protocol.wire import MAX_KEYS_PER_CALL, Tier
 
@@ -85,6 +85,7 @@ class SchedulerSide:
         block_ids_of: Callable[[str], Sequence[Sequence[int]] | None],
         background_storage_loads: bool = True,
         lookup_retry_s: float = 1.0,
+        report_every_s: float | None = REPORT_EVERY_S,
     ):
         self.layout = layout
         self.block_size = layout.block_size
@@ -99,6 +100,10 @@ class SchedulerSide:
         self._pending_loads: list[LoadOp] = []
         self._hit_tiers: dict[str, tuple[int, int]] = {}  # req -> (dram tokens, storage tokens)
         self.hpkv: Reconnecting[KvStore] = Reconnecting("scheduler", self._connect, log)
+        # The prefill time the loads saved, reported to the server (`hpkv status`, hpkv-top, metrics).
+        self.time_saved = TimeSaved(
+            layout.world_size, self.policy.prefill, self._send_time_saved, report_every_s
+        )
         # KV events (vLLM's --kv-events-config): None unless enabled, then nothing is recorded.
         self.events: EventTranslator | None = None
         self.feed: EventFeed | None = None
@@ -358,6 +363,22 @@ class SchedulerSide:
         self.policy.step_finished()
         if stats:
             self.policy.loads_measured(stats)
+            self.time_saved.loads_measured(stats)
+
+    def _send_time_saved(self, report: Report) -> bool:
+        """Deliver a :class:`TimeSaved` report to the server (on its thread); False: not now.
+        A failed connection is left to this side's own thread to drop: its next hot call
+        fails too, and closing the client here could pull it from under a call."""
+        client = self.hpkv.client
+        if client is None:
+            return False
+        try:
+            client.report_time_saved(self.ns_id, report)
+        except HpkvUnavailable:
+            return False
+        except Exception as exc:  # noqa: BLE001 - refused (an older server): the figures are dropped
+            log.debug("hpkv: the server refused a time-saved report: %s", exc)
+        return True
 
     def request_finished(self, request_id: str) -> None:
         st = self._reqs.pop(request_id, None)

@@ -148,6 +148,7 @@ class FileCatalog:
         ns = self._ns[m >> 2 & 63]
         self._drop(key, m, ns)
         ns.counters[NsCounter.BLOCKS_STORAGE] -= 1
+        ns.counters[NsCounter.BYTES_STORAGE] -= ns.world_size * kvfile.file_size(ns.shard_bytes)
         self.index.files_gone(key)
         if ns.events is not None:
             ns.events.add(key, REMOVED_STORAGE)
@@ -269,6 +270,7 @@ class FileCatalog:
         self.files += n * ns.world_size
         self.bytes += n * ns.world_size * kvfile.file_size(ns.shard_bytes)
         ns.counters[NsCounter.BLOCKS_STORAGE] += n
+        ns.counters[NsCounter.BYTES_STORAGE] += n * ns.world_size * kvfile.file_size(ns.shard_bytes)
 
     def _drop(self, key: bytes, m: int, ns: Namespace) -> None:
         """Clear the entry's FILES flag (``m``: its :meth:`KeyTable.peek`; the slot goes unless
