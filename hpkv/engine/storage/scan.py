@@ -128,7 +128,9 @@ class Scanner:
         top = ns.fingerprint
         found = files = 0
         host = kvfile.this_host()
-        adopted: list[bytes] = []  # each leaf's complete keys, end to end
+        # The complete keys, end to end, in one buffer: not an object per leaf that lives as long
+        # as the scan (they hold Python's small-object arenas resident after it).
+        adopted = bytearray()
         self.scans += 1
         try:
             for aa in self._subdirs(top):
@@ -141,14 +143,14 @@ class Scanner:
                     if added is None:
                         return
                     found += added
-                    adopted.append(b"".join(complete))
+                    adopted += b"".join(complete)
         except OSError as exc:
             self._io_error("scan", exc.errno or errno.EIO, self.tree.rel_path(top))
         finally:
             self.finished = True
             self.done[ns.ns_id] = True
         if self.shared is not None:
-            self.shared.adopt(ns, b"".join(adopted))
+            self.shared.adopt(ns, bytes(adopted))
         log.info(
             "scan of namespace %d (%s): %d complete block(s) from %d file(s) in %.2fs",
             ns.ns_id,

@@ -426,7 +426,11 @@ class FileTier:
 
     def _apply_extend(self, b: StatBatch, now: float) -> None:
         """Unknown keys checked: found files join the catalog, missing keys are remembered for
-        NEGATIVE_TTL_S (at most MAX_NEGATIVE of them)."""
+        NEGATIVE_TTL_S (at most MAX_NEGATIVE of them; expired ones are dropped here, oldest
+        first, rather than kept until a lookup of the same key)."""
+        missing = self._missing
+        while missing and next(iter(missing.values())) <= now:
+            missing.popitem(last=False)
         for k in b.extend:
             found = b.results.get(k)
             if found == THERE:
