@@ -438,6 +438,8 @@ def test_bench_scale_reports_memory_scan_rate_first_hit_and_latencies_and_remove
     (row,) = out["runs"]
     assert row["n"] == 500 and row["stored_files"] == 500, "every file passed the scan's checks"
     assert row["bytes_per_block"] > 0 and row["scan_files_per_s"] > 0
-    assert row["attach_to_first_hit_ms"] is not None and row["full_hits_after"] == 50
+    assert row["attach_to_first_hit_ms"] is not None and row["full_hits_after"] > 0
+    # every stored key was found, or its lookup ended at the bound while a stat still ran
+    assert row["full_hits_after"] + row["unconfirmed_after"] == 50
     assert row["hit_after_p50_us"] > 0 and row["miss_after_p99_us"] > 0
     assert not (tmp_path / "s").exists(), "the files are removed, and the directory it made"
