@@ -151,6 +151,17 @@ def parse_threshold(text: str) -> int | None:
     return _int_parser(minimum=0)(text)
 
 
+def parse_admit(text: str) -> int:
+    """HPKV_STORAGE_ADMIT: ``always`` → 0, ``reuse:N`` → N (hits from DRAM before the write)."""
+    value = text.strip().lower()
+    if value == "always":
+        return 0
+    kind, _, n = value.partition(":")
+    if kind != "reuse" or not n.strip().isdigit() or not 1 <= int(n) <= 1000:
+        raise ValueError(f"{text!r} is not 'always' or 'reuse:N' with N from 1 to 1000")
+    return int(n)
+
+
 def _int_parser(minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text.strip(), 10)
@@ -469,6 +480,16 @@ KEYS: dict[str, Key] = {
             "promote reads go to several IO workers at once only while the files being read add up to "
             "at most this size (auto: 4m on virtio disks, where two 4 MiB reads at once ran slower than"
             " one; elsewhere no limit)",
+        ),
+        Key(
+            "HPKV_STORAGE_ADMIT",
+            "always",
+            parse_admit,
+            "always, or reuse:N (N from 1 to 1000)",
+            "which saved blocks the write-through puts on storage: always (CT-HPKV: every block, as "
+            "it is saved), or reuse:N: a block is written once it was hit from DRAM N times, so a "
+            "prompt seen once costs no storage write; a block evicted from DRAM before its N-th hit "
+            "is dropped, not written",
         ),
         Key(
             "HPKV_STORAGE_MIN_FREE",

@@ -42,6 +42,7 @@ KINDS = [
     ("HPKV_STORAGE_MIN_FREE", "7%", "9", 7.0),
     ("HPKV_LOG_LEVEL", "debug", "error", "DEBUG"),
     ("HPKV_METRICS_HOST", "::1", "localhost", "::1"),
+    ("HPKV_STORAGE_ADMIT", "reuse:2", "always", 2),
 ]
 
 
@@ -130,6 +131,8 @@ BAD = [
     ("HPKV_NUM_IO_WORKERS", "0", "1..64"),
     ("HPKV_STORAGE_MIN_FREE", "120%", "percentage"),
     ("HPKV_LOG_LEVEL", "loud", "DEBUG"),
+    ("HPKV_STORAGE_ADMIT", "reuse:0", "reuse:N"),
+    ("HPKV_STORAGE_ADMIT", "sometimes", "reuse:N"),
     ("HPKV_SHARE_MEM_FILE_PATH", "", "directory path"),
     ("HPKV_KV_STORAGE_PATH", "$HPKV_SURELY_UNSET_VAR/kv", "HPKV_SURELY_UNSET_VAR"),
 ]

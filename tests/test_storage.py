@@ -60,6 +60,8 @@ STORAGE_FIELDS = {
     "spills_dropped",
     "promote_timeouts",
     "degraded_misses",
+    "admit_deferred",
+    "admitted",
 }
 
 
@@ -683,6 +685,37 @@ def test_promote_pins_dram_blocks_and_reports_unknown_keys_failed(tmp_path):
         w.check_rows(keys, rows[:2])
         assert w.c.stats()["namespaces"][0]["blocks_pinned"] == 2
         w.c.unpin(w.ns.ns_id, keys)
+        w.close()
+
+
+def test_storage_admit_reuse_writes_a_block_at_its_nth_dram_hit_and_never_a_block_not_reused(tmp_path):
+    """HPKV_STORAGE_ADMIT=reuse:2: a saved block goes to storage at its second DRAM hit (a pin,
+    or a promote that finds it in DRAM); a block hit less is never written, and the pool
+    evicts it without files."""
+    env = private_env(pool_size="64m", storage=str(tmp_path), HPKV_STORAGE_ADMIT="reuse:2")
+    with running(env) as srv:
+        w = Writer(srv, shard=1 << 20)
+        ns = w.ns.ns_id
+        keys = w.keys(range(4))
+        w.put(keys)
+        w.wait_storage(lambda s: s["admit_deferred"] == 4, 10, "4 blocks kept off storage")
+        for hit in ([keys[0], keys[1], keys[2]], [keys[0]]):
+            w.c.pin(ns, hit)
+            w.c.unpin(ns, hit)
+        w.check_rows([keys[1]], w.c.promote(ns, [keys[1]]))  # in DRAM: its second hit
+        w.c.unpin(ns, [keys[1]])
+        s = w.wait_spilled(2)
+        assert s["admitted"] == 2
+        time.sleep(0.5)
+        assert w.storage()["spills"] == 2, "only the blocks hit twice are written"
+        assert [os.path.exists(w.path(k)) for k in keys] == [True, True, False, False]
+        # 80 new blocks through a 64 MiB pool: the blocks never admitted leave without files
+        more = w.keys(range(100, 180))
+        for i in range(0, len(more), 8):
+            w.put(more[i : i + 8])
+        assert w.c.lookup(ns, keys[2:3]) == (0, []) and w.c.lookup(ns, keys[3:4]) == (0, [])
+        hit, tiers = w.c.lookup(ns, keys[:2])
+        assert hit == 2, "the admitted blocks are still found (in DRAM or on storage)"
         w.close()
 
 

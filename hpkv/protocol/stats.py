@@ -116,6 +116,9 @@ class G(IntEnum):
     STORAGE_SPILLS_DROPPED = 37  # blocks not spilled: storage degraded, a quarter of the pool queued
     STORAGE_PROMOTE_TIMEOUTS = 38  # promotes answered at their deadline with reads outstanding
     STORAGE_DEGRADED_MISSES = 39  # storage blocks answered missing at once while degraded
+    # HPKV_STORAGE_ADMIT=reuse:N: blocks kept off storage until reused, and those written then
+    STORAGE_ADMIT_DEFERRED = 40
+    STORAGE_ADMITTED = 41
 
 
 class W(IntEnum):
@@ -371,4 +374,6 @@ def _storage_snapshot(g: np.ndarray, cat: dict[str, Any]) -> dict[str, Any]:
         "spills_dropped": int(g[G.STORAGE_SPILLS_DROPPED]),
         "promote_timeouts": int(g[G.STORAGE_PROMOTE_TIMEOUTS]),
         "degraded_misses": int(g[G.STORAGE_DEGRADED_MISSES]),
+        "admit_deferred": int(g[G.STORAGE_ADMIT_DEFERRED]),
+        "admitted": int(g[G.STORAGE_ADMITTED]),
     }

@@ -68,6 +68,7 @@ VIRTIO_READ_INFLIGHT = 4 << 20
 MAX_SPILL_ATTEMPTS = 3  # for errors other than ENOSPC / a dead worker
 MAX_RETRY_BLOCKS = 100_000
 MAX_STAT_KEYS = 256  # unknown keys after a lookup's prefix checked by one stat batch
+MAX_UNADMITTED = 1 << 20  # blocks remembered waiting for HPKV_STORAGE_ADMIT's reuse (~100 MB at most)
 NEGATIVE_TTL_S = 1.0  # a key whose files a stat found missing is not stat-ed again for this long
 MAX_NEGATIVE = 65_536  # keys remembered missing (the oldest are forgotten first)
 MAX_WAITERS = 64  # parked lookups on one stat batch before those answered already are dropped
@@ -127,6 +128,9 @@ class FileTier:
         self._waiters: dict[int, list[ParkedLookup]] = {}  # id(batch) -> lookups waiting for it
         self._missing: OrderedDict[bytes, float] = OrderedDict()  # key -> stat-ed missing until
         self._spill_limit = max(index.alloc.capacity // SPILL_QUEUE_SHARE, 1)  # bytes of queued spills
+        # HPKV_STORAGE_ADMIT=reuse:N (0: always): blocks saved but not yet hit N times from DRAM
+        self.admit_uses = int(cfg["HPKV_STORAGE_ADMIT"])
+        self._unadmitted: OrderedDict[bytes, int] = OrderedDict()  # key -> DRAM hits so far
         self.health = Health(self.g)
 
     # ================================================================ life cycle
@@ -217,11 +221,14 @@ class FileTier:
             self.upkeep.start()
             self.shared.start()
         log.info(
-            "storage tier %s: %d IO worker(s), capacity %s, spilling pauses under %g%% free",
+            "storage tier %s: %d IO worker(s), capacity %s, spilling pauses under %g%% free, %s",
             self.root,
             len(workers),
             self.capacity or "unlimited",
             self.min_free_pct,
+            f"a block is written at its {self.admit_uses}. DRAM hit (HPKV_STORAGE_ADMIT=reuse:{self.admit_uses})"
+            if self.admit_uses
+            else "every saved block is written (HPKV_STORAGE_ADMIT=always)",
         )
         return workers
 
@@ -455,15 +462,25 @@ class FileTier:
             where,
         )
 
-    def spill(self, blocks: Iterable[Block]) -> None:
+    def spill(self, blocks: Iterable[Block], admitted: bool = False) -> None:
         """Write-through of blocks that just became READY. Spills queued behind a hung mount
         keep their blocks' slots unevictable: while the tier is degraded, new ones beyond a
         quarter of the pool are dropped (counted; the block stays in DRAM, evictable without
-        files). A healthy tier queues any burst: the workers drain it."""
+        files). A healthy tier queues any burst: the workers drain it. Under
+        HPKV_STORAGE_ADMIT=reuse:N a new block waits for its reuse (:meth:`_admit_reused`),
+        evictable without files meanwhile, unless ``admitted``."""
         queued = self.links.spill_queue_bytes()
         for b in blocks:
             if b.key in self.catalog:
                 self.catalog.touch(b.key)
+                continue
+            if self.admit_uses and not admitted:
+                self.index.skip_spill(b)
+                self._unadmitted[b.key] = 0
+                self._unadmitted.move_to_end(b.key)
+                while len(self._unadmitted) > MAX_UNADMITTED:  # long since evicted, most of them
+                    self._unadmitted.popitem(last=False)
+                self.g[G.STORAGE_ADMIT_DEFERRED] += 1
                 continue
             if self.upkeep.paused:
                 self.index.skip_spill(b)
@@ -491,11 +508,34 @@ class FileTier:
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """The blocks were used (pinned for loading): their files are recent too."""
+        keys = list(keys)
         for k in keys:
             self.catalog.touch(k)
             ns = self.catalog.owner(k)
             if ns is not None:
                 self.shared.used(ns, k)  # the evictor orders by use on every node
+        self._admit_reused(keys)
+
+    def _admit_reused(self, keys: list[bytes]) -> None:
+        """DRAM hits of blocks waiting for admission (HPKV_STORAGE_ADMIT=reuse:N): the N-th
+        hit writes the block to storage (if it is still in DRAM, READY and not being copied)."""
+        if not self._unadmitted:
+            return
+        admitted = []
+        for k in keys:
+            uses = self._unadmitted.get(k)
+            if uses is None:
+                continue
+            if uses + 1 < self.admit_uses:
+                self._unadmitted[k] = uses + 1
+                continue
+            del self._unadmitted[k]
+            b = self.index.spillable(k)
+            if b is not None:
+                admitted.append(b)
+        if admitted:
+            self.g[G.STORAGE_ADMITTED] += len(admitted)
+            self.spill(admitted, admitted=True)
 
     def promote(
         self, client: Client, seq: int, ns: Namespace, keys: list[bytes], timeout: float
@@ -506,6 +546,7 @@ class FileTier:
         call = ParkedPromote(client, seq, ns, keys, rows, time.monotonic() + timeout)
         idx = self.index
         dram = 0
+        reused: list[bytes] = []
         for i, k in enumerate(keys):
             slots = idx.pin(ns, [k], owner=client.cid)[0]
             running = self._promoting.get(k)
@@ -513,6 +554,7 @@ class FileTier:
                 rows[i] = slots
                 dram += 1
                 self.catalog.touch(k)
+                reused.append(k)
             elif running is not None:
                 if running.block.ns is ns:
                     running.waiters.append((call, i))
@@ -534,6 +576,7 @@ class FileTier:
                 # on the mount); the stat threads look, so a later lookup finds them
                 self._check(ns, [], self._to_discover([k], 0))
         ns.counters[NsCounter.LOADS_DRAM] += dram
+        self._admit_reused(reused)
         if call.outstanding == 0:
             return rows
         self._calls.append(call)
