@@ -310,16 +310,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
         if info
         else None
     )
-    if ns is not None and args.name:
-        ns.name = args.name
     model = _model_of(args.model, cfg) if args.model else None
     try:
-        report = export_pack(storage, fp, args.out, ns, model, overwrite=args.force)
+        report = export_pack(storage, fp, args.out, ns, model, overwrite=args.force, name=args.name or "")
     except (PackError, OSError) as exc:
         print(f"hpkv: export failed: {exc}", file=sys.stderr)
         return 1
-    if ns is None and args.name:
-        report.namespace.name = args.name  # recorded only when a server names it; see below
     pid = server_pid(cfg)
     pending = int(snap.get("storage", {}).get("spills_pending", 0)) if snap else 0
     note = (
@@ -414,7 +410,10 @@ def _add_pack_verbs(verbs) -> None:
 
     p = verbs.add_parser("import", help="verify a pack, then write its blocks into the storage directory")
     p.add_argument("pack", metavar="PACK", help="a pack written by `hpkv export`")
-    p.add_argument("--namespace", help="refuse the pack unless it holds this namespace (fingerprint)")
+    p.add_argument(
+        "--namespace",
+        help="refuse the pack unless it holds this namespace (its fingerprint, or 8+ leading digits)",
+    )
     p.add_argument(
         "--expect-model", metavar="DIR", help="refuse the pack unless it records this model's identity"
     )

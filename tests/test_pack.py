@@ -288,9 +288,10 @@ def test_json_output_of_export_and_import(tmp_path):
     fp = namespace_fingerprint({"model": "pack-json"})
     write_blocks(src, fp, 3)
     out = str(tmp_path / "j.pack")
-    r = hpkv(private_env(storage=src), "export", "--namespace", fp, out, "--json")
+    r = hpkv(private_env(storage=src), "export", "--namespace", fp, out, "--name", "sys-prompt", "--json")
     assert r.returncode == 0, r.stderr
     ex = json.loads(r.stdout)
+    assert ex["namespace"]["name"] == "sys-prompt"
     assert ex["pack"] == out and (ex["blocks"], ex["files"]) == (3, 6) and ex["bytes"] == os.path.getsize(out)
     assert ex["namespace"]["fingerprint"] == fp and ex["server_pid"] is None
     assert ex["skipped"] == {"incomplete": 0, "corrupt": 0, "other": 0}
@@ -300,8 +301,9 @@ def test_json_output_of_export_and_import(tmp_path):
     dry = json.loads(r.stdout)
     assert r.returncode == 0 and dry["ok"] and dry["dry_run"] and dry["files_written"] == 0
     assert anything_under(dest) == [], "--dry-run writes nothing"
-    r = hpkv(env, "import", out, "--json")
+    r = hpkv(env, "import", out, "--namespace", fp[:12], "--json")
     im = json.loads(r.stdout)
+    assert im["namespace"]["name"] == "sys-prompt", "the name is in the manifest"
     assert im["ok"] and (im["blocks"], im["files_written"], im["files_present"]) == (3, 6, 0)
     assert im["verified_bytes"] == 6 * kvfile.file_size(SHARD) and im["journal"].endswith(".log")
     again = json.loads(hpkv(env, "import", out, "--json").stdout)

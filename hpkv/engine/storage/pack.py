@@ -253,12 +253,14 @@ def export_pack(
     known: NamespaceInfo | None = None,
     model: dict[str, Any] | None = None,
     overwrite: bool = False,
+    name: str = "",
 ) -> ExportReport:
     """Write the complete, verified blocks of namespace ``fingerprint`` under ``storage`` into the
     pack ``out`` (written under a temporary name beside it, renamed at the end; mode 0600).
 
     ``known``: the namespace as a running server describes it (its layout then decides which
-    files fit; else the first block's header does). ``model``: the model identity to record.
+    files fit; else the first block's header does). ``model``: the model identity to record;
+    ``name``: the namespace's name, when ``known`` has none.
     Files are read directly, so no server is needed; a corrupt file is left out and left in
     place (a server quarantines it when it reads it). Raises :class:`PackError` when the
     namespace has no complete block, FileExistsError when ``out`` exists and not ``overwrite``."""
@@ -272,8 +274,10 @@ def export_pack(
     tmp = f"{out}.{socket.gethostname()}.{os.getpid()}.tmp"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        if known is not None and name and not known.name:
+            known.name = name
         ex = _Exporter(
-            tree, fingerprint, known, fd, ExportReport(out, known or NamespaceInfo(fingerprint, 0, 0))
+            tree, fingerprint, known, fd, ExportReport(out, known or NamespaceInfo(fingerprint, 0, 0, name))
         )
         try:
             ex.walk()
@@ -307,6 +311,7 @@ class _Exporter:
         self, tree: StorageTree, fp: str, known: NamespaceInfo | None, fd: int, report: ExportReport
     ):
         self.tree, self.fp, self.ns, self.fd, self.report = tree, fp, known, fd, report
+        self.name = report.namespace.name
         self.keys: list[bytes] = []
         self.crcs: list[list[int]] = []
         self.pos = HEAD_BYTES
@@ -330,7 +335,7 @@ class _Exporter:
                     layout = _pick_layout(self.tree, self.fp, leaf, key, memoryview(self._hdr))
                     if layout is None:
                         continue
-                    self.ns = self.report.namespace = NamespaceInfo(self.fp, *layout)
+                    self.ns = self.report.namespace = NamespaceInfo(self.fp, *layout, name=self.name)
                 if not ranks >= set(range(self.ns.world_size)):
                     self.report.skipped_incomplete += 1
                     continue
@@ -562,7 +567,7 @@ def import_pack(
         size = os.fstat(f.fileno()).st_size
         m = read_manifest(f, size)
         ns = m.namespace
-        if expect_namespace is not None and expect_namespace != ns.fingerprint:
+        if expect_namespace is not None and not _names(expect_namespace, ns.fingerprint):
             raise PackMismatch(
                 f"the pack holds namespace {ns.fingerprint} ({ns.name or 'unnamed'}), not {expect_namespace}"
             )
@@ -588,6 +593,11 @@ def import_pack(
         finally:
             buf.close()
     return report
+
+
+def _names(given: str, fp: str) -> bool:
+    """``--namespace`` names ``fp``: the fingerprint, or a prefix of at least 8 digits of it."""
+    return given == fp or (len(given) >= 8 and fp.startswith(given))
 
 
 def _write_blocks(
