@@ -185,6 +185,8 @@ CORRUPTIONS = {
     ),
     "block count": lambda p, fb: _rewrite_manifest(p, lambda d: {**d, "blocks": 3}),
     "not json": lambda p, fb: _rewrite_raw_manifest(p, b"{not json"),
+    "nested too deep": lambda p, fb: _rewrite_raw_manifest(p, b"[" * 100_000),
+    "not utf-8": lambda p, fb: _rewrite_raw_manifest(p, b'{"format": "\xff\xfe"}'),
     "another kv format": lambda p, fb: _rewrite_manifest(p, lambda d: {**d, "kv_format_version": 2}),
     "a path as key": lambda p, fb: _rewrite_manifest(
         p, lambda d: {**d, "keys": [["../../../../etc/passwd", d["keys"][0][1]]] + d["keys"][1:]}

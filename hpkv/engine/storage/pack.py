@@ -469,7 +469,7 @@ def read_manifest(f: BinaryIO, size: int) -> Manifest:
         raise PackError("manifest checksum mismatch (corrupt pack)")
     try:
         doc = json.loads(body)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # (RecursionError: nesting deeper than the parser's stack)
         raise PackError(f"the manifest is not JSON: {exc}") from None
     m = _parse_manifest(doc)
     if m.file_bytes * m.files + HEAD_BYTES != m_off:
