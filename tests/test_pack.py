@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_storage import FP, Writer, running  # the storage tests' real-process helpers
+from test_storage import FP, Writer, running, verify_file  # the storage tests' real-process helpers
 
 from hpkv.engine.storage import pack
 from hpkv.engine.storage.journal import JournalReader
@@ -381,3 +381,27 @@ def _tree(root: str):
     from hpkv.io_workers.tree import StorageTree
 
     return StorageTree.open(root)
+
+
+def test_an_import_killed_midway_leaves_only_complete_valid_kv_files(tmp_path):
+    src = private_dir(tmp_path / "src")
+    fp = namespace_fingerprint({"model": "pack-kill"})
+    shard = 4 << 20
+    data = write_blocks(src, fp, 12, world=1, shard=shard)
+    out = str(tmp_path / "big.pack")
+    pack.export_pack(src, fp, out)
+    dest = str(tmp_path / "dest")
+    env = private_env(storage=dest, HPKV_STORAGE_FSYNC="1")  # slower writes: a kill lands mid-way
+    proc = subprocess.Popen([sys.executable, "-m", "hpkv", "import", out], env=env)
+    try:
+        wait_for(lambda: len(kv_files(dest)) >= 2 or proc.poll() is not None, 60, "the first files")
+        proc.kill()
+    finally:
+        proc.wait()
+    files = kv_files(dest)
+    assert files and proc.returncode == -9, "killed before it wrote anything, or after it ended"
+    for p in files:
+        key = bytes.fromhex(p.name.split("-")[0])
+        assert verify_file(str(p), fp, key, 0, 1, shard) == data[key][0], f"{p} is not the whole block"
+    leftovers = [p for p in Path(dest).rglob(".*.tmp")]
+    assert all(kvfile.parse_tmp_name(p.name) is not None for p in leftovers), leftovers
