@@ -384,9 +384,14 @@ def _cmd_import(args: argparse.Namespace) -> int:
     print(
         f"hpkv: imported {report.blocks} block(s) of namespace {n.fingerprint} ({n.name or 'unnamed'}): "
         f"{report.files_written} file(s) written ({report.bytes_written} bytes), {report.files_present} "
-        f"already there; journaled in {report.journal}"
+        + (
+            f"already there; journaled in {report.journal}"
+            if report.journal
+            else "already there; not journaled: the namespace holds files no journal lists, so a "
+            "server's attach scans its tree (and finds these); a running server finds them by a lookup's stat"
+        )
     )
-    if pid is not None:
+    if pid is not None and report.journal:
         print(
             f"hpkv: server {pid} finds them within HPKV_STORAGE_JOURNAL_POLL "
             f"({cfg['HPKV_STORAGE_JOURNAL_POLL']:g} s) if it serves this namespace, else when an engine attaches it"

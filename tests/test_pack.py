@@ -405,3 +405,30 @@ def test_an_import_killed_midway_leaves_only_complete_valid_kv_files(tmp_path):
         assert verify_file(str(p), fp, key, 0, 1, shard) == data[key][0], f"{p} is not the whole block"
     leftovers = [p for p in Path(dest).rglob(".*.tmp")]
     assert all(kvfile.parse_tmp_name(p.name) is not None for p in leftovers), leftovers
+
+
+def test_an_import_into_a_namespace_with_unjournaled_files_leaves_its_attach_scan_in_place(
+    tmp_path, made_pack
+):
+    # Files no journal lists (an hpkv before journals, a copy by hand): a first journal would make
+    # a server's attach read it and skip the scan that finds them; the import does not write one.
+    out, _, fp, data = made_pack
+    dest = private_dir(tmp_path / "dest")
+    older = write_blocks(dest, fp, 3)  # the pack's first 3 keys, other bytes: kept as they are
+    extra = {k: v for k, v in write_blocks(str(tmp_path / "x"), fp, 6).items() if k not in data}
+    for k in extra:  # and 2 blocks the pack does not hold
+        for r in range(WORLD):
+            src = kvfile.file_path(str(tmp_path / "x"), fp, k, r)
+            os.makedirs(os.path.dirname(kvfile.file_path(dest, fp, k, r)), mode=0o700, exist_ok=True)
+            os.link(src, kvfile.file_path(dest, fp, k, r))
+    report = pack.import_pack(out, dest)
+    assert report.journal == "" and not os.path.exists(os.path.join(dest, fp, ".journal"))
+    assert report.files_present == 6 and report.files_written == 2  # 3 of 4 blocks were there
+    with running(private_env(storage=dest, HPKV_STORAGE_LOOKUP_WAIT_MS="5000")) as srv:
+        w = Writer(srv, world=WORLD, shard=SHARD, fp=fp)
+        keys = list(data) + list(extra)
+        wait_for(lambda: w.storage()["files"] == len(keys) * WORLD, 10, "the attach scan")
+        assert w.c.lookup(w.ns.ns_id, keys) == (len(keys), [2] * len(keys))
+        w.data = {**data, **extra, **older}
+        w.check_rows(keys, w.c.promote(w.ns.ns_id, keys))
+        w.close()

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from hpkv import __version__
-from hpkv.engine.storage.journal import SUFFIX, Adds, JournalWriter, journal_dir, node_id
+from hpkv.engine.storage.journal import SUFFIX, Adds, JournalReader, JournalWriter, journal_dir, node_id
 from hpkv.io_workers import kvfile
 from hpkv.io_workers.checksum import crc32c
 from hpkv.io_workers.kvfile import BlockId, CorruptFile, KvFileIO
@@ -141,7 +141,7 @@ class ImportReport:
     bytes_written: int = 0
     verified_bytes: int = 0
     dry_run: bool = False
-    journal: str = ""
+    journal: str = ""  # empty: not journaled (the namespace had files no journal lists)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -616,6 +616,9 @@ def _write_blocks(
     io = KvFileIO(tree, buf.view, o_direct=False, fsync=fsync)
     raw_ns = kvfile.fingerprint_bytes(ns.fingerprint)
     try:
+        # Files no journal lists (an hpkv before journals, a copy by hand) are found by the scan a
+        # namespace without journals gets at attach; a first journal here would skip that scan.
+        journal = JournalReader(tree, ns.fingerprint).exists() or not _has_subdirs(tree, ns.fingerprint)
         # Read and verified again as written: the pack may have changed since the first pass.
         # A failure here leaves the blocks written so far, each file complete and valid.
         for _, key, rank, _img in _images(f, m, buf):
@@ -627,10 +630,16 @@ def _write_blocks(
             else:
                 report.files_written += 1
                 report.bytes_written += written
-        report.journal = _journal(tree, m, journal_node)
+        if journal:
+            report.journal = _journal(tree, m, journal_node)
     finally:
         io.close()
         tree.close()
+
+
+def _has_subdirs(tree: StorageTree, fp: str) -> bool:
+    with tree.entries(fp) as entries:
+        return any(len(e.name) == 2 and e.is_dir(follow_symlinks=False) for e in entries)
 
 
 def import_node() -> str:
