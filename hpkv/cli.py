@@ -259,9 +259,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _resolve_namespace(text: str, storage: str | None, known: list[dict]) -> str:
     """A namespace as the user names it: its fingerprint, a unique prefix of one (``hpkv status``
     shows 12 digits), or the name a running server gives it."""
-    names = [n["fingerprint"] for n in known if n.get("name") == text]
-    if len(set(names)) == 1:
+    names = sorted({n["fingerprint"] for n in known if n.get("name") == text})
+    if len(names) == 1:
         return names[0]
+    if names:
+        raise SystemExit(
+            f"hpkv: the server has {len(names)} namespaces named {text!r}: give one of {', '.join(names)}"
+        )
     fps = {n["fingerprint"] for n in known}
     if storage and os.path.isdir(storage):
         fps |= {e for e in os.listdir(storage) if len(e) == 32}
