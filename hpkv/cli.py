@@ -234,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         except ModuleNotFoundError:
             bp.set_defaults(unavailable=True)
         bp.set_defaults(func=_cmd_bench)
+    _add_pack_verbs(verbs)
     return parser
 
 
@@ -252,6 +253,182 @@ def main(argv: Sequence[str] | None = None) -> int:
         # traceback, and another one when it flushes stdout at exit).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+
+
+# ------------------------------------------------------------------ hpkv export / import
+def _resolve_namespace(text: str, storage: str | None, known: list[dict]) -> str:
+    """A namespace as the user names it: its fingerprint, a unique prefix of one (``hpkv status``
+    shows 12 digits), or the name a running server gives it."""
+    names = sorted({n["fingerprint"] for n in known if n.get("name") == text})
+    if len(names) == 1:
+        return names[0]
+    if names:
+        raise SystemExit(
+            f"hpkv: the server has {len(names)} namespaces named {text!r}: give one of {', '.join(names)}"
+        )
+    fps = {n["fingerprint"] for n in known}
+    if storage and os.path.isdir(storage):
+        fps |= {e for e in os.listdir(storage) if len(e) == 32}
+    hits = sorted(fp for fp in fps if fp.startswith(text.lower()))
+    if len(hits) == 1:
+        return hits[0]
+    if len(text) == 32:
+        return text.lower()
+    what = "matches no namespace" if not hits else f"matches {len(hits)} namespaces"
+    raise SystemExit(f"hpkv: --namespace {text!r} {what} (give its fingerprint; `hpkv status` lists them)")
+
+
+def _model_of(directory: str, cfg) -> dict:
+    from hpkv.protocol.model_identity import ModelIdentityError, model_identity
+
+    try:
+        ident = model_identity(directory, model_id=cfg["HPKV_MODEL_ID"])
+    except ModelIdentityError as exc:
+        raise SystemExit(f"hpkv: {exc}") from None
+    return {"path": os.path.abspath(directory), "identity": ident}
+
+
+def _print_json(obj: object) -> None:
+    import json
+
+    print(json.dumps(obj, indent=2))
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from hpkv.engine.storage.pack import NamespaceInfo, PackError, export_pack
+    from hpkv.monitor.status import read_snapshot, server_pid
+
+    cfg = _load_config_or_exit()
+    storage = cfg.storage_path
+    if not storage:
+        print(
+            "hpkv: HPKV_KV_STORAGE_PATH is empty: the storage tier is off, nothing to export", file=sys.stderr
+        )
+        return 1
+    snap = read_snapshot(cfg) or {}
+    known = snap.get("namespaces", [])
+    fp = _resolve_namespace(args.namespace, storage, known)
+    info = next((n for n in known if n["fingerprint"] == fp), None)
+    ns = (
+        NamespaceInfo(fp, info["world_size"], info["shard_bytes"], info["name"], info["block_tokens"])
+        if info
+        else None
+    )
+    model = _model_of(args.model, cfg) if args.model else None
+    try:
+        report = export_pack(storage, fp, args.out, ns, model, overwrite=args.force, name=args.name or "")
+    except (PackError, OSError) as exc:
+        print(f"hpkv: export failed: {exc}", file=sys.stderr)
+        return 1
+    pid = server_pid(cfg)
+    pending = int(snap.get("storage", {}).get("spills_pending", 0)) if snap else 0
+    note = (
+        f"server {pid} runs: blocks only in its DRAM pool ({pending} spill(s) pending now) are not in the pack"
+        if pid is not None
+        else ""
+    )
+    if args.json:
+        _print_json({**report.as_json(), "server_pid": pid, "note": note})
+        return 0
+    n = report.namespace
+    print(
+        f"hpkv: exported {report.blocks} block(s) ({report.files} file(s), {report.bytes} bytes) of namespace "
+        f"{n.fingerprint} ({n.name or 'unnamed'}, world {n.world_size}, {n.shard_bytes} B/shard) to {report.path}"
+    )
+    skipped = report.skipped_incomplete + report.skipped_corrupt + report.skipped_other
+    if skipped:
+        print(
+            f"hpkv: left out {report.skipped_incomplete} incomplete, {report.skipped_corrupt} corrupt and "
+            f"{report.skipped_other} other block(s): " + "; ".join(report.problems),
+            file=sys.stderr,
+        )
+    if note:
+        print(f"hpkv: {note}", file=sys.stderr)
+    return 0
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    from hpkv.engine.storage.pack import PackError, import_pack
+    from hpkv.monitor.status import server_pid
+
+    cfg = _load_config_or_exit()
+    storage = cfg.storage_path
+    if not storage and not args.dry_run:
+        print(
+            "hpkv: HPKV_KV_STORAGE_PATH is empty: the storage tier is off, nowhere to import", file=sys.stderr
+        )
+        return 1
+    expect_ns = args.namespace.lower() if args.namespace else None
+    expect_model = _model_of(args.expect_model, cfg)["identity"] if args.expect_model else None
+    try:
+        report = import_pack(
+            args.pack,
+            storage or "",
+            expect_namespace=expect_ns,
+            expect_model=expect_model,
+            fsync=bool(cfg["HPKV_STORAGE_FSYNC"]),
+            dry_run=args.dry_run,
+        )
+    except (PackError, OSError) as exc:
+        if args.json:
+            _print_json({"pack": args.pack, "ok": False, "error": str(exc)})
+        print(f"hpkv: import refused, nothing written: {exc}", file=sys.stderr)
+        return 1
+    pid = server_pid(cfg)
+    if args.json:
+        _print_json({**report.as_json(), "ok": True, "server_pid": pid})
+        return 0
+    n = report.namespace
+    if report.dry_run:
+        print(
+            f"hpkv: {report.pack} verified: {report.blocks} block(s) of namespace {n.fingerprint} "
+            f"({n.name or 'unnamed'}, world {n.world_size}); nothing written (--dry-run)"
+        )
+        return 0
+    print(
+        f"hpkv: imported {report.blocks} block(s) of namespace {n.fingerprint} ({n.name or 'unnamed'}): "
+        f"{report.files_written} file(s) written ({report.bytes_written} bytes), {report.files_present} "
+        + (
+            f"already there; journaled in {report.journal}"
+            if report.journal
+            else "already there; not journaled: the namespace holds files no journal lists, so a "
+            "server's attach scans its tree (and finds these); a running server finds them by a lookup's stat"
+        )
+    )
+    if pid is not None and report.journal:
+        print(
+            f"hpkv: server {pid} finds them within HPKV_STORAGE_JOURNAL_POLL "
+            f"({cfg['HPKV_STORAGE_JOURNAL_POLL']:g} s) if it serves this namespace, else when an engine attaches it"
+        )
+    return 0
+
+
+def _add_pack_verbs(verbs) -> None:
+    p = verbs.add_parser("export", help="write a namespace's KV files into one checksummed pack file")
+    p.add_argument(
+        "--namespace", required=True, help="fingerprint, a unique prefix of it, or the name a server shows"
+    )
+    p.add_argument("out", metavar="OUT.pack", help="the pack to write (refused if it exists, unless --force)")
+    p.add_argument(
+        "--model", metavar="DIR", help="record this model's identity, for `hpkv import --expect-model`"
+    )
+    p.add_argument("--name", help="the namespace name to record when no running server names it")
+    p.add_argument("--force", action="store_true", help="replace OUT.pack if it exists")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_export)
+
+    p = verbs.add_parser("import", help="verify a pack, then write its blocks into the storage directory")
+    p.add_argument("pack", metavar="PACK", help="a pack written by `hpkv export`")
+    p.add_argument(
+        "--namespace",
+        help="refuse the pack unless it holds this namespace (its fingerprint, or 8+ leading digits)",
+    )
+    p.add_argument(
+        "--expect-model", metavar="DIR", help="refuse the pack unless it records this model's identity"
+    )
+    p.add_argument("--dry-run", action="store_true", help="verify the whole pack, write nothing")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_import)
 
 
 if __name__ == "__main__":
