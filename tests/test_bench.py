@@ -443,3 +443,25 @@ def test_bench_scale_reports_memory_scan_rate_first_hit_and_latencies_and_remove
     assert row["full_hits_after"] + row["unconfirmed_after"] == 50
     assert row["hit_after_p50_us"] > 0 and row["miss_after_p99_us"] > 0
     assert not (tmp_path / "s").exists(), "the files are removed, and the directory it made"
+
+
+def test_bench_admit_writes_every_block_under_always_and_only_reused_ones_under_reuse(tmp_path, capsys):
+    from hpkv.bench import admit
+    from hpkv.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "admit", "--json", "--users", "2", "--turns", "3", "--system-blocks", "4"]
+        + ["--turn-blocks", "2", "--one-shots", "1", "--block-kib", "16", "--pool", "64m"]
+        + ["--policies", "always,reuse:1", "--dir", str(tmp_path)]
+    )
+    assert admit.run(args) == 0
+    always, reuse = json.loads(capsys.readouterr().out)["runs"]
+    distinct = 4 + 2 * 3 * 2 + 3 * admit.ONE_SHOT_BLOCKS  # system, histories, one-shot prompts
+    assert always["files"] == distinct and always["admit_deferred"] == 0
+    assert reuse["admit_deferred"] == distinct
+    # a 64 MiB pool holds everything: written are exactly the blocks a later prompt hit,
+    # the system prompt and every history block but the last turn's; no one-shot block
+    assert reuse["files"] == reuse["admitted"] == 4 + 2 * 2 * 2
+    assert always["after_restart"]["recomputed"] == 2 * 4, "only the new message is recomputed"
+    assert reuse["after_restart"]["recomputed"] == 2 * (2 + 4), "and the last turn, never reused"
+    assert os.listdir(tmp_path) == [], "the storage directories are removed"
