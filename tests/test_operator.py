@@ -17,6 +17,7 @@ import pytest
 from hpkv.io_workers import kvfile
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import HpkvError
+from hpkv.protocol.events import REMOVED
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.protocol.wire import Tier
 from hpkv.testing.server import ServerProcess, client_of, private_env, wait_for
@@ -300,3 +301,15 @@ def test_a_group_member_may_not_evict_prefetch_pin_or_unpin(tmp_path):
             assert ns.counters()["bytes_pinned_operator"] == 0
         finally:
             ns.close()
+
+
+def test_evicted_blocks_are_published_as_removed_kv_events(srv):
+    ns = Ns(srv, "evict-events", 2)
+    try:
+        start = ns.c.events(ns.h.ns_id, -1)  # the namespace's log starts now
+        cli_json(srv, "evict", "--namespace", ns.fp, "--tier", "all")
+        got = ns.c.events(ns.h.ns_id, start.seq).records
+        removed = REMOVED | Tier.DRAM, REMOVED | Tier.STORAGE
+        assert sorted(got) == sorted((k, code) for k in ns.keys for code in removed), got
+    finally:
+        ns.close()

@@ -526,6 +526,7 @@ class OperatorCalls(ControlCalls):
                 if running and time.monotonic() < deadline:
                     return None
                 loaded = sum(self.index.in_dram(ns, k) for k in keys)
+                self._publish_pool_gauges()  # `hpkv status` right after shows what it loaded
             out = {
                 "ok": True,
                 "namespace": self._ns_reply(ns),

@@ -748,7 +748,7 @@ class FileTier:
         """``ns``'s keys with files `hpkv evict` may delete (server lock held): not being
         promoted, written or read, their block neither pinned nor reserved; the rest counted."""
         out: list[bytes] = []
-        skipped = {"pinned": 0, "reserved": 0, "in_io": 0}
+        skipped = {"pinned": 0, "reserved": 0, "in_io": 0, "recent": 0, "in_use": 0}
         for k in self.catalog.keys_of(ns):
             b = self.index.blocks.get(k)
             if k in self._promoting or (b is not None and b.state != State.READY):
