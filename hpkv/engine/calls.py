@@ -418,6 +418,10 @@ class OperatorCalls(ControlCalls):
             ns = self._ns_named(msg)
             reply["namespace"] = self._ns_reply(ns)
             cutoff = None if older is None else time.monotonic() - older
+            if tier != "dram" and ft is not None and self._evicting_files:  # before DRAM changes
+                raise HpkvError(
+                    "another `hpkv evict` is deleting files; try again when it ends", -errno.EBUSY
+                )
             if tier in ("dram", "all"):
                 victims, skipped = self.index.dram_victims(ns, cutoff)
                 n = len(victims) if dry else self.index.drop_dram(victims)
@@ -427,10 +431,6 @@ class OperatorCalls(ControlCalls):
             if tier == "dram" or ft is None:
                 log.info("operator evict (pid %d) of namespace %s from DRAM: %s", conn.pid, ns.ns_id, reply)
                 return reply
-            if self._evicting_files:
-                raise HpkvError(
-                    "another `hpkv evict` is deleting files; try again when it ends", -errno.EBUSY
-                )
             keys, skipped_s = ft.file_victims(ns)
             if cutoff is not None:  # a block used from DRAM lately is in use, whatever its files say
                 recent = {k for k in keys if (b := self.index.blocks.get(k)) is not None and b.used > cutoff}
