@@ -156,6 +156,209 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return int(module.run(args) or 0)
 
 
+# ------------------------------------------------------------------ operator verbs
+# hpkv evict / prefetch / pin / unpin: one control call each (hpkv.engine.calls.OperatorCalls).
+
+_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def _duration(text: str) -> float:
+    """``--older-than``: ``90``, ``90s``, ``10m``, ``2h``, ``1d`` → seconds (>= 0)."""
+    t = text.strip().lower()
+    unit = _DURATION_UNITS.get(t[-1:])
+    try:
+        value = float(t[:-1] if unit else t) * (unit or 1.0)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value < 1e9:  # also nan and inf
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration such as 90s, 10m, 2h or 1d")
+    return value
+
+
+def _size(text: str) -> int:
+    from hpkv.config import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 512m or 2g") from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
+def _read_keys_file(path: str) -> list[bytes]:
+    """One hpkv key in hex per line (blank lines and # comments skipped); a bad line is named."""
+    from hpkv.protocol.keys import KEY_BYTES
+
+    keys = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            t = line.split("#", 1)[0].strip()
+            if not t:
+                continue
+            try:
+                k = bytes.fromhex(t)
+            except ValueError:
+                k = b""
+            if len(k) != KEY_BYTES:
+                raise ValueError(f"{path}:{n}: {t[:64]!r} is not a key of {2 * KEY_BYTES} hex digits")
+            keys.append(k)
+    if not keys:
+        raise ValueError(f"{path}: no keys in it")
+    return keys
+
+
+def _skipped(sk: dict) -> str:
+    shown = [f"{n} {why.replace('_', ' ')}" for why, n in sk.items() if n]
+    return f"; skipped {', '.join(shown)}" if shown else ""
+
+
+def _format_operator(op: str, r: dict) -> str:
+    from hpkv.config import format_size
+
+    ns = r["namespace"]
+    who = f"namespace {ns['id']} {ns['fingerprint'][:12]} {ns['name']!r}"
+    if op == "evict":
+        verb = "would drop" if r["dry_run"] else "dropped"
+        lines = [f"hpkv evict: {who}{' (dry run: nothing dropped)' if r['dry_run'] else ''}"]
+        for tier in ("dram", "storage"):
+            t = r.get(tier)
+            if t is not None:
+                files = f", {t['files']} file(s)" if tier == "storage" else ""
+                what = f"{t['blocks']} block(s), {format_size(t['bytes'])}{files}"
+                lines.append(f"  {tier:8} {verb} {what}{_skipped(t['skipped'])}")
+        return "\n".join(lines)
+    if op == "prefetch":
+        out = (
+            f"hpkv prefetch: {who}: loaded {r['blocks']} block(s), {format_size(r['bytes'])} into DRAM "
+            f"in {r['seconds']:.3f}s (budget {format_size(r['budget_bytes'])}, pool free "
+            f"{format_size(r['free_bytes'])})"
+        )
+        if r["failed"]:
+            out += f"; {r['failed']} failed (files gone or unreadable: see server.log)"
+        if r["still_reading"]:
+            out += f"; {r['still_reading']} still being read at the timeout (they land in DRAM later)"
+        if r["degraded"]:
+            out += "; storage is degraded: nothing was read"
+        return out
+    if op == "pin":
+        out = (
+            f"hpkv pin: {who}: pinned {r['pinned']} block(s), {format_size(r['bytes'])}; operator pins "
+            f"now {format_size(r['namespace_pinned_bytes'])} in this namespace, "
+            f"{format_size(r['operator_pinned_bytes'])} of {format_size(r['cap_bytes'])} "
+            "(HPKV_OPERATOR_PIN_MAX) in all"
+        )
+        if r["not_in_dram"]:
+            out += f"; {r['not_in_dram']} key(s) not in DRAM, not pinned (`hpkv prefetch` first)"
+        return out
+    return (
+        f"hpkv unpin: {who}: unpinned {r['unpinned']} block(s), {format_size(r['bytes'])}; operator pins "
+        f"now {format_size(r['operator_pinned_bytes'])} in all"
+    )
+
+
+def _cmd_operator(args: argparse.Namespace) -> int:
+    import json
+
+    from hpkv.client.control import operator_call
+    from hpkv.protocol.errors import HpkvError
+
+    cfg = _load_config_or_exit()
+    op = args.verb
+    kw: dict = {"namespace": args.namespace}
+    timeout = args.timeout
+    if op == "evict":
+        kw |= {"tier": args.tier, "older_than_s": args.older_than, "dry_run": args.dry_run}
+    elif op == "prefetch":
+        kw |= {"max_bytes": args.max_bytes, "newest": args.newest, "timeout_s": args.timeout}
+        timeout = args.timeout + 30.0  # the server answers within its bound
+    elif args.all:
+        kw["all"] = True
+    else:
+        try:
+            kw["keys"] = [k.hex() for k in _read_keys_file(args.keys_file)]
+        except (OSError, ValueError) as exc:
+            print(f"hpkv {op}: {exc}", file=sys.stderr)
+            return 2
+    try:
+        if "keys" in kw:  # a control line holds at most 1 MiB: calls of 20000 keys
+            from hpkv.engine.calls import MAX_OPERATOR_KEYS
+
+            keys, replies = kw.pop("keys"), []
+            for i in range(0, len(keys), MAX_OPERATOR_KEYS):
+                replies.append(operator_call(cfg, op, timeout, keys=keys[i : i + MAX_OPERATOR_KEYS], **kw))
+            reply = _merge_replies(replies)
+        else:
+            reply = operator_call(cfg, op, timeout, **kw)
+    except HpkvError as exc:
+        print(f"hpkv {op}: {exc}", file=sys.stderr)
+        return 1
+    reply.pop("ok", None)
+    print(json.dumps(reply, indent=2) if args.json else _format_operator(op, reply))
+    return 0
+
+
+def _merge_replies(replies: list[dict]) -> dict:
+    """pin/unpin sent in several calls: counts added, the totals of the last one."""
+    out = dict(replies[-1])
+    for key in ("pinned", "unpinned", "bytes", "not_in_dram"):
+        if key in out:
+            out[key] = sum(r[key] for r in replies)
+    if "not_in_dram_keys" in out:
+        out["not_in_dram_keys"] = [k for r in replies for k in r["not_in_dram_keys"]][:10]
+    return out
+
+
+def _add_operator_verbs(verbs: argparse._SubParsersAction) -> None:
+    ns_help = "the namespace: its id, a fingerprint prefix or its name, as `hpkv status` shows them"
+
+    def common(p: argparse.ArgumentParser, timeout: float = 120.0) -> None:
+        p.add_argument("--namespace", required=True, help=ns_help)
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+        p.add_argument(
+            "--timeout", type=_positive_seconds, default=timeout, help=f"seconds (default {timeout:g})"
+        )
+        p.set_defaults(func=_cmd_operator)
+
+    p = verbs.add_parser(
+        "evict", help="drop a namespace's blocks from DRAM and/or storage (not pinned or in use)"
+    )
+    common(p)
+    p.add_argument(
+        "--older-than", type=_duration, default=None, help="only blocks not used for this long (10m, 2h, 1d)"
+    )
+    p.add_argument(
+        "--tier", choices=["dram", "storage", "all"], default="dram", help="where to drop them (default dram)"
+    )
+    p.add_argument("--dry-run", action="store_true", help="say what would be dropped, drop nothing")
+
+    p = verbs.add_parser("prefetch", help="read a namespace's storage blocks into DRAM, newest first")
+    common(p, timeout=30.0)
+    p.add_argument(
+        "--max-bytes", type=_size, default=None, help="at most this much (default: what is free in the pool)"
+    )
+    p.add_argument(
+        "--newest", type=_positive_int, default=None, help="at most the N most recently used blocks"
+    )
+
+    for verb, what in (("pin", "keep blocks in DRAM until unpinned"), ("unpin", "release operator pins")):
+        p = verbs.add_parser(verb, help=f"{what} (HPKV_OPERATOR_PIN_MAX)")
+        common(p)
+        which = p.add_mutually_exclusive_group(required=True)
+        which.add_argument("--keys-file", metavar="FILE", help="hpkv keys in hex, one per line")
+        which.add_argument(
+            "--all", action="store_true", help="all the namespace's DRAM blocks (unpin: all its pins)"
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hpkv", description="hpkv: tiered KV-cache offload engine for vLLM and SGLang"
@@ -223,6 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds each check may take before it is reported as not answering (a hung mount); default 10",
     )
     p.set_defaults(func=_cmd_doctor)
+
+    _add_operator_verbs(verbs)
 
     p = verbs.add_parser("bench", help="benchmarks that print ratios measured in one run")
     benches = p.add_subparsers(dest="bench", metavar="NAME")

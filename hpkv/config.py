@@ -207,6 +207,14 @@ def parse_percent(text: str) -> float:
     return value
 
 
+def parse_pool_share(text: str) -> int | float:
+    """``'25%'`` → 25.0 (a float: percent of HPKV_KV_MEM_POOL_SIZE), ``'2g'`` → bytes (an int)."""
+    t = text.strip()
+    if t.endswith("%"):
+        return parse_percent(t)
+    return parse_size(t)
+
+
 def _min_size(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = parse_size(text)
@@ -528,6 +536,14 @@ KEYS: dict[str, Key] = {
             "a pin or reservation not released within this many seconds is released by the server (a "
             "save made for a released reservation afterwards is refused, nothing written; pins wait for"
             " the loads already queued) (0 = no lease)",
+        ),
+        Key(
+            "HPKV_OPERATOR_PIN_MAX",
+            "25%",
+            parse_pool_share,
+            SIZE_FORM + ", or a percentage of HPKV_KV_MEM_POOL_SIZE, e.g. 25%",
+            "DRAM an operator may pin with `hpkv pin` (all namespaces together); a pin beyond it is "
+            "refused. Operator pins have no lease: they hold until `hpkv unpin` or the server's restart",
         ),
         Key(
             "HPKV_MAX_CONTROL_CONNECTIONS",

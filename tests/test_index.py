@@ -248,3 +248,21 @@ def test_a_block_is_sealed_when_its_last_rank_commits_and_dropped_if_a_save_stil
     assert idx.fenced == [(torn_slots[1], 4096)]  # back to the allocator once that copy ends
     busy.clear()
     assert idx.reclaim_fenced() == 1 and idx.alloc.used == 2 * 4096
+
+
+def test_operator_pins_have_no_lease_count_once_per_key_and_stop_at_the_cap():
+    from hpkv.engine.index import PinCapExceeded
+
+    idx, ns = make(capacity_slots=4)
+    keys = block_keys(FP, [b"a", b"b", b"c"])
+    put(idx, keys)
+    assert idx.operator_pin(ns, keys[:2], cap=2 * SLOT) == (2, 2 * SLOT, [])
+    assert idx.operator_pin(ns, keys[:2], cap=2 * SLOT) == (0, 0, [])  # pinned already: no change
+    with pytest.raises(PinCapExceeded):
+        idx.operator_pin(ns, keys[2:], cap=2 * SLOT)
+    assert idx.expired_pins(lease=0.0, now=1e12) == {}  # a client's pins would all be due
+    victims, skipped = idx.dram_victims(ns, cutoff=None)
+    assert [b.key for b in victims] == [keys[2]] and skipped["pinned"] == 2
+    assert ns.counters[NsCounter.BYTES_PINNED_OPERATOR] == 2 * SLOT
+    assert idx.operator_unpin(ns, None) == (2, 2 * SLOT)
+    assert ns.counters[NsCounter.BYTES_PINNED_OPERATOR] == 0 and idx.pinned_bytes == 0

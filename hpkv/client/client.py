@@ -143,6 +143,35 @@ class HpkvClient:
     def shutdown_server(self) -> None:
         self.call("shutdown", pid=os.getpid())
 
+    # Operator calls (`hpkv evict`, `prefetch`, `pin`, `unpin`): only the server's own uid may
+    # make them. ``namespace`` is an id, a fingerprint prefix or a name, as `hpkv status` shows.
+    def evict(
+        self, namespace: str, tier: str = "dram", older_than_s: float | None = None, dry_run: bool = False
+    ) -> dict[str, Any]:
+        return self.call("evict", namespace=namespace, tier=tier, older_than_s=older_than_s, dry_run=dry_run)
+
+    def prefetch(
+        self,
+        namespace: str,
+        max_bytes: int | None = None,
+        newest: int | None = None,
+        timeout_s: float = 30.0,
+    ) -> dict[str, Any]:
+        return self._control(
+            "prefetch",
+            {"namespace": namespace, "max_bytes": max_bytes, "newest": newest, "timeout_s": timeout_s},
+            timeout_s + 30.0,
+        )
+
+    def operator_pin(self, namespace: str, keys: Sequence[bytes] | None = None) -> dict[str, Any]:
+        """Pin ``keys`` (all the namespace's DRAM blocks: None) until :meth:`operator_unpin`."""
+        sel = {"all": True} if keys is None else {"keys": [k.hex() for k in keys]}
+        return self.call("pin", namespace=namespace, **sel)
+
+    def operator_unpin(self, namespace: str, keys: Sequence[bytes] | None = None) -> dict[str, Any]:
+        sel = {"all": True} if keys is None else {"keys": [k.hex() for k in keys]}
+        return self.call("unpin", namespace=namespace, **sel)
+
     # ---------------------------------------------------------------- hot calls (rings)
     def _rpc(
         self,

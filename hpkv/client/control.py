@@ -12,6 +12,7 @@ import sys
 import time
 
 from hpkv.config import Config
+from hpkv.protocol.errors import HpkvUnavailable, raise_refusal
 from hpkv.protocol.wire import SOCKET_FILE, live_server_pid
 
 
@@ -68,3 +69,26 @@ def _describe_drain(outcome: dict | None) -> str:
     if outcome["pending"]:
         return f"; {outcome['pending']} pending block(s) written to storage first ({outcome['seconds']:g}s)"
     return "; nothing was pending"
+
+
+def operator_call(cfg: Config, op: str, timeout: float, **kwargs: object) -> dict:
+    """One operator call (``evict``, ``prefetch``, ``pin``, ``unpin``) on the server's socket,
+    without becoming a client (no rings, no hello): its reply, or :class:`HpkvError` with the
+    server's reason (:class:`HpkvUnavailable` when no server answers within ``timeout``)."""
+    if live_server_pid(cfg.pool_dir) is None:
+        raise HpkvUnavailable(f"no server is running for the pool directory {cfg.pool_dir}")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(os.path.join(cfg.pool_dir, SOCKET_FILE))
+        s.sendall(json.dumps({"op": op, "pid": os.getpid(), **kwargs}).encode() + b"\n")
+        line = s.makefile("rb").readline()
+    except OSError as exc:
+        raise HpkvUnavailable(f"hpkv {op}: the server did not answer: {exc}") from None
+    finally:
+        s.close()
+    if not line:
+        raise HpkvUnavailable(f"hpkv {op}: the server closed the connection")
+    reply = json.loads(line)
+    raise_refusal(reply, f"hpkv {op}")
+    return reply

@@ -1,6 +1,7 @@
 """The server's control calls (hello, hold, stats, shutdown, namespace, register_device,
-clear, events, time_saved): one line of JSON in, its reply out. :class:`hpkv.engine.control.ControlTransport`
-carries the lines; these methods run on its thread and answer them.
+clear, events, time_saved; the operator's evict, prefetch, pin, unpin): one line of JSON in,
+its reply out. :class:`hpkv.engine.control.ControlTransport` carries the lines; these methods
+run on its thread and answer them.
 
 :class:`ControlCalls` is a part of :class:`hpkv.engine.server.Server` (its base class), like
 :class:`hpkv.engine.registry.Registry`, on the server's state and under its lock.
@@ -13,6 +14,7 @@ import errno
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,12 +22,17 @@ from typing import Any
 
 from hpkv.common.proc import PID_MAX, valid_pid
 from hpkv.common.text import printable
+from hpkv.config import format_size
 from hpkv.engine.control import Conn, ControlTransport
 from hpkv.engine.devices import int_arg
 from hpkv.engine.events import MAX_READ, NsEventLog
+from hpkv.engine.index import Namespace, PinCapExceeded, State
 from hpkv.engine.registry import MAX_NAME, Client
+from hpkv.engine.storage.tier import FileTier
 from hpkv.engine.supervisor import Supervision
+from hpkv.io_workers import kvfile
 from hpkv.protocol.errors import TOO_MANY_CONNECTIONS, HpkvError, NamespaceNotAttached, Status, refusal
+from hpkv.protocol.keys import KEY_BYTES
 from hpkv.protocol.stats import MAX_NS, TIERS, G, NsCounter
 
 log = logging.getLogger("hpkv.server")
@@ -66,6 +73,9 @@ class ControlCalls(Supervision):
     _stop_waiters: list[ServerConn]
     _control_handlers: dict[str, Callable[[ServerConn, dict[str, Any]], dict[str, Any] | None]]
 
+    def _operator_round(self) -> bool:  # OperatorCalls
+        return False
+
     def _reply_to_stop_waiters(self) -> None:
         reply = {"ok": True, "stopped": True, **self.stop_outcome}
         with self.lock:
@@ -77,6 +87,8 @@ class ControlCalls(Supervision):
         """The control thread's own work each round: answer `hpkv stop` once the drain is done."""
         if self.stop_outcome and self._stop_waiters:
             self._reply_to_stop_waiters()
+        if self._operator_round():
+            return 0.02
         return 0.1 if self.stopping else 0.5
 
     def _control_line(self, conn: ServerConn, line: bytes) -> dict[str, Any] | None:
@@ -282,3 +294,334 @@ class ControlCalls(Supervision):
             for counter, n in adds:
                 ns.counters[counter] += n
         return {"ok": True}
+
+
+# ---------------------------------------------------------------------------------------------
+# Operator calls: `hpkv evict`, `hpkv prefetch`, `hpkv pin`, `hpkv unpin`. Only the uid that runs
+# the server may make them (a member of HPKV_ALLOW_GROUP is an engine, not an operator), and they
+# need no `hello`: the CLI sends one line and reads one reply. Work that touches the storage
+# file system (evict) or waits for IO workers (prefetch) is answered later by the control
+# thread (:meth:`OperatorCalls._operator_round`), never on the request loop.
+
+MAX_OPERATOR_KEYS = 20_000  # hex keys in one pin/unpin call (a control line holds at most 1 MiB)
+MAX_PREFETCH_WAIT_S = 600.0
+TIERS_EVICTED = ("dram", "storage", "all")
+
+
+@dataclass
+class OperatorJob:
+    """A call answered once ``poll()`` returns its reply (the control thread asks every round)."""
+
+    conn: ServerConn
+    poll: Callable[[], dict[str, Any] | None]
+
+
+class OperatorCalls(ControlCalls):
+    """The operator's control calls (see the block comment above)."""
+
+    _operator_jobs: list[OperatorJob]
+    _evicting_files: bool
+
+    def _operator_round(self) -> bool:
+        """Answer the operator jobs that finished; True while some are left (poll sooner)."""
+        if not self._operator_jobs:
+            return False
+        left = []
+        for job in self._operator_jobs:
+            try:
+                reply = job.poll()
+            except Exception as exc:  # noqa: BLE001 - a failed job is answered, the thread goes on
+                self._errors.log(logging.ERROR, "operator-internal", "operator call failed", exc_info=True)
+                reply = refusal(Status.INTERNAL, f"{type(exc).__name__}: {exc}")
+            if reply is None:
+                left.append(job)
+            else:
+                self.control.send(job.conn, reply)
+        self._operator_jobs = left
+        return bool(left)
+
+    def _operator(self, conn: ServerConn, what: str) -> None:
+        """Refuse a caller that is not the server's own uid (as `shutdown` does)."""
+        if conn.uid != os.geteuid():
+            log.warning(
+                "refused %s from pid %d (uid %d): only uid %d may make operator calls",
+                what,
+                conn.pid,
+                conn.uid,
+                os.geteuid(),
+            )
+            raise HpkvError(
+                f"only uid {os.geteuid()}, who runs this hpkv server, may {what} "
+                "(members of HPKV_ALLOW_GROUP may use the cache, not operate it)",
+                -errno.EACCES,
+            )
+
+    def _ns_named(self, msg: dict[str, Any]) -> Namespace:
+        """The namespace ``msg["namespace"]`` names: its id, a fingerprint prefix or its name (as
+        `hpkv status` shows them). Unknown or ambiguous: refused, naming the value."""
+        sel = msg.get("namespace")
+        if not isinstance(sel, str) or not sel.strip():
+            raise ValueError("'namespace' must be a namespace id, fingerprint prefix or name")
+        sel = sel.strip()
+        known = list(self.index.namespaces.values())
+        if sel.isdigit():
+            found = [ns for ns in known if ns.ns_id == int(sel)]
+        else:
+            found = [ns for ns in known if ns.name == sel]
+            if not found and all(c in "0123456789abcdef" for c in sel.lower()):
+                found = [ns for ns in known if ns.fingerprint.startswith(sel.lower())]
+        if len(found) == 1:
+            return found[0]
+        names = ", ".join(f"{ns.ns_id} {ns.fingerprint[:12]} {ns.name!r}" for ns in known) or "none"
+        if found:
+            raise HpkvError(
+                f"namespace {printable(sel, 96)!r} is ambiguous: it matches "
+                + ", ".join(f"{ns.ns_id} {ns.fingerprint[:12]}" for ns in found)
+                + "; give more of the fingerprint or the id",
+                -errno.EINVAL,
+            )
+        raise HpkvError(
+            f"no namespace {printable(sel, 96)!r} on this server (known: {names}); `hpkv status` lists them",
+            -errno.ENOENT,
+        )
+
+    def _file_tier(self) -> FileTier | None:
+        return next((t for t in self.tiers.tiers if isinstance(t, FileTier)), None)
+
+    def _operator_pin_cap(self) -> int:
+        v = self.cfg["HPKV_OPERATOR_PIN_MAX"]
+        return int(self.pool.size * v / 100.0) if isinstance(v, float) else int(v)
+
+    @staticmethod
+    def _ns_reply(ns: Namespace) -> dict[str, Any]:
+        return {"id": ns.ns_id, "fingerprint": ns.fingerprint, "name": ns.name}
+
+    # ------------------------------------------------------------ hpkv evict
+    def _ctl_evict(self, conn: ServerConn, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """Drop a namespace's blocks from DRAM and/or storage (all of them, or those not used for
+        ``older_than_s``), never pinned, reserved, promoting or in-IO ones (counted as skipped).
+        DRAM is answered at once; storage files are deleted on a thread of this call (the
+        catalog's forget path: journals, capacity accounting, KV events) and answered after."""
+        self._operator(conn, "evict blocks")
+        tier = msg.get("tier", "dram")
+        if tier not in TIERS_EVICTED:
+            raise ValueError(f"tier {tier!r} is not one of {', '.join(TIERS_EVICTED)}")
+        older = msg.get("older_than_s")
+        if older is not None and (not isinstance(older, int | float) or not 0 <= older < 1e9):
+            raise ValueError(f"older_than_s {older!r} is not a number of seconds >= 0")
+        dry = bool(msg.get("dry_run"))
+        ft = self._file_tier()
+        if tier == "storage" and ft is None:
+            raise HpkvError("this server has no storage tier (HPKV_KV_STORAGE_PATH is empty)", -errno.ENOENT)
+        reply: dict[str, Any] = {"ok": True, "dry_run": dry, "tier": tier}
+        with self.lock:
+            ns = self._ns_named(msg)
+            reply["namespace"] = self._ns_reply(ns)
+            cutoff = None if older is None else time.monotonic() - older
+            if tier != "dram" and ft is not None and self._evicting_files:  # before DRAM changes
+                raise HpkvError(
+                    "another `hpkv evict` is deleting files; try again when it ends", -errno.EBUSY
+                )
+            if tier in ("dram", "all"):
+                victims, skipped = self.index.dram_victims(ns, cutoff)
+                n = len(victims) if dry else self.index.drop_dram(victims)
+                if not dry:
+                    self._publish_pool_gauges()
+                reply["dram"] = {"blocks": n, "bytes": n * ns.slot_bytes * ns.world_size, "skipped": skipped}
+            if tier == "dram" or ft is None:
+                log.info("operator evict (pid %d) of namespace %s from DRAM: %s", conn.pid, ns.ns_id, reply)
+                return reply
+            keys, skipped_s = ft.file_victims(ns)
+            if cutoff is not None:  # a block used from DRAM lately is in use, whatever its files say
+                recent = {k for k in keys if (b := self.index.blocks.get(k)) is not None and b.used > cutoff}
+                skipped_s["recent"] = len(recent)
+                keys = [k for k in keys if k not in recent]
+            self._evicting_files = True
+        self._evict_files(conn, ns, ft, keys, skipped_s, older, dry, reply)
+        return None
+
+    def _evict_files(
+        self,
+        conn: ServerConn,
+        ns: Namespace,
+        ft: FileTier,
+        keys: list[bytes],
+        skipped_s: dict[str, int],
+        older: float | None,
+        dry: bool,
+        reply: dict[str, Any],
+    ) -> None:
+        """`hpkv evict`'s storage part, on a thread of its own (stat and unlink may wait on the
+        mount); the control thread answers ``reply`` with its outcome once it ends."""
+        file_bytes = ns.world_size * kvfile.file_size(ns.shard_bytes)
+        result: dict[str, Any] = {}
+
+        def delete() -> None:
+            try:
+                chosen = keys
+                if older is not None:
+                    wall_cutoff = time.time_ns() - int(older * 1e9)
+                    chosen = [k for k in keys if ft.last_used_ns(ns, k) <= wall_cutoff]
+                    skipped_s["recent"] += len(keys) - len(chosen)
+                if dry:
+                    gone, files = chosen, len(chosen) * ns.world_size
+                else:
+                    gone, files = ft.delete_files(ns, chosen)
+                    skipped_s["in_use"] = len(chosen) - len(gone)  # came into use meanwhile
+                result["storage"] = {
+                    "blocks": len(gone),
+                    "bytes": len(gone) * file_bytes,
+                    "files": files,
+                    "skipped": skipped_s,
+                }
+            except Exception as exc:  # noqa: BLE001 - answered as a refusal by the control thread
+                result["error"] = exc
+            finally:
+                result["done"] = True
+
+        def answer() -> dict[str, Any] | None:
+            if not result.get("done"):
+                return None
+            with self.lock:
+                self._evicting_files = False
+            if "error" in result:
+                exc = result["error"]
+                return refusal(Status.INTERNAL, f"deleting files failed: {type(exc).__name__}: {exc}")
+            reply["storage"] = result["storage"]
+            log.info("operator evict (pid %d) of namespace %s: %s", conn.pid, ns.ns_id, reply)
+            return reply
+
+        threading.Thread(target=delete, name="hpkv-evict", daemon=True).start()
+        self._operator_jobs.append(OperatorJob(conn, answer))
+
+    # ------------------------------------------------------------ hpkv prefetch
+    def _ctl_prefetch(self, conn: ServerConn, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """Read a namespace's storage blocks into DRAM, most recently used first, within
+        ``max_bytes`` (default and at most: what is free in the pool, so nothing is evicted for
+        it) and ``newest`` blocks; answered when the reads end or after ``timeout_s``."""
+        self._operator(conn, "prefetch blocks")
+        max_bytes = msg.get("max_bytes")
+        if max_bytes is not None:
+            max_bytes = int_arg(msg, "max_bytes", 0, 1 << 50)
+        newest = None if msg.get("newest") is None else int_arg(msg, "newest", 1, 1 << 40)
+        wait = msg.get("timeout_s", 30.0)
+        if not isinstance(wait, int | float) or not 0 < wait <= MAX_PREFETCH_WAIT_S:
+            raise ValueError(f"timeout_s {wait!r} is not a number of seconds in (0, {MAX_PREFETCH_WAIT_S:g}]")
+        ft = self._file_tier()
+        if ft is None:
+            raise HpkvError("this server has no storage tier (HPKV_KV_STORAGE_PATH is empty)", -errno.ENOENT)
+        t0 = time.monotonic()
+        with self.lock:
+            ns = self._ns_named(msg)
+            free = self.index.alloc.free_bytes
+            budget = free if max_bytes is None else min(max_bytes, free)
+            keys = ft.prefetch(ns, budget, newest)
+            degraded = ft.degraded
+        deadline = t0 + wait
+        size = ns.slot_bytes * ns.world_size
+
+        def answer() -> dict[str, Any] | None:
+            with self.lock:
+                running = sum(ft.promoting(k) for k in keys)
+                if running and time.monotonic() < deadline:
+                    return None
+                loaded = sum(self.index.in_dram(ns, k) for k in keys)
+                self._publish_pool_gauges()  # `hpkv status` right after shows what it loaded
+            out = {
+                "ok": True,
+                "namespace": self._ns_reply(ns),
+                "blocks": loaded,
+                "bytes": loaded * size,
+                "queued": len(keys),
+                "failed": len(keys) - loaded - running,
+                "still_reading": running,
+                "budget_bytes": budget,
+                "free_bytes": free,
+                "seconds": round(time.monotonic() - t0, 3),
+                "degraded": degraded,
+            }
+            log.info("operator prefetch (pid %d) of namespace %s: %s", conn.pid, ns.ns_id, out)
+            return out
+
+        reply = answer()
+        if reply is None:
+            self._operator_jobs.append(OperatorJob(conn, answer))
+        return reply
+
+    # ------------------------------------------------------------ hpkv pin / unpin
+    def _operator_keys(self, msg: dict[str, Any]) -> list[bytes] | None:
+        """``msg["keys"]`` (hex strings) as keys, None with ``all``; a bad key is refused by value."""
+        if msg.get("all"):
+            if msg.get("keys"):
+                raise ValueError("give 'keys' or 'all', not both")
+            return None
+        raw = msg.get("keys")
+        if not isinstance(raw, list) or not raw:
+            raise ValueError("'keys' must be a non-empty list of hex keys (or 'all': true)")
+        if len(raw) > MAX_OPERATOR_KEYS:
+            raise ValueError(f"{len(raw)} keys in one call, more than {MAX_OPERATOR_KEYS}: split it")
+        out = []
+        for i, k in enumerate(raw):
+            if not isinstance(k, str) or len(k) != 2 * KEY_BYTES:
+                raise ValueError(f"key {i + 1} {printable(k, 64)!r} is not {2 * KEY_BYTES} hex digits")
+            try:
+                out.append(bytes.fromhex(k))
+            except ValueError:
+                raise ValueError(
+                    f"key {i + 1} {printable(k, 64)!r} is not {2 * KEY_BYTES} hex digits"
+                ) from None
+        return out
+
+    def _ctl_pin(self, conn: ServerConn, msg: dict[str, Any]) -> dict[str, Any]:
+        """Pin a namespace's DRAM blocks against eviction until `hpkv unpin` or the server's
+        restart (no lease), within HPKV_OPERATOR_PIN_MAX bytes in all namespaces together."""
+        self._operator(conn, "pin blocks")
+        keys = self._operator_keys(msg)
+        cap = self._operator_pin_cap()
+        with self.lock:
+            ns = self._ns_named(msg)
+            if keys is None:
+                keys = [k for k, b in self.index.blocks.items() if b.ns is ns and b.state == State.READY]
+            try:
+                n, nbytes, missing = self.index.operator_pin(ns, keys, cap)
+            except PinCapExceeded as exc:
+                raise HpkvError(
+                    f"pinning these blocks would make {format_size(exc.total)} pinned by the operator, "
+                    f"over HPKV_OPERATOR_PIN_MAX ({format_size(cap)}); unpin some (`hpkv unpin`) or "
+                    "raise HPKV_OPERATOR_PIN_MAX",
+                    -errno.ENOSPC,
+                ) from None
+            self._publish_pool_gauges()
+            total = self.index.operator_pinned_bytes()
+            ns_bytes = int(ns.counters[NsCounter.BYTES_PINNED_OPERATOR])
+        log.info(
+            "operator pin (pid %d) in namespace %s: %d block(s), %d byte(s)", conn.pid, ns.ns_id, n, nbytes
+        )
+        return {
+            "ok": True,
+            "namespace": self._ns_reply(ns),
+            "pinned": n,
+            "bytes": nbytes,
+            "not_in_dram": len(missing),
+            "not_in_dram_keys": [k.hex() for k in missing[:10]],
+            "namespace_pinned_bytes": ns_bytes,
+            "operator_pinned_bytes": total,
+            "cap_bytes": cap,
+        }
+
+    def _ctl_unpin(self, conn: ServerConn, msg: dict[str, Any]) -> dict[str, Any]:
+        self._operator(conn, "unpin blocks")
+        keys = self._operator_keys(msg)
+        with self.lock:
+            ns = self._ns_named(msg)
+            n, nbytes = self.index.operator_unpin(ns, keys)
+            self._publish_pool_gauges()
+            total = self.index.operator_pinned_bytes()
+        log.info("operator unpin (pid %d) in namespace %s: %d block(s)", conn.pid, ns.ns_id, n)
+        return {
+            "ok": True,
+            "namespace": self._ns_reply(ns),
+            "unpinned": n,
+            "bytes": nbytes,
+            "operator_pinned_bytes": total,
+        }

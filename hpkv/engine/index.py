@@ -63,6 +63,9 @@ from hpkv.protocol.errors import NamespaceNotAttached, NotOwner
 from hpkv.protocol.stats import NS_COUNTERS, NsCounter
 from hpkv.protocol.wire import Tier
 
+# The owner of operator pins (`hpkv pin`): no client, so no lease and no client's exit ends them.
+OPERATOR = -1
+
 
 class State(IntEnum):
     RESERVED = 1
@@ -110,6 +113,7 @@ class Block:
         "no_spill",
         "since",
         "retired",
+        "used",
     )
 
     def __init__(self, key: bytes, ns: Namespace, slots: list[int], owner: int):
@@ -124,6 +128,7 @@ class Block:
         self.no_spill = False  # storage on, but this block will not get files
         self.since = time.monotonic()  # when reserved (the reservation's lease starts)
         self.retired = False  # RESERVED, released, waiting for its copies to end
+        self.used = self.since  # when last committed, loaded or promoted (`hpkv evict --older-than`)
 
     @property
     def in_dram(self) -> bool:
@@ -201,6 +206,8 @@ class Index:
         )
 
     def _refresh(self, b: Block, touch: bool = False) -> None:
+        if touch:
+            b.used = time.monotonic()
         if self._is_evictable(b):
             if touch or b.key not in self._lru:
                 self._lru[b.key] = None
@@ -503,7 +510,7 @@ class Index:
         return {
             o: ks
             for o, held in self.pins_by_owner.items()
-            if (ks := [k for k, rec in held.items() if now - rec[1] > lease])
+            if o != OPERATOR and (ks := [k for k, rec in held.items() if now - rec[1] > lease])
         }
 
     def drop_pins(self, keys: Iterable[bytes]) -> None:
@@ -654,3 +661,93 @@ class Index:
                 ns.events.add(k, REMOVED_DRAM)
             dropped += 1
         return dropped
+
+    # ------------------------------------------------------------ operator calls (hpkv evict, hpkv pin)
+    def dram_victims(self, ns: Namespace, cutoff: float | None) -> tuple[list[Block], dict[str, int]]:
+        """``ns``'s DRAM blocks `hpkv evict` may drop (READY, unpinned, no IO on their slots, not
+        used since monotonic time ``cutoff`` when given), and what it must skip, counted by why."""
+        out: list[Block] = []
+        skipped = {"pinned": 0, "reserved": 0, "in_io": 0, "recent": 0}
+        for b in self.blocks.values():
+            if b.ns is not ns:
+                continue
+            if b.state != State.READY:
+                skipped["reserved"] += 1  # being written (RESERVED) or read from storage (PROMOTING)
+            elif b.pins:
+                skipped["pinned"] += 1
+            elif b.io:
+                skipped["in_io"] += 1
+            elif cutoff is not None and b.used > cutoff:
+                skipped["recent"] += 1
+            else:
+                out.append(b)
+        return out, skipped
+
+    def drop_dram(self, blocks: Iterable[Block]) -> int:
+        """Drop these DRAM copies (from :meth:`dram_victims`, under the same lock hold) as
+        :meth:`clear_namespace` does; returns blocks dropped."""
+        n = 0
+        for b in blocks:
+            ns = b.ns
+            self._lru.pop(b.key, None)
+            ns.counters[NsCounter.BLOCKS_DRAM] -= 1
+            ns.counters[NsCounter.BYTES_DRAM] -= ns.slot_bytes * ns.world_size
+            self._free_slots(b)
+            self._drop_from_dram(b)
+            if ns.events is not None:
+                ns.events.add(b.key, REMOVED_DRAM)
+            n += 1
+        return n
+
+    def operator_pinned(self, ns: Namespace | None = None) -> list[bytes]:
+        """Keys the operator pinned (of ``ns`` only, when given)."""
+        held = self.pins_by_owner.get(OPERATOR, {})
+        return [k for k in held if ns is None or self._mine(ns, k) is not None]
+
+    def operator_pinned_bytes(self) -> int:
+        return sum(
+            b.ns.slot_bytes * b.ns.world_size
+            for k in self.pins_by_owner.get(OPERATOR, {})
+            if (b := self.blocks.get(k)) is not None
+        )
+
+    def operator_pin(self, ns: Namespace, keys: Iterable[bytes], cap: int) -> tuple[int, int, list[bytes]]:
+        """Pin ``ns``'s DRAM blocks of ``keys`` for the operator (once per key: pinning a pinned
+        key again changes nothing), unless the operator's pins would then exceed ``cap`` bytes
+        (then :class:`PinCapExceeded`, nothing pinned). Returns (blocks newly pinned, their bytes,
+        keys not in DRAM)."""
+        held = self.pins_by_owner.get(OPERATOR, {})
+        new: list[bytes] = []
+        missing: list[bytes] = []
+        for k in dict.fromkeys(keys):
+            b = self._mine(ns, k)
+            if b is None or b.state != State.READY:
+                missing.append(k)
+            elif k not in held:
+                new.append(k)
+        size = ns.slot_bytes * ns.world_size
+        total = self.operator_pinned_bytes() + size * len(new)
+        if total > cap:
+            raise PinCapExceeded(total, cap)
+        self.pin(ns, new, owner=OPERATOR)
+        ns.counters[NsCounter.BYTES_PINNED_OPERATOR] += size * len(new)
+        return len(new), size * len(new), missing
+
+    def operator_unpin(self, ns: Namespace, keys: Iterable[bytes] | None) -> tuple[int, int]:
+        """Release the operator's pins of ``ns``'s ``keys`` (all of them: None); returns (blocks
+        unpinned, their bytes)."""
+        mine = set(self.operator_pinned(ns))
+        which = list(mine) if keys is None else [k for k in dict.fromkeys(keys) if k in mine]
+        n = self.unpin(which, owner=OPERATOR, ns=ns)
+        size = ns.slot_bytes * ns.world_size
+        ns.counters[NsCounter.BYTES_PINNED_OPERATOR] -= size * n
+        return n, size * n
+
+
+class PinCapExceeded(Exception):
+    """Operator pins beyond HPKV_OPERATOR_PIN_MAX."""
+
+    def __init__(self, total: int, cap: int):
+        super().__init__(f"{total} bytes would be pinned by the operator, over {cap}")
+        self.total = total
+        self.cap = cap

@@ -38,7 +38,7 @@ from hpkv.common.proc import pid_running
 from hpkv.common.ratelimit import RateLimitedLog
 from hpkv.common.security import open_nofollow, open_private_dir
 from hpkv.config import Config, format_size
-from hpkv.engine.calls import ControlCalls, ServerConn
+from hpkv.engine.calls import OperatorCalls, OperatorJob, ServerConn
 from hpkv.engine.control import ControlTransport
 from hpkv.engine.index import Index, Namespace
 from hpkv.engine.registry import RETIRE_GRACE_S, Client
@@ -100,7 +100,7 @@ class _Release:
     not_before: float
 
 
-class Server(ControlCalls):
+class Server(OperatorCalls):
     def __init__(self, cfg: Config, auto: bool = False):
         self.cfg = cfg
         self.dir = cfg.pool_dir
@@ -111,6 +111,8 @@ class Server(ControlCalls):
         self.down = threading.Event()  # shut down: the control and supervisor threads end
         self.stopping = False  # draining the spills (new clients are refused from stop_event on)
         self._stop_waiters: list[ServerConn] = []  # `hpkv stop` connections awaiting the outcome
+        self._operator_jobs: list[OperatorJob] = []  # operator calls answered later (evict, prefetch)
+        self._evicting_files = False  # an `hpkv evict` deletes storage files (one at a time)
         self.stop_outcome: dict[str, Any] = {}
         self.clients: dict[int, Client] = {}
         self.namespaces_by_fp: dict[str, Namespace] = {}
@@ -156,6 +158,11 @@ class Server(ControlCalls):
             "clear": self._ctl_clear,
             "events": self._ctl_events,
             "time_saved": self._ctl_time_saved,
+            # the operator's (hpkv evict, prefetch, pin, unpin)
+            "evict": self._ctl_evict,
+            "prefetch": self._ctl_prefetch,
+            "pin": self._ctl_pin,
+            "unpin": self._ctl_unpin,
         }
 
     # ================================================================ life cycle

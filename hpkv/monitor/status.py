@@ -69,12 +69,15 @@ def format_status(s: dict) -> str:
         f"storage   {s['server'].get('storage') or 'disabled'}{_storage_state(s.get('storage') or {})}",
         f"requests  {s['requests']}  errors {s['errors']}  worker restarts {s['worker_restarts']}",
         "",
-        "NAMESPACE            RANKS  DRAM BLOCKS  PINNED  HITS DRAM  HITS STORAGE  MISSES  EVICTIONS",
+        "NAMESPACE            RANKS  DRAM BLOCKS  PINNED  OPERATOR PINNED  HITS DRAM  HITS STORAGE  MISSES"
+        "  EVICTIONS",
     ]
     for ns in s["namespaces"]:
+        # OPERATOR PINNED: bytes `hpkv pin` holds in DRAM (counted in PINNED's blocks too)
+        op_pinned = format_size(ns.get("bytes_pinned_operator", 0))
         lines.append(
             f"{ns['name'][:20]:20} {ns['world_size']:5}  {ns['blocks_dram']:11}  {ns['blocks_pinned']:6}"
-            f"  {ns['hits_dram']:9}  {ns['hits_storage']:12}  {ns['misses']:6}  {ns['evictions']:9}"
+            f"  {op_pinned:>15}  {ns['hits_dram']:9}  {ns['hits_storage']:12}  {ns['misses']:6}  {ns['evictions']:9}"
         )
     lines += ["", *_tier_table(s["namespaces"])]
     lines += ["", "WORKER  KIND      PID      DEVICE  NODE  CPUS    STATE     JOBS  FAILED  RESTARTS  HANGS"]

@@ -54,6 +54,7 @@ class NsCounter(IntEnum):
     PREFILL_SAVED_US_STORAGE = 18
     LOAD_US_DRAM = 19
     LOAD_US_STORAGE = 20
+    BYTES_PINNED_OPERATOR = 21  # gauge: bytes of DRAM blocks pinned by `hpkv pin`
 
 
 NS_COUNTERS = len(NsCounter)

@@ -81,6 +81,15 @@ class FileCatalog:
         """The keys with files, least recently used first."""
         return [k for k, _ in self._t.oldest(FILES, self._entries)]
 
+    def keys_of(self, ns: Namespace) -> list[bytes]:
+        """``ns``'s keys with files, most recently used first (operator calls: one pass over
+        the table and a sort; never on the lookup path)."""
+        if self._ns.get(ns.ns_id) is not ns:
+            return []
+        keys = self._t.select(FILES, ns.ns_id)
+        keys.sort(key=lambda k: self._t.columns(k)[2], reverse=True)
+        return keys
+
     def knows(self, key: bytes) -> bool:
         """The key has files here, or its files are being unlinked."""
         return key in self._t

@@ -585,6 +585,16 @@ class SharedDir:
                 newest = max(newest, st.st_atime_ns)
         return newest if newest and time.time_ns() - newest < self.grace_ns else None
 
+    def deleted_here(self, ns: Namespace, keys: list[bytes]) -> None:
+        """An operator (`hpkv evict`) unlinked these blocks' files: DEL records in this node's
+        journal, so other nodes forget them and the evictor's total drops."""
+        if not keys:
+            return
+        nbytes = ns.world_size * kvfile.file_size(ns.shard_bytes)
+        now = time.time_ns()
+        self._journal_dels(ns.fingerprint, [Record(DEL, ns.world_size, now, k, nbytes) for k in keys])
+        self.wake.set()
+
     def _journal_dels(self, fp: str, recs: list[Record | Adds]) -> None:
         """Deletions go into this node's journal of the namespace (made if it has none)."""
         with self._mu:

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from hpkv.config import Config
-from hpkv.engine.index import Block, Index, Namespace
+from hpkv.engine.index import Block, Index, Namespace, State
 from hpkv.engine.storage.catalog import FileCatalog
 from hpkv.engine.storage.health import Health
 from hpkv.engine.storage.journal import node_id
@@ -785,3 +785,93 @@ class FileTier:
         elif op.status in GONE_STATUSES and self.catalog.forget(key) is not None:
             self._gone(1, "a promote")  # another server's evictor, an operator
         settle_waiters(self.index, b, ok, op.waiters, self._answers)
+
+    # ================================================================ operator calls
+    def file_victims(self, ns: Namespace) -> tuple[list[bytes], dict[str, int]]:
+        """``ns``'s keys with files `hpkv evict` may delete (server lock held): not being
+        promoted, written or read, their block neither pinned nor reserved; the rest counted."""
+        out: list[bytes] = []
+        skipped = {"pinned": 0, "reserved": 0, "in_io": 0, "recent": 0, "in_use": 0}
+        for k in self.catalog.keys_of(ns):
+            b = self.index.blocks.get(k)
+            if k in self._promoting or (b is not None and b.state != State.READY):
+                skipped["reserved"] += 1
+            elif b is not None and b.pins:
+                skipped["pinned"] += 1
+            elif b is not None and b.io:
+                skipped["in_io"] += 1
+            else:
+                out.append(k)
+        return out, skipped
+
+    def last_used_ns(self, ns: Namespace, key: bytes) -> int:
+        """When the block's files were last written or read (wall-clock ns: the newest mtime or
+        atime of its ranks' files; IO workers leave the access time of a read). File system
+        calls: never on the request loop, never under the server lock. 0 when none is there."""
+        rel = kvfile.rel_dir(ns.fingerprint, key)
+        newest = 0
+        for rank in range(ns.world_size):
+            try:
+                st = self.tree.stat(rel, kvfile.file_name(key, rank))
+            except OSError:
+                continue
+            newest = max(newest, st.st_mtime_ns, st.st_atime_ns)
+        return newest
+
+    def delete_files(self, ns: Namespace, keys: list[bytes]) -> tuple[list[bytes], int]:
+        """Delete these blocks' files as the capacity evictor does (caller's thread, not the
+        request loop; takes the server lock only to change the catalog): each is forgotten and
+        marked being deleted (a stat must not find it meanwhile) unless it came into use since
+        it was chosen, unlinked, then journaled as deleted. Returns (keys deleted, files)."""
+        doomed: list[bytes] = []
+        with self.lock:
+            for k in keys:
+                b = self.index.blocks.get(k)
+                busy = k in self._promoting or (b is not None and (b.state != State.READY or b.pins or b.io))
+                if not busy and self.catalog.owner(k) is ns and self.catalog.begin_delete(k) is not None:
+                    doomed.append(k)
+            self.catalog.publish(self.g)
+            self._catalog_dirty = True
+        files = 0
+        try:
+            for k in doomed:
+                rel = kvfile.rel_dir(ns.fingerprint, k)
+                for rank in range(ns.world_size):
+                    files += unlink_quietly(self.tree, self.errors, rel, kvfile.file_name(k, rank))
+        finally:
+            with self.lock:
+                self.catalog.deleted(doomed)
+                self.g[G.STORAGE_EVICTED_FILES] += files
+            self.shared.deleted_here(ns, doomed)
+        return doomed, files
+
+    def prefetch(self, ns: Namespace, budget: int, newest: int | None) -> list[bytes]:
+        """Queue promotes of ``ns``'s files-only blocks, most recently used first, while they fit
+        in ``budget`` bytes of the pool (at most ``newest`` blocks); server lock held. Nothing is
+        pinned: a prefetched block is an ordinary DRAM block. The request loop issues the reads
+        (its next poll) and finishes them; returns the keys whose promote was queued."""
+        size = ns.slot_bytes * ns.world_size
+        started: list[bytes] = []
+        if self.health.degraded:
+            return started
+        for k in self.catalog.keys_of(ns):
+            if newest is not None and len(started) >= newest:
+                break
+            if budget < size:
+                break
+            if k in self.index.blocks or k in self._promoting:
+                continue  # in DRAM already, being written or read
+            b = self.index.begin_promote(ns, k)
+            if b is None:
+                break  # the pool is full of blocks that cannot be evicted
+            op = BlockOp(P.PROMOTE, b)
+            self._promoting[k] = op
+            self.links.promote_q.extend(op.jobs())
+            budget -= size
+            started.append(k)
+        if started:
+            self.doorbell.ring()
+        return started
+
+    def promoting(self, key: bytes) -> bool:
+        return key in self._promoting
