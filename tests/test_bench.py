@@ -405,20 +405,29 @@ def test_a_thread_that_ends_keeps_the_cpu_it_was_seen_with():
     import subprocess
     import sys
 
+    import psutil
+
+    # The thread spins for 0.6 s of its own CPU time, not of wall time: on a loaded machine it
+    # may get little of the CPU, and the test waits for what it got rather than for a clock.
     code = (
         "import threading, time\n"
         "def spin():\n"
-        "    end = time.perf_counter() + 0.6\n"
-        "    while time.perf_counter() < end: pass\n"
+        "    while time.thread_time() < 0.6: pass\n"
         "threading.Thread(target=spin).start()\n"
-        "time.sleep(5)\n"
+        "time.sleep(60)\n"
     )
     child = subprocess.Popen([sys.executable, "-c", code])
     try:
         seen: dict[int, float] = {}
-        time.sleep(0.5)
-        while_spinning = ttft._tree_cpu_s(child.pid, seen)
-        time.sleep(1.5)  # the thread has ended
+        deadline = time.monotonic() + 30
+        while_spinning = 0.0
+        while while_spinning <= 0.2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            while_spinning = ttft._tree_cpu_s(child.pid, seen)
+        proc = psutil.Process(child.pid)
+        while proc.num_threads() > 1 and time.monotonic() < deadline:  # the thread has ended
+            time.sleep(0.05)
+        assert proc.num_threads() == 1, "the spinning thread ended"
         assert ttft._tree_cpu_s(child.pid, seen) >= while_spinning > 0.2
         assert ttft._tree_cpu_s(child.pid) < while_spinning, "without memory the ended thread's CPU is gone"
     finally:
