@@ -157,6 +157,35 @@ def test_a_reader_takes_whole_records_only_and_follows_a_compaction(tree):
     assert J.unpack_header(path.read_bytes()).pid == 0, "a clean close"
 
 
+def test_a_compaction_that_fails_for_space_leaves_no_temporary_file_and_the_journal_goes_on(
+    tree, monkeypatch
+):
+    import errno
+
+    w = JournalWriter(tree, FP, "node-a")
+    w.ensure_open()
+    for x in (rec(J.ADD, 1, 10), rec(J.ADD, 2, 11)):
+        w.apply(x, mine=True)
+    w.append([rec(J.ADD, 1, 10), rec(J.ADD, 2, 11)])
+    write = os.write
+
+    def full_for_snapshots(fd: int, data) -> int:  # the file system is full for the snapshot
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(fd, data)
+
+    monkeypatch.setattr(J.os, "write", full_for_snapshots)
+    with pytest.raises(OSError):
+        w.compact()
+    monkeypatch.undo()
+    jdir = Path(tree.path) / FP / JOURNAL_DIR
+    assert [p.name for p in jdir.iterdir()] == ["node-a.log"], "no half-written snapshot left"
+    w.apply(rec(J.ADD, 3, 12), mine=True)
+    w.append([rec(J.ADD, 3, 12)])
+    assert sorted(x.key[0] for x in JournalReader(tree, FP).poll()["node-a.log"]) == [1, 2, 3]
+    w.close()
+
+
 def test_a_journal_stays_bounded_by_its_live_blocks(tree):
     w = JournalWriter(tree, FP, "node-a")
     w.ensure_open()

@@ -31,6 +31,7 @@ reordered record costs a stat or a miss, never a wrong load.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -280,12 +281,19 @@ class JournalWriter:
                 dir_fd=dfd,
             )
             try:
-                view = memoryview(body)
-                while view:
-                    view = view[os.write(fd, view) :]
-            finally:
-                os.close(fd)
-            os.rename(tmp, self.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                try:
+                    view = memoryview(body)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                finally:
+                    os.close(fd)
+                os.rename(tmp, self.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except OSError:
+                # ENOSPC and the like: a half-written snapshot would only hold space (the old
+                # journal stays in use, and its appends go on)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=dfd)
+                raise
             new = os.open(self.name, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
         if self.fd >= 0:
             os.close(self.fd)
