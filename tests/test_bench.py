@@ -307,6 +307,22 @@ def test_gap_statistics_cover_the_gaps_that_end_inside_the_window():
     assert gap_stats(times, window=(0.2, 0.3), starting_inside=True)["gaps"] == 0
 
 
+def test_a_case_measured_in_several_rounds_pools_their_gaps():
+    from hpkv.bench.interference import merged
+
+    rounds = [
+        {"_times": [0.0, 0.05, 0.10, 0.40], "_window": (0.2, 0.3), "max_ms": 300.0, "window_s": 0.1},
+        {"_times": [1.0, 1.02, 1.04], "_window": (1.0, 1.05), "max_ms": 20.0, "window_s": 0.05},
+    ]
+    assert merged(rounds) == {
+        "p50_ms": 20.0,
+        "max_ms": 300.0,
+        "gaps": 3,
+        "max_ms_per_round": [300.0, 20.0],
+        "window_s": [0.1, 0.05],
+    }
+
+
 def test_the_interference_poll_reads_the_same_spill_gauge_as_hpkv_status(tmp_path):
     # The write-through window polls this every 20 ms while a client streams: it must read
     # the segment in-process (not start `hpkv status`) and agree with what status reports.

@@ -1,7 +1,9 @@
 """Does hpkv stall the other requests? One client streams a long generation; meanwhile
-another request gets an 8192-token storage hit, or another prompt's write-through runs.
-The streaming client's inter-token gaps (p50 and max) are compared with its gaps alone,
-measured in the same run on the same server (part of ``hpkv bench ttft --interference``).
+another request gets an 8192-token storage hit, then the same prompt as a DRAM hit (loaded in
+the step and as ``HPKV_ASYNC_DRAM_LOADS`` has it, two rounds each), or another prompt's
+write-through runs. The streaming client's inter-token gaps (p50 and max) are compared with
+its gaps alone, measured in the same run on the same server (part of ``hpkv bench ttft
+--interference``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,12 @@ from typing import Any
 
 STREAM_PROMPT_TOKENS = 64
 STREAM_TOKENS = 160
+#: The DRAM-hit cases, in the order of each round's halves (ABBA over two rounds: a drift of
+#: the shared machine's speed moves both alike). ``in_step`` asks for the load inside the step
+#: (kv_transfer_params hpkv_async_dram_load false: how every DRAM hit loaded before
+#: HPKV_ASYNC_DRAM_LOADS); ``configured`` sets nothing: the engine's HPKV_ASYNC_DRAM_LOADS decides.
+DRAM_CASES = {"in_step": {"kv_transfer_params": {"hpkv_async_dram_load": False}}, "configured": None}
+DRAM_ROUNDS = 2
 
 
 def stream_token_times(
@@ -52,6 +60,14 @@ def gap_stats(
     ``window`` (perf_counter seconds) if given, or with ``starting_inside`` over those that
     start inside it (a gap that was already running when the window opened is not its doing)."""
 
+    return _stats(gaps_ms(times, window, starting_inside))
+
+
+def gaps_ms(
+    times: list[float], window: tuple[float, float] | None = None, starting_inside: bool = False
+) -> list[float]:
+    """The gaps :func:`gap_stats` counts, in ms."""
+
     def counts(a: float, b: float) -> bool:
         if window is None:
             return True
@@ -59,7 +75,10 @@ def gap_stats(
             return window[0] <= a <= window[1]
         return window[0] <= b <= window[1] + (b - a)
 
-    gaps = [(b - a) * 1000 for a, b in zip(times, times[1:], strict=False) if counts(a, b)]
+    return [(b - a) * 1000 for a, b in zip(times, times[1:], strict=False) if counts(a, b)]
+
+
+def _stats(gaps: list[float]) -> dict[str, float]:
     if not gaps:
         return {"p50_ms": 0.0, "max_ms": 0.0, "gaps": 0}
     return {"p50_ms": round(statistics.median(gaps), 1), "max_ms": round(max(gaps), 1), "gaps": len(gaps)}
@@ -84,7 +103,24 @@ def while_streaming(
         time.sleep(0.01)  # the stream is in its decode phase
     window = other()
     t.join(600)
-    return {**gap_stats(times, window, starting_inside), "window_s": round(window[1] - window[0], 3)}
+    return {
+        **gap_stats(times, window, starting_inside),
+        "window_s": round(window[1] - window[0], 3),
+        "_times": times,
+        "_window": window,
+    }
+
+
+def merged(rounds: list[dict]) -> dict[str, Any]:
+    """One case's gap statistics over all its rounds' windows (the rounds' raw times dropped)."""
+    out: dict[str, Any] = _stats([g for r in rounds for g in gaps_ms(r["_times"], r["_window"])])
+    out["max_ms_per_round"] = [r["max_ms"] for r in rounds]
+    out["window_s"] = [r["window_s"] for r in rounds]
+    return out
+
+
+def _public(r: dict) -> dict:
+    return {k: v for k, v in r.items() if not k.startswith("_")}
 
 
 def measure(
@@ -93,11 +129,16 @@ def measure(
     hit_prompt: str,
     cold_prompt: str,
     spills_pending: Callable[[], int],
-    ttft: Callable[[str], float],
+    ttft: Callable[[str, dict[str, Any] | None], float],
+    reset_engine_cache: Callable[[], None],
+    loads: Callable[[], dict[str, int]],
 ) -> dict[str, Any]:
-    """Gaps alone, during a storage hit of ``hit_prompt``, and during the write-through of
-    ``cold_prompt``. ``ttft(prompt)`` sends one request and returns its time to first byte;
-    ``spills_pending()`` must be cheap (it is polled every 20 ms while the client streams).
+    """Gaps alone, during a storage hit of ``hit_prompt`` (which hpkv holds on storage only),
+    during DRAM hits of it (:data:`DRAM_CASES`, after ``reset_engine_cache()`` each), and
+    during the write-through of ``cold_prompt``. ``ttft(prompt, extra)`` sends one request (its
+    body with ``extra``) and returns its time to first byte; ``loads()`` gives hpkv's served
+    tokens per tier (each hit's are reported); ``spills_pending()`` must be cheap (it is
+    polled every 20 ms while the client streams).
 
     The cold prompt is sent while the client streams, and its window opens at its first byte:
     its prefill is the engine's compute, not hpkv's, and hpkv writes through as the prefill
@@ -107,17 +148,34 @@ def measure(
     alone = stream_token_times(url, model, stream_prompt, STREAM_TOKENS)
     out: dict[str, Any] = {"alone": gap_stats(alone[4:])}
 
-    def storage_hit() -> tuple[float, float]:
-        t0 = time.perf_counter()
-        out["storage_hit_ttft_s"] = round(ttft(hit_prompt), 3)
-        return t0, time.perf_counter()
+    def hit(key: str, extra: dict[str, Any] | None = None) -> Callable[[], tuple[float, float]]:
+        def run() -> tuple[float, float]:
+            before = loads()
+            t0 = time.perf_counter()
+            out.setdefault(f"{key}_ttft_s", []).append(round(ttft(hit_prompt, extra), 3))
+            t1 = time.perf_counter()
+            after = loads()
+            out.setdefault(f"{key}_served", []).append({t: after[t] - before[t] for t in after})
+            return t0, t1
 
-    out["during_storage_hit"] = while_streaming(url, model, stream_prompt, storage_hit)
+        return run
+
+    out["during_storage_hit"] = _public(while_streaming(url, model, stream_prompt, hit("storage_hit")))
+    out["storage_hit_ttft_s"] = out["storage_hit_ttft_s"][0]
+    rounds: dict[str, list[dict]] = {case: [] for case in DRAM_CASES}
+    for i in range(DRAM_ROUNDS):
+        order = list(DRAM_CASES) if i % 2 == 0 else list(DRAM_CASES)[::-1]
+        for case in order:
+            reset_engine_cache()  # the prompt is now in hpkv's DRAM (the storage hit promoted it) only
+            key = f"dram_hit_{case}"
+            rounds[case].append(while_streaming(url, model, stream_prompt, hit(key, DRAM_CASES[case])))
+    for case, rs in rounds.items():
+        out[f"during_dram_hit_{case}"] = merged(rs)
 
     tail: dict[str, Any] = {}
 
     def write_through() -> tuple[float, float]:
-        tail["cold_ttft_s"] = round(ttft(cold_prompt), 3)
+        tail["cold_ttft_s"] = round(ttft(cold_prompt, None), 3)
         t0 = time.perf_counter()
         tail["spills_left_at_first_byte"] = pending = spills_pending()
         while pending > 0 and time.perf_counter() - t0 < 120:
@@ -125,7 +183,7 @@ def measure(
             pending = spills_pending()
         return t0, time.perf_counter()
 
-    during = while_streaming(url, model, stream_prompt, write_through, starting_inside=True)
+    during = _public(while_streaming(url, model, stream_prompt, write_through, starting_inside=True))
     if during["gaps"]:
         out["during_write_through"] = {**during, **tail}
     else:
@@ -141,7 +199,7 @@ def measure(
             **tail,
         }
     base = out["alone"]["max_ms"] or 1.0
-    for k in ("during_storage_hit", "during_write_through"):
+    for k in ("during_storage_hit", *(f"during_dram_hit_{c}" for c in DRAM_CASES), "during_write_through"):
         if "max_ms" in out[k]:
             out[k]["max_vs_alone_max"] = round(out[k]["max_ms"] / base, 2)
     return out
