@@ -314,12 +314,15 @@ def test_a_case_measured_in_several_rounds_pools_their_gaps():
         {"_times": [0.0, 0.05, 0.10, 0.40], "_window": (0.2, 0.3), "max_ms": 300.0, "window_s": 0.1},
         {"_times": [1.0, 1.02, 1.04], "_window": (1.0, 1.05), "max_ms": 20.0, "window_s": 0.05},
     ]
+    for r in rounds:
+        r["stream_tokens"] = [0, len(r["_times"])]
     assert merged(rounds) == {
         "p50_ms": 20.0,
         "max_ms": 300.0,
         "gaps": 3,
         "max_ms_per_round": [300.0, 20.0],
         "window_s": [0.1, 0.05],
+        "stream_tokens": [[0, 4], [0, 3]],
     }
 
 

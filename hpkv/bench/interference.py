@@ -106,6 +106,8 @@ def while_streaming(
     return {
         **gap_stats(times, window, starting_inside),
         "window_s": round(window[1] - window[0], 3),
+        # tokens streamed before the window opened and in all (a window with no gap had none after it)
+        "stream_tokens": [sum(1 for x in times if x < window[0]), len(times)],
         "_times": times,
         "_window": window,
     }
@@ -116,6 +118,7 @@ def merged(rounds: list[dict]) -> dict[str, Any]:
     out: dict[str, Any] = _stats([g for r in rounds for g in gaps_ms(r["_times"], r["_window"])])
     out["max_ms_per_round"] = [r["max_ms"] for r in rounds]
     out["window_s"] = [r["window_s"] for r in rounds]
+    out["stream_tokens"] = [r["stream_tokens"] for r in rounds]
     return out
 
 
