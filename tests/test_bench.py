@@ -326,6 +326,49 @@ def test_a_case_measured_in_several_rounds_pools_their_gaps():
     }
 
 
+def test_interference_measures_each_hit_case_in_rounds_with_its_ttft_and_tiers(monkeypatch):
+    from hpkv.bench import interference
+
+    def stream(url, model, prompt, max_tokens, times=None):
+        times = [] if times is None else times
+        for _ in range(40):
+            time.sleep(0.002)
+            times.append(time.perf_counter())
+        return times
+
+    monkeypatch.setattr(interference, "stream_token_times", stream)
+    asked: list[dict | None] = []
+    served = {"dram": 0, "storage": 0}
+
+    def ttft(prompt: str, extra: dict | None) -> float:
+        asked.append(extra)
+        served["storage" if len(asked) == 1 else "dram"] += 8  # the first hit reads storage
+        time.sleep(0.01)
+        return 0.01
+
+    resets: list[int] = []
+    out = interference.measure(
+        "http://x", "m", "Y ", "X ", lambda: 0, ttft, lambda: resets.append(1), lambda: dict(served)
+    )
+    rounds = interference.DRAM_ROUNDS
+    assert out["storage_hit_served"] == [{"dram": 0, "storage": 8}]
+    assert out["dram_hit_in_step_served"] == [{"dram": 8, "storage": 0}] * rounds
+    for case in interference.DRAM_CASES:
+        assert len(out[f"dram_hit_{case}_ttft_s"]) == rounds
+        assert (
+            out[f"during_dram_hit_{case}"]["gaps"] > 0
+            and "max_vs_alone_max" in out[f"during_dram_hit_{case}"]
+        )
+    assert {k: len(v) for k, v in out["dram_hit_alone_ttft_s"].items()} == {
+        "in_step": rounds,
+        "background": rounds,
+    }
+    assert len(resets) == 4 * rounds, "every DRAM hit follows a reset of the engine's cache"
+    streamed = asked[1 : 1 + 2 * rounds]
+    assert streamed[:4] == [interference.IN_STEP, None, None, interference.IN_STEP], "AB BA"
+    assert asked[-1] is None, "the cold prompt last, as configured"
+
+
 def test_the_interference_poll_reads_the_same_spill_gauge_as_hpkv_status(tmp_path):
     # The write-through window polls this every 20 ms while a client streams: it must read
     # the segment in-process (not start `hpkv status`) and agree with what status reports.

@@ -12,17 +12,22 @@ import json
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 STREAM_PROMPT_TOKENS = 64
 STREAM_TOKENS = 160
-#: The DRAM-hit cases, in the order of each round's halves (ABBA over two rounds: a drift of
-#: the shared machine's speed moves both alike). ``in_step`` asks for the load inside the step
+#: The DRAM-hit cases, their order turned round each round (AB BA AB BA: a drift of the
+#: shared machine's speed moves both alike). ``in_step`` asks for the load inside the step
 #: (kv_transfer_params hpkv_async_dram_load false: how every DRAM hit loaded before
 #: HPKV_ASYNC_DRAM_LOADS); ``configured`` sets nothing: the engine's HPKV_ASYNC_DRAM_LOADS decides.
-DRAM_CASES = {"in_step": {"kv_transfer_params": {"hpkv_async_dram_load": False}}, "configured": None}
-DRAM_ROUNDS = 2
+IN_STEP = {"kv_transfer_params": {"hpkv_async_dram_load": False}}
+BACKGROUND = {"kv_transfer_params": {"hpkv_async_dram_load": True}}
+DRAM_CASES = {"in_step": IN_STEP, "configured": None}
+DRAM_ROUNDS = 4
+#: With no stream: what a background load costs a DRAM hit that nobody else waits for (why
+#: HPKV_ASYNC_DRAM_LOADS=auto loads in the step then). Same rounds and order.
+ALONE_CASES = {"in_step": IN_STEP, "background": BACKGROUND}
 
 
 def stream_token_times(
@@ -126,6 +131,21 @@ def _public(r: dict) -> dict:
     return {k: v for k, v in r.items() if not k.startswith("_")}
 
 
+def _rounds(
+    cases: Mapping[str, dict[str, Any] | None],
+    reset_engine_cache: Callable[[], None],
+    run: Callable[[str, dict[str, Any] | None], Any],
+) -> dict[str, list[Any]]:
+    """``run(case, extra)`` of every case, :data:`DRAM_ROUNDS` times, their order turned round
+    each round, each after ``reset_engine_cache()``: each case's results."""
+    out: dict[str, list[Any]] = {case: [] for case in cases}
+    for i in range(DRAM_ROUNDS):
+        for case in list(cases) if i % 2 == 0 else list(cases)[::-1]:
+            reset_engine_cache()
+            out[case].append(run(case, cases[case]))
+    return out
+
+
 def measure(
     url: str,
     model: str,
@@ -165,15 +185,16 @@ def measure(
 
     out["during_storage_hit"] = _public(while_streaming(url, model, stream_prompt, hit("storage_hit")))
     out["storage_hit_ttft_s"] = out["storage_hit_ttft_s"][0]
-    rounds: dict[str, list[dict]] = {case: [] for case in DRAM_CASES}
-    for i in range(DRAM_ROUNDS):
-        order = list(DRAM_CASES) if i % 2 == 0 else list(DRAM_CASES)[::-1]
-        for case in order:
-            reset_engine_cache()  # the prompt is now in hpkv's DRAM (the storage hit promoted it) only
-            key = f"dram_hit_{case}"
-            rounds[case].append(while_streaming(url, model, stream_prompt, hit(key, DRAM_CASES[case])))
-    for case, rs in rounds.items():
+    # The prompt is now in hpkv's DRAM (the storage hit promoted it): each case resets the engine's cache.
+    for case, rs in _rounds(
+        DRAM_CASES,
+        reset_engine_cache,
+        lambda case, extra: while_streaming(url, model, stream_prompt, hit(f"dram_hit_{case}", extra)),
+    ).items():
         out[f"during_dram_hit_{case}"] = merged(rs)
+    out["dram_hit_alone_ttft_s"] = _rounds(
+        ALONE_CASES, reset_engine_cache, lambda case, extra: round(ttft(hit_prompt, extra), 3)
+    )
 
     tail: dict[str, Any] = {}
 

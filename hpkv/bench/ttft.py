@@ -1026,6 +1026,12 @@ def print_table(s: dict[str, Any]) -> None:
                 print(f"    the DRAM hit's own TTFT: {_seconds(hit_ttft)} s (each round)")
         elif key in inter:
             print(f"  streaming client {label}: {inter[key].get('skipped')}")
+    alone = s.get("interference", {}).get("dram_hit_alone_ttft_s")
+    if alone:
+        print(
+            "  a DRAM hit with no other request, TTFT: loaded in the step "
+            f"{_seconds(alone['in_step'])} s; in the background {_seconds(alone['background'])} s"
+        )
     _print_cold(s)
 
 
