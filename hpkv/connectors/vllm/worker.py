@@ -3,9 +3,10 @@ has the rank's transfer worker copy blocks pool → KV cache before the forward 
 KV cache → pool after it (saves), then commits the saved shards.
 
 On the CPU backend the KV cache is allocated in a shared-memory file the transfer worker
-maps (:meth:`WorkerSide.shared_kv_allocation`). A DRAM hit is copied before the forward (a
-few milliseconds); a storage hit loads in the background (vLLM's async load), promoted into
-the pool by the IO workers part by part, each part copied while the next one is read.
+maps (:meth:`WorkerSide.shared_kv_allocation`). A DRAM hit is copied before the forward, or
+in the background (vLLM's async load) while other requests run (``HPKV_ASYNC_DRAM_LOADS``); a
+storage hit loads in the background, promoted into the pool by the IO workers part by part,
+each part copied while the next one is read.
 Blocks that cannot be delivered are reported, and vLLM recomputes them.
 """
 
@@ -387,9 +388,10 @@ def pool_dir_usage(pool_dir: str) -> str:
 
 
 class BackgroundLoads:
-    """Loads that need the disk, run while the engine steps its other requests (vLLM's async
-    KV load): one thread, its own hpkv connection (a promote waits for the disk; the step
-    thread's calls must not queue behind it), the worker's device for the copy. Every load
+    """Loads run while the engine steps its other requests (vLLM's async KV load: those that
+    need the disk, and DRAM hits the scheduler sends here): one thread, its own hpkv
+    connection (a promote waits for the disk; the step thread's calls must not queue behind
+    it), the worker's device for the copy, in batches (``BACKGROUND_COPY_BATCH_BYTES``). Every load
     ends, loaded or failed, within the client's bounds; the request is then reported finished
     (after its failed blocks were reported) and vLLM recomputes what failed."""
 
