@@ -346,10 +346,12 @@ def test_interference_measures_each_hit_case_in_rounds_with_its_ttft_and_tiers(m
         time.sleep(0.01)
         return 0.01
 
+    def loads() -> dict[str, int]:
+        time.sleep(0.1)  # `hpkv status`: longer than the whole fake stream
+        return dict(served)
+
     resets: list[int] = []
-    out = interference.measure(
-        "http://x", "m", "Y ", "X ", lambda: 0, ttft, lambda: resets.append(1), lambda: dict(served)
-    )
+    out = interference.measure("http://x", "m", "Y ", "X ", lambda: 0, ttft, lambda: resets.append(1), loads)
     rounds = interference.DRAM_ROUNDS
     assert out["storage_hit_served"] == [{"dram": 0, "storage": 8}]
     assert out["dram_hit_in_step_served"] == [{"dram": 8, "storage": 0}] * rounds
@@ -364,6 +366,9 @@ def test_interference_measures_each_hit_case_in_rounds_with_its_ttft_and_tiers(m
         "background": rounds,
     }
     assert len(resets) == 4 * rounds, "every DRAM hit follows a reset of the engine's cache"
+    for case in interference.DRAM_CASES:
+        before, total = zip(*out[f"during_dram_hit_{case}"]["stream_tokens"], strict=True)
+        assert max(before) < min(total), "each hit ran while the stream did, not after reading the counters"
     streamed = asked[1 : 1 + 2 * rounds]
     assert streamed[:4] == [interference.IN_STEP, None, None, interference.IN_STEP], "AB BA"
     assert asked[-1] is None, "the cold prompt last, as configured"

@@ -172,8 +172,11 @@ def measure(
     out: dict[str, Any] = {"alone": gap_stats(alone[4:])}
 
     def hit(key: str, extra: dict[str, Any] | None = None) -> Callable[[], tuple[float, float]]:
+        # Read before the stream starts: loads() runs `hpkv status` (a second or more on a busy
+        # machine), which must neither delay the hit past the stream's first tokens nor disturb them.
+        before = loads()
+
         def run() -> tuple[float, float]:
-            before = loads()
             t0 = time.perf_counter()
             out.setdefault(f"{key}_ttft_s", []).append(round(ttft(hit_prompt, extra), 3))
             t1 = time.perf_counter()
