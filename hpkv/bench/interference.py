@@ -17,13 +17,16 @@ from typing import Any
 
 STREAM_PROMPT_TOKENS = 64
 STREAM_TOKENS = 160
-#: The DRAM-hit cases, their order turned round each round (AB BA AB BA: a drift of the
-#: shared machine's speed moves both alike). ``in_step`` asks for the load inside the step
-#: (kv_transfer_params hpkv_async_dram_load false: how every DRAM hit loaded before
-#: HPKV_ASYNC_DRAM_LOADS); ``configured`` sets nothing: the engine's HPKV_ASYNC_DRAM_LOADS decides.
+#: The hit cases after the storage hit, their order turned round each round (ABC CBA ABC CBA:
+#: a drift of the shared machine's speed moves all alike). ``dram_hit_in_step`` asks for the
+#: load inside the step (kv_transfer_params hpkv_async_dram_load false: how every DRAM hit
+#: loaded before HPKV_ASYNC_DRAM_LOADS); ``dram_hit_configured`` sets nothing: the engine's
+#: HPKV_ASYNC_DRAM_LOADS decides; ``gpu_hit``, the same prompt from vLLM's own prefix cache,
+#: is the floor: what admitting an 8192-token prompt costs the others without any load.
 IN_STEP = {"kv_transfer_params": {"hpkv_async_dram_load": False}}
 BACKGROUND = {"kv_transfer_params": {"hpkv_async_dram_load": True}}
-DRAM_CASES = {"in_step": IN_STEP, "configured": None}
+DRAM_CASES = {"dram_hit_in_step": IN_STEP, "dram_hit_configured": None, "gpu_hit": None}
+KEEP_CACHE = frozenset({"gpu_hit"})  # no reset of the engine's cache before these
 DRAM_ROUNDS = 4
 #: With no stream: what a background load costs a DRAM hit that nobody else waits for (why
 #: HPKV_ASYNC_DRAM_LOADS=auto loads in the step then). Same rounds and order.
@@ -137,11 +140,13 @@ def _rounds(
     run: Callable[[str, dict[str, Any] | None], Any],
 ) -> dict[str, list[Any]]:
     """``run(case, extra)`` of every case, :data:`DRAM_ROUNDS` times, their order turned round
-    each round, each after ``reset_engine_cache()``: each case's results."""
+    each round, each after ``reset_engine_cache()`` (but those in :data:`KEEP_CACHE`): each
+    case's results."""
     out: dict[str, list[Any]] = {case: [] for case in cases}
     for i in range(DRAM_ROUNDS):
         for case in list(cases) if i % 2 == 0 else list(cases)[::-1]:
-            reset_engine_cache()
+            if case not in KEEP_CACHE:
+                reset_engine_cache()
             out[case].append(run(case, cases[case]))
     return out
 
@@ -157,7 +162,7 @@ def measure(
     loads: Callable[[], dict[str, int]],
 ) -> dict[str, Any]:
     """Gaps alone, during a storage hit of ``hit_prompt`` (which hpkv holds on storage only),
-    during DRAM hits of it (:data:`DRAM_CASES`, after ``reset_engine_cache()`` each), and
+    during DRAM hits and GPU hits of it (:data:`DRAM_CASES`), and
     during the write-through of ``cold_prompt``. ``ttft(prompt, extra)`` sends one request (its
     body with ``extra``) and returns its time to first byte; ``loads()`` gives hpkv's served
     tokens per tier (each hit's are reported); ``spills_pending()`` must be cheap (it is
@@ -192,9 +197,9 @@ def measure(
     for case, rs in _rounds(
         DRAM_CASES,
         reset_engine_cache,
-        lambda case, extra: while_streaming(url, model, stream_prompt, hit(f"dram_hit_{case}", extra)),
+        lambda case, extra: while_streaming(url, model, stream_prompt, hit(case, extra)),
     ).items():
-        out[f"during_dram_hit_{case}"] = merged(rs)
+        out[f"during_{case}"] = merged(rs)
     out["dram_hit_alone_ttft_s"] = _rounds(
         ALONE_CASES, reset_engine_cache, lambda case, extra: round(ttft(hit_prompt, extra), 3)
     )
@@ -226,7 +231,7 @@ def measure(
             **tail,
         }
     base = out["alone"]["max_ms"] or 1.0
-    for k in ("during_storage_hit", *(f"during_dram_hit_{c}" for c in DRAM_CASES), "during_write_through"):
+    for k in ("during_storage_hit", *(f"during_{c}" for c in DRAM_CASES), "during_write_through"):
         if "max_ms" in out[k]:
             out[k]["max_vs_alone_max"] = round(out[k]["max_ms"] / base, 2)
     return out

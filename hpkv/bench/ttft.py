@@ -1005,6 +1005,7 @@ def print_table(s: dict[str, Any]) -> None:
         ("during a storage hit", "during_storage_hit"),
         ("during a DRAM hit loaded in the step", "during_dram_hit_in_step"),
         ("during a DRAM hit (HPKV_ASYNC_DRAM_LOADS)", "during_dram_hit_configured"),
+        ("during a GPU prefix-cache hit (no load: the floor)", "during_gpu_hit"),
         ("during a write-through", "during_write_through"),
     ):
         inter = s.get("interference", {})
@@ -1022,8 +1023,8 @@ def print_table(s: dict[str, Any]) -> None:
                 )
             )
             hit_ttft = inter.get(key.replace("during_", "") + "_ttft_s")
-            if key.startswith("during_dram_hit") and hit_ttft:
-                print(f"    the DRAM hit's own TTFT: {_seconds(hit_ttft)} s (each round)")
+            if isinstance(hit_ttft, list):
+                print(f"    the hit's own TTFT: {_seconds(hit_ttft)} s (each round)")
         elif key in inter:
             print(f"  streaming client {label}: {inter[key].get('skipped')}")
     alone = s.get("interference", {}).get("dram_hit_alone_ttft_s")
