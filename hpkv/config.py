@@ -340,8 +340,20 @@ KEYS: dict[str, Key] = {
             parse_bool,
             BOOL_FORM,
             "a hit that needs storage loads in the background while vLLM steps its other requests "
-            "(vLLM's async KV load); DRAM-only hits stay synchronous (milliseconds). 0: the step waits "
-            "for the disk read",
+            "(vLLM's async KV load). 0: the step waits for the disk read",
+        ),
+        Key(
+            "HPKV_ASYNC_DRAM_LOADS",
+            "auto",
+            parse_auto_bool,
+            "auto, or " + BOOL_FORM,
+            "vLLM on the CPU: a hit that DRAM holds whole loads in the background while vLLM steps its "
+            "other requests (vLLM's async KV load), instead of in the step, where every running request "
+            "waits for its copy (448 MiB, 40-100 ms here, for an 8192-token hit of Qwen2.5-7B's KV "
+            "shape). `auto`: in the background while other requests are running, in the step when "
+            "none is (nobody waits, and the hit saves the step an async load takes to be reported); "
+            "1: always in the background; 0: always in the step. Unless 0, a request can choose with "
+            '`"kv_transfer_params": {"hpkv_async_dram_load": true}` (or false)',
         ),
         Key(
             "HPKV_MODEL_ID",

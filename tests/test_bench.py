@@ -307,6 +307,70 @@ def test_gap_statistics_cover_the_gaps_that_end_inside_the_window():
     assert gap_stats(times, window=(0.2, 0.3), starting_inside=True)["gaps"] == 0
 
 
+def test_a_case_measured_in_several_rounds_pools_their_gaps():
+    from hpkv.bench.interference import merged
+
+    rounds = [
+        {"_times": [0.0, 0.05, 0.10, 0.40], "_window": (0.2, 0.3), "max_ms": 300.0, "window_s": 0.1},
+        {"_times": [1.0, 1.02, 1.04], "_window": (1.0, 1.05), "max_ms": 20.0, "window_s": 0.05},
+    ]
+    for r in rounds:
+        r["stream_tokens"] = [0, len(r["_times"])]
+    assert merged(rounds) == {
+        "p50_ms": 20.0,
+        "max_ms": 300.0,
+        "gaps": 3,
+        "max_ms_per_round": [300.0, 20.0],
+        "window_s": [0.1, 0.05],
+        "stream_tokens": [[0, 4], [0, 3]],
+    }
+
+
+def test_interference_measures_each_hit_case_in_rounds_with_its_ttft_and_tiers(monkeypatch):
+    from hpkv.bench import interference
+
+    def stream(url, model, prompt, max_tokens, times=None):
+        times = [] if times is None else times
+        for _ in range(40):
+            time.sleep(0.002)
+            times.append(time.perf_counter())
+        return times
+
+    monkeypatch.setattr(interference, "stream_token_times", stream)
+    asked: list[dict | None] = []
+    served = {"dram": 0, "storage": 0}
+
+    def ttft(prompt: str, extra: dict | None) -> float:
+        asked.append(extra)
+        served["storage" if len(asked) == 1 else "dram"] += 8  # the first hit reads storage
+        time.sleep(0.01)
+        return 0.01
+
+    def loads() -> dict[str, int]:
+        time.sleep(0.1)  # `hpkv status`: longer than the whole fake stream
+        return dict(served)
+
+    resets: list[int] = []
+    out = interference.measure("http://x", "m", "Y ", "X ", lambda: 0, ttft, lambda: resets.append(1), loads)
+    rounds = interference.DRAM_ROUNDS
+    assert out["storage_hit_served"] == [{"dram": 0, "storage": 8}]
+    assert out["dram_hit_in_step_served"] == [{"dram": 8, "storage": 0}] * rounds
+    for case in interference.DRAM_CASES:
+        assert len(out[f"{case}_ttft_s"]) == rounds
+        assert out[f"during_{case}"]["gaps"] > 0 and "max_vs_alone_max" in out[f"during_{case}"]
+    assert {k: len(v) for k, v in out["dram_hit_alone_ttft_s"].items()} == {
+        "in_step": rounds,
+        "background": rounds,
+    }
+    assert len(resets) == 4 * rounds, "every DRAM hit follows a reset of the engine's cache, no GPU hit does"
+    for case in interference.DRAM_CASES:
+        before, total = zip(*out[f"during_{case}"]["stream_tokens"], strict=True)
+        assert max(before) < min(total), "each hit ran while the stream did, not after reading the counters"
+    streamed = asked[1 : 1 + 3 * rounds]
+    assert streamed[:6] == [interference.IN_STEP, None, None, None, None, interference.IN_STEP], "ABC CBA"
+    assert asked[-1] is None, "the cold prompt last, as configured"
+
+
 def test_the_interference_poll_reads_the_same_spill_gauge_as_hpkv_status(tmp_path):
     # The write-through window polls this every 20 ms while a client streams: it must read
     # the segment in-process (not start `hpkv status`) and agree with what status reports.

@@ -173,6 +173,20 @@ def test_every_tier_gives_the_same_greedy_output_and_logprobs(server, hpkv_env):
     assert storage_lp == gpu_lp
 
 
+def test_a_dram_hit_loaded_in_the_background_gives_the_same_output(server, hpkv_env):
+    # Alone on the engine, HPKV_ASYNC_DRAM_LOADS=auto loads a DRAM hit in the step; the
+    # request's kv_transfer_params ask for vLLM's async load, as auto does while others run.
+    prompt = letters(200, seed=11)
+    cold_text, _ = complete(server, prompt)
+    gpu_text, gpu_lp = complete(server, prompt)
+    reset(server)
+    before = loaded(hpkv_env)
+    text, lp = complete_with(server, prompt, kv_transfer_params={"hpkv_async_dram_load": True})
+    assert delta(before, loaded(hpkv_env)) == {"dram": HIT_TOKENS, "storage": 0}
+    assert text == cold_text == gpu_text
+    assert lp == gpu_lp, "same KV bytes, same computation: logprobs must be identical"
+
+
 def test_mixed_dram_and_storage_hit(server, hpkv_env):
     prompt = letters(232, seed=2)  # 7 full blocks + 8 tokens
     files = kv_files(hpkv_env)

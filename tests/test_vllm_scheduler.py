@@ -55,11 +55,22 @@ class Engine:
     """The scheduler side wired to an in-memory store, with vLLM's block table faked: the
     blocks of request ``r`` are 100*k .. for the k-th request seen."""
 
-    def __init__(self, threshold: int = 0, store: MemoryKvStore | None = None, background: bool = True):
+    def __init__(
+        self,
+        threshold: int = 0,
+        store: MemoryKvStore | None = None,
+        background: bool = True,
+        dram_background: bool | None = None,
+    ):
         self.store = store or MemoryKvStore()
         self.tables: dict[str, list[int]] = {}
         self.side = SchedulerSide(
-            LAYOUT, threshold, lambda: (self.store, NS), self.block_ids, background_storage_loads=background
+            LAYOUT,
+            threshold,
+            lambda: (self.store, NS),
+            self.block_ids,
+            background_storage_loads=background,
+            background_dram_loads=dram_background,
         )
         self.background: dict[str, bool] = {}
         self.side.hpkv.connect_now(timeout=5)
@@ -220,11 +231,79 @@ def test_dram_hits_and_async_off_load_in_the_step():
     r = request("a", 4 * BS + 1)
     e.admit(r)
     e.save_all(e.side.build_connector_meta(step((r, r.num_tokens))))
+    e.side.request_finished("a")  # nothing else runs: auto loads a DRAM hit in the step
     assert e.admit(request("b", 4 * BS + 1)) == 4 * BS and e.background["b"] is False
     e.side.reset_cache()
     assert e.admit(request("c", 4 * BS + 1)) == 4 * BS
     assert e.background["c"] is False, "HPKV_ASYNC_STORAGE_LOADS=0: storage hits load in the step too"
     assert not any(op.background for op in e.side.build_connector_meta(step()).loads)
+
+
+def dram_hit_while(e: Engine, running: bool, params: dict | None = None, rid: str = "b") -> tuple[bool, bool]:
+    """Admit a request whose 4 blocks DRAM holds (saved by a first request ``a``, which is
+    still running when ``running``, else finished): (the background flag vLLM got, the one
+    its load carries to the workers)."""
+    if "a" not in e.tables:
+        a = request("a", 4 * BS + 1)
+        e.admit(a)
+        e.save_all(e.side.build_connector_meta(step((a, a.num_tokens))))
+        a.num_computed_tokens = a.num_tokens
+        if not running:
+            e.side.request_finished("a")
+    b = request(rid, 4 * BS + 1)
+    b.kv_transfer_params = params
+    assert e.admit(b) == 4 * BS and e.side.hit_tiers(rid, 4 * BS) == (4 * BS, 0)
+    (load,) = e.side.build_connector_meta(step((b, 1))).loads
+    return e.background[rid], load.background
+
+
+def test_auto_loads_a_dram_hit_in_the_background_while_other_requests_run():
+    assert dram_hit_while(Engine(), running=True) == (True, True), (
+        "the running request need not wait for the copy"
+    )
+
+
+def test_auto_loads_a_dram_hit_in_the_step_when_nothing_else_runs():
+    assert dram_hit_while(Engine(), running=False) == (False, False), "nobody waits: no async round trip"
+
+
+def test_a_finished_request_no_longer_counts_as_running():
+    e = Engine()
+    dram_hit_while(e, running=True)
+    e.side.request_finished("a")
+    e.side.request_finished("b")
+    assert dram_hit_while(e, running=True, rid="c") == (False, False)
+
+
+def test_async_dram_loads_on_loads_every_dram_hit_in_the_background():
+    assert dram_hit_while(Engine(dram_background=True), running=False) == (True, True)
+
+
+def test_async_dram_loads_off_loads_every_dram_hit_in_the_step_whatever_the_request_asks():
+    e = Engine(dram_background=False)
+    assert dram_hit_while(e, running=True, params={"hpkv_async_dram_load": True}) == (False, False)
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_a_request_chooses_how_its_dram_hit_loads_unless_the_key_is_off(asked):
+    for running in (True, False):
+        e = Engine()
+        assert dram_hit_while(e, running, params={"hpkv_async_dram_load": asked}) == (asked, asked)
+
+
+def test_a_request_that_asks_with_a_string_is_not_heard():
+    e = Engine()
+    assert dram_hit_while(e, running=True, params={"hpkv_async_dram_load": "false"}) == (True, True)
+
+
+def test_the_dram_setting_leaves_storage_hits_to_async_storage_loads():
+    e = Engine(background=False, dram_background=True)
+    r = request("a", 4 * BS + 1)
+    e.admit(r)
+    e.save_all(e.side.build_connector_meta(step((r, r.num_tokens))))
+    e.side.reset_cache()  # only on storage now
+    assert e.admit(request("b", 4 * BS + 1)) == 4 * BS
+    assert e.background["b"] is False, "HPKV_ASYNC_STORAGE_LOADS=0 decides a storage hit"
 
 
 def test_a_full_pool_saves_what_fits():
@@ -375,5 +454,6 @@ def test_the_scheduler_in_auto_mode_loads_only_the_dram_part_of_a_hit_from_a_slo
     e.save_all(e.side.build_connector_meta(step((r, r.num_tokens))))
     e.side.reset_cache()  # all 6 blocks now only on storage
     e.store.promote(NS, block_keys(LAYOUT.fingerprint, r.block_hashes[:2]))  # 2 back in DRAM
+    e.side.request_finished("a")  # nothing else runs: the DRAM part loads in the step
     assert e.admit(request("b", 6 * BS + 1)) == 2 * BS
     assert e.background["b"] is False, "the DRAM part loads in the step"

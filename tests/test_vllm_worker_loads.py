@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from hpkv.connectors.promote import PROMOTE_PARTS, load_in_parts, promote_parts
+from hpkv.connectors.vllm import worker as worker_module
 from hpkv.connectors.vllm.layout import Layout
-from hpkv.connectors.vllm.metadata import LoadOp
+from hpkv.connectors.vllm.metadata import HpkvMetadata, LoadOp
 from hpkv.connectors.vllm.worker import WorkerSide
 from hpkv.protocol.errors import ROW_MISSING, HpkvUnavailable
 from hpkv.protocol.keys import block_keys
@@ -156,6 +157,36 @@ def test_a_load_in_one_part_promotes_once_on_the_calling_thread():
     assert load(side, store, keys, offsets) == []
     assert store.promotes == [keys] and mover.loads == [[100, 101, 102, 103, 104]]
     assert threading.active_count() == before and store.pinned() == 0
+
+
+def test_a_background_dram_load_is_copied_in_batches_a_save_can_come_between(monkeypatch):
+    # The step thread's saves share the device handle and the transfer worker: between two
+    # batches, not after the whole hit.
+    monkeypatch.setattr(worker_module, "BACKGROUND_COPY_BATCH_BYTES", 2 * SHARD)
+    store = Store()
+    keys, offsets = stored_blocks(store, 5, in_dram=5)
+    mover = Mover(store)
+    side = WorkerSide(
+        LAYOUT, 0, "/nonexistent", "cpu", lambda spec: (store, NS, mover), open_load_store=lambda: (store, NS)
+    )
+    side._device = mover
+    op = LoadOp("r1", keys, list(range(100, 105)), offsets, background=True)
+    side.start_load_kv(HpkvMetadata(loads=[op]))
+    deadline = time.monotonic() + 5
+    while not (done := side.take_finished_loads(idle_step=True)) and time.monotonic() < deadline:
+        pass
+    side.shutdown()
+    assert done == {"r1"} and side.take_load_errors() == set()
+    assert mover.loads == [[100, 101], [102, 103], [104]]
+    assert store.promotes == [], "all of it in DRAM: nothing promoted"
+
+
+def test_a_load_in_the_step_is_one_copy():
+    store = Store()
+    keys, offsets = stored_blocks(store, 5, in_dram=5)
+    mover = Mover(store)
+    assert load(worker(store, mover, part_blocks=2), store, keys, offsets) == []
+    assert mover.loads == [[100, 101, 102, 103, 104]]
 
 
 @pytest.mark.parametrize("failing", [1, 2, 3])

@@ -110,7 +110,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--interference",
         action="store_true",
-        help="also measure a streaming client's inter-token gaps during a storage hit and a write-through",
+        help="also measure a streaming client's inter-token gaps during a storage hit, DRAM hits (in the step "
+        "and as HPKV_ASYNC_DRAM_LOADS has it) and a write-through",
     )
     p.add_argument(
         "--no-connector-too",
@@ -503,15 +504,21 @@ def _after_storage_phase(
     if args.interference:
         from hpkv.bench.interference import measure
         from hpkv.protocol.stats import spills_pending
+        from hpkv.testing.vllm_server import hpkv_loads
 
-        _log("interference: a streaming client alone, during a storage hit, during a write-through")
+        _log(
+            "interference: a streaming client alone, during a storage hit, during DRAM hits (in the "
+            "step and as configured), during a write-through"
+        )
         results["interference"] = measure(
             srv.url,
             srv.model_name,
             prompt_for(INTERFERENCE_HIT, args.tokens),
             prompt_for(INTERFERENCE_COLD, args.tokens),
             lambda: spills_pending(env["HPKV_SHARE_MEM_FILE_PATH"]),
-            lambda prompt: ttft(srv.url, srv.model_name, prompt),
+            lambda prompt, extra: first_byte(srv.url, srv.model_name, prompt, extra)[0],
+            lambda: reset_engine_cache(getattr(args, "engine", "vllm"), srv.url),
+            lambda: hpkv_loads(env),
         )
 
 
@@ -996,6 +1003,9 @@ def print_table(s: dict[str, Any]) -> None:
     _print_hybrid_bytes(s)
     for label, key in (
         ("during a storage hit", "during_storage_hit"),
+        ("during a DRAM hit loaded in the step", "during_dram_hit_in_step"),
+        ("during a DRAM hit (HPKV_ASYNC_DRAM_LOADS)", "during_dram_hit_configured"),
+        ("during a GPU prefix-cache hit (no load: the floor)", "during_gpu_hit"),
         ("during a write-through", "during_write_through"),
     ):
         inter = s.get("interference", {})
@@ -1005,16 +1015,30 @@ def print_table(s: dict[str, Any]) -> None:
                 f"  streaming client {label}: gaps p50 {d['p50_ms']:.0f} ms, max {d['max_ms']:.0f} ms; alone "
                 f"p50 {a['p50_ms']:.0f} ms, max {a['max_ms']:.0f} ms -> max {d['max_vs_alone_max']:.2f}x "
                 f"(target <= 1.5x: {'met' if d['max_vs_alone_max'] <= 1.5 else 'NOT met'}; "
-                f"{d['gaps']} gaps in {d['window_s']:g} s"
+                f"{d['gaps']} gaps in {_seconds(d['window_s'])} s"
                 + (
                     f", {d['spills_left_at_first_byte']} spills left at the cold prompt's first byte)"
                     if "spills_left_at_first_byte" in d
                     else ")"
                 )
             )
+            hit_ttft = inter.get(key.replace("during_", "") + "_ttft_s")
+            if isinstance(hit_ttft, list):
+                print(f"    the hit's own TTFT: {_seconds(hit_ttft)} s (each round)")
         elif key in inter:
             print(f"  streaming client {label}: {inter[key].get('skipped')}")
+    alone = s.get("interference", {}).get("dram_hit_alone_ttft_s")
+    if alone:
+        print(
+            "  a DRAM hit with no other request, TTFT: loaded in the step "
+            f"{_seconds(alone['in_step'])} s; in the background {_seconds(alone['background'])} s"
+        )
     _print_cold(s)
+
+
+def _seconds(value: float | list[float]) -> str:
+    """A duration, or each round's, for the table."""
+    return ", ".join(f"{v:g}" for v in value) if isinstance(value, list) else f"{value:g}"
 
 
 def _print_hybrid_bytes(s: dict[str, Any]) -> None:

@@ -199,15 +199,16 @@ class HpkvConnectorV1(KVConnectorBase_V1, SupportsHMA):
             )
             return client, ns.ns_id
 
+        # The CUDA path loads synchronously for now (its saves are the asynchronous part).
+        cuda = str(vllm_config.device_config.device_type) == "cuda"
         side = SchedulerSide(
             layout,
             self.threshold,
             open_store,
             self._block_ids_of,
-            # The CUDA path loads synchronously for now (its saves are the asynchronous part).
-            background_storage_loads=bool(self.cfg["HPKV_ASYNC_STORAGE_LOADS"])
-            and str(vllm_config.device_config.device_type) != "cuda",
+            background_storage_loads=bool(self.cfg["HPKV_ASYNC_STORAGE_LOADS"]) and not cuda,
             lookup_retry_s=float(self.cfg["HPKV_STORAGE_LOOKUP_RETRY_MS"]) / 1000.0,
+            background_dram_loads=False if cuda else self.cfg["HPKV_ASYNC_DRAM_LOADS"],
         )
         side.hpkv.connect_now(timeout=120.0)
         kec = vllm_config.kv_events_config

@@ -35,6 +35,11 @@ log = logging.getLogger("vllm.hpkv")
 #: {"hpkv_skip": true}``.
 SKIP_PARAM = "hpkv_skip"
 
+#: ``kv_transfer_params`` key of a request that chooses how its DRAM-only hit loads: true in the
+#: background, false in the step, whatever ``HPKV_ASYNC_DRAM_LOADS`` says (unless that is 0).
+#: The benchmark measures both ways on one engine with it.
+ASYNC_DRAM_PARAM = "hpkv_async_dram_load"
+
 #: vLLM's null block (``BlockPool.null_block``, the pool's first block): what a sliding-window
 #: group's block table holds outside its window. Never saved, never loaded into.
 NULL_BLOCK_ID = 0
@@ -46,6 +51,13 @@ def skipped(request: Any) -> bool:
     return isinstance(params, dict) and params.get(SKIP_PARAM) is True  # JSON true, not "false"
 
 
+def asked_async_dram(request: Any) -> bool | None:
+    """The request's :data:`ASYNC_DRAM_PARAM` (a JSON boolean), None if it sets none."""
+    params = getattr(request, "kv_transfer_params", None)
+    value = params.get(ASYNC_DRAM_PARAM) if isinstance(params, dict) else None
+    return value if isinstance(value, bool) else None
+
+
 @dataclass
 class _Plan:
     """A hit found by a lookup, for the allocation that follows: blocks ``[first, first + n)``,
@@ -55,6 +67,7 @@ class _Plan:
     n: int
     keys: list[list[bytes]]
     tiers: list[list[int]]
+    background: bool  # loaded while the engine steps (vLLM's async load), not in the step
 
 
 @dataclass
@@ -75,7 +88,11 @@ class SchedulerSide:
     A hybrid model (several KV cache groups, :mod:`.groups`) saves each group's blocks under
     its own keys and loads each group what a hit needs from it. Its loads all run in the
     background (vLLM's async load): vLLM recomputes a failed load of such a model only as a
-    failed request (``failed_recving``), never by block ids, which are per group."""
+    failed request (``failed_recving``), never by block ids, which are per group.
+
+    ``background_dram_loads`` (``HPKV_ASYNC_DRAM_LOADS``): whether a DRAM-only hit loads in the
+    background too; None (auto): while other requests are running, which would otherwise wait
+    for its copy in the step (:meth:`loads_in_background`)."""
 
     def __init__(
         self,
@@ -86,12 +103,14 @@ class SchedulerSide:
         background_storage_loads: bool = True,
         lookup_retry_s: float = 1.0,
         report_every_s: float | None = REPORT_EVERY_S,
+        background_dram_loads: bool | None = None,
     ):
         self.layout = layout
         self.block_size = layout.block_size
         self.policy = LoadPolicy(threshold)  # threshold None: VLLM_HPKV_TOKEN_THRESHOLD=auto
         self.background_storage_loads = background_storage_loads
         self.background_all_loads = len(layout.groups) > 1
+        self.background_dram_loads = background_dram_loads  # None: auto
         self.lookup_retry_s = lookup_retry_s  # HPKV_STORAGE_LOOKUP_RETRY_MS
         self.ns_id = -1
         self._open_store = open_store
@@ -99,6 +118,7 @@ class SchedulerSide:
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[LoadOp] = []
         self._hit_tiers: dict[str, tuple[int, int]] = {}  # req -> (dram tokens, storage tokens)
+        self._running: set[str] = set()  # scheduled in the latest step and not finished since
         self.hpkv: Reconnecting[KvStore] = Reconnecting("scheduler", self._connect, log)
         # The prefill time the loads saved, reported to the server (`hpkv status`, hpkv-top, metrics).
         self.time_saved = TimeSaved(
@@ -215,15 +235,39 @@ class SchedulerSide:
             if first + load >= n:
                 break
             end = first + load  # the policy loads less: the groups' needs at that length
+        background = self.loads_in_background(request, block_tiers)
         st.plan = _Plan(
-            first, n - first, [row[: n - first] for row in keys], [row[: n - first] for row in tiers]
-        )
-        # A hit that needs the disk loads in the background (vLLM's async load): the request
-        # waits, the others keep stepping. A DRAM-only hit costs milliseconds: synchronous.
-        background = self.background_all_loads or (
-            self.background_storage_loads and Tier.STORAGE in block_tiers
+            first,
+            n - first,
+            [row[: n - first] for row in keys],
+            [row[: n - first] for row in tiers],
+            background,
         )
         return (n - first) * self.block_size, background
+
+    def loads_in_background(self, request: Any, block_tiers: list[int]) -> bool:
+        """Whether a hit (the tier of each block) loads in the background (vLLM's async load:
+        the request waits, the others keep stepping) rather than in the step, where every
+        running request waits for its copy.
+
+        A hit that needs the disk: in the background (``HPKV_ASYNC_STORAGE_LOADS``). A
+        DRAM-only hit (``HPKV_ASYNC_DRAM_LOADS``, or the request's :data:`ASYNC_DRAM_PARAM`
+        unless that key is 0): auto loads it in the background while other requests run (an
+        8192-token hit of a 7B model copies 448 MiB, tens of ms on a CPU: every running
+        request's next token would wait for it), and in the step when none runs (nobody
+        waits, and the hit saves the step an async load takes to be reported)."""
+        if self.background_all_loads:
+            return True
+        if Tier.STORAGE in block_tiers:
+            return self.background_storage_loads
+        if self.background_dram_loads is False:
+            return False
+        asked = asked_async_dram(request)
+        if asked is not None:
+            return asked
+        if self.background_dram_loads is None:
+            return bool(self._running - {request.request_id})
+        return True
 
     def _block_tiers(self, tiers: list[list[int]], first: int, n: int) -> list[int]:
         """The slowest tier each block of ``[first, n)`` loads from, over the groups that need it."""
@@ -278,9 +322,12 @@ class SchedulerSide:
                 st.pinned.extend(keys)
             except Exception as exc:  # noqa: BLE001 - the worker reports the blocks failed
                 self.hpkv.lost(exc)
-        background = self.background_all_loads or (self.background_storage_loads and Tier.STORAGE in tiers)
         tokens = n * self.block_size if len(self.layout.groups) > 1 else None
-        self._pending_loads.append(LoadOp(request.request_id, keys, targets, offsets, background, tokens))
+        # As promised to vLLM by get_num_new_matched_tokens: a request it holds waiting for a
+        # background load that the worker then loads in the step would wait forever.
+        self._pending_loads.append(
+            LoadOp(request.request_id, keys, targets, offsets, plan.background, tokens)
+        )
         dram = sum(1 for t in tiers if t == Tier.DRAM) * self.block_size
         self._hit_tiers[request.request_id] = (dram, num_external_tokens - dram)
         st.saved_upto = max(st.saved_upto, first + n)
@@ -292,6 +339,7 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> HpkvMetadata:
         meta = HpkvMetadata()
         self.policy.step_scheduled(sum(scheduler_output.num_scheduled_tokens.values()))
+        self._running = set(scheduler_output.num_scheduled_tokens)
         meta.loads, self._pending_loads = self._pending_loads, []
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
             if rid in self._reqs:
@@ -383,6 +431,7 @@ class SchedulerSide:
     def request_finished(self, request_id: str) -> None:
         st = self._reqs.pop(request_id, None)
         self._hit_tiers.pop(request_id, None)
+        self._running.discard(request_id)
         if st is None or not st.pinned:
             return
         client = self.hpkv.get()

@@ -3,9 +3,10 @@ has the rank's transfer worker copy blocks pool → KV cache before the forward 
 KV cache → pool after it (saves), then commits the saved shards.
 
 On the CPU backend the KV cache is allocated in a shared-memory file the transfer worker
-maps (:meth:`WorkerSide.shared_kv_allocation`). A DRAM hit is copied before the forward (a
-few milliseconds); a storage hit loads in the background (vLLM's async load), promoted into
-the pool by the IO workers part by part, each part copied while the next one is read.
+maps (:meth:`WorkerSide.shared_kv_allocation`). A DRAM hit is copied before the forward, or
+in the background (vLLM's async load) while other requests run (``HPKV_ASYNC_DRAM_LOADS``); a
+storage hit loads in the background, promoted into the pool by the IO workers part by part,
+each part copied while the next one is read.
 Blocks that cannot be delivered are reported, and vLLM recomputes them.
 """
 
@@ -40,6 +41,10 @@ IDLE_STEP_WAIT_S = 0.02  # an empty step waits this long for a background load t
 # A background load's disk read may take longer than a step's (the request waits, the others
 # run); on a loaded machine a few blocks took over 5 s. Still bounded: it then recomputes.
 BACKGROUND_PROMOTE_TIMEOUT_S = 30.0
+# A background load is copied in batches of about this size: the step thread's saves go to the
+# same transfer worker, through the same device handle, and wait for the batch before them,
+# never for a whole 448 MiB hit (40-150 ms on a busy 2-CPU machine).
+BACKGROUND_COPY_BATCH_BYTES = 16 << 20
 
 #: (store, namespace id, block mover) of a connected worker.
 Opened = tuple[KvStore, int, BlockMover]
@@ -195,12 +200,15 @@ class WorkerSide:
         ops: list[LoadOp],
         lost: Callable[[BaseException], None],
         promote_timeout: float | None = None,
+        copy_batch_bytes: int = 0,
     ) -> None:
         """Load ``ops`` into the KV cache: promote what is not in DRAM, copy, unpin what was
         promoted for us. Blocks that could not be loaded are reported (vLLM recomputes them).
 
         A large storage load is promoted in parts, each copied into the KV cache while the
-        next one is read from disk; the copies stay on this thread (:func:`load_in_parts`)."""
+        next one is read from disk; the copies stay on this thread (:func:`load_in_parts`).
+        ``copy_batch_bytes`` > 0 cuts each copy into batches of about that size (of this rank's
+        shards), one after the other."""
         blocks = [b for op in ops for b in op.block_ids]
         device = self._device
         if device is None:
@@ -215,6 +223,13 @@ class WorkerSide:
                 len(missing) * self.layout.shard_bytes * self.layout.world_size
             )
         dst = np.asarray(blocks, np.int64)
+        batch = max(1, copy_batch_bytes // self.layout.shard_bytes if copy_batch_bytes > 0 else len(dst))
+
+        def copy(idx: np.ndarray, offs: np.ndarray) -> bool:
+            return all(
+                device.load(dst[idx[i : i + batch]], offs[i : i + batch]) for i in range(0, len(idx), batch)
+            )
+
         try:
             ok = load_in_parts(
                 client,
@@ -225,7 +240,7 @@ class WorkerSide:
                 self.layout.shard_bytes,
                 self.promote_part_bytes,
                 promote_timeout,
-                lambda idx, offs: device.load(dst[idx], offs),
+                copy,
             )
         except Exception as exc:  # noqa: BLE001 - whatever failed, vLLM recomputes
             lost(exc)
@@ -373,9 +388,10 @@ def pool_dir_usage(pool_dir: str) -> str:
 
 
 class BackgroundLoads:
-    """Loads that need the disk, run while the engine steps its other requests (vLLM's async
-    KV load): one thread, its own hpkv connection (a promote waits for the disk; the step
-    thread's calls must not queue behind it), the worker's device for the copy. Every load
+    """Loads run while the engine steps its other requests (vLLM's async KV load: those that
+    need the disk, and DRAM hits the scheduler sends here): one thread, its own hpkv
+    connection (a promote waits for the disk; the step thread's calls must not queue behind
+    it), the worker's device for the copy, in batches (``BACKGROUND_COPY_BATCH_BYTES``). Every load
     ends, loaded or failed, within the client's bounds; the request is then reported finished
     (after its failed blocks were reported) and vLLM recomputes what failed."""
 
@@ -416,7 +432,14 @@ class BackgroundLoads:
                 if client is None or not self._side.enabled:
                     self._side._fail_loads([op], self._side.unavailable_reason())
                 else:
-                    self._side.load(client, self.ns_id, [op], self.hpkv.lost, BACKGROUND_PROMOTE_TIMEOUT_S)
+                    self._side.load(
+                        client,
+                        self.ns_id,
+                        [op],
+                        self.hpkv.lost,
+                        BACKGROUND_PROMOTE_TIMEOUT_S,
+                        BACKGROUND_COPY_BATCH_BYTES,
+                    )
             except Exception as exc:  # noqa: BLE001 - the request must end; vLLM recomputes
                 self._side._fail_loads([op], f"background load failed: {exc}")
             with self._done:
