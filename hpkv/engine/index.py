@@ -647,20 +647,8 @@ class Index:
 
     def clear_namespace(self, ns_id: int) -> int:
         """Drop the namespace's DRAM copies (pinned and reserved blocks stay); returns blocks dropped."""
-        ns = self.ns(ns_id)
-        dropped = 0
-        for k, b in list(self.blocks.items()):
-            if b.ns is not ns or b.state != State.READY or b.pins or b.io:
-                continue
-            self._lru.pop(k, None)
-            ns.counters[NsCounter.BLOCKS_DRAM] -= 1
-            ns.counters[NsCounter.BYTES_DRAM] -= ns.slot_bytes * ns.world_size
-            self._free_slots(b)
-            self._drop_from_dram(b)
-            if ns.events is not None:
-                ns.events.add(k, REMOVED_DRAM)
-            dropped += 1
-        return dropped
+        victims, _ = self.dram_victims(self.ns(ns_id), cutoff=None)
+        return self.drop_dram(victims)
 
     # ------------------------------------------------------------ operator calls (hpkv evict, hpkv pin)
     def dram_victims(self, ns: Namespace, cutoff: float | None) -> tuple[list[Block], dict[str, int]]:
@@ -684,8 +672,8 @@ class Index:
         return out, skipped
 
     def drop_dram(self, blocks: Iterable[Block]) -> int:
-        """Drop these DRAM copies (from :meth:`dram_victims`, under the same lock hold) as
-        :meth:`clear_namespace` does; returns blocks dropped."""
+        """Drop these DRAM copies (from :meth:`dram_victims`, under the same lock hold); returns
+        blocks dropped."""
         n = 0
         for b in blocks:
             ns = b.ns
