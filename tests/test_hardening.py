@@ -29,6 +29,7 @@ from hpkv.testing.server import (
     ServerProcess,
     assert_serves_correctly,
     client_of,
+    control_call_as,
     private_env,
     serve_fails,
     start_under_umask,
@@ -225,41 +226,8 @@ def _client_as(srv: ServerProcess, uid: int, gid: int) -> dict:
 
 
 def _hello_as(srv: ServerProcess, uid: int, gid: int, op: str = "hello") -> dict:
-    """Fork, become uid/gid, connect and make one control call (``op``, hello by default); the
-    server's answer (or a closed connection)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: only the socket module, then _exit
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.settimeout(10)
-            s.connect(os.path.join(srv.pool_dir, P.SOCKET_FILE))
-            try:
-                s.sendall(json.dumps({"op": op, "pid": os.getpid()}).encode() + b"\n")
-            except OSError:
-                pass  # a refused peer may be answered and closed before it speaks
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
-            os.write(w, data or b'{"closed": true}\n')
-        except BaseException as exc:  # noqa: BLE001
-            os.write(w, json.dumps({"child_error": repr(exc)}).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    out = b""
-    while chunk := os.read(r, 65536):
-        out += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
-    return json.loads(out)
+    """One control call (``op``, hello by default) as uid/gid; the server's answer."""
+    return control_call_as(srv, uid, gid, {"op": op, "pid": os.getpid()})
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")

@@ -16,11 +16,8 @@ Real ``hpkv serve`` processes and real worker processes throughout.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -32,7 +29,14 @@ from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.testing.device import make_device
-from hpkv.testing.server import ServerProcess, assert_serves_correctly, client_of, private_env, wait_for
+from hpkv.testing.server import (
+    ServerProcess,
+    assert_serves_correctly,
+    client_of,
+    private_env,
+    status_json,
+    wait_for,
+)
 
 FP = namespace_fingerprint({"model": "fence", "layers": 4})
 LAYERS, BLOCKS, PAGE = 4, 16, 4096
@@ -58,17 +62,6 @@ def stopped(pid: int):
 
 def running_workers(c, kind: str = "transfer") -> list[dict]:
     return [w for w in c.stats()["workers"] if w["kind"] == kind and w["state"] == "running"]
-
-
-def status_json(srv: ServerProcess) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "hpkv", "status", "--json"],
-        env=srv.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    return json.loads(out.stdout)
 
 
 def engine(srv: ServerProcess, tmp_path, name: str):
@@ -271,7 +264,7 @@ def test_a_stopped_transfer_worker_is_shown_hung_killed_its_jobs_failed_and_rest
             assert w2["pid"] != w["pid"] and w2["restarts"] == 1 and w2["hangs"] == 1, w2
             with pytest.raises(ProcessLookupError):
                 os.kill(w["pid"], 0)
-            st = status_json(srv)["workers"][0]
+            st = status_json(srv.env)["workers"][0]
             assert st["hangs"] == 1 and st["restarts"] == 1, st
             x.abort(ns.ns_id, keys)
             # The replacement saves (new reservations; the old ones were aborted).

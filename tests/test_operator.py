@@ -6,7 +6,6 @@ import errno
 import grp
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,12 +14,11 @@ from pathlib import Path
 import pytest
 
 from hpkv.io_workers import kvfile
-from hpkv.protocol import wire as P
 from hpkv.protocol.errors import HpkvError
 from hpkv.protocol.events import REMOVED
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.protocol.wire import Tier
-from hpkv.testing.server import ServerProcess, client_of, private_env, wait_for
+from hpkv.testing.server import ServerProcess, client_of, control_call_as, private_env, wait_for
 
 SHARD = 8192  # bytes of one block (one rank)
 NOBODY = 65534
@@ -249,40 +247,6 @@ def test_operator_pins_outlive_the_lease_and_dram_eviction_pressure(tmp_path):
 
 
 # ------------------------------------------------------------------ who may
-def _call_as(srv: ServerProcess, uid: int, gid: int, msg: dict) -> dict:
-    """Fork, become uid/gid, send one control call; the server's answer."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.settimeout(10)
-            s.connect(os.path.join(srv.pool_dir, P.SOCKET_FILE))
-            s.sendall(json.dumps(msg).encode() + b"\n")
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
-            os.write(w, data or b'{"closed": true}\n')
-        except BaseException as exc:  # noqa: BLE001
-            os.write(w, json.dumps({"child_error": repr(exc)}).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    out = b""
-    while chunk := os.read(r, 65536):
-        out += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
-    return json.loads(out)
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 def test_a_group_member_may_not_evict_prefetch_pin_or_unpin(tmp_path):
     group = grp.getgrnam("users").gr_gid
@@ -291,7 +255,7 @@ def test_a_group_member_may_not_evict_prefetch_pin_or_unpin(tmp_path):
         ns = Ns(s, "guarded", 2)
         try:
             for op in ("evict", "prefetch", "pin", "unpin"):
-                answer = _call_as(
+                answer = control_call_as(
                     s, NOBODY, group, {"op": op, "namespace": ns.fp, "all": True, "tier": "all"}
                 )
                 assert answer.get("ok") is False and answer["status"] == -errno.EACCES, (op, answer)

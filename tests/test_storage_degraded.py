@@ -13,12 +13,10 @@ daemon is continued and every mount unmounted in a fixture.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -30,7 +28,7 @@ from hpkv.client import connect
 from hpkv.io_workers import kvfile
 from hpkv.protocol.keys import namespace_fingerprint
 from hpkv.testing.mounts import bindfs_view, stopped
-from hpkv.testing.server import private_env, wait_for
+from hpkv.testing.server import private_env, status_json, wait_for
 
 FP = namespace_fingerprint({"model": "shared-storage", "layers": 4})
 SHARD = 64_000
@@ -45,18 +43,6 @@ def storage_view(tmp_path: Path, ttl: float):
     (src / "storage").mkdir(mode=0o700)
     with bindfs_view(src, view, ttl) as daemon:
         yield src / "storage", view / "storage", daemon
-
-
-def status_json(env: dict[str, str]) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "hpkv", "status", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
 
 
 def timed(fn):

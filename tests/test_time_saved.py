@@ -9,11 +9,8 @@ time that is the loaded tokens at the prefill rate less the measured load time.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -35,7 +32,7 @@ from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.protocol.wire import slot_offset
 from hpkv.testing.device import make_device
 from hpkv.testing.memory_store import MemoryKvStore
-from hpkv.testing.server import ServerProcess, client_of, private_env, wait_for
+from hpkv.testing.server import ServerProcess, client_of, private_env, status_json, wait_for
 
 PAGE, LAYERS, BS = 4096, 4, 16
 FP = namespace_fingerprint({"model": "time-saved-test"})
@@ -49,18 +46,6 @@ LAYOUT = Layout(
 )
 SHARD = LAYOUT.shard_bytes
 PREFILL_TPS = 64.0  # the engine's prefill rate in these tests (tokens/s): a second per 64 tokens
-
-
-def status_json(env) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "hpkv", "status", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -229,6 +230,58 @@ def client_of(srv: ServerProcess, **kw: Any) -> Any:
 
     kw.setdefault("call_timeout", 10.0)
     return connect(srv.cfg, spawn=False, **kw)
+
+
+def status_json(env: Mapping[str, str]) -> dict[str, Any]:
+    """``hpkv status --json`` of the server ``env`` points at (the command must succeed)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "hpkv", "status", "--json"],
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def control_call_as(srv: ServerProcess, uid: int, gid: int, msg: dict[str, Any]) -> dict[str, Any]:
+    """Fork, become uid/gid (root only), connect to the server's socket and send one control
+    line; the server's answer (``{"closed": true}`` when it closed without one). A forked child
+    uses only the socket module, then ``_exit``s."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(10)
+            s.connect(os.path.join(srv.pool_dir, SOCKET_FILE))
+            try:
+                s.sendall(json.dumps(msg).encode() + b"\n")
+            except OSError:
+                pass  # a refused peer may be answered and closed before it speaks
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+            os.write(w, data or b'{"closed": true}\n')
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            os.write(w, json.dumps({"child_error": repr(exc)}).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    out = b""
+    while chunk := os.read(r, 65536):
+        out += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return json.loads(out)
 
 
 def wait_for(cond: Any, timeout: float = 10.0, what: str = "condition", step: float = 0.05) -> Any:
