@@ -279,8 +279,10 @@ def test_concurrent_requests_with_overlapping_prefixes_get_the_same_outputs(serv
     shared = letters(96, seed=6)
     prompts = [shared + " " + letters(40 + 9 * i, seed=100 + i) for i in range(8)]
     cold = batch(server, prompts)  # computed; hpkv saves shared and own blocks
-    expected = batch(server, prompts)  # vLLM's prefix cache, batched the same way
-    assert [t for t, _ in expected] == [t for t, _ in cold]
+    expected = batch(server, prompts)  # vLLM's prefix cache
+    # Not exact: the cold call computed the shared prefix in whichever step its requests arrived,
+    # the second call reads it from vLLM's cache; CI once saw a near-tie pick flip between the two.
+    assert_same_up_to_noise(expected, cold)
     reset(server)
     before = loaded(hpkv_env)
     got = batch(server, prompts)  # 8 requests load overlapping prefixes in one step
