@@ -506,6 +506,7 @@ def _print_json(obj: object) -> None:
 def _cmd_export(args: argparse.Namespace) -> int:
     from hpkv.engine.storage.pack import NamespaceInfo, PackError, export_pack
     from hpkv.monitor.status import read_snapshot, server_pid
+    from hpkv.protocol.stats import StatsVersionError
 
     cfg = _load_config_or_exit()
     storage = cfg.storage_path
@@ -514,7 +515,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
             "hpkv: HPKV_KV_STORAGE_PATH is empty: the storage tier is off, nothing to export", file=sys.stderr
         )
         return 1
-    snap = read_snapshot(cfg) or {}
+    try:
+        snap = read_snapshot(cfg) or {}
+    except StatsVersionError as exc:  # the files are enough: the pack's manifest comes from them
+        print(f"hpkv: warning: {exc}", file=sys.stderr)
+        snap = {}
     known = snap.get("namespaces", [])
     fp = _resolve_namespace(args.namespace, storage, known)
     info = next((n for n in known if n["fingerprint"] == fp), None)

@@ -7,6 +7,7 @@ import errno
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -585,6 +586,39 @@ def test_status_without_server_exits_1(tmp_path):
         assert f"no server is running for the pool directory {env['HPKV_SHARE_MEM_FILE_PATH']}" in out.stderr
     finally:
         ServerProcess(env).cleanup()
+
+
+def test_status_and_top_name_a_server_of_another_hpkv_version(tmp_path):
+    """A node upgraded while its server runs: the new `hpkv status` cannot read the old stats
+    segment and says so, instead of "starting" forever (or "no server")."""
+    import fcntl
+
+    from hpkv.monitor.frame import render_text
+    from hpkv.monitor.sample import Watcher
+    from hpkv.protocol.stats import MAGIC, STATS_FILE, VERSION
+
+    env = private_env()
+    pool_dir = env["HPKV_SHARE_MEM_FILE_PATH"]
+    os.makedirs(pool_dir)
+    try:
+        # This process plays the old server: it holds the lock and published a segment of
+        # the previous layout (version 2: a smaller file).
+        lock = os.open(os.path.join(pool_dir, P.LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+        os.write(lock, str(os.getpid()).encode())
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with open(os.path.join(pool_dir, STATS_FILE), "wb") as f:
+            f.write(np.array([MAGIC, VERSION - 1], np.int64).tobytes() + bytes(64 << 10))
+        out = hpkv_cli(env, "status")
+        assert out.returncode == 1
+        assert f"server {os.getpid()} runs" in out.stderr
+        assert f"of version {VERSION - 1}, and this hpkv reads version {VERSION}" in out.stderr, out.stderr
+        view = Watcher(load_config(env)).poll()
+        assert view.status == "starting" and view.pid == os.getpid()
+        frame = render_text(view, 200)
+        assert f"version {VERSION - 1}" in frame and "has not published" not in frame, frame
+        os.close(lock)
+    finally:
+        shutil.rmtree(pool_dir, ignore_errors=True)
 
 
 def _connect_pinned(env, q):

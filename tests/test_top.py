@@ -287,7 +287,9 @@ def test_waits_for_a_server_and_follows_it_across_a_restart(tmux_top):
         assert first.terminate() == 0
         # Both lines in one wait: tmux may show a frame half drawn, its first line without the next.
         went_away = f"server pid {first.proc.pid} went away"
-        top.wait_for("'no server' and 'went away' after the stop", lambda s: no_server in s and went_away in s)
+        top.wait_for(
+            "'no server' and 'went away' after the stop", lambda s: no_server in s and went_away in s
+        )
 
         second.start()
         top.wait_for(f"the new server {second.proc.pid}", lambda s: f"server {second.proc.pid}" in s)

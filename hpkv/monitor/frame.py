@@ -228,7 +228,10 @@ def _waiting(view: View, width: int) -> list[Line]:
     lines = [_title(view, width, "hpkv-top"), ("", "text")]
     if view.status == "starting":
         lines.append((f"hpkv server pid {view.pid} holds the pool directory {view.pool_dir}", "warn"))
-        lines.append(("but has not published its stats segment yet: starting", "text"))
+        if view.error:  # it never will: a server of another hpkv version
+            lines += [(part.strip(), "warn") for part in view.error.split(": ", 1)]
+        else:
+            lines.append(("but has not published its stats segment yet: starting", "text"))
     else:
         lines.append((f"no hpkv server is running for the pool directory {view.pool_dir}", "warn"))
         if view.source:

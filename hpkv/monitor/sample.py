@@ -21,7 +21,7 @@ from typing import Any
 from hpkv.config import Config
 from hpkv.monitor.rings import RingLevel, peek_all
 from hpkv.monitor.status import server_pid
-from hpkv.protocol.stats import H, StatsSegment
+from hpkv.protocol.stats import H, StatsSegment, StatsVersionError
 
 #: Seconds of history behind each sparkline.
 HISTORY_S = 60.0
@@ -155,8 +155,11 @@ class Watcher:
             return self._view("none")
         if self.seg is None or pid != self.pid:
             self._forget()
-            if not self._attach(pid):
-                return self._view("starting", pid=pid)
+            try:
+                if not self._attach(pid):
+                    return self._view("starting", pid=pid)
+            except StatsVersionError as exc:  # not starting: it will never publish what we read
+                return self._view("starting", pid=pid, error=str(exc))
         seg = self.seg
         if seg is None:
             return self._view("starting", pid=pid)
@@ -178,6 +181,8 @@ class Watcher:
 
         try:
             seg = StatsSegment.attach(self.pool_dir)
+        except StatsVersionError:
+            raise
         except (FileNotFoundError, ValueError, OSError):
             return False  # the server holds the lock but has not published its segment yet
         if int(seg.header[H.SERVER_PID]) != pid:

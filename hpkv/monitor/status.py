@@ -8,7 +8,7 @@ import time
 
 from hpkv.common.numa import format_cpulist
 from hpkv.config import Config, format_size
-from hpkv.protocol.stats import STORAGE_HEALTH_COUNTERS, StatsSegment
+from hpkv.protocol.stats import STORAGE_HEALTH_COUNTERS, StatsSegment, StatsVersionError
 from hpkv.protocol.wire import live_server_pid
 
 
@@ -18,10 +18,14 @@ def server_pid(cfg: Config) -> int | None:
 
 
 def read_snapshot(cfg: Config) -> dict | None:
+    """The server's counters; None while no server (or one still starting) has published
+    them. Raises :class:`StatsVersionError` for a server of another hpkv version."""
     if server_pid(cfg) is None:
         return None
     try:
         seg = StatsSegment.attach(cfg.pool_dir)
+    except StatsVersionError:
+        raise
     except FileNotFoundError:
         return None
     try:
@@ -102,7 +106,11 @@ def format_status(s: dict) -> str:
 
 def print_status(cfg: Config, as_json: bool = False) -> int:
     pid = server_pid(cfg)
-    snap = read_snapshot(cfg) if pid is not None else None
+    try:
+        snap = read_snapshot(cfg) if pid is not None else None
+    except StatsVersionError as exc:
+        print(f"hpkv: server {pid} runs, but {exc}", file=sys.stderr)
+        return 1
     if snap is None:
         if pid is not None:  # holds the lock but has no stats segment yet (or no more)
             print(

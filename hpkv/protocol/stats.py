@@ -159,6 +159,19 @@ FILE_SIZE = _N_INT * 8 + CATALOG_BYTES
 STATS_FILE = "stats"
 
 
+class StatsVersionError(FileNotFoundError):
+    """The stats segment was written by a server of another hpkv version (a node upgraded while
+    its server runs): this hpkv cannot read its counters."""
+
+    def __init__(self, path: str, found: int):
+        self.found = found
+        super().__init__(
+            f"{path} is an hpkv stats segment of version {found}, and this hpkv reads version "
+            f"{VERSION}: the running server is of another hpkv version. Use that version's "
+            "`hpkv status`/`hpkv-top`, or restart the server with this one"
+        )
+
+
 class StatsSegment:
     """A mapping of the stats file; the server creates it, everyone else attaches."""
 
@@ -194,19 +207,26 @@ class StatsSegment:
 
     @classmethod
     def attach(cls, directory: str, writable: bool = False) -> StatsSegment:
-        """Raises FileNotFoundError when no server has created the segment."""
+        """Raises FileNotFoundError when no server has created the segment, and its subclass
+        :class:`StatsVersionError` when a server of another hpkv version did."""
         path = os.path.join(directory, STATS_FILE)
         fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
         try:
             if os.fstat(fd).st_size != FILE_SIZE:
+                head = np.frombuffer(os.pread(fd, 16, 0).ljust(16, b"\0"), np.int64)
+                if int(head[H.MAGIC]) == MAGIC and int(head[H.VERSION]) != VERSION:
+                    raise StatsVersionError(path, int(head[H.VERSION]))
                 raise FileNotFoundError(f"{path} is not an hpkv stats segment of this version")
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             mm = mmap.mmap(fd, FILE_SIZE, flags=mmap.MAP_SHARED, prot=prot)
         finally:
             os.close(fd)
         seg = cls(path, mm, writable)
-        if seg.header[H.MAGIC] != MAGIC or seg.header[H.VERSION] != VERSION:
+        magic, version = int(seg.header[H.MAGIC]), int(seg.header[H.VERSION])
+        if magic != MAGIC or version != VERSION:
             seg.close()
+            if magic == MAGIC:
+                raise StatsVersionError(path, version)
             raise FileNotFoundError(f"{path} is not an hpkv stats segment of version {VERSION}")
         return seg
 
