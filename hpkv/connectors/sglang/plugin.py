@@ -3,7 +3,7 @@
 SGLang 0.5.23 loads every ``sglang.srt.plugins`` entry point (hpkv's pyproject declares
 ``hpkv = "hpkv.connectors.sglang.plugin:register"``) in each of its processes before it
 parses arguments (``python -m sglang.launch_server`` and ``sglang serve`` alike), and
-applies the hooks they register. hpkv registers four:
+applies the hooks they register. hpkv registers four for its command line:
 
 * ``prepare_server_args`` reads CT-HPKV's published order, the flag between ``--model-path``
   and its value (``sglang serve --model-path --enable-ct-hpkv /path/to/model …``), as
@@ -17,6 +17,11 @@ applies the hooks they register. hpkv registers four:
   naming :class:`~hpkv.connectors.sglang.storage.HpkvHiCacheStorage` (merged into any extra
   config the user gave; the user's keys win), with ``prefetch_threshold`` =
   ``VLLM_HPKV_TOKEN_THRESHOLD`` unless the user set one.
+
+and three on SGLang's radix cache (``UnifiedRadixCache``) for KV events (``--kv-events-config``):
+``write_backup_storage`` (the pages a node backs up to hpkv, remembered), ``take_events``
+(hpkv's tier changes of those pages published with SGLang's own events) and ``reset``
+(announced again after SGLang's ``AllBlocksCleared``); see :mod:`hpkv.connectors.sglang.events`.
 
 ``SGLANG_PLUGINS`` (a comma-separated allow-list) must name ``hpkv`` if it is set. Nothing
 here imports SGLang at module level: SGLang's hook registry does the patching.
@@ -39,6 +44,7 @@ FLAG = "--enable-ct-hpkv"
 _MODULE = "sglang.srt.server_args"
 _TARGET = f"{_MODULE}.ServerArgs"
 _MODEL_PATH = ("--model-path", "--model")
+_RADIX = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 
 
 def register() -> None:
@@ -51,6 +57,10 @@ def register() -> None:
     )
     HookRegistry.register(f"{_TARGET}.add_cli_args", _add_cli_args, HookType.AROUND)
     HookRegistry.register(f"{_TARGET}.from_cli_args", _from_cli_args, HookType.AROUND)
+    # KV events of hpkv's tiers (--kv-events-config): hpkv.connectors.sglang.events
+    HookRegistry.register(f"{_RADIX}.write_backup_storage", _write_backup_storage, HookType.AROUND)
+    HookRegistry.register(f"{_RADIX}.take_events", _take_events, HookType.AROUND)
+    HookRegistry.register(f"{_RADIX}.reset", _reset, HookType.AROUND)
 
 
 def published_order(argv: list[str]) -> list[str]:
@@ -175,3 +185,33 @@ def apply_ct_hpkv(args: argparse.Namespace) -> None:
         backend,
         extra,
     )
+
+
+# ---------------------------------------------------------------------------- KV events
+def _hpkv_backend(cache: Any) -> Any:
+    """hpkv's storage backend of SGLang's radix ``cache``; None when another (or none) serves it."""
+    backend = getattr(getattr(cache, "cache_controller", None), "storage_backend", None)
+    return backend if hasattr(backend, "hpkv_events") else None
+
+
+def _write_backup_storage(
+    original: Callable[..., Any], cache: Any, node_id: Any, *args: Any, **kw: Any
+) -> Any:
+    out = original(cache, node_id, *args, **kw)
+    if (backend := _hpkv_backend(cache)) is not None:
+        backend.hpkv_events_remember(cache, node_id)
+    return out
+
+
+def _take_events(original: Callable[..., Any], cache: Any, *args: Any, **kw: Any) -> Any:
+    events = original(cache, *args, **kw)
+    if (backend := _hpkv_backend(cache)) is not None:
+        events = list(events) + backend.hpkv_events_take(cache)
+    return events
+
+
+def _reset(original: Callable[..., Any], cache: Any, *args: Any, **kw: Any) -> Any:
+    out = original(cache, *args, **kw)
+    if (backend := _hpkv_backend(cache)) is not None:
+        backend.hpkv_events_reset(cache)
+    return out

@@ -224,6 +224,8 @@ class HpkvHiCacheStorage(HiCacheStorage):
             ),
             0,
         )
+        self._events: Any = None  # SglangEvents while hpkv publishes KV events
+        self._events_state = ""  # "" until the first use, then "on" or "off"
         self.rank = 0 if storage_config.is_mla_model else int(storage_config.tp_rank)
         self.writer = bool(storage_config.is_storage_writer)
         self.interface_v1 = bool(self.extra.get("interface_v1", 0))
@@ -569,8 +571,69 @@ class HpkvHiCacheStorage(HiCacheStorage):
             (self.fingerprint or "")[:12],
         )
 
+    # ------------------------------------------------------------------ KV events
+    # Called by the plugin's hooks on SGLang's radix cache (hpkv.connectors.sglang.plugin), in
+    # the scheduler thread; never raise: events are a courtesy to routers.
+    def hpkv_events(self, cache: Any) -> Any:
+        """hpkv's KV events (:class:`~hpkv.connectors.sglang.events.SglangEvents`) for SGLang's
+        radix ``cache``, started on first use; None where SGLang publishes no events
+        (``--kv-events-config`` unset, or not this rank) or hpkv is off."""
+        if self._events_state:
+            return self._events
+        self._events_state = "off"
+        recorder = getattr(getattr(cache, "tree_core", None), "kv_events", None)
+        if not self.enabled or not self.ns_name or not getattr(recorder, "enabled", False):
+            return None
+        from hpkv.connectors.sglang.events import SglangEvents
+
+        try:
+            events = SglangEvents(self.page_size, self._keys, self._client, lambda: self.ns_id)
+            events.start()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("hpkv: KV events of hpkv's tiers are off: %s", exc)
+            return None
+        self._events, self._events_state = events, "on"
+        log.info("hpkv: publishing KV events of the DRAM pool (medium EXTERNAL) and storage (DISK)")
+        return events
+
+    def hpkv_events_remember(self, cache: Any, node_id: Any) -> None:
+        """SGLang backs radix node ``node_id`` up to hpkv."""
+        if (events := self.hpkv_events(cache)) is not None:
+            try:
+                spec = cache.tree_core.build_storage_backup_spec(node_id, True)
+                if spec is not None:
+                    events.remember(spec)
+            except Exception as exc:  # noqa: BLE001
+                self._events_broke(exc)
+
+    def hpkv_events_take(self, cache: Any) -> list[Any]:
+        """hpkv's events to publish with SGLang's own."""
+        if (events := self.hpkv_events(cache)) is None:
+            return []
+        try:
+            return events.take()
+        except Exception as exc:  # noqa: BLE001
+            self._events_broke(exc)
+            return []
+
+    def hpkv_events_reset(self, cache: Any) -> None:
+        """SGLang reset its radix cache (and published ``AllBlocksCleared``)."""
+        if (events := self.hpkv_events(cache)) is not None:
+            try:
+                events.announce_again()
+            except Exception as exc:  # noqa: BLE001
+                self._events_broke(exc)
+
+    def _events_broke(self, exc: BaseException) -> None:
+        log.warning("hpkv: KV events of hpkv's tiers stop (SGLang goes on): %r", exc)
+        if self._events is not None:
+            self._events.close()
+        self._events = None
+
     def close(self) -> None:
         """SGLang detaches the backend or shuts down: say what hpkv did for it, drop the connection."""
+        if self._events is not None:
+            self._events.close()
         if self.enabled:
             with self._stat_lock:
                 st = dict(self.stats)
