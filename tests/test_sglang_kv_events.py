@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,8 +24,8 @@ from typing import Any
 import msgspec
 import pytest
 import requests
-import zmq
 
+from hpkv.testing.kv_events import Subscriber
 from hpkv.testing.server import engine_env
 from hpkv.testing.sglang_server import SglangServer, hpkv_backend_args, sglang_python
 from hpkv.testing.vllm_server import free_port
@@ -40,49 +39,12 @@ pytestmark = [
 PAGE = 16
 
 
-class Subscriber:
-    """A ZMQ SUB socket (bound on loopback; SGLang's publisher connects to a ``tcp://host:port``
-    endpoint) decoding every batch ``[ts, events, dp_rank]`` in a thread."""
-
-    def __init__(self, endpoint: str):
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sock.setsockopt(zmq.RCVTIMEO, 200)
-        self.sock.bind(endpoint)
-        self.events: list[dict[str, Any]] = []
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            try:
-                parts = self.sock.recv_multipart()
-            except zmq.Again:
-                continue
-            batch = msgspec.msgpack.decode(parts[-1])
-            with self.lock:
-                self.events.extend(batch[1])
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        with self.lock:
-            return list(self.events)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        self.sock.close(0)
-        self.ctx.term()
-
-
 @pytest.fixture(scope="module")
 def events_server(
     tiny_model: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[SglangServer, Subscriber, dict]]:
     port = free_port()
-    sub = Subscriber(f"tcp://127.0.0.1:{port}")
+    sub = Subscriber(f"tcp://127.0.0.1:{port}", lambda payload: msgspec.msgpack.decode(payload)[1])
     config = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv"}
     log = tmp_path_factory.mktemp("sglang-events") / "sglang.log"
     with engine_env("sglang-events", pool_size="256m", VLLM_HPKV_TOKEN_THRESHOLD="64") as env:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,10 +23,10 @@ from typing import Any
 import msgspec
 import pytest
 import requests
-import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from hpkv.io_workers import kvfile
+from hpkv.testing.kv_events import Subscriber
 from hpkv.testing.server import engine_env
 from hpkv.testing.vllm_server import VllmServer, free_port
 
@@ -38,45 +37,6 @@ BLOCK_BYTES = 8 * 2 * BLOCK * 2 * 64 * 2  # the tiny model: 8 layers, K and V, 2
 POOL_BLOCKS = 16
 STORAGE_FILES = 16
 PROMPT_BLOCKS = 8
-
-
-class Subscriber:
-    """A ZMQ SUB socket decoding every batch in a thread. It binds (loopback only) and vLLM's
-    publisher connects: vLLM binds only a wildcard (``tcp://*:port``, every interface) or ipc
-    endpoint and connects to a ``tcp://host:port`` one."""
-
-    def __init__(self, endpoint: str):
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sock.setsockopt(zmq.RCVTIMEO, 200)
-        self.sock.bind(endpoint)
-        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        self.events: list[Any] = []
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            try:
-                _topic, _seq, payload = self.sock.recv_multipart()
-            except zmq.Again:
-                continue
-            batch = self.decoder.decode(payload)
-            with self.lock:
-                self.events.extend(batch.events)
-
-    def snapshot(self) -> list[Any]:
-        with self.lock:
-            return list(self.events)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        self.sock.close(0)
-        self.ctx.term()
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +50,8 @@ def engine(tiny_model):
         HPKV_SERVER_IDLE_EXIT="30",
         HPKV_LOG_LEVEL="INFO",
     ) as env:
-        sub = Subscriber(endpoint)
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        sub = Subscriber(endpoint, lambda payload: decoder.decode(payload).events)
         ktc = {
             "kv_connector": "HpkvConnectorV1",
             "kv_role": "kv_both",
