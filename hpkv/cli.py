@@ -28,7 +28,7 @@ BENCHES = {
     "ttft": ("hpkv.bench.ttft", "the CT-HPKV four-tier TTFT experiment against real vLLM"),
     "admit": (
         "hpkv.bench.admit",
-        "HPKV_STORAGE_ADMIT policies on a many-users workload: hits, bytes written",
+        "HPKV_STORAGE_ADMIT and HPKV_DRAM_EVICTION policies on a many-users workload: hits, bytes written",
     ),
 }
 
