@@ -288,3 +288,20 @@ def test_a_server_with_the_key_set_keeps_the_reused_blocks_through_a_scan(evicti
             assert c.stats()["namespaces"][0]["evictions"] == 2 + 24 - 8
     finally:
         srv.cleanup()
+
+
+def test_the_ghost_keeps_its_keys_when_it_grows_and_forgets_a_key_once_taken():
+    """Direct-mapped: a key whose slot a newer key took is forgotten (a hint that fades); sized
+    to twice the blocks queued, it keeps most of them; growing loses none."""
+    from hpkv.engine.eviction import Ghost
+
+    g = Ghost()
+    ks = keys("g", 600)
+    for k in ks:
+        g.fit(600)  # as S3-FIFO sizes it: twice the queued blocks
+        g.add(k)
+    held = len(g)
+    assert 0.75 * 600 < held < 600
+    g.fit(5000)  # 16384 slots: the fingerprints move along, none lost
+    assert len(g) == held and sum(g.take(k) for k in ks) == held
+    assert len(g) == 0 and not g.take(ks[0]), "taken once: no ghost any more"
