@@ -28,7 +28,7 @@ BENCHES = {
     "ttft": ("hpkv.bench.ttft", "the CT-HPKV four-tier TTFT experiment against real vLLM"),
     "admit": (
         "hpkv.bench.admit",
-        "HPKV_STORAGE_ADMIT policies on a many-users workload: hits, bytes written",
+        "HPKV_STORAGE_ADMIT and HPKV_DRAM_EVICTION policies on a many-users workload: hits, bytes written",
     ),
 }
 
@@ -252,6 +252,9 @@ def _format_operator(op: str, r: dict) -> str:
         if r["degraded"]:
             out += "; storage is degraded: nothing was read"
         return out
+    if "prompt" in r:
+        p = r["prompt"]
+        who += f", a prompt of {p['tokens']} tokens: {p['blocks']} full block(s) of {p['block_size']}"
     if op == "pin":
         out = (
             f"hpkv pin: {who}: pinned {r['pinned']} block(s), {format_size(r['bytes'])}; operator pins "
@@ -277,17 +280,25 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     cfg = _load_config_or_exit()
     op = args.verb
     kw: dict = {"namespace": args.namespace}
+    prompt: dict = {}
     timeout = args.timeout
     if op == "evict":
         kw |= {"tier": args.tier, "older_than_s": args.older_than, "dry_run": args.dry_run}
     elif op == "prefetch":
         kw |= {"max_bytes": args.max_bytes, "newest": args.newest, "timeout_s": args.timeout}
         timeout = args.timeout + 30.0  # the server answers within its bound
+    elif not args.namespace and (args.all or args.keys_file):
+        print(f"hpkv {op}: --namespace is needed with --all and --keys-file", file=sys.stderr)
+        return 2
     elif args.all:
         kw["all"] = True
     else:
         try:
-            kw["keys"] = [k.hex() for k in _read_keys_file(args.keys_file)]
+            if args.keys_file:
+                kw["keys"] = [k.hex() for k in _read_keys_file(args.keys_file)]
+            else:
+                prompt = _prompt_keys(cfg, args)
+                kw["namespace"], kw["keys"] = prompt.pop("fingerprint"), prompt.pop("keys")
         except (OSError, ValueError) as exc:
             print(f"hpkv {op}: {exc}", file=sys.stderr)
             return 2
@@ -305,8 +316,81 @@ def _cmd_operator(args: argparse.Namespace) -> int:
         print(f"hpkv {op}: {exc}", file=sys.stderr)
         return 1
     reply.pop("ok", None)
+    if prompt:
+        reply["prompt"] = prompt
     print(json.dumps(reply, indent=2) if args.json else _format_operator(op, reply))
     return 0
+
+
+def _prompt_namespace(cfg, args: argparse.Namespace) -> dict:
+    """The namespace a prompt's keys are made for, from the running server's catalog: the one
+    ``--namespace`` names (id, name or fingerprint prefix, as the server matches them), else the
+    one vLLM serves ``--model`` in (its name starts with the model directory's name)."""
+    from hpkv.monitor.status import read_snapshot
+
+    known = (read_snapshot(cfg) or {}).get("namespaces", [])
+    listed = ", ".join(f"{n['id']} {n['fingerprint'][:12]} {n['name']!r}" for n in known) or "none"
+    sel = args.namespace
+    if sel:
+        sel = sel.strip()
+        if sel.isdigit():
+            found = [n for n in known if n["id"] == int(sel)]
+        else:
+            found = [n for n in known if n["name"] == sel] or [
+                n for n in known if n["fingerprint"].startswith(sel.lower())
+            ]
+        what = f"--namespace {sel!r}"
+    elif args.model:
+        base = os.path.basename(args.model.rstrip("/"))
+        found = [n for n in known if n["name"].startswith(base + " ")]
+        what = f"a namespace of the model {base!r} (named '{base} tp… bs…')"
+    else:
+        raise ValueError("give --namespace, or --model to find the namespace vLLM serves it in")
+    if len(found) != 1:
+        many = f"{len(found)} match: give --namespace" if found else "none matches"
+        raise ValueError(f"{what}: {many} (namespaces on this server: {listed}; `hpkv status` lists them)")
+    return found[0]
+
+
+def _prompt_keys(cfg, args: argparse.Namespace) -> dict:
+    """``--text``/``--text-file``/``--tokens``/``--tokens-file``: the prompt's token ids, then
+    the keys of its full blocks as vLLM hashes them, in the namespace they belong to."""
+    from hpkv.client.prompt_keys import parse_token_ids, prompt_keys, prompt_token_ids
+
+    if args.tokens is not None:
+        ids = parse_token_ids(args.tokens, "--tokens")
+    elif args.tokens_file:
+        with open(args.tokens_file, encoding="utf-8") as f:
+            ids = parse_token_ids(f.read(), args.tokens_file)
+    else:
+        if not args.model:
+            raise ValueError("--text needs --model: the model directory whose tokenizer vLLM uses")
+        if args.text is not None:
+            text = args.text
+        else:
+            with open(args.text_file, encoding="utf-8") as f:
+                text = f.read()
+        ids = prompt_token_ids(args.model, text)
+    ns = _prompt_namespace(cfg, args)
+    block_size = args.block_size or int(ns.get("block_tokens") or 0)
+    if block_size < 1:
+        raise ValueError(
+            f"namespace {ns['id']} {ns['name']!r} does not record its block size: pass --block-size "
+            "(vLLM's --block-size)"
+        )
+    keys = prompt_keys(ns["fingerprint"], ids, block_size, args.hash_algo)
+    if not keys:
+        raise ValueError(
+            f"the prompt is {len(ids)} token(s), less than one full block of {block_size}: nothing to "
+            f"{args.verb}"
+        )
+    return {
+        "fingerprint": ns["fingerprint"],
+        "keys": [k.hex() for k in keys],
+        "tokens": len(ids),
+        "blocks": len(keys),
+        "block_size": block_size,
+    }
 
 
 def _merge_replies(replies: list[dict]) -> dict:
@@ -323,8 +407,12 @@ def _merge_replies(replies: list[dict]) -> dict:
 def _add_operator_verbs(verbs: argparse._SubParsersAction) -> None:
     ns_help = "the namespace: its id, a fingerprint prefix or its name, as `hpkv status` shows them"
 
-    def common(p: argparse.ArgumentParser, timeout: float = 120.0) -> None:
-        p.add_argument("--namespace", required=True, help=ns_help)
+    def common(p: argparse.ArgumentParser, timeout: float = 120.0, ns_required: bool = True) -> None:
+        p.add_argument(
+            "--namespace",
+            required=ns_required,
+            help=ns_help if ns_required else ns_help + " (with --model: the one vLLM serves it in)",
+        )
         p.add_argument("--json", action="store_true", help="print one JSON object")
         p.add_argument(
             "--timeout", type=_positive_seconds, default=timeout, help=f"seconds (default {timeout:g})"
@@ -354,11 +442,37 @@ def _add_operator_verbs(verbs: argparse._SubParsersAction) -> None:
 
     for verb, what in (("pin", "keep blocks in DRAM until unpinned"), ("unpin", "release operator pins")):
         p = verbs.add_parser(verb, help=f"{what} (HPKV_OPERATOR_PIN_MAX)")
-        common(p)
+        common(p, ns_required=False)
         which = p.add_mutually_exclusive_group(required=True)
         which.add_argument("--keys-file", metavar="FILE", help="hpkv keys in hex, one per line")
         which.add_argument(
             "--all", action="store_true", help="all the namespace's DRAM blocks (unpin: all its pins)"
+        )
+        which.add_argument(
+            "--text",
+            help="a prompt's full blocks, the prompt tokenized by --model's tokenizer as vLLM's "
+            "completions endpoint does (special tokens added)",
+        )
+        which.add_argument("--text-file", metavar="FILE", help="--text read from a file (as it is)")
+        which.add_argument("--tokens", metavar="IDS", help="a prompt's token ids: 1,2,3 or '1 2 3'")
+        which.add_argument("--tokens-file", metavar="FILE", help="--tokens read from a file")
+        p.add_argument(
+            "--model",
+            help="with --text: the model directory (or cached Hugging Face name) vLLM serves; without "
+            "--namespace, also picks the namespace vLLM serves it in",
+        )
+        p.add_argument(
+            "--block-size",
+            type=_positive_int,
+            default=None,
+            help="tokens per block (default: the namespace's, as the engine declared it)",
+        )
+        p.add_argument(
+            "--hash-algo",
+            default="sha256",
+            choices=["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"],
+            help="the engine's --prefix-caching-hash-algo (default sha256, vLLM's); with xxhash or an "
+            "engine that set PYTHONHASHSEED, run this with the engine's PYTHONHASHSEED",
         )
 
 

@@ -317,6 +317,16 @@ KEYS: dict[str, Key] = {
             "DRAM pool size (at most 1t: a reserved slot's value carries its generation above the offset)",
         ),
         Key(
+            "HPKV_DRAM_EVICTION",
+            "lru",
+            _choice_parser("lru", "s3fifo"),
+            "lru or s3fifo",
+            "which DRAM block the pool evicts when it is full: `lru`, the least recently used; "
+            "`s3fifo`, S3-FIFO: a new block waits in a small probation queue (10 % of the pool) and "
+            "is evicted from there unless it was hit meanwhile, so one-shot prompts do not push the "
+            "reused prefixes out (see docs/benchmarks.md for when it pays)",
+        ),
+        Key(
             "HPKV_SHARE_MEM_FILE_PATH",
             "/dev/shm/hpkv",
             parse_path,

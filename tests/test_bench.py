@@ -538,3 +538,25 @@ def test_bench_admit_writes_every_block_under_always_and_only_reused_ones_under_
     assert always["after_restart"]["recomputed"] == 2 * 4, "only the new message is recomputed"
     assert reuse["after_restart"]["recomputed"] == 2 * (2 + 4), "and the last turn, never reused"
     assert os.listdir(tmp_path) == [], "the storage directories are removed"
+
+
+def test_bench_admit_compares_dram_evictions_and_s3fifo_keeps_the_reused_prompts_through_scans(
+    tmp_path, capsys
+):
+    """A 16-block pool, two users' 4-block system prompt and histories, one-shot prompts of 12
+    blocks between turns: LRU loses the reused prefix to every scan, S3-FIFO keeps it in DRAM."""
+    from hpkv.bench import admit
+    from hpkv.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "admit", "--json", "--users", "2", "--turns", "4", "--system-blocks", "4"]
+        + ["--turn-blocks", "1", "--one-shots", "2", "--one-shot-blocks", "12", "--block-kib", "64"]
+        + ["--pool", "1m", "--policies", "always", "--evictions", "lru,s3fifo", "--settle"]
+        + ["--dir", str(tmp_path)]
+    )
+    assert admit.run(args) == 0
+    lru, s3 = json.loads(capsys.readouterr().out)["runs"]
+    assert (lru["eviction"], s3["eviction"]) == ("lru", "s3fifo")
+    assert lru["blocks"] == s3["blocks"] and lru["files"] == s3["files"], "the same traffic, all written"
+    assert s3["dram_hits"] > lru["dram_hits"] and s3["bytes_promoted"] < lru["bytes_promoted"]
+    assert os.listdir(tmp_path) == []

@@ -129,6 +129,7 @@ BAD = [
     ("VLLM_HPKV_TOKEN_THRESHOLD", "-5", "integer"),
     ("VLLM_ENABLE_HPKV", "maybe", "true/false"),
     ("HPKV_NUM_IO_WORKERS", "0", "1..64"),
+    ("HPKV_DRAM_EVICTION", "arc", "lru or s3fifo"),
     ("HPKV_STORAGE_MIN_FREE", "120%", "percentage"),
     ("HPKV_LOG_LEVEL", "loud", "DEBUG"),
     ("HPKV_STORAGE_ADMIT", "reuse:0", "reuse:N"),

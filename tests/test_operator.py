@@ -277,3 +277,97 @@ def test_evicted_blocks_are_published_as_removed_kv_events(srv):
         assert sorted(got) == sorted((k, code) for k in ns.keys for code in removed), got
     finally:
         ns.close()
+
+
+# ------------------------------------------------------------------ hpkv pin --text / --tokens
+PROMPT = "A B C D E F G H I J K L M N"  # 14 tokens of the tiny model: 3 full blocks of 4
+
+
+def vllm_request_keys(fp: str, token_ids: list[int], block_size: int) -> list[bytes]:
+    """The keys of the blocks vLLM hashes for a request of these tokens (its own Request and
+    block hasher, as its EngineCore builds them with the default sha256)."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    fn = get_hash_fn_by_name("sha256")
+    init_none_hash(fn)
+    req = Request(
+        "r",
+        token_ids,
+        SamplingParams(max_tokens=1),
+        None,
+        block_hasher=get_request_block_hasher(block_size, fn),
+    )
+    return block_keys(fp, list(req.block_hashes))
+
+
+@pytest.fixture(scope="module")
+def model_ns(srv, tiny_model):
+    """The namespace vLLM would serve the tiny model in (named as the connector names it), its
+    blocks of PROMPT saved as vLLM's connector saves them."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(tiny_model)(PROMPT)["input_ids"]
+    fp = namespace_fingerprint({"model": "tiny", "t": time.monotonic_ns()})
+    c = client_of(srv)
+    h = c.attach_namespace(fp, 1, SHARD, name=f"{os.path.basename(tiny_model)} tp1 bs4", block_tokens=4)
+    keys = vllm_request_keys(fp, ids, 4)
+    c.reserve(h.ns_id, keys)
+    assert c.commit(h.ns_id, keys) == len(keys) == 3
+    try:
+        yield fp, ids, keys, c
+    finally:
+        c.close()
+
+
+def test_pin_by_text_pins_the_blocks_of_the_token_ids_the_models_tokenizer_makes(srv, tiny_model, model_ns):
+    fp, ids, keys, c = model_ns
+    r = cli_json(srv, "pin", "--model", tiny_model, "--text", PROMPT)  # the namespace found by the model
+    assert r["namespace"]["fingerprint"] == fp
+    assert (r["pinned"], r["not_in_dram"]) == (3, 0)
+    assert r["prompt"] == {"tokens": len(ids), "blocks": 3, "block_size": 4}
+    counters = next(ns for ns in c.stats()["namespaces"] if ns["fingerprint"] == fp)
+    assert counters["blocks_pinned"] == 3
+    # the same keys by token ids: unpinning them releases exactly those pins
+    r = cli_json(srv, "unpin", "--namespace", fp[:12], "--tokens", ",".join(map(str, ids)))
+    assert r["unpinned"] == 3 and r["prompt"]["blocks"] == 3
+    counters = next(ns for ns in c.stats()["namespaces"] if ns["fingerprint"] == fp)
+    assert counters["blocks_pinned"] == 0
+
+
+def test_pin_by_text_file_and_a_longer_prompt_pins_only_the_blocks_in_dram(
+    srv, tiny_model, model_ns, tmp_path
+):
+    fp, ids, keys, c = model_ns
+    f = tmp_path / "prompt.txt"
+    f.write_text(PROMPT + " O P Q R S T")  # the saved prefix and two more blocks nobody saved
+    r = cli_json(srv, "pin", "--namespace", fp, "--model", tiny_model, "--text-file", str(f))
+    assert (r["pinned"], r["not_in_dram"], r["prompt"]["blocks"]) == (3, 2, 5)
+    assert (
+        cli_json(srv, "unpin", "--namespace", fp, "--model", tiny_model, "--text-file", str(f))["unpinned"]
+        == 3
+    )
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--model", "/nonexistent/model", "--text", PROMPT], "no such model directory"),
+        (["--model", "{empty}", "--namespace", "{fp}", "--text", PROMPT], "no tokenizer could be loaded"),
+        (["--namespace", "{fp}", "--text", PROMPT], "--text needs --model"),
+        (["--model", "{tiny}", "--text", "A B"], "less than one full block of 4"),
+        (["--namespace", "{fp}", "--tokens", "1,x,3"], "token 2 'x' is not a token id"),
+        (["--model", "/nowhere/other-model", "--tokens", "1,2,3,4"], "none matches"),
+        (["--all"], "--namespace is needed"),
+    ],
+    ids=["no-model-dir", "no-tokenizer", "text-without-model", "short", "bad-token", "no-namespace", "all"],
+)
+def test_pin_by_prompt_refuses_with_the_reason(srv, tiny_model, model_ns, tmp_path, args, message):
+    fp = model_ns[0]
+    args = [a.format(empty=str(tmp_path), fp=fp, tiny=tiny_model) for a in args]
+    out = hpkv_cli(srv, "pin", *args)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    counters = next(ns for ns in model_ns[3].stats()["namespaces"] if ns["fingerprint"] == fp)
+    assert counters["blocks_pinned"] == 0

@@ -366,6 +366,41 @@ def test_another_node_gets_storage_hits_with_its_own_pool_and_a_copy_of_the_mode
             os.unlink(env_b["HPKV_CONFIG_FILE_PATH"])
 
 
+def test_hpkv_pin_by_text_pins_the_blocks_vllm_stored_for_that_prompt(server, hpkv_env, tiny_model):
+    """`hpkv pin --model M --text PROMPT`: the prompt tokenized and hashed as vLLM does it names
+    exactly the blocks vLLM saved for it (the namespace found by the model's name)."""
+    prompt = letters(110, seed=21)  # 110 tokens: 3 full blocks of 32, saved; the rest never is
+    complete(server, prompt)
+
+    def cli(*args: str) -> dict:
+        out = subprocess.run(
+            [sys.executable, "-m", "hpkv", *args, "--json"],
+            env=hpkv_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    def pinned() -> int:
+        st = hpkv_status(hpkv_env)
+        assert st is not None
+        return sum(ns["blocks_pinned"] for ns in st["namespaces"])
+
+    assert pinned() == 0
+    r = cli("pin", "--model", tiny_model, "--text", prompt)
+    try:
+        assert r["prompt"] == {"tokens": 110, "blocks": 3, "block_size": BLOCK}
+        assert (r["pinned"], r["not_in_dram"]) == (3, 0), r
+        assert pinned() == 3
+        other = cli("pin", "--model", tiny_model, "--text", letters(110, seed=22))  # never sent
+        assert (other["pinned"], other["not_in_dram"]) == (0, 3)
+    finally:
+        assert cli("unpin", "--model", tiny_model, "--text", prompt)["unpinned"] == 3
+    assert pinned() == 0
+
+
 def test_killed_hpkv_server_means_recompute_not_errors(server, hpkv_env):
     prompt = letters(150, seed=8)
     expected, _ = complete(server, prompt)

@@ -41,14 +41,14 @@ generation when its last rank commits (sealed): once served, no save can change 
 A READY block is *evictable* when it is unpinned, no IO job is reading its slots
 (``io``), and, if the storage tier is on, its files are written or will not be
 (``no_spill``: spilling paused or failed) — a block is never dropped while its
-spill is in flight. Eviction takes the least recently used evictable block across
-all namespaces.
+spill is in flight. Eviction takes the evictable block the policy
+(``HPKV_DRAM_EVICTION``, :mod:`hpkv.engine.eviction`: LRU by default, or S3-FIFO) puts first,
+across all namespaces.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -58,6 +58,7 @@ import numpy as np
 
 from hpkv.engine.allocator import PoolAllocator, PoolMemory, align_up
 from hpkv.engine.events import REMOVED_DRAM, STORED_DRAM, NsEventLog
+from hpkv.engine.eviction import make_policy
 from hpkv.engine.keytable import KeyTable
 from hpkv.protocol.errors import NamespaceNotAttached, NotOwner
 from hpkv.protocol.stats import NS_COUNTERS, NsCounter
@@ -114,6 +115,7 @@ class Block:
         "since",
         "retired",
         "used",
+        "heat",
     )
 
     def __init__(self, key: bytes, ns: Namespace, slots: list[int], owner: int):
@@ -129,6 +131,7 @@ class Block:
         self.since = time.monotonic()  # when reserved (the reservation's lease starts)
         self.retired = False  # RESERVED, released, waiting for its copies to end
         self.used = self.since  # when last committed, loaded or promoted (`hpkv evict --older-than`)
+        self.heat = 0  # the eviction policy's state of the block (hpkv.engine.eviction)
 
     @property
     def in_dram(self) -> bool:
@@ -136,7 +139,7 @@ class Block:
 
 
 class Index:
-    """key → block state, tier, slots, pins and recency; LRU eviction."""
+    """key → block state, tier, slots, pins and recency; eviction by HPKV_DRAM_EVICTION."""
 
     def __init__(
         self,
@@ -145,6 +148,7 @@ class Index:
         on_evict: Callable[[Block], None] | None = None,
         memory: PoolMemory | None = None,
         fence_bump: Callable[[int], bool] | None = None,
+        eviction: str = "lru",
     ):
         self.alloc = PoolAllocator(pool_capacity)
         self.memory = memory  # None: every byte of the pool exists (tests)
@@ -161,7 +165,8 @@ class Index:
         self.present = KeyTable()
         self.conflicts = 0  # reserves of a key that belongs to another namespace (refused)
         self.namespaces: dict[int, Namespace] = {}
-        self._lru: OrderedDict[bytes, None] = OrderedDict()  # evictable READY blocks, LRU first
+        # The evictable READY blocks, in the order HPKV_DRAM_EVICTION evicts them
+        self.evictable = make_policy(eviction)
         self._on_evict = on_evict
         self.pinned_bytes = 0
         self.reserved: dict[bytes, Block] = {}  # RESERVED blocks (retired ones too)
@@ -206,14 +211,20 @@ class Index:
         )
 
     def _refresh(self, b: Block, touch: bool = False) -> None:
+        """Tell the eviction policy whether ``b`` is evictable now; ``touch``: it was used
+        (committed, loaded, promoted)."""
         if touch:
             b.used = time.monotonic()
         if self._is_evictable(b):
-            if touch or b.key not in self._lru:
-                self._lru[b.key] = None
-                self._lru.move_to_end(b.key)
+            self.evictable.add(b, touch)
         else:
-            self._lru.pop(b.key, None)
+            self.evictable.discard(b)
+
+    def _enter(self, b: Block, reused: bool = False) -> None:
+        """``b`` just became READY (committed, or read back from storage: ``reused``)."""
+        b.used = time.monotonic()
+        self.evictable.enter(b, reused)
+        self._refresh(b)  # its first use is its entry, not a hit
 
     def _free_slots(self, b: Block) -> None:
         assert b.slots is not None
@@ -248,10 +259,11 @@ class Index:
             self.present.pop(b.key, None)
 
     def _evict_one(self) -> bool:
-        if not self._lru:
+        b = self.evictable.victim()
+        if b is None:
             return False
-        key, _ = self._lru.popitem(last=False)
-        b = self.blocks[key]
+        key = b.key
+        assert self.blocks.get(key) is b and self._is_evictable(b), "eviction policy out of step"
         c = b.ns.counters
         c[NsCounter.BLOCKS_DRAM] -= 1
         c[NsCounter.BYTES_DRAM] -= b.ns.slot_bytes * b.ns.world_size
@@ -377,7 +389,7 @@ class Index:
                 c[NsCounter.BLOCKS_DRAM] += 1
                 c[NsCounter.BYTES_DRAM] += ns.slot_bytes * ns.world_size
                 c[NsCounter.COMMITS] += 1
-                self._refresh(b, touch=True)
+                self._enter(b)
                 ready.append(b)
                 if ns.events is not None:
                     ns.events.add(k, STORED_DRAM)
@@ -618,7 +630,7 @@ class Index:
             c = b.ns.counters
             c[NsCounter.BLOCKS_DRAM] += 1
             c[NsCounter.BYTES_DRAM] += b.ns.slot_bytes * b.ns.world_size
-            self._refresh(b, touch=True)
+            self._enter(b, reused=True)
             if b.ns.events is not None:
                 b.ns.events.add(key, STORED_DRAM)
         else:
@@ -634,7 +646,7 @@ class Index:
             return False
         for b in mine:
             if b.state == State.READY:
-                self._lru.pop(b.key, None)
+                self.evictable.discard(b)
                 self._free_slots(b)
             del self.blocks[b.key]
             self.present.pop(b.key, None)
@@ -677,7 +689,7 @@ class Index:
         n = 0
         for b in blocks:
             ns = b.ns
-            self._lru.pop(b.key, None)
+            self.evictable.discard(b)
             ns.counters[NsCounter.BLOCKS_DRAM] -= 1
             ns.counters[NsCounter.BYTES_DRAM] -= ns.slot_bytes * ns.world_size
             self._free_slots(b)

@@ -257,6 +257,7 @@ class Server(OperatorCalls):
             storage_enabled=self.cfg.storage_path is not None,
             memory=self.pool,
             fence_bump=self.fence.bump,
+            eviction=self.cfg["HPKV_DRAM_EVICTION"],
         )
         self.pool.keep_free = self._kv_space_kept
         self._check_space("at start")
