@@ -65,6 +65,9 @@ log = logging.getLogger("hpkv.server")
 
 LOCK_RETRY_S = 0.5
 MAX_PROMOTE_MS = 600_000  # a promote's deadline is clamped to 10 minutes
+# A FLAG_EACH lookup's run: keys past the pool's prefix a tier may extend it with (the file
+# tier stats at most 256 unknown keys at once); a longer run goes on as the next one.
+EACH_RUN_KEYS = 256
 HOT_BATCH = 32  # hot calls taken from one client per round of the request loop (fairness)
 
 
@@ -493,7 +496,7 @@ class Server(OperatorCalls):
             status = int(Status.NO_NAMESPACE)
             self.stats.glob[G.ERRORS] += 1
         else:
-            hit, unconfirmed = self._lookup(c, a.ns, a.n, None) or (0, 0)  # not parked again
+            hit, unconfirmed = self._lookup(c, a.ns, a.n, None, a.each) or (0, 0)  # not parked again
             self._publish_pool_gauges()
         try:
             c.resp.try_push(P.COMPLETION, a.seq, hit, unconfirmed, status=status)
@@ -585,17 +588,23 @@ class Server(OperatorCalls):
         n = d.a1
         if n > P.MAX_KEYS_PER_CALL:
             raise CallTooLarge("too many keys in one call")
-        call = ParkedLookup(c, d.seq, ns, n, time.monotonic()) if self.tiers else None
-        answer = self._lookup(c, ns, n, call)
+        each = bool(d.flags & P.FLAG_EACH)
+        call = ParkedLookup(c, d.seq, ns, n, time.monotonic(), each=each) if self.tiers else None
+        answer = self._lookup(c, ns, n, call, each)
         if answer is None:  # a tier is asking its medium: answered by _answer_lookup
             self._park(c, True)
             return None, 0, 0
         return 0, *answer
 
-    def _lookup(self, c: Client, ns: Namespace, n: int, call: ParkedLookup | None) -> tuple[int, int] | None:
+    def _lookup(
+        self, c: Client, ns: Namespace, n: int, call: ParkedLookup | None, each: bool = False
+    ) -> tuple[int, int] | None:
         """The one way a lookup is answered: the prefix's tiers into the mailbox, counted;
         (hit, 1 when the key after the prefix is still being checked, else 0). None (nothing
-        written) when a tier parked ``call`` to ask its medium first."""
+        written) when a tier parked ``call`` to ask its medium first. ``each`` (FLAG_EACH):
+        every key's tier, 0 where missing (:meth:`_lookup_each`)."""
+        if each:
+            return self._lookup_each(c, ns, n, call)
         idx = self.index
         out = c.mbox[P.MAILBOX_HALF :]
         # The hot path: keys read and tiers written in place, in C.
@@ -610,6 +619,49 @@ class Server(OperatorCalls):
             out[:hit] = np.frombuffer(bytes(tiers), np.uint8)
         idx.count_lookup(ns, n, tiers)
         return hit, int(pending)
+
+    def _lookup_each(
+        self, c: Client, ns: Namespace, n: int, call: ParkedLookup | None
+    ) -> tuple[int, int] | None:
+        """A FLAG_EACH lookup: every key's tier into the mailbox (0: missing); (the leading
+        prefix, 1 when a key is still being checked on storage). Answered as prefix lookups run
+        after one another, each from the key after the previous one's miss, so that every
+        tier answers as for a prefix (a tier sees at most EACH_RUN_KEYS keys past the pool's
+        prefix of a run; a longer run goes on as the next one). All runs' checks start before
+        the call parks, once."""
+        idx = self.index
+        buf = c.mbox[: n * KEY_BYTES]
+        out = c.mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + n]
+        keys = self._keys(c, n) if self.tiers else []
+        parked = unconfirmed = False
+        lead = -1  # the leading prefix
+        s = 0
+        while s < n:
+            hit = idx.present.prefix(ns.ns_id, buf[s * KEY_BYTES :], n - s, out[s:])
+            end = n - s  # keys this run may cover
+            if self.tiers:
+                tiers = out[s : s + hit].tolist()
+                if hit < n - s or Tier.STORAGE in tiers:
+                    run = keys[s : s + hit + 1 + EACH_RUN_KEYS]
+                    end = len(run)
+                    hit, pending = self.tiers.lookup(ns, run, hit, tiers, call)
+                    if pending and call is not None:
+                        parked = True
+                    else:
+                        unconfirmed |= pending
+                        out[s : s + hit] = np.frombuffer(bytes(tiers), np.uint8)
+            if hit < end:
+                out[s + hit] = Tier.MISS
+                if lead < 0:
+                    lead = s + hit
+                s += hit + 1
+            else:
+                s += hit
+        if parked:
+            return None
+        present = out[out != Tier.MISS].tolist()
+        idx.count_lookup(ns, n, present)
+        return (n if lead < 0 else lead), int(unconfirmed)
 
     def _hot_reserve(self, c: Client, d) -> tuple[int, int, int]:
         idx = self.index
