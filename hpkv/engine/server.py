@@ -65,9 +65,6 @@ log = logging.getLogger("hpkv.server")
 
 LOCK_RETRY_S = 0.5
 MAX_PROMOTE_MS = 600_000  # a promote's deadline is clamped to 10 minutes
-# A FLAG_EACH lookup's run: keys past the pool's prefix a tier may extend it with (the file
-# tier stats at most 256 unknown keys at once); a longer run goes on as the next one.
-EACH_RUN_KEYS = 256
 HOT_BATCH = 32  # hot calls taken from one client per round of the request loop (fairness)
 
 
@@ -624,44 +621,56 @@ class Server(OperatorCalls):
         self, c: Client, ns: Namespace, n: int, call: ParkedLookup | None
     ) -> tuple[int, int] | None:
         """A FLAG_EACH lookup: every key's tier into the mailbox (0: missing); (the leading
-        prefix, 1 when a key is still being checked on storage). Answered as prefix lookups run
-        after one another, each from the key after the previous one's miss, so that every
-        tier answers as for a prefix (a tier sees at most EACH_RUN_KEYS keys past the pool's
-        prefix of a run; a longer run goes on as the next one). All runs' checks start before
-        the call parks, once."""
+        prefix, 1 when a key is still being checked on storage). The leading prefix is
+        answered as a prefix lookup is (the tiers check its storage hits and look on their
+        medium for the keys after it: files another server wrote); the keys after it as the
+        pool and the tiers know them, each run of them from a storage hit checked by the tiers
+        as a prefix (files deleted from outside are no hits). Unknown keys past the leading
+        prefix are not looked for on the medium: a sliding-window model's missing blocks are
+        the rule there, and a stat of each would cost every lookup. All runs' checks start
+        before the call parks, once."""
         idx = self.index
-        buf = c.mbox[: n * KEY_BYTES]
         out = c.mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + n]
-        keys = self._keys(c, n) if self.tiers else []
+        idx.present.each(ns.ns_id, c.mbox[: n * KEY_BYTES], n, out)
         parked = unconfirmed = False
-        lead = -1  # the leading prefix
-        s = 0
-        while s < n:
-            hit = idx.present.prefix(ns.ns_id, buf[s * KEY_BYTES :], n - s, out[s:])
-            end = n - s  # keys this run may cover
-            if self.tiers:
-                tiers = out[s : s + hit].tolist()
-                if hit < n - s or Tier.STORAGE in tiers:
-                    run = keys[s : s + hit + 1 + EACH_RUN_KEYS]
-                    end = len(run)
-                    hit, pending = self.tiers.lookup(ns, run, hit, tiers, call)
-                    if pending and call is not None:
-                        parked = True
-                    else:
-                        unconfirmed |= pending
-                        out[s : s + hit] = np.frombuffer(bytes(tiers), np.uint8)
-            if hit < end:
-                out[s + hit] = Tier.MISS
-                if lead < 0:
-                    lead = s + hit
-                s += hit + 1
-            else:
-                s += hit
+        if self.tiers:
+            keys = self._keys(c, n)
+            miss = np.flatnonzero(out == Tier.MISS)
+            pos = int(miss[0]) if len(miss) else n  # the leading prefix
+            tiers = out[:pos].tolist()
+            if pos < n or Tier.STORAGE in tiers:
+                hit, pending = self.tiers.lookup(ns, keys, pos, tiers, call)
+                if pending and call is not None:
+                    parked = True
+                else:
+                    unconfirmed |= pending
+                    out[:hit] = np.frombuffer(bytes(tiers), np.uint8)
+                    if hit < pos:  # a file gone: the rest of the prefix is checked below
+                        out[hit] = Tier.MISS
+                    pos = hit + 1 if hit < pos else max(hit, pos)
+            while pos < n:
+                found = np.flatnonzero(out[pos:] == Tier.STORAGE)
+                if not len(found):
+                    break
+                start = pos + int(found[0])
+                gap = np.flatnonzero(out[start:] == Tier.MISS)
+                end = start + int(gap[0]) if len(gap) else n
+                tiers = out[start:end].tolist()
+                hit, pending = self.tiers.lookup(ns, keys[start:end], end - start, tiers, call)
+                if pending and call is not None:
+                    parked, pos = True, end
+                    continue
+                unconfirmed |= pending
+                out[start : start + hit] = np.frombuffer(bytes(tiers), np.uint8)
+                if hit < end - start:
+                    out[start + hit] = Tier.MISS
+                pos = start + hit + 1
         if parked:
             return None
-        present = out[out != Tier.MISS].tolist()
-        idx.count_lookup(ns, n, present)
-        return (n if lead < 0 else lead), int(unconfirmed)
+        present = out[out != Tier.MISS]
+        idx.count_lookup(ns, n, present.tolist())
+        miss = np.flatnonzero(out == Tier.MISS)
+        return (int(miss[0]) if len(miss) else n), int(unconfirmed)
 
     def _hot_reserve(self, c: Client, d) -> tuple[int, int, int]:
         idx = self.index

@@ -217,25 +217,33 @@ class SchedulerSide:
         last = min(last, first + MAX_KEYS_PER_CALL // width)  # one call: beyond it, recomputed
         hashes = request.block_hashes[first:last]
         keys = [self._keys(hashes, g) for g in range(width)]
-        # One lookup for all groups, block by block with every group's key. A sliding-window
-        # group stores windows, not every block: the lookup answers every key.
-        probe_keys = keys[0] if width == 1 else [k for block in zip(*keys, strict=True) for k in block]
+        span = last - first
         try:
             if self.windowed:
-                hit, found, unconfirmed = client.probe_each(self.ns_id, probe_keys)
-                hit = len(found)
+                # A sliding-window group stores windows, not every block: one lookup answers
+                # every key, group by group (a run of storage hits is checked at once), the
+                # full-attention groups first (their prefix is looked for on storage as any).
+                order = sorted(range(width), key=lambda g: groups[g].window_blocks is not None)
+                _, found, unconfirmed = client.probe_each(self.ns_id, [k for g in order for k in keys[g]])
+                at = {g: j * span for j, g in enumerate(order)}
+                tiers = [found[at[g] : at[g] + span] for g in range(width)]
             else:
+                # One lookup for all groups, block by block with every group's key: the prefix
+                # it answers says which blocks each group has.
+                probe_keys = (
+                    keys[0] if width == 1 else [k for block in zip(*keys, strict=True) for k in block]
+                )
                 hit, found, unconfirmed = client.probe(self.ns_id, probe_keys)
+                tiers = [
+                    [found[i * width + g] if i * width + g < hit else 0 for i in range(span)]
+                    for g in range(width)
+                ]
         except Exception as exc:  # noqa: BLE001 - hpkv trouble means recompute
             self.hpkv.lost(exc)
             return 0, False
         if unconfirmed and self._wait_for_checks(st):
             return None, False
         st.unconfirmed_since = None
-        span = last - first
-        tiers = [
-            [found[i * width + g] if i * width + g < hit else 0 for i in range(span)] for g in range(width)
-        ]
         present = [[t != 0 for t in row] for row in tiers]
         if self.windowed:
             # Where this prompt parts from a stored one whose windows end elsewhere: saved

@@ -60,9 +60,8 @@ def check_block(tree: StorageTree, ns: Namespace, key: bytes) -> tuple[int, OSEr
 class StatBatch:
     """The checks of one lookup. ``verify``: storage hits whose files were not seen lately
     (each checked); ``extend``: unknown keys after the prefix, checked in order until the first
-    whose files are not all there (all of them for a lookup of ``every`` key). ``results``
-    (key → THERE / GONE / UNKNOWN) and ``errors`` are written by the stat thread, read by the
-    request loop once the batch is done."""
+    whose files are not all there. ``results`` (key → THERE / GONE / UNKNOWN) and ``errors``
+    are written by the stat thread, read by the request loop once the batch is done."""
 
     ns: Namespace
     verify: list[bytes]
@@ -72,7 +71,6 @@ class StatBatch:
     errors: list[OSError] = field(default_factory=list)
     finished: float = 0.0
     late: bool = False  # counted once as a stat that outlived the lookup bound
-    every: bool = False  # a lookup of every key (FLAG_EACH): each extend key is checked
 
     def checked(self) -> list[bytes]:
         return self.verify + self.extend
@@ -87,7 +85,7 @@ class StatBatch:
             self.results[key] = found
             if exc is not None:
                 self.errors.append(exc)
-            if found != THERE and not self.every:
+            if found != THERE:
                 break
 
 

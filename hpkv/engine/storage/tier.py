@@ -315,7 +315,7 @@ class FileTier:
         if not verify and not extend:
             return Presence(hit)
         if call is not None:
-            batches = self._check(ns, verify, extend, call.each)
+            batches = self._check(ns, verify, extend)
             if batches:
                 for b in batches:
                     waiting = self._waiters.setdefault(id(b), [])
@@ -372,12 +372,9 @@ class FileTier:
         del self._missing[key]
         return False
 
-    def _check(
-        self, ns: Namespace, verify: list[bytes], extend: list[bytes], every: bool = False
-    ) -> list[StatBatch]:
+    def _check(self, ns: Namespace, verify: list[bytes], extend: list[bytes]) -> list[StatBatch]:
         """The stat batches these keys wait on: the ones running for some of them, and one new
-        batch for the rest (``every``: its extend keys are all checked, not up to the first
-        missing one). Empty when a new batch was needed and the pool is saturated."""
+        batch for the rest. Empty when a new batch was needed and the pool is saturated."""
         waiting: dict[int, StatBatch] = {}
         new_verify, new_extend = [], []
         for k in verify:
@@ -393,7 +390,7 @@ class FileTier:
             else:
                 new_extend.append(k)
         if new_verify or new_extend:
-            batch = StatBatch(ns, new_verify, new_extend, every=every)
+            batch = StatBatch(ns, new_verify, new_extend)
             if not self.stats_pool.submit(batch):
                 return []
             for k in batch.checked():
