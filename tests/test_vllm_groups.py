@@ -218,6 +218,17 @@ def test_a_chunked_prefill_saves_the_window_of_its_last_chunk_only():
     assert saved == full[:3] + full[3:6] + full[6:8] + window[6:8]
 
 
+def test_a_last_chunk_within_the_last_block_finds_the_prompts_window_saved_already():
+    e = HybridEngine()
+    r = request("a", 8)  # 8 blocks and 3 tokens: a chunk of 8 blocks and 1 token, then 2 tokens
+    e.admit(r)
+    full, window = e.tables["a"]
+    (save,) = e.side.build_connector_meta(step(r, 8 * BS + 1)).saves
+    assert save.block_ids == full[:8] + window[6:8], "saved while vLLM still holds them"
+    r.num_computed_tokens = 8 * BS + 1
+    assert e.side.build_connector_meta(step(r, 2)).saves == []
+
+
 def test_decode_saves_each_new_block_of_the_window_group_too():
     e = HybridEngine()
     r = request("a", 4)  # 4 blocks and 3 tokens

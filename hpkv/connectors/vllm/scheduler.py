@@ -418,8 +418,12 @@ class SchedulerSide:
         """The lengths a later hit may land on that ``full`` computed blocks reach (their
         sliding windows are saved now, :mod:`.groups`); ``done``: the tokens computed."""
         prompt = getattr(st.request, "num_prompt_tokens", st.request.num_tokens)
-        if done >= prompt:  # the prompt is done: its end (then each new block's), and a resend's
-            st.points.update((full, (prompt - 1) // self.block_size))
+        # The prompt's end and a resend's longest hit, in the step that computes their blocks
+        # (a last chunk of a few tokens may start after vLLM freed their windows); in decode,
+        # each new block's end.
+        st.points.update(p for p in (prompt // self.block_size, (prompt - 1) // self.block_size) if p <= full)
+        if done >= prompt:
+            st.points.add(full)
         points = [p for p in st.points if p <= full and p not in st.points_reached]
         st.points = {p for p in st.points if p > full}
         st.points_reached.update(points)
