@@ -26,6 +26,10 @@ BENCHES = {
     "kernels": ("hpkv.bench.kernels", "native block copy and CRC32C throughput vs. a single-thread memcpy"),
     "scale": ("hpkv.bench.scale", "server memory per stored block, scan rate, lookup latency vs. N"),
     "ttft": ("hpkv.bench.ttft", "the CT-HPKV four-tier TTFT experiment against real vLLM"),
+    "window": (
+        "hpkv.bench.window",
+        "bytes a sliding-window hybrid stores and loads per prompt vs. a full-attention model of its size",
+    ),
     "admit": (
         "hpkv.bench.admit",
         "HPKV_STORAGE_ADMIT and HPKV_DRAM_EVICTION policies on a many-users workload: hits, bytes written",

@@ -319,6 +319,19 @@ uint64_t hpkv_keytable_prefix(const hpkv_keytable *t, uint8_t ns, const uint8_t 
     return n;
 }
 
+uint64_t hpkv_keytable_each(const hpkv_keytable *t, uint8_t ns, const uint8_t *keys, uint64_t n,
+                            uint8_t *out)
+{
+    uint64_t found = 0;
+    for (uint64_t j = 0; j < n; j++) {
+        uint64_t i;
+        const slots *s = locate(t, load_key(keys + 16 * j), &i);
+        out[j] = (s && s->meta[i] >> VALUE_BITS == ns) ? s->meta[i] & VALUE_MASK : 0;
+        found += out[j] != 0;
+    }
+    return found;
+}
+
 uint64_t hpkv_keytable_peek(const hpkv_keytable *t, const uint8_t *key)
 {
     uint64_t i;

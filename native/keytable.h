@@ -49,6 +49,10 @@ uint64_t hpkv_keytable_capacity(const hpkv_keytable *t);
  * owned by namespace `ns` into out[i] and returns how many leading keys are. */
 uint64_t hpkv_keytable_prefix(const hpkv_keytable *t, uint8_t ns, const uint8_t *keys, uint64_t n,
                               uint8_t *out);
+/* The value of each of n consecutive 16-byte keys present and owned by namespace `ns` into
+ * out[i] (0 for the others); returns how many are. */
+uint64_t hpkv_keytable_each(const hpkv_keytable *t, uint8_t ns, const uint8_t *keys, uint64_t n,
+                            uint8_t *out);
 
 /* The key's meta byte (owner << 2 | value; 0 when absent) in bits 0..7 and, in a table with
  * columns, its stamp in bits 8..39: one call where Python needs both. */

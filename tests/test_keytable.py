@@ -33,6 +33,10 @@ def test_matches_a_dict(seq):
         assert len(t) == len(ref)
     present = [k for k in KEYS if k in ref]
     assert t.lookup(3, present) == (len(present), [ref[k] for k in present])
+    out = bytearray(len(KEYS))
+    assert t.each(3, b"".join(KEYS), len(KEYS), out) == len(present)
+    assert list(out) == [ref.get(k, 0) for k in KEYS]
+    assert t.each(4, b"".join(KEYS), len(KEYS), out) == 0 and not any(out), "another namespace's keys"
 
 
 def test_prefix_stops_at_the_first_missing_key_and_survives_growth():

@@ -10,7 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from hpkv.connectors.vllm.groups import FULL, GroupNeed, group_needs, longest_hit
+from hpkv.connectors.vllm.groups import (
+    FULL,
+    GroupNeed,
+    full_reach,
+    group_needs,
+    longest_hit,
+    window_blocks_to_save,
+)
 from hpkv.connectors.vllm.layout import Layout
 from hpkv.connectors.vllm.scheduler import NULL_BLOCK_ID, SchedulerSide
 from hpkv.protocol.keys import block_keys
@@ -60,6 +67,22 @@ def test_no_hit_when_a_group_misses_the_first_block():
 def test_a_window_of_one_token_needs_no_block():
     assert list(GroupNeed(window_blocks=0).needed(0, 3)) == []
     assert longest_hit([FULL, GroupNeed(0)], [have(1, 1), have(0, 0)], 0, 2) == 2
+
+
+def test_the_full_groups_reach_ends_at_their_first_missing_block():
+    assert full_reach([FULL, WINDOW], [have(1, 1, 0, 1), have(0, 0, 0, 0)], 0, 4) == 2
+    assert full_reach([FULL, WINDOW], [have(1, 1), have(0, 0)], 4, 6) == 6
+    assert full_reach([WINDOW], [have(0, 0)], 0, 2) == 2, "no full group: it limits nothing"
+
+
+def test_a_window_group_saves_the_window_before_each_point_once():
+    done: set[int] = set()
+    assert window_blocks_to_save(WINDOW, [6], done, 6) == [4, 5]
+    assert window_blocks_to_save(WINDOW, [6, 7], done, 7) == [6], "block 5 is saved already"
+    assert window_blocks_to_save(WINDOW, [3, 9], done, 8) == [1, 2], "9 is not computed yet"
+    assert window_blocks_to_save(WINDOW, [1, 0], done, 8) == [0]
+    assert done == {0, 1, 2, 4, 5, 6}
+    assert window_blocks_to_save(FULL, [3], set(), 5) == [0, 1, 2], "a full group needs every block"
 
 
 def test_group_needs_follow_vllms_specs():
@@ -157,6 +180,10 @@ class HybridEngine:
         for op in meta.saves:
             self.store.commit(NS, op.keys)
 
+    def save_all_and_finish(self, r: Req, save) -> None:
+        self.store.commit(NS, save.keys)
+        self.side.request_finished(r.request_id)
+
     def computed(self, r: Req) -> None:
         """``r`` is prefilled, all its blocks saved, and finished."""
         self.admit(r)
@@ -168,14 +195,101 @@ def keys(r: Req, group: int, blocks: range) -> list[bytes]:
     return block_keys(HYBRID.fingerprint, [r.block_hashes[i] for i in blocks], group)
 
 
-def test_a_miss_saves_every_groups_blocks_under_the_groups_keys():
+def test_a_miss_saves_every_full_block_and_only_the_window_before_the_prompts_end():
     e = HybridEngine()
     r = request("a", 5)
     assert e.admit(r) == (0, False)
     (save,) = e.side.build_connector_meta(step(r, r.num_tokens)).saves
     full, window = e.tables["a"]
-    assert save.keys == keys(r, 0, range(5)) + keys(r, 1, range(5))
-    assert save.block_ids == full[:5] + window[:5]
+    assert save.keys == keys(r, 0, range(5)) + keys(r, 1, range(3, 5))
+    assert save.block_ids == full[:5] + window[3:5]
+
+
+def test_a_chunked_prefill_saves_the_window_of_its_last_chunk_only():
+    e = HybridEngine()
+    r = request("a", 8)  # 8 blocks and 3 tokens, prefilled in chunks of 3 blocks
+    e.admit(r)
+    full, window = e.tables["a"]
+    saved: list[int] = []
+    for chunk in (3 * BS, 3 * BS, 2 * BS + 3):
+        (save,) = e.side.build_connector_meta(step(r, chunk)).saves
+        saved += save.block_ids
+        r.num_computed_tokens += chunk
+    assert saved == full[:3] + full[3:6] + full[6:8] + window[6:8]
+
+
+def test_a_last_chunk_within_the_last_block_finds_the_prompts_window_saved_already():
+    e = HybridEngine()
+    r = request("a", 8)  # 8 blocks and 3 tokens: a chunk of 8 blocks and 1 token, then 2 tokens
+    e.admit(r)
+    full, window = e.tables["a"]
+    (save,) = e.side.build_connector_meta(step(r, 8 * BS + 1)).saves
+    assert save.block_ids == full[:8] + window[6:8], "saved while vLLM still holds them"
+    r.num_computed_tokens = 8 * BS + 1
+    assert e.side.build_connector_meta(step(r, 2)).saves == []
+
+
+def test_decode_saves_each_new_block_of_the_window_group_too():
+    e = HybridEngine()
+    r = request("a", 4)  # 4 blocks and 3 tokens
+    e.admit(r)
+    e.side.build_connector_meta(step(r, r.num_tokens))
+    r.num_computed_tokens = r.num_tokens
+    e.store.calls.clear()
+    for _ in range(BS - 3):  # decoding fills block 4
+        r.num_tokens += 1
+        r.block_hashes = request("a", r.num_tokens // BS).block_hashes
+        meta = e.side.build_connector_meta(step(r, 1))
+        r.num_computed_tokens += 1
+    (save,) = meta.saves
+    assert save.keys == keys(r, 0, range(4, 5)) + keys(r, 1, range(4, 5))
+    assert e.store.calls.count("reserve") == 1, "a step that completes no block asks nothing"
+
+
+def test_a_prompt_of_whole_blocks_saves_the_window_its_resend_hits():
+    e = HybridEngine()
+    a = request("a", 6)
+    a.num_tokens = 6 * BS  # a resend hits at most 5 blocks: the last token is computed
+    e.computed(a)
+    b = request("b", 6)
+    b.num_tokens = 6 * BS
+    assert e.admit(b, base=1000)[0] == 5 * BS
+    (load,) = e.side.build_connector_meta(step(b, BS)).loads
+    assert load.keys == keys(b, 0, range(5)) + keys(b, 1, range(3, 5))
+
+
+def test_the_next_turn_of_a_conversation_hits_the_whole_previous_one():
+    e = HybridEngine()
+    e.computed(request("a", 6))
+    b = request("b", 9)  # the same 6 blocks, and more
+    assert e.admit(b, base=1000)[0] == 6 * BS
+    (load,) = e.side.build_connector_meta(step(b, 3 * BS)).loads
+    assert load.keys == keys(b, 0, range(6)) + keys(b, 1, range(4, 6))
+
+
+def test_a_shared_prefix_hits_from_the_second_prompt_that_parts_there_on():
+    """A system prompt of 4 blocks: the first prompt's windows end at its own end; the second
+    prompt finds every full block of the prefix but no window there, and saves that window;
+    from the third on, prompts sharing the prefix hit it."""
+    e = HybridEngine()
+
+    def shared(rid: str) -> Req:
+        r = request(rid, 7, prefix=rid)
+        r.block_hashes[:4] = request("system", 4, prefix="system").block_hashes
+        return r
+
+    e.computed(shared("a"))
+    b = shared("b")
+    e.store.calls.clear()
+    assert e.admit(b, base=1000)[0] == 0, "no window before block 4 yet"
+    assert e.store.calls.count("lookup") == 1
+    (save,) = e.side.build_connector_meta(step(b, b.num_tokens)).saves
+    assert save.keys == keys(b, 0, range(4, 7)) + keys(b, 1, range(2, 4)) + keys(b, 1, range(5, 7))
+    e.save_all_and_finish(b, save)
+    c = shared("c")
+    assert e.admit(c, base=2000)[0] == 4 * BS
+    (load,) = e.side.build_connector_meta(step(c, 3 * BS)).loads
+    assert load.keys == keys(c, 0, range(4)) + keys(c, 1, range(2, 4))
 
 
 def test_one_lookup_finds_the_hit_and_each_group_loads_what_it_needs():
@@ -204,7 +318,12 @@ def test_a_prompt_longer_than_one_lookup_call_holds_hits_its_first_part(monkeypa
     e.computed(request("a", 6))
     e.store.calls.clear()
     n, _ = e.admit(request("b", 6), base=1000)
-    assert n == 4 * BS and e.store.calls.count("lookup") == 1, "one call, capped; the rest recomputed"
+    assert n == 0 and e.store.calls.count("lookup") == 1, "one call, capped: no window before block 4"
+    e.side.request_finished("b")
+    e.computed(request("b", 6))  # saves the window before block 4, where its lookup stopped
+    e.store.calls.clear()
+    n, _ = e.admit(request("c", 6), base=2000)
+    assert n == 4 * BS and e.store.calls.count("lookup") == 1, "the rest is recomputed"
 
 
 def test_a_window_block_outside_vllms_window_is_never_saved():
@@ -221,14 +340,16 @@ def test_a_window_block_outside_vllms_window_is_never_saved():
 
 def test_a_missing_window_block_shortens_the_hit_to_where_every_group_has_its_blocks():
     e = HybridEngine()
-    r = request("a", 6)
-    e.admit(r)
-    meta = e.side.build_connector_meta(step(r, r.num_tokens))
+    e.computed(request("a", 4))
+    r = request("a2", 6)  # its next turn, which hits the 4 blocks
+    assert e.admit(r)[0] == 4 * BS
+    r.num_computed_tokens = 4 * BS
+    meta = e.side.build_connector_meta(step(r, r.num_tokens - 4 * BS))
     (save,) = meta.saves
     missing = keys(r, 1, range(4, 5))[0]  # the window group's block 4 was never written
     e.store.commit(NS, [k for k in save.keys if k != missing])
     e.store.abort(NS, [missing])
-    e.side.request_finished("a")
+    e.side.request_finished(r.request_id)
 
     b = request("b", 6)
     assert e.admit(b)[0] == 4 * BS, "hits at 5 and 6 blocks need window block 4"

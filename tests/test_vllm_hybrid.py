@@ -3,7 +3,8 @@ model (6 layers: 5 sliding-window of 64 tokens, 1 full attention), real hpkv pro
 
 With hpkv configured vLLM keeps its hybrid KV cache manager (the connector is ``SupportsHMA``):
 6 KV cache groups (one per layer: vLLM groups 5:1 layers one by one), of which a hit loads the
-full-attention group's every block and each sliding-window group's last 2 blocks of 32 tokens.
+full-attention group's every block and each sliding-window group's last 2 blocks of 32 tokens,
+and a prompt stores just as much: a sliding-window group its window, not the prompt.
 One vLLM server for the module (a start costs 60-100 s here), and one for the SSM hybrid test
 (a generated Qwen3-Next-style model: hpkv turns itself off, vLLM serves it).
 """
@@ -18,6 +19,7 @@ import pytest
 from test_vllm_connector import (
     assert_same_up_to_noise,
     complete,
+    complete_with,
     delta,
     kv_files,
     letters,
@@ -109,6 +111,19 @@ def loaded_keys(blocks: int) -> int:
     return (FULL_GROUPS * blocks + SLIDING_GROUPS * min(blocks, WINDOW_BLOCKS)) * BLOCK
 
 
+def stored_keys(blocks: int) -> int:
+    """The blocks a prompt of ``blocks`` whole blocks (and a few tokens) stores: every block of
+    the full-attention group, each sliding-window group's window before the prompt's end."""
+    return FULL_GROUPS * blocks + SLIDING_GROUPS * min(blocks, WINDOW_BLOCKS)
+
+
+def committed(env) -> int:
+    """Blocks hpkv's server took in so far (each saved key once)."""
+    status = hpkv_status(env)
+    assert status is not None, "no hpkv server is running"
+    return sum(ns["commits"] for ns in status["namespaces"])
+
+
 def test_vllm_keeps_its_hybrid_kv_cache_manager_and_its_capacity(server):
     log = server.log_tail(100_000)
     assert "Turning off hybrid kv cache manager" not in log
@@ -125,8 +140,9 @@ def test_vllm_keeps_its_hybrid_kv_cache_manager_and_its_capacity(server):
 )
 def test_gpu_dram_and_storage_hits_give_the_cold_runs_output_and_logprobs(server, hpkv_env, blocks):
     prompt = letters(blocks * BLOCK + 8, seed=100 + blocks)  # the last, partial block is recomputed
-    files = kv_files(hpkv_env)
-    cold_text, cold_lp = complete(server, prompt)  # recompute; hpkv saves every group's blocks
+    files, commits = kv_files(hpkv_env), committed(hpkv_env)
+    cold_text, cold_lp = complete(server, prompt)  # recompute; hpkv saves what a hit needs
+    assert committed(hpkv_env) - commits == stored_keys(blocks), "a window group stores a window"
     gpu_text, gpu_lp = complete(server, prompt)  # vLLM's own prefix cache
     assert gpu_text == cold_text
     # A prefill of 8 tokens after a cached prefix is not the same computation as the cold
@@ -141,7 +157,8 @@ def test_gpu_dram_and_storage_hits_give_the_cold_runs_output_and_logprobs(server
     assert dram_text == cold_text
     assert dram_lp == gpu_lp, "same KV bytes, same computation: logprobs must be identical"
 
-    wait_for_files(hpkv_env, files + (FULL_GROUPS + SLIDING_GROUPS) * blocks)
+    wait_for_files(hpkv_env, files + stored_keys(blocks))
+    assert kv_files(hpkv_env) == files + stored_keys(blocks), "on disk too"
     reset(server, external=True)  # drops hpkv's DRAM tier; files stay
     before = loaded(hpkv_env)
     storage_text, storage_lp = complete(server, prompt)
@@ -156,7 +173,7 @@ def test_a_failed_load_recomputes_the_request_and_the_engine_keeps_serving(serve
     prompt = letters(6 * BLOCK + 8, seed=200)
     files = kv_files(hpkv_env)
     cold_text, cold_lp = complete(server, prompt)
-    saved = (FULL_GROUPS + SLIDING_GROUPS) * 6
+    saved = stored_keys(6)
     wait_for_files(hpkv_env, files + saved)
     for victim in newest_kv_files(hpkv_env, saved):  # every block's payload no longer matches its checksum
         with open(victim, "r+b") as f:
@@ -173,3 +190,29 @@ def test_a_failed_load_recomputes_the_request_and_the_engine_keeps_serving(serve
     assert "could not be loaded" in log
     assert "invalid_block_ids" not in log, "block-level failures kill a hybrid model's engine"
     assert complete(server, prompt)[0] == text, "the engine still serves"
+
+
+def test_prompts_that_share_a_prefix_hit_it_from_the_second_that_parts_there_on(server, hpkv_env):
+    """A shared 5-block prefix: the first prompt stores its windows at its own end; the second
+    finds the prefix's full-attention blocks but no window there, and stores that window too;
+    the third loads the prefix from hpkv (its window and every full-attention block)."""
+    prefix = letters(5 * BLOCK, seed=400)
+    a, b, c = (prefix + " " + letters(2 * BLOCK + 8, seed=401 + i) for i in range(3))
+    reset(server)
+    skip = {"kv_transfer_params": {"hpkv_skip": True}}
+    cold_text, cold_lp = complete_with(server, c, **skip)  # c computed alone, nothing saved
+    reset(server)
+    complete(server, a)
+    reset(server)
+    before, commits = loaded(hpkv_env), committed(hpkv_env)
+    complete(server, b)
+    assert delta(before, loaded(hpkv_env)) == {"dram": 0, "storage": 0}, "no window where b parts from a"
+    assert committed(hpkv_env) - commits == FULL_GROUPS * 2 + SLIDING_GROUPS * 2 * WINDOW_BLOCKS
+    reset(server)
+    before = loaded(hpkv_env)
+    hit_text, hit_lp = complete(server, c)
+    assert delta(before, loaded(hpkv_env)) == {"dram": loaded_keys(5), "storage": 0}
+    assert hit_text == cold_text
+    # a prefill of the last 2 blocks after a loaded prefix is not the cold computation of all
+    # of them: bf16 rounding differs, the logprobs agree within noise
+    assert_same_up_to_noise([(hit_text, hit_lp)], [(cold_text, cold_lp)])

@@ -222,6 +222,16 @@ class HpkvClient:
             hit, unconfirmed = self._rpc(P.LOOKUP, ns_id, keys)
             return Probe(hit, self._mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + hit].tolist(), bool(unconfirmed))
 
+    def probe_each(self, ns_id: int, keys: Sequence[bytes]) -> Probe:
+        """A lookup that answers every key (one call): ``tiers[i]`` is key ``i``'s tier, 0 where
+        it is missing; ``hit`` the leading keys present; ``unconfirmed`` whether some key is
+        still being checked on storage. A sliding-window model's hit needs blocks after ones
+        it does not need."""
+        with self._hot_lock:
+            hit, unconfirmed = self._rpc(P.LOOKUP, ns_id, keys, flags=P.FLAG_EACH)
+            n = len(keys)
+            return Probe(hit, self._mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + n].tolist(), bool(unconfirmed))
+
     def settled_lookup(self, ns_id: int, keys: Sequence[bytes], patience_s: float) -> tuple[int, list[int]]:
         """A lookup asked again (every RECHECK_S) while its next key is still being checked
         on storage, for at most ``patience_s``: for callers that may wait (not a scheduler

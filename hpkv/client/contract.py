@@ -54,6 +54,11 @@ class KvStore(Protocol):
         on storage (its bound ended first): an engine that can wait asks again later."""
         ...
 
+    def probe_each(self, ns_id: int, keys: Sequence[bytes]) -> Probe:
+        """A lookup that answers every key: ``tiers`` has one entry a key, 0 where missing;
+        ``hit`` the leading keys present; ``unconfirmed``: some key is still being checked."""
+        ...
+
     def reserve(self, ns_id: int, keys: Sequence[bytes]) -> np.ndarray:
         """Pool slots to write new blocks into; ROW_PRESENT / ROW_POOL_FULL rows need no write."""
         ...

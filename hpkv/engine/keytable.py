@@ -111,6 +111,15 @@ class KeyTable:
             self._prefix(self._t, ns, ffi.from_buffer(keys), n, ffi.from_buffer(out, require_writable=True))
         )
 
+    def each(self, ns: int, keys: Any, n: int, out: Any) -> int:
+        """The value of each of ``n`` 16-byte keys in buffer ``keys`` present in namespace
+        ``ns`` to ``out`` (0 for the others); returns how many are."""
+        return int(
+            lib.hpkv_keytable_each(
+                self._t, ns, ffi.from_buffer(keys), n, ffi.from_buffer(out, require_writable=True)
+            )
+        )
+
     def lookup(self, ns: int, keys: Sequence[bytes]) -> tuple[int, list[int]]:
         out = bytearray(len(keys))
         n = self.prefix(ns, b"".join(keys), len(keys), out)

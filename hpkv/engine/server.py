@@ -494,7 +494,7 @@ class Server(OperatorCalls):
             status = int(Status.NO_NAMESPACE)
             self.stats.glob[G.ERRORS] += 1
         else:
-            hit, unconfirmed = self._lookup(c, a.ns, a.n, None) or (0, 0)  # not parked again
+            hit, unconfirmed = self._lookup(c, a.ns, a.n, None, a.each) or (0, 0)  # not parked again
             self._publish_pool_gauges()
         try:
             c.resp.try_push(P.COMPLETION, a.seq, hit, unconfirmed, status=status)
@@ -586,17 +586,23 @@ class Server(OperatorCalls):
         n = d.a1
         if n > P.MAX_KEYS_PER_CALL:
             raise CallTooLarge("too many keys in one call")
-        call = ParkedLookup(c, d.seq, ns, n, time.monotonic()) if self.tiers else None
-        answer = self._lookup(c, ns, n, call)
+        each = bool(d.flags & P.FLAG_EACH)
+        call = ParkedLookup(c, d.seq, ns, n, time.monotonic(), each=each) if self.tiers else None
+        answer = self._lookup(c, ns, n, call, each)
         if answer is None:  # a tier is asking its medium: answered by _answer_lookup
             self._park(c, True)
             return None, 0, 0
         return 0, *answer
 
-    def _lookup(self, c: Client, ns: Namespace, n: int, call: ParkedLookup | None) -> tuple[int, int] | None:
+    def _lookup(
+        self, c: Client, ns: Namespace, n: int, call: ParkedLookup | None, each: bool = False
+    ) -> tuple[int, int] | None:
         """The one way a lookup is answered: the prefix's tiers into the mailbox, counted;
         (hit, 1 when the key after the prefix is still being checked, else 0). None (nothing
-        written) when a tier parked ``call`` to ask its medium first."""
+        written) when a tier parked ``call`` to ask its medium first. ``each`` (FLAG_EACH):
+        every key's tier, 0 where missing (:meth:`_lookup_each`)."""
+        if each:
+            return self._lookup_each(c, ns, n, call)
         idx = self.index
         out = c.mbox[P.MAILBOX_HALF :]
         # The hot path: keys read and tiers written in place, in C.
@@ -611,6 +617,61 @@ class Server(OperatorCalls):
             out[:hit] = np.frombuffer(bytes(tiers), np.uint8)
         idx.count_lookup(ns, n, tiers)
         return hit, int(pending)
+
+    def _lookup_each(
+        self, c: Client, ns: Namespace, n: int, call: ParkedLookup | None
+    ) -> tuple[int, int] | None:
+        """A FLAG_EACH lookup: every key's tier into the mailbox (0: missing); (the leading
+        prefix, 1 when a key is still being checked on storage). The leading prefix is
+        answered as a prefix lookup is (the tiers check its storage hits and look on their
+        medium for the keys after it: files another server wrote); the keys after it as the
+        pool and the tiers know them, each run of them from a storage hit checked by the tiers
+        as a prefix (files deleted from outside are no hits). Unknown keys past the leading
+        prefix are not looked for on the medium: a sliding-window model's missing blocks are
+        the rule there, and a stat of each would cost every lookup. All runs' checks start
+        before the call parks, once."""
+        idx = self.index
+        out = c.mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + n]
+        idx.present.each(ns.ns_id, c.mbox[: n * KEY_BYTES], n, out)
+        parked = unconfirmed = False
+        if self.tiers:
+            keys = self._keys(c, n)
+            miss = np.flatnonzero(out == Tier.MISS)
+            pos = int(miss[0]) if len(miss) else n  # the leading prefix
+            tiers = out[:pos].tolist()
+            if pos < n or Tier.STORAGE in tiers:
+                hit, pending = self.tiers.lookup(ns, keys, pos, tiers, call)
+                if pending and call is not None:
+                    parked = True
+                else:
+                    unconfirmed |= pending
+                    out[:hit] = np.frombuffer(bytes(tiers), np.uint8)
+                    if hit < pos:  # a file gone: the rest of the prefix is checked below
+                        out[hit] = Tier.MISS
+                    pos = hit + 1 if hit < pos else max(hit, pos)
+            while pos < n:
+                found = np.flatnonzero(out[pos:] == Tier.STORAGE)
+                if not len(found):
+                    break
+                start = pos + int(found[0])
+                gap = np.flatnonzero(out[start:] == Tier.MISS)
+                end = start + int(gap[0]) if len(gap) else n
+                tiers = out[start:end].tolist()
+                hit, pending = self.tiers.lookup(ns, keys[start:end], end - start, tiers, call)
+                if pending and call is not None:
+                    parked, pos = True, end
+                    continue
+                unconfirmed |= pending
+                out[start : start + hit] = np.frombuffer(bytes(tiers), np.uint8)
+                if hit < end - start:
+                    out[start + hit] = Tier.MISS
+                pos = start + hit + 1
+        if parked:
+            return None
+        present = out[out != Tier.MISS]
+        idx.count_lookup(ns, n, present.tolist())
+        miss = np.flatnonzero(out == Tier.MISS)
+        return (int(miss[0]) if len(miss) else n), int(unconfirmed)
 
     def _hot_reserve(self, c: Client, d) -> tuple[int, int, int]:
         idx = self.index

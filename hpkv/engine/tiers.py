@@ -86,6 +86,7 @@ class ParkedLookup:
     deadline: float
     outstanding: int = 0
     done: bool = False
+    each: bool = False  # a FLAG_EACH lookup: every key answered
 
 
 class LookupAnswer(NamedTuple):
@@ -96,6 +97,7 @@ class LookupAnswer(NamedTuple):
     seq: int
     ns: Namespace
     n: int
+    each: bool = False
 
 
 class PromoteAnswer(NamedTuple):
@@ -238,7 +240,8 @@ class TierList:
         for t in self.tiers:
             hit, pending = t.lookup(ns, keys, hit, tiers, call)
             if pending:
-                if call is not None:
+                # (a FLAG_EACH lookup parks once for all its runs)
+                if call is not None and not any(c is call for c in self._lookups):
                     self._lookups.append(call)
                 return Presence(hit, True)
         return Presence(hit, False)
@@ -269,7 +272,7 @@ class TierList:
                 if not call.done and (call.outstanding <= 0 or now >= call.deadline):
                     call.done = True
                     if call.client.alive:
-                        answers.append(LookupAnswer(call.client, call.seq, call.ns, call.n))
+                        answers.append(LookupAnswer(call.client, call.seq, call.ns, call.n, call.each))
             self._lookups = [call for call in self._lookups if not call.done]
         return answers
 

@@ -59,6 +59,10 @@ class Tier(IntEnum):
 # Flags of a COMMIT: the shard could not be written; drop the reservation instead.
 FLAG_ABORT = 1
 
+# Flags of a LOOKUP: answer every key (its tier, 0 where missing), not the leading prefix only.
+# A sliding-window model's hit needs some blocks of a group and not the ones before them.
+FLAG_EACH = 1
+
 # Status codes carried in descriptors besides -errno: one definition, hpkv.protocol.errors.Status.
 
 # Flags of an IO job's completion.

@@ -103,6 +103,24 @@ class MemoryKvStore:
                 return Probe(i, tiers[:i], True)
         return Probe(hit, tiers, False)
 
+    def probe_each(self, ns_id: int, keys: Sequence[bytes]) -> Probe:
+        """Every key's tier (0: missing); a key of ``checking`` is missing and unconfirmed."""
+        self._call("lookup")
+        tiers: list[int] = []
+        unconfirmed = False
+        for k in keys:
+            b = self.blocks.get((ns_id, k))
+            if self.checking.get(k, 0) > 0:
+                self.checking[k] -= 1
+                unconfirmed = True
+                tiers.append(Tier.MISS)
+            elif b is None or not (b.in_dram or b.stored):
+                tiers.append(Tier.MISS)
+            else:
+                tiers.append(Tier.DRAM if b.in_dram else Tier.STORAGE)
+        hit = next((i for i, t in enumerate(tiers) if t == Tier.MISS), len(tiers))
+        return Probe(hit, tiers, unconfirmed)
+
     def reserve(self, ns_id: int, keys: Sequence[bytes]) -> np.ndarray:
         self._call("reserve")
         rows = self._rows(len(keys))

@@ -12,11 +12,20 @@ token positions. A hit at a prefix of ``n`` blocks needs, from each group:
 
 Blocks below the engine's own prefix-cache hit (``first``) are the engine's and need nothing
 from hpkv. The hit is the longest ``n`` at which every group has what it needs.
+
+What is saved follows: a full-attention group saves every block, a sliding-window group only
+its window before each length a later hit can land on (:func:`window_blocks_to_save`): the end
+of what a request computed once its prompt is done (a later prompt extending this one, the
+next turn of a conversation, hits there; in decode every new block is such an end), the
+longest hit a resent prompt can have (one block short of a prompt of whole blocks), and the
+lengths where other prompts were seen to part from this one (the end of a full-attention
+prefix whose windows were missing: a shared system prompt, hit there from the next request
+on). The blocks before a window are vLLM's null block by the time the next chunk runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -105,13 +114,7 @@ def longest_hit(needs: Sequence[GroupNeed], present: Sequence[Sequence[bool]], f
     """The longest prefix, in blocks, hpkv can complete: the largest ``n`` in ``(first, last]``
     at which every group ``g`` has each block it needs (``present[g][i - first]`` for block
     ``i`` in ``[first, last)``); ``first`` when there is none."""
-    limit = last
-    for need, have in zip(needs, present, strict=True):
-        if need.window_blocks is None:  # needs every block: a prefix of its blocks
-            run = 0
-            while first + run < limit and have[run]:
-                run += 1
-            limit = first + run
+    limit = full_reach(needs, present, first, last)  # the groups that need every block
     windows = [
         (need, have) for need, have in zip(needs, present, strict=True) if need.window_blocks is not None
     ]
@@ -119,3 +122,28 @@ def longest_hit(needs: Sequence[GroupNeed], present: Sequence[Sequence[bool]], f
         if all(all(have[i - first] for i in need.needed(first, n)) for need, have in windows):
             return n
     return first
+
+
+def full_reach(needs: Sequence[GroupNeed], present: Sequence[Sequence[bool]], first: int, last: int) -> int:
+    """The longest prefix the full-attention groups alone allow (``last`` when there is none):
+    where a prompt parts from what was stored, a point a later hit may land on."""
+    limit = last
+    for need, have in zip(needs, present, strict=True):
+        if need.window_blocks is None:
+            run = 0
+            while first + run < limit and have[run]:
+                run += 1
+            limit = first + run
+    return limit
+
+
+def window_blocks_to_save(need: GroupNeed, points: Iterable[int], done: set[int], end: int) -> list[int]:
+    """The blocks a sliding-window group saves for hits at ``points`` (lengths in blocks, at
+    most ``end``, the blocks computed): the window before each, below ``end``, not in ``done``
+    (saved or planned already), in order. ``done`` gets them."""
+    out: set[int] = set()
+    for p in points:
+        if 0 < p <= end:
+            out.update(i for i in need.needed(0, p) if i not in done)
+    done.update(out)
+    return sorted(out)

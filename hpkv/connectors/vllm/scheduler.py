@@ -19,7 +19,7 @@ import numpy as np
 from hpkv.client.contract import KvStore
 from hpkv.connectors.reconnect import Reconnecting
 from hpkv.connectors.vllm.events import INTERVAL_S, MAX_BLOCKS, EventFeed, EventTranslator
-from hpkv.connectors.vllm.groups import longest_hit
+from hpkv.connectors.vllm.groups import full_reach, longest_hit, window_blocks_to_save
 from hpkv.connectors.vllm.layout import Layout
 from hpkv.connectors.vllm.metadata import HpkvMetadata, LoadOp, SaveOp
 from hpkv.connectors.vllm.worth import REPORT_EVERY_S, LoadPolicy, Report, TimeSaved
@@ -74,7 +74,12 @@ class _Plan:
 class _ReqState:
     request: Any
     skip: bool = False  # the request asked hpkv to leave it alone
-    saved_upto: int = 0  # blocks [0, saved_upto) need no save
+    saved_upto: int = 0  # blocks [0, saved_upto) need no save (sliding-window groups: see below)
+    # Sliding-window groups: lengths (blocks) a later hit may land on, whose windows are saved
+    # once computed, and per group the blocks saved or planned (:mod:`.groups`).
+    points: set[int] = field(default_factory=set)
+    points_reached: set[int] = field(default_factory=set)
+    window_done: dict[int, set[int]] = field(default_factory=dict)
     plan: _Plan | None = None
     pinned: list[bytes] = field(default_factory=list)
     unconfirmed_since: float | None = None  # its lookups end at a block still being checked
@@ -110,6 +115,7 @@ class SchedulerSide:
         self.policy = LoadPolicy(threshold)  # threshold None: VLLM_HPKV_TOKEN_THRESHOLD=auto
         self.background_storage_loads = background_storage_loads
         self.background_all_loads = len(layout.groups) > 1
+        self.windowed = any(g.window_blocks is not None for g in layout.groups)
         self.background_dram_loads = background_dram_loads  # None: auto
         self.lookup_retry_s = lookup_retry_s  # HPKV_STORAGE_LOOKUP_RETRY_MS
         self.ns_id = -1
@@ -200,6 +206,8 @@ class SchedulerSide:
         if client is None:
             return 0, False
         first = num_computed_tokens // self.block_size
+        if self.windowed and first > 0:
+            st.points.add(first)  # the engine's own hit: this prompt shares it with another
         # A synchronous hit must leave at least one token to compute.
         last = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
         if last <= first:
@@ -209,22 +217,38 @@ class SchedulerSide:
         last = min(last, first + MAX_KEYS_PER_CALL // width)  # one call: beyond it, recomputed
         hashes = request.block_hashes[first:last]
         keys = [self._keys(hashes, g) for g in range(width)]
-        # One lookup for all groups, block by block with every group's key: the prefix it
-        # answers says which blocks each group has.
-        probe_keys = keys[0] if width == 1 else [k for block in zip(*keys, strict=True) for k in block]
+        span = last - first
         try:
-            hit, found, unconfirmed = client.probe(self.ns_id, probe_keys)
+            if self.windowed:
+                # A sliding-window group stores windows, not every block: one lookup answers
+                # every key, group by group (a run of storage hits is checked at once), the
+                # full-attention groups first (their prefix is looked for on storage as any).
+                order = sorted(range(width), key=lambda g: groups[g].window_blocks is not None)
+                _, found, unconfirmed = client.probe_each(self.ns_id, [k for g in order for k in keys[g]])
+                at = {g: j * span for j, g in enumerate(order)}
+                tiers = [found[at[g] : at[g] + span] for g in range(width)]
+            else:
+                # One lookup for all groups, block by block with every group's key: the prefix
+                # it answers says which blocks each group has.
+                probe_keys = (
+                    keys[0] if width == 1 else [k for block in zip(*keys, strict=True) for k in block]
+                )
+                hit, found, unconfirmed = client.probe(self.ns_id, probe_keys)
+                tiers = [
+                    [found[i * width + g] if i * width + g < hit else 0 for i in range(span)]
+                    for g in range(width)
+                ]
         except Exception as exc:  # noqa: BLE001 - hpkv trouble means recompute
             self.hpkv.lost(exc)
             return 0, False
         if unconfirmed and self._wait_for_checks(st):
             return None, False
         st.unconfirmed_since = None
-        span = last - first
-        tiers = [
-            [found[i * width + g] if i * width + g < hit else 0 for i in range(span)] for g in range(width)
-        ]
         present = [[t != 0 for t in row] for row in tiers]
+        if self.windowed:
+            # Where this prompt parts from a stored one whose windows end elsewhere: saved
+            # there, the next prompt sharing this prefix hits it.
+            st.points.add(full_reach(groups, present, first, last))
         end = last
         while True:
             n = longest_hit(groups, present, first, end)
@@ -312,6 +336,8 @@ class SchedulerSide:
                     keys.append(plan.keys[g][i - first])
                     targets.append(block)
                     where.append((i, g, plan.tiers[g][i - first]))
+                    if need.window_blocks is not None:
+                        st.window_done.setdefault(g, set()).add(i)  # stored: not saved again
         self._remember(request, keys, where)
         tiers = self._block_tiers(plan.tiers, first, first + n)
         client = self.hpkv.get()
@@ -342,8 +368,10 @@ class SchedulerSide:
         self._running = set(scheduler_output.num_scheduled_tokens)
         meta.loads, self._pending_loads = self._pending_loads, []
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
-            if rid in self._reqs:
-                self._reqs[rid].saved_upto = 0  # its blocks were freed; new ones come on resume
+            st = self._reqs.get(rid)
+            if st is not None:  # its blocks were freed; new ones come on resume
+                st.saved_upto = 0
+                st.window_done, st.points, st.points_reached = {}, st.points | st.points_reached, set()
         client = self.hpkv.get()
         if client is None:
             return meta
@@ -357,17 +385,21 @@ class SchedulerSide:
             if st is None or st.skip:
                 continue
             req = st.request
-            full = min(
-                (computed.get(rid, req.num_computed_tokens) + n_sched) // self.block_size,
-                len(req.block_hashes),
-            )
-            if full <= st.saved_upto:
+            done = computed.get(rid, req.num_computed_tokens) + n_sched
+            full = min(done // self.block_size, len(req.block_hashes))
+            points = self._points_reached(st, done, full) if self.windowed else []
+            if full <= st.saved_upto and not points:
                 continue
             block_ids = self._block_ids_of(rid)
             if block_ids is None:
                 return meta
             where: list[tuple[int, int]] | None = [] if self.events is not None else None
-            keys, sources = self._blocks_to_save(req.block_hashes, block_ids, st.saved_upto, full, where)
+            keys, sources = self._blocks_to_save(
+                req.block_hashes, block_ids, st.saved_upto, full, where, points, st.window_done
+            )
+            if not keys:
+                st.saved_upto = full
+                continue
             try:
                 offsets = client.reserve(self.ns_id, keys)
             except Exception as exc:  # noqa: BLE001 - hpkv trouble: fewer hits, never a failed request
@@ -382,6 +414,21 @@ class SchedulerSide:
             meta.saves.append(SaveOp(rid, [keys[i] for i in rows], [sources[i] for i in rows], offsets[rows]))
         return meta
 
+    def _points_reached(self, st: _ReqState, done: int, full: int) -> list[int]:
+        """The lengths a later hit may land on that ``full`` computed blocks reach (their
+        sliding windows are saved now, :mod:`.groups`); ``done``: the tokens computed."""
+        prompt = getattr(st.request, "num_prompt_tokens", st.request.num_tokens)
+        # The prompt's end and a resend's longest hit, in the step that computes their blocks
+        # (a last chunk of a few tokens may start after vLLM freed their windows); in decode,
+        # each new block's end.
+        st.points.update(p for p in (prompt // self.block_size, (prompt - 1) // self.block_size) if p <= full)
+        if done >= prompt:
+            st.points.add(full)
+        points = [p for p in st.points if p <= full and p not in st.points_reached]
+        st.points = {p for p in st.points if p > full}
+        st.points_reached.update(points)
+        return points
+
     def _blocks_to_save(
         self,
         hashes: Sequence[bytes],
@@ -389,15 +436,24 @@ class SchedulerSide:
         first: int,
         full: int,
         where: list[tuple[int, int]] | None = None,
+        points: Sequence[int] = (),
+        window_done: dict[int, set[int]] | None = None,
     ) -> tuple[list[bytes], list[int]]:
-        """(keys, block ids) of every group's blocks in ``[first, full)``: all a later hit may need;
-        ``where`` gets each key's (block index, group)."""
+        """(keys, block ids) of what a later hit may need: every full-attention group's blocks
+        in ``[first, full)``, each sliding-window group's window before each of ``points``
+        (not in ``window_done[g]``, which gets them); ``where`` gets each key's (block index,
+        group)."""
         keys: list[bytes] = []
         sources: list[int] = []
         for g, need in enumerate(self.layout.groups):
             ids = block_ids[g]
             windowed = need.window_blocks is not None
-            for i, key in enumerate(self._keys(hashes[first:full], g), first):
+            if windowed:
+                done = (window_done if window_done is not None else {}).setdefault(g, set())
+                blocks = window_blocks_to_save(need, points, done, full)
+            else:
+                blocks = list(range(first, full))
+            for i, key in zip(blocks, self._keys([hashes[i] for i in blocks], g), strict=True):
                 # A sliding-window group holds no block outside its window (vLLM's null block).
                 if i < len(ids) and not (windowed and ids[i] == NULL_BLOCK_ID):
                     keys.append(key)
