@@ -26,6 +26,10 @@ BENCHES = {
     "kernels": ("hpkv.bench.kernels", "native block copy and CRC32C throughput vs. a single-thread memcpy"),
     "scale": ("hpkv.bench.scale", "server memory per stored block, scan rate, lookup latency vs. N"),
     "ttft": ("hpkv.bench.ttft", "the CT-HPKV four-tier TTFT experiment against real vLLM"),
+    "remote": (
+        "hpkv.bench.remote",
+        "Mooncake Store floors in network namespaces: batch put/get GB/s, p50/p99, exists latency, CPU-s/GB",
+    ),
     "admit": (
         "hpkv.bench.admit",
         "HPKV_STORAGE_ADMIT policies on a many-users workload: hits, bytes written",
