@@ -8,15 +8,25 @@ tests skip, saying why, where there is no root, no ``ip`` or no Mooncake (``pip 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from hpkv.io_workers import mooncake_api
+from hpkv.client import connect
+from hpkv.common.pool import PoolFile
+from hpkv.io_workers import kvfile, mooncake_api
+from hpkv.io_workers.kvfile import BlockId
+from hpkv.protocol import wire as P
+from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.testing import mooncake as mc
 from hpkv.testing import netns
+from hpkv.testing.server import ServerProcess, private_env
 
 
 def _require() -> None:
@@ -130,3 +140,177 @@ def test_bench_remote_reports_floors_for_every_object_size_and_leaves_no_namespa
         assert set(s["cpu_s_per_gb"]) == {"put_client", "put_holder", "get_client", "get_holder"}
     assert 0 < out["exists_64_present_us"]["p50"] <= out["exists_64_present_us"]["p99"]
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
+
+
+# ------------------------------------------------------------------ the remote tier in hpkv servers
+SHARD = 100_000
+FP = namespace_fingerprint({"model": "remote-test"})
+
+
+class Node:
+    """An hpkv server inside a namespace with the remote tier on, and a client of it that
+    writes random blocks into its pool (the client runs here: a unix socket and /dev/shm)."""
+
+    def __init__(self, ns: netns.Netns, m: mc.Master, segment: str, **extra: str):
+        env = private_env(
+            pool_size="64m",
+            storage="",
+            HPKV_REMOTE_BACKEND="mooncake",
+            HPKV_REMOTE_MASTER=m.rpc,
+            HPKV_REMOTE_METADATA=m.metadata,
+            HPKV_REMOTE_LOCAL_HOSTNAME=ns.addr,
+            HPKV_REMOTE_SEGMENT_SIZE=segment,
+            **extra,
+        )
+        self.srv = ServerProcess(env, prefix=ns.argv([])).start()
+        self.c = connect(self.srv.cfg, spawn=False, call_timeout=30.0)
+        self.ns = self.c.attach_namespace(FP, 1, SHARD, name="remote-test")
+        self.pool = PoolFile.attach(os.path.join(self.srv.pool_dir, P.POOL_FILE))
+        self.rng = np.random.default_rng(len(ns.addr))
+
+    def put(self, keys: list[bytes]) -> dict[bytes, bytes]:
+        slots = P.slot_offset(self.c.reserve(self.ns.ns_id, keys))
+        assert (slots >= 0).all(), slots
+        data = {}
+        for k, row in zip(keys, slots, strict=True):
+            d = self.rng.integers(0, 256, SHARD, dtype=np.uint8)
+            self.pool.array[row[0] : row[0] + SHARD] = d
+            data[k] = d.tobytes()
+        self.c.commit(self.ns.ns_id, keys, rank=0)
+        return data
+
+    def remote(self) -> dict:
+        return self.c.stats()["storage"]["remote"]
+
+    def wait_remote(self, cond, what: str, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while not cond(r := self.remote()):
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {r}\n{self.srv.log()[-4000:]}"
+            time.sleep(0.05)
+        return r
+
+    def close(self) -> None:
+        self.c.close()
+        self.pool.close()
+        self.srv.cleanup()
+
+
+def test_a_block_committed_on_node_a_is_a_byte_exact_hit_on_node_b(tmp_path: Path) -> None:
+    _require()
+    with netns.namespaces(2, veth=True) as (a, b), mc.master(a, tmp_path) as m:
+        na = Node(a, m, segment="128m")
+        try:
+            nb = Node(b, m, segment="0", HPKV_REMOTE_LOOKUP_WAIT_MS="5000")
+            try:
+                keys = block_keys(FP, [str(i).encode() for i in range(4)])
+                data = na.put(keys)
+                na.wait_remote(lambda r: r["published"] == 4, "4 blocks published by node A")
+                # B knows nothing of them: its lookup asks the store (off its request loop)
+                deadline = time.monotonic() + 20
+                while (got := nb.c.lookup(nb.ns.ns_id, keys)) != (4, [2] * 4):
+                    assert time.monotonic() < deadline, (
+                        f"B's lookup: {got}; {nb.remote()}\n{nb.srv.log()[-3000:]}"
+                    )
+                    time.sleep(0.2)
+                rows = nb.c.promote(nb.ns.ns_id, keys)
+                for k, row in zip(keys, rows, strict=True):
+                    assert row[0] >= 0, f"block {k.hex()} not loaded: {nb.remote()}\n{nb.srv.log()[-3000:]}"
+                    assert nb.pool.array[row[0] : row[0] + SHARD].tobytes() == data[k]
+                r = nb.wait_remote(lambda r: r["loaded"] == 4, "B's counters (published every 0.2 s)")
+                assert r["corrupt"] == 0 and r["found"] == 4 and r["errors"] == 0
+                assert nb.c.lookup(nb.ns.ns_id, keys) == (4, [1] * 4)  # in B's DRAM now
+            finally:
+                nb.close()
+        finally:
+            na.close()
+
+
+_UPSERT = """import ctypes, mmap, sys
+from hpkv.testing import mooncake as mc
+local, metadata, master, name, size = sys.argv[1:6]
+store = mc.connect(local, metadata, master, segment=0)
+buf = mmap.mmap(-1, int(size))
+buf[:] = b"garbage!" * (int(size) // 8) + b"!" * (int(size) % 8)
+addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+assert store.register_buffer(addr, int(size)) == 0
+print(store.upsert_from(name, addr, int(size)))
+store.close()
+"""
+
+
+def test_an_object_overwritten_with_garbage_is_detected_removed_and_recomputed(tmp_path: Path) -> None:
+    _require()
+    with netns.namespaces(2, veth=True) as (a, b), mc.master(a, tmp_path) as m:
+        na = Node(a, m, segment="128m")
+        try:
+            nb = Node(b, m, segment="0", HPKV_REMOTE_LOOKUP_WAIT_MS="5000")
+            try:
+                keys = block_keys(FP, [f"bad{i}".encode() for i in range(2)])
+                data = na.put(keys)
+                na.wait_remote(lambda r: r["published"] == 2, "2 blocks published by node A")
+                name = mooncake_api.object_key(BlockId(bytes.fromhex(FP), keys[0], 0, 1))
+                size = str(kvfile.file_size(SHARD))
+                r = b.run([sys.executable, "-c", _UPSERT, b.addr, m.metadata, m.rpc, name, size],
+                          env=mc.client_env(b.addr), capture_output=True, text=True, timeout=60)  # fmt: skip
+                assert r.returncode == 0 and r.stdout.strip() == "0", r.stderr[-2000:]
+                deadline = time.monotonic() + 20
+                while nb.c.lookup(nb.ns.ns_id, keys) != (2, [2, 2]):
+                    assert time.monotonic() < deadline, nb.remote()
+                    time.sleep(0.2)
+                rows = nb.c.promote(nb.ns.ns_id, keys)
+                assert rows[0][0] == -1, "the garbage object is a miss (recomputed), never served"
+                assert nb.pool.array[rows[1][0] : rows[1][0] + SHARD].tobytes() == data[keys[1]]
+                nb.wait_remote(lambda r: r["corrupt"] == 1 and r["loaded"] == 1, "one corrupt, one loaded")
+                # removed from the store: asked again, the key is a miss (A still has it in DRAM)
+                time.sleep(1.2)  # B's memory of the miss (NEGATIVE_TTL_S) and of the block expire
+                assert nb.c.lookup(nb.ns.ns_id, keys[:1]) == (0, [])
+                assert "corrupt" in nb.srv.log()
+            finally:
+                nb.close()
+        finally:
+            na.close()
+
+
+def test_a_killed_remote_worker_is_restarted_and_publishes_again(tmp_path: Path) -> None:
+    _require()
+    with netns.namespaces(1) as (a,), mc.master(a, tmp_path) as m:
+        n = Node(a, m, segment="128m")
+        try:
+            first = block_keys(FP, [b"before"])
+            n.put(first)
+            n.wait_remote(lambda r: r["published"] == 1, "the first block published")
+            pids = [w["pid"] for w in n.c.stats()["workers"] if w["kind"] == "remote"]
+            assert len(pids) == 1
+            os.kill(pids[0], signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while [w["pid"] for w in n.c.stats()["workers"] if w["kind"] == "remote"] in ([], pids):
+                assert time.monotonic() < deadline, n.srv.log()[-3000:]
+                time.sleep(0.1)
+            # the new worker mounts a new segment (the old one's objects went with it): it
+            # publishes the next block, and the server kept answering meanwhile
+            later = block_keys(FP, [b"after"])
+            n.put(later)
+            n.wait_remote(lambda r: r["published"] == 2, "the next block published by the new worker")
+            assert n.c.lookup(n.ns.ns_id, first + later) == (2, [1, 1])
+        finally:
+            n.close()
+
+
+def test_the_remote_tier_refuses_a_config_it_cannot_run_naming_the_key(tmp_path: Path) -> None:
+    from hpkv.config import ConfigError, load_config
+    from hpkv.engine.remote import check_config
+
+    ini = tmp_path / "hpkv.ini"
+    ini.write_text("")
+    base = {
+        "HPKV_CONFIG_FILE_PATH": str(ini),
+        "HPKV_REMOTE_BACKEND": "mooncake",
+        "HPKV_KV_STORAGE_PATH": "",
+    }
+    with pytest.raises(ConfigError, match="needs HPKV_REMOTE_MASTER"):
+        check_config(load_config(base))
+    full = {**base, "HPKV_REMOTE_MASTER": "10.0.0.1:50051", "HPKV_REMOTE_METADATA": "http://10.0.0.1:8080/metadata",
+            "HPKV_REMOTE_LOCAL_HOSTNAME": "10.0.0.2"}  # fmt: skip
+    with pytest.raises(ConfigError, match="HPKV_KV_STORAGE_PATH= \\(empty\\)"):
+        check_config(load_config({**full, "HPKV_KV_STORAGE_PATH": "/var/tmp/x"}))
+    check_config(load_config({**base, "HPKV_REMOTE_BACKEND": ""}))  # off: nothing asked

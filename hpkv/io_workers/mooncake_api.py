@@ -15,7 +15,12 @@ import importlib.metadata
 import importlib.util
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from hpkv.protocol.keys import FORMAT_VERSION
+
+if TYPE_CHECKING:
+    from hpkv.io_workers.kvfile import BlockId
 
 DISTRIBUTION = "mooncake-transfer-engine-non-cuda"
 TESTED_VERSION = "0.3.13.post1"
@@ -46,6 +51,7 @@ ERRORS = {
     -800: "TRANSFER_FAIL",
     -900: "RPC_FAIL (master unreachable)",
 }
+INVALID_PARAMS = -600
 OBJECT_NOT_FOUND = -704
 
 
@@ -55,6 +61,12 @@ class MooncakeUnavailable(RuntimeError):
 
 def describe(code: int) -> str:
     return f"{code} {ERRORS.get(code, 'error')}"
+
+
+def object_key(block: BlockId) -> str:
+    """The store's name of one rank's shard: the format version in it keeps objects of another
+    format from ever matching (their header would be refused anyway)."""
+    return f"hpkv{FORMAT_VERSION}/{block.namespace.hex()}/{block.key.hex()}/r{block.rank}"
 
 
 def installed_version() -> str | None:

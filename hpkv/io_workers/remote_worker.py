@@ -1,0 +1,186 @@
+"""The remote worker process: the one owner of this node's Mooncake Store client.
+
+Started and supervised by the server like an IO worker (``python -m
+hpkv.io_workers.remote_worker SPEC_JSON``, server-owned rings). It sets the client up, registers
+the pool mapping once, and serves three kinds of job, each one rank's shard of one block
+(:func:`hpkv.protocol.wire.io_job`):
+
+* SPILL: publish the pool slot as an object, unless one exists under its name already (a put
+  of an existing key would keep the old bytes anyway: :data:`P.IO_EXISTED`);
+* PROMOTE: read the object into the pool slot, then verify it exactly as a KV file is
+  verified (:meth:`KvFileIO.verify`) before the completion makes the slot readable; a
+  mismatch removes the object (forced: a plain remove fails for 10 s after any get) and
+  answers E_CORRUPT;
+* LOOKUP: does the object of every rank exist? (the completion's a0: 1 or 0).
+
+An object is the KV file image, byte for byte: the 4096-byte header (namespace fingerprint,
+key, rank, world size, payload length, CRC32C; :func:`kvfile.pack_header`) and the payload
+zero-padded to 4096, put and got as one object from two buffers (the header page and the
+slot) with no copy. Its name carries the format version (:func:`mooncake_api.object_key`).
+
+The Mooncake calls block (for seconds when the master is gone), which is why they run here
+and not in the server: a parked call's deadline bounds what a client waits, and a dead or
+hung worker is restarted by the supervisor with its jobs failed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import sys
+from typing import Any
+
+from hpkv.common.pool import PoolFile
+from hpkv.common.ratelimit import RateLimitedLog
+from hpkv.io_workers import kvfile, mooncake_api
+from hpkv.io_workers.checksum import crc32c
+from hpkv.io_workers.kvfile import BlockId, CorruptFile, FetchedFile, KvFileIO, ReadSlot
+from hpkv.protocol import wire as P
+from hpkv.protocol.errors import Status
+from hpkv.protocol.stats import W
+from hpkv.runtime.worker import WorkerRuntime
+
+log = logging.getLogger("hpkv.remote")
+
+LOCAL_BUFFER = 16 << 20  # Mooncake's own staging buffer (hpkv moves bytes from registered memory)
+
+
+def _address(buf: Any) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+class RemoteStore:
+    """The jobs against one set-up client; ``pool`` is the writable mapping of the whole pool."""
+
+    def __init__(self, store: Any, pool: memoryview, pool_address: int):
+        self.store = store
+        self.pool = pool
+        self.pool_address = pool_address
+        self.slot = ReadSlot()  # the header page, registered once
+        self.hdr_address = _address(self.slot.hdr)
+        for addr, size in ((pool_address, len(pool)), (self.hdr_address, kvfile.HEADER_BYTES)):
+            rc = store.register_buffer(addr, size)
+            if rc != 0:
+                raise RuntimeError(f"register_buffer of {size} bytes failed: {mooncake_api.describe(rc)}")
+
+    def _bufs(self, offset: int, length: int) -> tuple[list[int], list[int]]:
+        padded = kvfile.align_up(length)
+        if offset < 0 or offset + padded > len(self.pool):
+            raise ValueError(f"pool range {offset}+{padded} is outside the pool")
+        return [self.hdr_address, self.pool_address + offset], [kvfile.HEADER_BYTES, padded]
+
+    def exists(self, names: list[str]) -> int:
+        """1 when every object exists, 0 when one does not; raises OSError when the store fails."""
+        got = self.store.batch_is_exist(names)
+        bad = [c for c in got if c < 0]
+        if bad:
+            raise OSError(errno.EIO, f"batch_is_exist: {mooncake_api.describe(bad[0])}")
+        return int(all(c == 1 for c in got))
+
+    def put(self, block: BlockId, offset: int, length: int) -> tuple[int, bool]:
+        """Publish the slot as the block's object; (bytes, existed)."""
+        name = mooncake_api.object_key(block)
+        ptrs, sizes = self._bufs(offset, length)
+        if self.exists([name]):
+            return 0, True
+        payload = self.pool[offset : offset + sizes[1]]
+        payload[length:] = bytes(sizes[1] - length)  # the slot's tail is ours: zero padding
+        kvfile.pack_header(self.slot.hdr, block, length, crc32c(payload[:length]))
+        rc = self.store.batch_put_from_multi_buffers([name], [ptrs], [sizes])[0]
+        if rc != 0:
+            raise OSError(errno.EIO, f"put of {name}: {mooncake_api.describe(rc)}")
+        return kvfile.file_size(length), False
+
+    def get(self, block: BlockId, offset: int, length: int) -> int:
+        """Read the block's object into the slot and verify it; raises FileNotFoundError when it
+        is gone, :class:`CorruptFile` (after removing it) when it does not match."""
+        name = mooncake_api.object_key(block)
+        ptrs, sizes = self._bufs(offset, length)
+        got = self.store.batch_get_into_multi_buffers([name], [ptrs], [sizes])[0]
+        if got == mooncake_api.OBJECT_NOT_FOUND:
+            raise FileNotFoundError(errno.ENOENT, f"no object {name}")
+        try:
+            if got == mooncake_api.INVALID_PARAMS:  # an object larger than the header + slot
+                raise CorruptFile("the object is larger than the block's image")
+            if got < 0:
+                raise OSError(errno.EIO, f"get of {name}: {mooncake_api.describe(got)}")
+            if got != kvfile.file_size(length):
+                raise CorruptFile(f"object is {got} bytes, expected {kvfile.file_size(length)}")
+            payload = self.pool[offset : offset + sizes[1]]
+            return KvFileIO.verify(FetchedFile(block, length, payload, payload, self.slot))
+        except CorruptFile:
+            self.store.remove(name, True)  # forced: a plain remove fails for 10 s after a get
+            raise
+
+
+def main(argv: list[str]) -> int:
+    rt = WorkerRuntime(argv, log)
+    spec, row = rt.spec, rt.row
+    os.environ["MC_TCP_BIND_ADDRESS"] = spec["local_hostname"]
+    try:
+        store = mooncake_api.store_class()()
+    except mooncake_api.MooncakeUnavailable as exc:
+        log.critical("remote worker: %s", exc)
+        return 1
+    rc = store.setup(
+        spec["local_hostname"],
+        spec["metadata"],
+        int(spec["segment"]),
+        LOCAL_BUFFER,
+        spec["protocol"],
+        spec["devices"],
+        spec["master"],
+    )
+    if rc != 0:
+        log.critical(
+            "remote worker: Mooncake setup (master %s, metadata %s, local %s) failed: %s",
+            spec["master"],
+            spec["metadata"],
+            spec["local_hostname"],
+            mooncake_api.describe(rc),
+        )
+        return 1
+    pool = PoolFile.attach(spec["pool"], warm_limit=rt.pool_warm_bytes)
+    remote = RemoteStore(store, memoryview(pool.mm), pool.address)
+    errors = RateLimitedLog(log)
+    log.info("remote worker ready: Mooncake master %s, local %s", spec["master"], spec["local_hostname"])
+
+    def job(d) -> tuple[int, int, int]:
+        ns, key, rank, world, offset, length = P.decode_io_job(d.flags, d.args)
+        block = BlockId(ns, key, rank, world)
+        try:
+            if d.kind == P.LOOKUP:
+                names = [mooncake_api.object_key(BlockId(ns, key, r, world)) for r in range(world)]
+                return 0, remote.exists(names), 0
+            if d.kind == P.SPILL:
+                nbytes, existed = remote.put(block, offset, length)
+                row[W.BYTES_SAVED] += nbytes
+                return 0, nbytes, P.IO_EXISTED if existed else 0
+            if d.kind == P.PROMOTE:
+                nbytes = remote.get(block, offset, length)
+                row[W.BYTES_LOADED] += nbytes
+                return 0, nbytes, 0
+            return Status.BAD_REQUEST, 0, 0
+        except FileNotFoundError:
+            return -errno.ENOENT, 0, 0
+        except CorruptFile as exc:
+            errors.log(logging.ERROR, "corrupt", "remote object of block %s-r%d is corrupt (%s): removed; "
+                       "the block will be recomputed", key.hex(), rank, exc)  # fmt: skip
+            return Status.CORRUPT, 0, 0
+        except OSError as exc:
+            errors.log(logging.WARNING, "store", "remote job failed: %s", exc)
+            return -(exc.errno or errno.EIO), 0, 0
+        except ValueError as exc:
+            errors.log(logging.ERROR, "bad-job", "remote job seq %d rejected: %s", d.seq, exc)
+            return Status.BAD_REQUEST, 0, 0
+
+    try:
+        return rt.serve(job, exit_when_producer_gone=True)
+    finally:
+        store.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
