@@ -238,6 +238,15 @@ store.close()
 """
 
 
+_EXISTS = """import sys
+from hpkv.testing import mooncake as mc
+local, metadata, master, name = sys.argv[1:5]
+store = mc.connect(local, metadata, master, segment=0)
+print(store.batch_is_exist([name]))
+store.close()
+"""
+
+
 def test_an_object_overwritten_with_garbage_is_detected_removed_and_recomputed(tmp_path: Path) -> None:
     _require()
     with netns.namespaces(2, veth=True) as (a, b), mc.master(a, tmp_path) as m:
@@ -261,9 +270,10 @@ def test_an_object_overwritten_with_garbage_is_detected_removed_and_recomputed(t
                 assert rows[0][0] == -1, "the garbage object is a miss (recomputed), never served"
                 assert nb.pool.array[rows[1][0] : rows[1][0] + SHARD].tobytes() == data[keys[1]]
                 nb.wait_remote(lambda r: r["corrupt"] == 1 and r["loaded"] == 1, "one corrupt, one loaded")
-                # removed from the store: asked again, the key is a miss (A still has it in DRAM)
-                time.sleep(1.2)  # B's memory of the miss (NEGATIVE_TTL_S) and of the block expire
                 assert nb.c.lookup(nb.ns.ns_id, keys[:1]) == (0, [])
+                r = b.run([sys.executable, "-c", _EXISTS, b.addr, m.metadata, m.rpc, name],
+                          env=mc.client_env(b.addr), capture_output=True, text=True, timeout=60)  # fmt: skip
+                assert r.stdout.strip() == "[0]", "the corrupt object was removed from the store"
                 assert "corrupt" in nb.srv.log()
             finally:
                 nb.close()
@@ -314,3 +324,68 @@ def test_the_remote_tier_refuses_a_config_it_cannot_run_naming_the_key(tmp_path:
     with pytest.raises(ConfigError, match="HPKV_KV_STORAGE_PATH= \\(empty\\)"):
         check_config(load_config({**full, "HPKV_KV_STORAGE_PATH": "/var/tmp/x"}))
     check_config(load_config({**base, "HPKV_REMOTE_BACKEND": ""}))  # off: nothing asked
+
+
+def test_with_the_master_killed_dram_hits_and_lookups_stay_fast_and_the_tier_goes_down(
+    tmp_path: Path,
+) -> None:
+    _require()
+    with netns.namespaces(1) as (a,), mc.master(a, tmp_path) as m:
+        n = Node(a, m, segment="128m", HPKV_REMOTE_LOOKUP_WAIT_MS="20")
+        try:
+            keys = block_keys(FP, [b"m0", b"m1"])
+            n.put(keys)
+            n.wait_remote(lambda r: r["published"] == 2, "2 blocks published")
+            a.stop(m.proc, signal.SIGKILL)
+            # every Mooncake call now blocks ~4.3 s in the worker: the server never waits on it
+            unknown = block_keys(FP, [f"u{i}".encode() for i in range(3)])
+            for extra in ([], unknown[:1], unknown[1:2]):
+                t0 = time.monotonic()
+                assert n.c.lookup(n.ns.ns_id, keys + extra) == (2, [1, 1])
+                assert time.monotonic() - t0 < 1.0, "a lookup waited on the dead master"
+            later = block_keys(FP, [b"m2"])
+            n.put(later)  # its publish fails after Mooncake's RPC timeout: the tier goes down
+            r = n.wait_remote(lambda r: r["down"], "the tier marked down", timeout=30)
+            assert r["errors"] >= 1 and r["down_events"] == 1
+            t0 = time.monotonic()
+            assert n.c.lookup(n.ns.ns_id, keys + later + unknown[2:]) == (3, [1, 1, 1])
+            assert time.monotonic() - t0 < 0.5
+            rows = n.c.promote(n.ns.ns_id, keys + later)
+            assert (rows >= 0).all()
+            assert n.srv.proc is not None and n.srv.proc.poll() is None
+        finally:
+            n.close()
+
+
+def test_blocks_held_by_a_killed_node_are_misses_within_the_bound_never_wrong_bytes(tmp_path: Path) -> None:
+    _require()
+    with netns.namespaces(2, veth=True) as (a, b), mc.master(a, tmp_path) as m:
+        na = Node(a, m, segment="128m")
+        try:
+            nb = Node(b, m, segment="0", HPKV_REMOTE_LOOKUP_WAIT_MS="5000")
+            try:
+                keys = block_keys(FP, [f"held{i}".encode() for i in range(3)])
+                na.put(keys)
+                na.wait_remote(lambda r: r["published"] == 3, "3 blocks published by node A")
+                deadline = time.monotonic() + 20
+                while nb.c.lookup(nb.ns.ns_id, keys) != (3, [2] * 3):
+                    assert time.monotonic() < deadline, nb.remote()
+                    time.sleep(0.2)
+                # A's remote worker holds the segment the objects live in: killed, they are gone
+                # (the master still lists them for ~10 s)
+                (pid,) = [w["pid"] for w in na.c.stats()["workers"] if w["kind"] == "remote"]
+                os.kill(pid, signal.SIGKILL)
+                time.sleep(0.5)
+                t0 = time.monotonic()
+                rows = nb.c.promote(nb.ns.ns_id, keys)
+                assert time.monotonic() - t0 < 5.0
+                assert (rows == -1).all(), "no bytes of a lost object are served"
+                r = nb.wait_remote(lambda r: r["gone"] == 3, "3 blocks found gone")
+                assert r["loaded"] == 0 and not r["down"], "a lost object is a miss, not a store failure"
+                # and stay misses while the master still lists them (GONE_TTL_S)
+                assert nb.c.lookup(nb.ns.ns_id, keys) == (0, [])
+                assert nb.remote()["blocks"] == 0
+            finally:
+                nb.close()
+        finally:
+            na.close()

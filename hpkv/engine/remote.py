@@ -53,12 +53,18 @@ from hpkv.ring import Doorbell, Ring, RingError
 log = logging.getLogger("hpkv.remote")
 
 NEGATIVE_TTL_S = 1.0  # a key the store did not have is not asked about again for this long
+# A key whose object was gone or corrupt at a get: the master lists the objects of a dead
+# segment holder for ~10 s (its client_ttl), so it is not asked about again for longer.
+GONE_TTL_S = 12.0
 MAX_NEGATIVE = 65536  # keys remembered as missing
 DOWN_BACKOFF_S = 10.0  # after a store failure: not asked (lookups, spills) for this long
 MAX_CHECK_KEYS = 64  # keys one lookup asks about
 MAX_CHECKS = 8  # lookups' questions in flight at once (beyond: answered from what is known)
 MAX_QUEUED_SPILLS = 256  # blocks waiting to be published (beyond: not published, counted)
 GONE = (-errno.ENOENT, Status.CORRUPT)
+# Failures of one object or one peer, not of the store (the tier stays up): a worker that died,
+# a put placed in the segment of a node that is gone.
+NOT_THE_STORE = (Status.WORKER_DIED, -errno.EHOSTUNREACH)
 
 
 def check_config(cfg: Config) -> None:
@@ -431,7 +437,7 @@ class RemoteTier:
     def _failed(self, job: _Job, status: int) -> None:
         """A store failure (not a missing object): the tier is down for a while."""
         self.counts["errors"] += 1
-        if status != Status.WORKER_DIED and not self._is_down():
+        if status not in NOT_THE_STORE and not self._is_down():
             self._down_until = time.monotonic() + DOWN_BACKOFF_S
             self.counts["down_events"] += 1
             self._dirty = True
@@ -451,16 +457,19 @@ class RemoteTier:
         for k, found in zip(check.keys, check.found, strict=True):
             if found != 1:
                 if found == 0:
-                    self._missing[k] = now + NEGATIVE_TTL_S
-                    self._missing.move_to_end(k)
-                    while len(self._missing) > MAX_NEGATIVE:
-                        self._missing.popitem(last=False)
+                    self._remember_missing(k, now + NEGATIVE_TTL_S)
                 break
             if self.catalog.add(check.ns, k, recent=False):
                 self.counts["found"] += 1
         self._checks -= 1
         for call in check.waiters:
             call.outstanding -= 1
+
+    def _remember_missing(self, key: bytes, until: float) -> None:
+        self._missing[key] = until
+        self._missing.move_to_end(key)
+        while len(self._missing) > MAX_NEGATIVE:
+            self._missing.popitem(last=False)
 
     def _spill_done(self, op: _Op) -> None:
         b = op.block
@@ -485,5 +494,7 @@ class RemoteTier:
                 self.counts["corrupt"] += 1
             elif op.status == -errno.ENOENT:
                 self.counts["gone"] += 1
+            if op.status in GONE:
+                self._remember_missing(key, time.monotonic() + GONE_TTL_S)
             self.catalog.forget(key)  # no hit any more; a later lookup asks the store again
         settle_waiters(self.index, b, ok, op.waiters, self._answers)

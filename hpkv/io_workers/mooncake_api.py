@@ -53,6 +53,7 @@ ERRORS = {
 }
 INVALID_PARAMS = -600
 OBJECT_NOT_FOUND = -704
+TRANSFER_FAIL = -800
 
 
 class MooncakeUnavailable(RuntimeError):

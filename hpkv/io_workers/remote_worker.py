@@ -45,6 +45,7 @@ from hpkv.runtime.worker import WorkerRuntime
 log = logging.getLogger("hpkv.remote")
 
 LOCAL_BUFFER = 16 << 20  # Mooncake's own staging buffer (hpkv moves bytes from registered memory)
+PUT_ATTEMPTS = 3  # a put placed in a dead node's segment is tried again (placed anew)
 
 
 def _address(buf: Any) -> int:
@@ -88,7 +89,14 @@ class RemoteStore:
         payload = self.pool[offset : offset + sizes[1]]
         payload[length:] = bytes(sizes[1] - length)  # the slot's tail is ours: zero padding
         kvfile.pack_header(self.slot.hdr, block, length, crc32c(payload[:length]))
-        rc = self.store.batch_put_from_multi_buffers([name], [ptrs], [sizes])[0]
+        for _ in range(PUT_ATTEMPTS):
+            rc = self.store.batch_put_from_multi_buffers([name], [ptrs], [sizes])[0]
+            if rc != mooncake_api.TRANSFER_FAIL:
+                break
+        if rc == mooncake_api.TRANSFER_FAIL:
+            # the master placed it in the segment of a node that is gone (listed for ~10 s
+            # after): not published, and no failure of the store
+            raise OSError(errno.EHOSTUNREACH, f"put of {name}: {mooncake_api.describe(rc)}")
         if rc != 0:
             raise OSError(errno.EIO, f"put of {name}: {mooncake_api.describe(rc)}")
         return kvfile.file_size(length), False
@@ -99,8 +107,10 @@ class RemoteStore:
         name = mooncake_api.object_key(block)
         ptrs, sizes = self._bufs(offset, length)
         got = self.store.batch_get_into_multi_buffers([name], [ptrs], [sizes])[0]
-        if got == mooncake_api.OBJECT_NOT_FOUND:
-            raise FileNotFoundError(errno.ENOENT, f"no object {name}")
+        if got in (mooncake_api.OBJECT_NOT_FOUND, mooncake_api.TRANSFER_FAIL):
+            # TRANSFER_FAIL: the node holding its segment is gone (the master still lists the
+            # object for ~10 s after): this object is lost, the store is not failing
+            raise FileNotFoundError(errno.ENOENT, f"no object {name} ({mooncake_api.describe(got)})")
         try:
             if got == mooncake_api.INVALID_PARAMS:  # an object larger than the header + slot
                 raise CorruptFile("the object is larger than the block's image")
