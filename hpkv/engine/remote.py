@@ -5,7 +5,8 @@ The store is used only by the remote worker process (:mod:`hpkv.io_workers.remot
 this is the server's side of it, under the server's lock, and it never waits on the store:
 
 * **lookup**: a key nobody here knows is asked about off the request loop (one LOOKUP job
-  per key, every rank's object), the call parked for at most ``HPKV_REMOTE_LOOKUP_WAIT_MS``;
+  per key; the worker asks about every rank's object of the keys queued at once in one
+  ``batch_is_exist``), the call parked for at most ``HPKV_REMOTE_LOOKUP_WAIT_MS``;
   found keys join the catalog (so the index answers them as storage hits, the wire's
   ``Tier.STORAGE``: a remote hit is a background load like a file's), the first missing one
   is remembered as missing for :data:`NEGATIVE_TTL_S`;

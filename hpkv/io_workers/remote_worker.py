@@ -11,7 +11,8 @@ the pool mapping once, and serves three kinds of job, each one rank's shard of o
   verified (:meth:`KvFileIO.verify`) before the completion makes the slot readable; a
   mismatch removes the object (forced: a plain remove fails for 10 s after any get) and
   answers E_CORRUPT;
-* LOOKUP: does the object of every rank exist? (the completion's a0: 1 or 0).
+* LOOKUP: does the object of every rank exist? (the completion's a0: 1 or 0). Answered by a
+  thread of its own (:class:`Checker`), the lookups queued at once in one ``batch_is_exist``.
 
 An object is the KV file image, byte for byte: the 4096-byte header (namespace fingerprint,
 key, rank, world size, payload length, CRC32C; :func:`kvfile.pack_header`) and the payload
@@ -29,7 +30,9 @@ import ctypes
 import errno
 import logging
 import os
+import queue
 import sys
+import threading
 from typing import Any
 
 from hpkv.common.pool import PoolFile
@@ -157,13 +160,15 @@ def main(argv: list[str]) -> int:
     errors = RateLimitedLog(log)
     log.info("remote worker ready: Mooncake master %s, local %s", spec["master"], spec["local_hostname"])
 
-    def job(d) -> tuple[int, int, int]:
+    checker = Checker(remote, rt, errors)
+
+    def job(d) -> tuple[int, int, int] | None:
+        if d.kind == P.LOOKUP:
+            checker.put(d)  # answered by the checker thread, batched with the lookups queued by then
+            return None
         ns, key, rank, world, offset, length = P.decode_io_job(d.flags, d.args)
         block = BlockId(ns, key, rank, world)
         try:
-            if d.kind == P.LOOKUP:
-                names = [mooncake_api.object_key(BlockId(ns, key, r, world)) for r in range(world)]
-                return 0, remote.exists(names), 0
             if d.kind == P.SPILL:
                 nbytes, existed = remote.put(block, offset, length)
                 row[W.BYTES_SAVED] += nbytes
@@ -187,9 +192,67 @@ def main(argv: list[str]) -> int:
             return Status.BAD_REQUEST, 0, 0
 
     try:
-        return rt.serve(job, exit_when_producer_gone=True)
+        return rt.serve(job, exit_when_producer_gone=True, drain=checker.close)
     finally:
         store.close()
+
+
+class Checker:
+    """Answers LOOKUP jobs on a thread of its own, so a lookup never waits behind a put or a
+    get: whatever lookups are queued when it wakes up are asked about in one
+    ``batch_is_exist`` (every rank's object of every key). A job's answer (a0) is 1 when
+    every rank's object exists, else 0; a failing store answers -EIO."""
+
+    def __init__(self, remote: RemoteStore, rt: WorkerRuntime, errors: RateLimitedLog):
+        self.remote = remote
+        self.rt = rt
+        self.errors = errors
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="exists", daemon=True)
+        self._thread.start()
+
+    def put(self, d: Any) -> None:
+        self._q.put(d)
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        done = False
+        while not done:
+            batch = [self._q.get()]
+            while True:
+                try:
+                    batch.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            done = batch[-1] is None or None in batch
+            jobs = [d for d in batch if d is not None]
+            if jobs:
+                self._answer(jobs)
+
+    def _answer(self, jobs: list[Any]) -> None:
+        names: list[str] = []
+        spans = []
+        for d in jobs:
+            ns, key, _, world, _, _ = P.decode_io_job(d.flags, d.args)
+            spans.append((len(names), world))
+            names += [mooncake_api.object_key(BlockId(ns, key, r, world)) for r in range(world)]
+        try:
+            got = self.remote.store.batch_is_exist(names)
+        except Exception as exc:  # noqa: BLE001 - every job is answered
+            self.errors.log(logging.WARNING, "exists", "batch_is_exist failed: %r", exc)
+            got = [-1] * len(names)
+        for d, (start, world) in zip(jobs, spans, strict=True):
+            mine = got[start : start + world]
+            if any(c < 0 for c in mine):
+                self.errors.log(
+                    logging.WARNING, "exists", "batch_is_exist: %s", mooncake_api.describe(min(mine))
+                )
+                self.rt.finish(d, -errno.EIO, 0)
+            else:
+                self.rt.finish(d, 0, int(all(c == 1 for c in mine)))
 
 
 if __name__ == "__main__":
