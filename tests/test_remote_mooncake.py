@@ -127,18 +127,22 @@ def test_bench_remote_reports_floors_for_every_object_size_and_leaves_no_namespa
     _require()
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     r = subprocess.run(
-        [sys.executable, "-m", "hpkv", "bench", "remote", "--json", "--mib", "16", "--repeat", "1", "--samples", "5"],
+        [sys.executable, "-m", "hpkv", "bench", "remote", "--json", "--mib", "16", "--repeat", "1", "--samples", "5",
+         "--blocks", "4", "--block-mib", "2"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
-    assert [s["object_mib"] for s in out["sizes"]] == [1, 2, 4, 8]
+    assert [s["object_mib"] for s in out["sizes"]] == [1, 2, 4, 8]  # (2: also the hpkv phase's)
     for s in out["sizes"]:
         assert s["objects"] == 16 // s["object_mib"]
         assert s["put_gbps"] > 0 and s["get_gbps"] > 0
         assert 0 < s["get_p50_ms"] <= s["get_p99_ms"]
         assert set(s["cpu_s_per_gb"]) == {"put_client", "put_holder", "get_client", "get_holder"}
     assert 0 < out["exists_64_present_us"]["p50"] <= out["exists_64_present_us"]["p99"]
+    h = out["hpkv"]  # node B's promote of what node A published, against the raw get rate
+    assert h["blocks"] == 4 and len(h["promote_s"]) == 1 and h["promote_gbps"] > 0
+    assert h["vs_raw"] == round(h["raw_get_gbps"] / h["promote_gbps"], 3)
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
 
 
