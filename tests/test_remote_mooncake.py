@@ -126,11 +126,16 @@ def test_objects_held_in_one_namespace_are_read_from_another_over_a_veth(tmp_pat
 def test_bench_remote_reports_floors_for_every_object_size_and_leaves_no_namespace() -> None:
     _require()
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    r = subprocess.run(
-        [sys.executable, "-m", "hpkv", "bench", "remote", "--json", "--mib", "16", "--repeat", "1", "--samples", "5",
-         "--blocks", "4", "--block-mib", "2"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    cmd = [sys.executable, "-m", "hpkv", "bench", "remote", "--json", "--mib", "16", "--repeat", "1"]
+    cmd += ["--samples", "5", "--blocks", "4", "--block-mib", "2"]
+    bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = bench.communicate(timeout=300)
+    finally:  # SIGTERM: the bench unwinds, stopping what it started and deleting its namespaces
+        if bench.poll() is None:
+            bench.terminate()
+            bench.communicate(timeout=60)
+    r = subprocess.CompletedProcess(cmd, bench.returncode, stdout, stderr)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert [s["object_mib"] for s in out["sizes"]] == [1, 2, 4, 8]  # (2: also the hpkv phase's)
