@@ -71,9 +71,12 @@ def _cmd_config(args: argparse.Namespace) -> int:
         print(f"hpkv: warning: {w}", file=sys.stderr)
     print(dumps_json(cfg) if args.json else describe(cfg))
     if args.check:
+        from hpkv.engine.remote import check_config as check_remote
+
         try:
             for w in check_runtime(cfg):
                 print(f"hpkv: warning: {w}", file=sys.stderr)
+            check_remote(cfg)  # HPKV_REMOTE_*: the keys it needs, and Mooncake's API
         except ConfigError as exc:
             print(f"hpkv: check failed: {exc}", file=sys.stderr)
             return 1

@@ -406,3 +406,15 @@ def test_blocks_held_by_a_killed_node_are_misses_within_the_bound_never_wrong_by
                 nb.close()
         finally:
             na.close()
+
+
+def test_config_check_says_what_the_remote_tier_lacks(tmp_path: Path) -> None:
+    ini = tmp_path / "hpkv.ini"
+    ini.write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HPKV_")}
+    env.update(HPKV_CONFIG_FILE_PATH=str(ini), HPKV_REMOTE_BACKEND="mooncake", HPKV_KV_STORAGE_PATH="")
+    r = subprocess.run(
+        [sys.executable, "-m", "hpkv", "config", "--check"], env=env, capture_output=True, text=True
+    )
+    assert r.returncode == 1
+    assert "HPKV_REMOTE_BACKEND=mooncake needs HPKV_REMOTE_MASTER" in r.stderr
