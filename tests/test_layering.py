@@ -32,7 +32,7 @@ ALLOWED = {
 }
 WORKER_ROOMS = ("runtime", "transfer_workers", "io_workers")
 # The processes a worker runs must not load the server (nor clients, monitors, connectors).
-WORKER_MAINS = ("hpkv.transfer_workers.worker", "hpkv.io_workers.worker")
+WORKER_MAINS = ("hpkv.transfer_workers.worker", "hpkv.io_workers.worker", "hpkv.io_workers.remote_worker")
 
 
 def room(module: str) -> str:

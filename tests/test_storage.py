@@ -35,6 +35,7 @@ from hpkv.testing.server import ServerProcess, private_env, wait_for
 FP = namespace_fingerprint({"model": "storage-test", "layers": 4})
 STORAGE_FIELDS = {
     "path",
+    "remote",
     "files",
     "bytes",
     "capacity_bytes",

@@ -42,6 +42,8 @@ from hpkv.engine.calls import OperatorCalls, OperatorJob, ServerConn
 from hpkv.engine.control import ControlTransport
 from hpkv.engine.index import Index, Namespace
 from hpkv.engine.registry import RETIRE_GRACE_S, Client
+from hpkv.engine.remote import RemoteTier
+from hpkv.engine.remote import check_config as check_remote_config
 from hpkv.engine.storage.tier import FileTier
 from hpkv.engine.tiers import LookupAnswer, ParkedLookup, TierList
 from hpkv.engine.workers import WorkerProcess
@@ -240,6 +242,7 @@ class Server(OperatorCalls):
                 os.sched_setaffinity(0, range(os.cpu_count() or 1))
         for w in check_runtime(self.cfg):
             log.warning("%s", w)
+        check_remote_config(self.cfg)
         self.acquire_lock()
         size = self.cfg.pool_size
         t0 = time.monotonic()
@@ -254,7 +257,7 @@ class Server(OperatorCalls):
         self.fence = SlotFence.create(self.pool.path + P.FENCE_SUFFIX, size)
         self.index = Index(
             size,
-            storage_enabled=self.cfg.storage_path is not None,
+            storage_enabled=self.cfg.storage_path is not None or bool(self.cfg["HPKV_REMOTE_BACKEND"]),
             memory=self.pool,
             fence_bump=self.fence.bump,
             eviction=self.cfg["HPKV_DRAM_EVICTION"],
@@ -275,6 +278,12 @@ class Server(OperatorCalls):
             )
             self.workers += files.start(list(range(self.cfg["HPKV_NUM_IO_WORKERS"])))
             self.tiers = TierList([files])
+        elif self.cfg["HPKV_REMOTE_BACKEND"]:
+            remote = RemoteTier(
+                self.cfg, self.dir, self.stats, self.index, self.lock, self.doorbell, self.pool.path
+            )
+            self.workers += remote.start(self._free_worker_slot())
+            self.tiers = TierList([remote])
 
         self.metrics = start_metrics(self.cfg)
         sock_path = os.path.join(self.dir, P.SOCKET_FILE)

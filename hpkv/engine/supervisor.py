@@ -85,7 +85,7 @@ class Supervision(Registry):
                 continue  # reaped next round: `hpkv status` shows it hung until then
             if not w.poll_dead():
                 continue
-            if w.kind == "io" and self.tiers.worker_died(w):
+            if w.kind in ("io", "remote") and self.tiers.worker_died(w):
                 continue  # its tier's request loop recovers its jobs and restarts it
             before = w.restarts
             w.fail_pending_and_restart()  # or a back-off delay, if it keeps failing

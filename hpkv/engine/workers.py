@@ -56,7 +56,11 @@ def ring_counts(directory: str, name: str) -> tuple[int, int] | None:
 
 
 #: The process main of each kind of worker.
-WORKER_MODULES = {"transfer": "hpkv.transfer_workers.worker", "io": "hpkv.io_workers.worker"}
+WORKER_MODULES = {
+    "transfer": "hpkv.transfer_workers.worker",
+    "io": "hpkv.io_workers.worker",
+    "remote": "hpkv.io_workers.remote_worker",
+}
 
 
 def worker_file_names(base: str) -> tuple[str, str, str]:
@@ -132,10 +136,12 @@ class WorkerProcess:
         spec: dict[str, Any],
         stats: StatsSegment,
         doorbell: Doorbell,
+        kind: str = "io",
     ) -> tuple[WorkerProcess, Ring, Ring]:
-        """An IO worker: the server itself holds the other end of both rings (it issues the
-        jobs and consumes the completions, woken by its doorbell); returns (worker, req, resp)."""
-        w = cls(directory, base, slot, "io", "disk", spec, stats)
+        """An IO worker (or, ``kind="remote"``, the remote tier's worker): the server itself
+        holds the other end of both rings (it issues the jobs and consumes the completions,
+        woken by its doorbell); returns (worker, req, resp)."""
+        w = cls(directory, base, slot, kind, "disk" if kind == "io" else "network", spec, stats)
         req = Ring.create(directory, w.req_name, capacity=P.RING_CAPACITY, role="producer")
         resp = Ring.create(
             directory, w.resp_name, capacity=P.RING_CAPACITY, role="consumer", doorbell=doorbell

@@ -397,4 +397,6 @@ def _storage_snapshot(g: np.ndarray, cat: dict[str, Any]) -> dict[str, Any]:
         "degraded_misses": int(g[G.STORAGE_DEGRADED_MISSES]),
         "admit_deferred": int(g[G.STORAGE_ADMIT_DEFERRED]),
         "admitted": int(g[G.STORAGE_ADMITTED]),
+        # The remote tier's counters (HPKV_REMOTE_BACKEND), None when it is off.
+        "remote": cat.get("remote"),
     }

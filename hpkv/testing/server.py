@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from hpkv.config import Config, load_config
@@ -73,8 +73,15 @@ class ServerProcess:
     session, which the kernel's autogroup scheduling treats as one group: ``same_session``
     places it like that."""
 
-    def __init__(self, env: Mapping[str, str], args: tuple[str, ...] = (), same_session: bool = False):
+    def __init__(
+        self,
+        env: Mapping[str, str],
+        args: tuple[str, ...] = (),
+        same_session: bool = False,
+        prefix: Sequence[str] = (),
+    ):
         self.same_session = same_session
+        self.prefix = list(prefix)  # e.g. ``ip netns exec NAME``: it must exec the server (same pid)
         self.env = dict(env)
         self.cfg: Config = load_config(self.env)
         self.args = args
@@ -86,7 +93,7 @@ class ServerProcess:
 
     def start(self, timeout: float = 30.0) -> ServerProcess:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hpkv", "serve", *self.args],
+            [*self.prefix, sys.executable, "-m", "hpkv", "serve", *self.args],
             env=self.env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

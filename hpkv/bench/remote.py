@@ -1,0 +1,438 @@
+"""Mooncake Store's raw floors: what the remote tier can at best get out of the store.
+
+    hpkv bench remote [--mib 256] [--repeat 3] [--batch 16] [--json]
+
+Two private network namespaces joined by a veth pair (Mooncake binds wildcard addresses, so it
+runs nowhere else): the first holds ``mooncake_master`` and a *holder*, a client that only
+contributes the memory segment the objects live in; the second runs the measuring client, a
+pure client (no segment), so every byte crosses TCP between the two, as a node reading another
+node's KV would. For each object size (1, 2, 4, 8 MiB), ``--mib`` per round:
+
+* ``batch_put_from`` / ``batch_get_into`` of the round in calls of ``--batch`` objects, from and
+  into one registered ``MAP_SHARED`` buffer (as the pool is): GB/s, median of ``--repeat``
+  rounds (each round's keys are new; the round's objects are removed after it). The first
+  round's bytes are checked by CRC;
+* p50/p99 of single-object calls (one object a call, ``--samples`` of each): the per-block latency;
+* CPU seconds per GB moved: the measuring client's own and the holder's (its process is in the
+  same pid namespace), over the batched phases.
+
+Then ``batch_is_exist`` of 64 present and 64 missing keys (p50/p99 over ``--samples`` calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+SIZES_MIB = (1, 2, 4, 8)
+EXISTS_KEYS = 64
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mib", type=int, default=256, help="MiB moved per round and object size (default 256)")
+    p.add_argument("--repeat", type=int, default=3, help="rounds per object size; GB/s is their median")
+    p.add_argument("--batch", type=int, default=16, help="objects per batch call (default 16)")
+    p.add_argument("--samples", type=int, default=100, help="single-object calls and exists calls timed")
+    p.add_argument(
+        "--blocks",
+        type=int,
+        default=64,
+        help="the hpkv phase: blocks node A publishes and node B promotes (0: no hpkv phase)",
+    )
+    p.add_argument(
+        "--block-mib",
+        type=int,
+        default=7,
+        help="MiB per block in the hpkv phase (7: 128 tokens of Qwen2.5-7B)",
+    )
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (the holder, from the measuring client)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _Client:
+    """The measuring side: runs inside the second namespace (``--role client``)."""
+
+    def __init__(self, args: argparse.Namespace):
+        from hpkv.testing import mooncake as mc
+
+        self.args = args
+        self.store = mc.connect(args.local, args.metadata, args.master, segment=0)
+        self.span = args.mib << 20
+        self.buf = mmap.mmap(-1, 2 * self.span, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
+        self.buf[: self.span] = os.urandom(1 << 20) * (self.span >> 20)
+        self.buf[self.span :] = bytes(self.span)  # touched before any timing
+        rc = self.store.register_buffer(self.base, 2 * self.span)
+        if rc != 0:
+            raise RuntimeError(f"register_buffer failed: {rc}")
+        self.seq = 0
+
+    def _keys(self, n: int) -> list[str]:
+        self.seq += 1
+        return [f"bench/{self.seq}/{i}" for i in range(n)]
+
+    def _batched(self, call: Any, keys: list[str], base: int, size: int) -> float:
+        b = self.args.batch
+        t0 = time.perf_counter()
+        for i in range(0, len(keys), b):
+            part = keys[i : i + b]
+            rcs = call(part, [base + (i + j) * size for j in range(len(part))], [size] * len(part))
+            bad = [rc for rc in rcs if rc < 0]
+            if bad:
+                raise RuntimeError(f"{call.__name__} failed: {bad[:4]} (of {len(bad)})")
+        return time.perf_counter() - t0
+
+    def _cpu(self) -> tuple[float, float]:
+        return time.process_time(), _cpu_s(self.args.holder_pid)
+
+    def size_case(self, mib: int) -> dict[str, Any]:
+        size = mib << 20
+        n = max(1, self.span // size)
+        nbytes = n * size
+        put_t, get_t = [], []
+        cpu = {"put_client": 0.0, "put_holder": 0.0, "get_client": 0.0, "get_holder": 0.0}
+        for r in range(self.args.repeat):
+            keys = self._keys(n)
+            c0, h0 = self._cpu()
+            put_t.append(self._batched(self.store.batch_put_from, keys, self.base, size))
+            c1, h1 = self._cpu()
+            get_t.append(self._batched(self.store.batch_get_into, keys, self.base + self.span, size))
+            c2, h2 = self._cpu()
+            cpu["put_client"] += c1 - c0
+            cpu["put_holder"] += h1 - h0
+            cpu["get_client"] += c2 - c1
+            cpu["get_holder"] += h2 - h1
+            if r == 0 and zlib.crc32(self.buf[self.span : self.span + nbytes]) != zlib.crc32(
+                self.buf[:nbytes]
+            ):
+                raise RuntimeError(f"{mib} MiB objects: the bytes read back differ from those put")
+            self.store.batch_remove(keys, True)
+        lat_put, lat_get = [], []
+        keys = self._keys(self.args.samples)
+        for i, k in enumerate(keys):
+            off = (i % n) * size
+            t0 = time.perf_counter()
+            rc = self.store.batch_put_from([k], [self.base + off], [size])
+            lat_put.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            rc += self.store.batch_get_into([k], [self.base + self.span + off], [size])
+            lat_get.append(time.perf_counter() - t0)
+            if rc[0] != 0 or rc[1] != size:
+                raise RuntimeError(f"single-object put/get of {mib} MiB failed: {rc}")
+            self.store.batch_remove([k], True)
+        gb = nbytes * self.args.repeat / 1e9
+        return {
+            "object_mib": mib,
+            "objects": n,
+            "put_gbps": round(nbytes / statistics.median(put_t) / 1e9, 3),
+            "get_gbps": round(nbytes / statistics.median(get_t) / 1e9, 3),
+            "put_p50_ms": round(_pct(lat_put, 0.5) * 1e3, 3),
+            "put_p99_ms": round(_pct(lat_put, 0.99) * 1e3, 3),
+            "get_p50_ms": round(_pct(lat_get, 0.5) * 1e3, 3),
+            "get_p99_ms": round(_pct(lat_get, 0.99) * 1e3, 3),
+            "cpu_s_per_gb": {k: round(v / gb, 3) for k, v in cpu.items()},
+        }
+
+    def exists_case(self) -> dict[str, Any]:
+        size = 4096
+        present = self._keys(EXISTS_KEYS)
+        rcs = self.store.batch_put_from(
+            present, [self.base + i * size for i in range(EXISTS_KEYS)], [size] * EXISTS_KEYS
+        )
+        assert all(rc == 0 for rc in rcs), rcs
+        missing = self._keys(EXISTS_KEYS)
+        out: dict[str, Any] = {}
+        for name, keys, want in (("present", present, 1), ("missing", missing, 0)):
+            ts = []
+            for _ in range(self.args.samples):
+                t0 = time.perf_counter()
+                got = self.store.batch_is_exist(keys)
+                ts.append(time.perf_counter() - t0)
+                if any(g != want for g in got):
+                    raise RuntimeError(f"batch_is_exist of {name} keys answered {sorted(set(got))}")
+            out[f"exists_{EXISTS_KEYS}_{name}_us"] = {
+                "p50": round(_pct(ts, 0.5) * 1e6, 1),
+                "p99": round(_pct(ts, 0.99) * 1e6, 1),
+            }
+        self.store.batch_remove(present, True)
+        return out
+
+    def run(self) -> dict[str, Any]:
+        sizes = sorted({*SIZES_MIB, *([self.args.block_mib] if self.args.blocks else [])})
+        out: dict[str, Any] = {"sizes": [self.size_case(m) for m in sizes]}
+        out.update(self.exists_case())
+        self.store.unregister_buffer(self.base)
+        self.store.close()
+        return out
+
+
+def _holder(args: argparse.Namespace) -> int:
+    """Contributes the segment (``--role holder``): ready on stdout, then holds until stdin closes."""
+    from hpkv.testing import mooncake as mc
+
+    store = mc.connect(args.local, args.metadata, args.master, segment=args.segment)
+    print("ready", flush=True)
+    sys.stdin.read()
+    store.close()
+    return 0
+
+
+def _role_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m hpkv.bench.remote")
+    add_arguments(p)
+    p.add_argument("--role", choices=("holder", "client"), required=True)
+    p.add_argument("--local", required=True)
+    p.add_argument("--metadata", required=True)
+    p.add_argument("--master", required=True)
+    p.add_argument("--segment", type=int, default=0)
+    p.add_argument("--holder-pid", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.role == "holder":
+        return _holder(args)
+    print(json.dumps(_Client(args).run()), flush=True)
+    return 0
+
+
+def _print(out: dict[str, Any]) -> None:
+    print(
+        f"hpkv bench remote: Mooncake Store {out['mooncake']}, TCP over a veth pair between two network "
+        f"namespaces; {out['mib']} MiB a round, batches of {out['batch']}, median of {out['repeat']} rounds; "
+        f"latency: {out['samples']} single-object calls"
+    )
+    print(
+        f"{'object':>7} {'put GB/s':>9} {'get GB/s':>9} {'put p50/p99 ms':>15} {'get p50/p99 ms':>15} "
+        f"{'CPU-s/GB put c+h':>17} {'get c+h':>12}"
+    )
+    for r in out["sizes"]:
+        c = r["cpu_s_per_gb"]
+        print(
+            f"{r['object_mib']:>5}Mi {r['put_gbps']:>9.2f} {r['get_gbps']:>9.2f} "
+            f"{r['put_p50_ms']:>7.2f}/{r['put_p99_ms']:<7.2f} {r['get_p50_ms']:>7.2f}/{r['get_p99_ms']:<7.2f} "
+            f"{c['put_client']:>8.2f}+{c['put_holder']:<8.2f} {c['get_client']:>5.2f}+{c['get_holder']:<6.2f}"
+        )
+    for k in (f"exists_{EXISTS_KEYS}_present_us", f"exists_{EXISTS_KEYS}_missing_us"):
+        print(f"{k}: p50 {out[k]['p50']} us, p99 {out[k]['p99']} us")
+    h = out.get("hpkv")
+    if h:
+        print(
+            f"hpkv remote hit: node B promotes {h['blocks']} x {h['block_mib']} MiB blocks node A published: "
+            f"{h['promote_gbps']:.2f} GB/s (median of {len(h['promote_s'])}) vs raw batch_get_into "
+            f"{h['raw_get_gbps']:.2f} GB/s at {h['block_mib']} MiB: {h['vs_raw']:.2f}x the raw time "
+            f"(target <= 1.3); publish {h['publish_gbps']:.2f} GB/s; first lookup {h['discover_ms']} ms"
+        )
+    print(f"({out['seconds']} s)")
+
+
+def _measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """Master and holder in one namespace, the measuring client in the other; its JSON."""
+    from hpkv.testing import mooncake as mc
+    from hpkv.testing import netns
+
+    common = ["--mib", str(args.mib), "--repeat", str(args.repeat), "--batch", str(args.batch)]
+    common += [
+        "--samples",
+        str(args.samples),
+        "--blocks",
+        str(args.blocks),
+        "--block-mib",
+        str(args.block_mib),
+    ]
+    me = [sys.executable, "-m", "hpkv.bench.remote"]
+    env = dict(os.environ)
+    here = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    with netns.namespaces(2, veth=True) as (a, b), mc.master(a, tmp) as m:
+        where = ["--metadata", m.metadata, "--master", m.rpc]
+        # Room for a round and the single-object phase (removed objects are freed lazily).
+        segment = (2 * args.mib << 20) + (args.samples + 64) * (8 << 20)
+        with open(tmp / "holder.log", "wb") as log:
+            cmd = [*me, "--role", "holder", "--local", a.addr, *where, "--segment", str(segment), *common]
+            holder = a.popen(
+                cmd, env=mc.client_env(a.addr, env), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log
+            )
+        assert holder.stdout is not None and holder.stdin is not None
+        if holder.stdout.readline().strip() != b"ready":
+            raise RuntimeError(f"the holder did not start: {(tmp / 'holder.log').read_text()[-2000:]}")
+        # The holder's pid as the host sees it: ``ip netns exec`` replaced itself with python.
+        cmd = [*me, "--role", "client", "--local", b.addr, *where, "--holder-pid", str(holder.pid), *common]
+        r = b.run(cmd, env=mc.client_env(b.addr, env), capture_output=True, text=True, timeout=1800)
+        with contextlib.suppress(BrokenPipeError):
+            holder.stdin.close()
+        if r.returncode != 0:
+            raise RuntimeError(f"the client failed:\n{r.stderr[-3000:]}")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            holder.wait(30)  # its segment freed before the hpkv phase maps two pools
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        if args.blocks:
+            out["hpkv"] = _hpkv_phase(args, a, b, m)
+            raw = next(c for c in out["sizes"] if c["object_mib"] == args.block_mib)
+            h = out["hpkv"]
+            h["raw_get_gbps"] = raw["get_gbps"]
+            # hpkv's time for a remote hit over the same bytes at the raw batch_get_into rate
+            h["vs_raw"] = round(raw["get_gbps"] / h["promote_gbps"], 3)
+        return out
+
+
+def _remote_hit(
+    c: Any, ns_id: int, keys: list[bytes], pool: Any, shard: int, crcs: list[int] | None
+) -> float:
+    """One promote of blocks that are remote hits (checked against ``crcs`` when given); their
+    DRAM copies are dropped again after. Returns its seconds."""
+    n = len(keys)
+    t0 = time.perf_counter()
+    rows = c.promote(ns_id, keys)
+    took = time.perf_counter() - t0
+    if (rows < 0).any():
+        raise RuntimeError(f"hpkv phase: {int((rows < 0).sum())} block(s) not loaded")
+    if crcs is not None and [zlib.crc32(pool.array[off : off + shard].data) for off in rows[:, 0]] != crcs:
+        raise RuntimeError("hpkv phase: node B's blocks differ from node A's")
+    c.unpin(ns_id, keys)
+    c.clear(ns_id)
+    deadline = time.monotonic() + 60
+    while c.lookup(ns_id, keys) != (n, [2] * n):
+        if time.monotonic() > deadline:
+            raise RuntimeError("hpkv phase: node B's DRAM copies were not dropped")
+        time.sleep(0.01)
+    return took
+
+
+def _hpkv_phase(args: argparse.Namespace, a: Any, b: Any, m: Any) -> dict[str, Any]:
+    """Two hpkv servers with the remote tier: node A (in the master's namespace, its remote
+    worker holding the segment) saves ``--blocks`` blocks, which it publishes; node B (a pure
+    client) finds them with a lookup and promotes them, ``--repeat`` times (its DRAM copies
+    dropped in between). The bytes are checked on the first round."""
+    import numpy as np
+
+    from hpkv.client import connect
+    from hpkv.common.pool import PoolFile
+    from hpkv.protocol import wire as P
+    from hpkv.protocol.keys import block_keys, namespace_fingerprint
+    from hpkv.testing.server import ServerProcess, private_env
+
+    shard, n = args.block_mib << 20, args.blocks
+    pool = f"{n * (args.block_mib + 1) + 64}m"
+    fp = namespace_fingerprint({"bench": "remote", "shard": shard})
+
+    def node(ns: Any, segment: str, **extra: str) -> ServerProcess:
+        env = private_env(
+            pool_size=pool,
+            storage="",
+            HPKV_LOG_LEVEL="INFO",
+            HPKV_REMOTE_BACKEND="mooncake",
+            HPKV_REMOTE_MASTER=m.rpc,
+            HPKV_REMOTE_METADATA=m.metadata,
+            HPKV_REMOTE_LOCAL_HOSTNAME=ns.addr,
+            HPKV_REMOTE_SEGMENT_SIZE=segment,
+            **extra,
+        )
+        return ServerProcess(env, prefix=ns.argv([]))
+
+    def remote(c: Any) -> dict[str, Any]:
+        return c.stats()["storage"]["remote"] or {}
+
+    def wait(cond: Any, what: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"hpkv phase: timed out waiting for {what}")
+            time.sleep(0.01)
+
+    servers: list[ServerProcess] = []
+    try:
+        sa = node(a, f"{n * (args.block_mib + 1) + 64}m")
+        servers.append(sa.start())
+        sb = node(b, "0", HPKV_REMOTE_LOOKUP_WAIT_MS="5000")
+        servers.append(sb.start())
+        ca, cb = (connect(s.cfg, spawn=False, call_timeout=120.0) for s in (sa, sb))
+        na, nb = (c.attach_namespace(fp, 1, shard, name="bench-remote") for c in (ca, cb))
+        pa, pb = (PoolFile.attach(os.path.join(s.pool_dir, P.POOL_FILE)) for s in (sa, sb))
+        keys = block_keys(fp, [str(i).encode() for i in range(n)])
+        rng = np.random.default_rng(0)
+        slots = P.slot_offset(ca.reserve(na.ns_id, keys))[:, 0]
+        crcs = []
+        for off in slots:
+            pa.array[off : off + shard] = rng.integers(0, 256, shard, dtype=np.uint8)
+            crcs.append(zlib.crc32(pa.array[off : off + shard].data))
+        t0 = time.perf_counter()
+        ca.commit(na.ns_id, keys, rank=0)
+        wait(lambda: remote(ca).get("published", 0) >= n, f"{n} blocks published")
+        publish_s = time.perf_counter() - t0  # (counters reach the stats within 0.2 s)
+        t0 = time.perf_counter()
+        wait(lambda: cb.lookup(nb.ns_id, keys) == (n, [2] * n), "node B's lookup to find every block")
+        discover_s = time.perf_counter() - t0
+        times = [
+            _remote_hit(cb, nb.ns_id, keys, pb, shard, crcs if r == 0 else None) for r in range(args.repeat)
+        ]
+        nbytes = n * shard
+        for c in (ca, cb):
+            c.close()
+        for p in (pa, pb):
+            p.close()
+        return {
+            "block_mib": args.block_mib,
+            "blocks": n,
+            "publish_gbps": round(nbytes / publish_s / 1e9, 3),
+            "discover_ms": round(discover_s * 1e3, 1),
+            "promote_s": [round(t, 4) for t in times],
+            "promote_gbps": round(nbytes / statistics.median(times) / 1e9, 3),
+        }
+    finally:
+        for s in servers:
+            s.cleanup()
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpkv.io_workers import mooncake_api
+    from hpkv.testing import netns
+
+    why = netns.unavailable() or mooncake_api.unavailable()
+    if why:
+        print(f"hpkv bench remote: {why}", file=sys.stderr, flush=True)
+        return 2
+    t_start = time.monotonic()
+    try:
+        with tempfile.TemporaryDirectory(prefix="hpkv-bench-remote-") as tmp:
+            measured = _measure(args, Path(tmp))
+    except RuntimeError as e:
+        print(f"hpkv bench remote: {e}", file=sys.stderr, flush=True)
+        return 1
+    out = {
+        "mooncake": mooncake_api.installed_version() or "unknown",
+        "transport": "tcp, veth pair between two network namespaces (segment holder <-> pure client)",
+        "mib": args.mib,
+        "repeat": args.repeat,
+        "batch": args.batch,
+        "samples": args.samples,
+        **measured,
+        "seconds": round(time.monotonic() - t_start, 1),
+    }
+    if args.json:
+        print(json.dumps(out))
+    else:
+        _print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_role_main(sys.argv[1:]))

@@ -1,0 +1,501 @@
+"""The remote tier: blocks in a store shared by several nodes (Mooncake Store), the second
+implementation of :class:`hpkv.engine.tiers.LowerTier`.
+
+The store is used only by the remote worker process (:mod:`hpkv.io_workers.remote_worker`);
+this is the server's side of it, under the server's lock, and it never waits on the store:
+
+* **lookup**: a key nobody here knows is asked about off the request loop (one LOOKUP job
+  per key; the worker asks about every rank's object of the keys queued at once in one
+  ``batch_is_exist``), the call parked for at most ``HPKV_REMOTE_LOOKUP_WAIT_MS``;
+  found keys join the catalog (so the index answers them as storage hits, the wire's
+  ``Tier.STORAGE``: a remote hit is a background load like a file's), the first missing one
+  is remembered as missing for :data:`NEGATIVE_TTL_S`;
+* **promote**: fresh slots, one PROMOTE job per rank; the worker verifies the object as a KV
+  file before it answers, and the call is parked as a file promote is;
+* **spill** (write-through of committed blocks): one SPILL job per rank, bounded
+  (:data:`MAX_QUEUED_SPILLS`; beyond it a block is not published, counted in ``dropped``);
+  an object already in the store is not written again.
+
+Which keys the store holds (as far as this node knows) is a
+:class:`~hpkv.engine.storage.catalog.FileCatalog` of its own, the index's one owner of
+"has a copy below the pool". A failure of the store (not a missing object) marks the tier
+down for :data:`DOWN_BACKOFF_S`: lookups stop asking, spills are dropped, promotes of
+remote blocks miss; the worst case is recompute. A worker that dies has its jobs failed and
+is restarted on the same rings, as an IO worker is.
+
+For now the remote tier replaces the file tier (HPKV_KV_STORAGE_PATH must be empty); the
+order DRAM → files → remote needs the tier list to route promotes by tier.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hpkv.config import Config, ConfigError
+from hpkv.engine.index import Block, Index, Namespace
+from hpkv.engine.storage.catalog import FileCatalog
+from hpkv.engine.tiers import Client, ParkedLookup, ParkedPromote, Presence, PromoteAnswer, settle_waiters
+from hpkv.engine.workers import WorkerProcess
+from hpkv.io_workers import kvfile
+from hpkv.protocol import wire as P
+from hpkv.protocol.errors import Status, status_message
+from hpkv.protocol.stats import NsCounter, StatsSegment
+from hpkv.ring import Doorbell, Ring, RingError
+
+log = logging.getLogger("hpkv.remote")
+
+NEGATIVE_TTL_S = 1.0  # a key the store did not have is not asked about again for this long
+# A key whose object was gone or corrupt at a get: the master lists the objects of a dead
+# segment holder for ~10 s (its client_ttl), so it is not asked about again for longer.
+GONE_TTL_S = 12.0
+MAX_NEGATIVE = 65536  # keys remembered as missing
+DOWN_BACKOFF_S = 10.0  # after a store failure: not asked (lookups, spills) for this long
+MAX_CHECK_KEYS = 64  # keys one lookup asks about
+MAX_CHECKS = 8  # lookups' questions in flight at once (beyond: answered from what is known)
+MAX_QUEUED_SPILLS = 256  # blocks waiting to be published (beyond: not published, counted)
+GONE = (-errno.ENOENT, Status.CORRUPT)
+# Failures of one object or one peer, not of the store (the tier stays up): a worker that died,
+# a put placed in the segment of a node that is gone.
+NOT_THE_STORE = (Status.WORKER_DIED, -errno.EHOSTUNREACH)
+
+
+def check_config(cfg: Config) -> None:
+    """Refuse a remote tier that cannot work, naming the key to set."""
+    if not cfg["HPKV_REMOTE_BACKEND"]:
+        return
+    for key in ("HPKV_REMOTE_MASTER", "HPKV_REMOTE_METADATA", "HPKV_REMOTE_LOCAL_HOSTNAME"):
+        if not cfg[key]:
+            raise ConfigError(f"HPKV_REMOTE_BACKEND={cfg['HPKV_REMOTE_BACKEND']} needs {key} (it is empty)")
+    if cfg.storage_path is not None:
+        raise ConfigError(
+            f"HPKV_REMOTE_BACKEND={cfg['HPKV_REMOTE_BACKEND']} with HPKV_KV_STORAGE_PATH="
+            f"{cfg.storage_path}: the remote tier cannot be stacked under the file tier yet; "
+            "set HPKV_KV_STORAGE_PATH= (empty) to use the remote tier"
+        )
+    from hpkv.io_workers import mooncake_api
+
+    try:
+        mooncake_api.store_class()
+    except mooncake_api.MooncakeUnavailable as exc:
+        raise ConfigError(f"HPKV_REMOTE_BACKEND=mooncake: {exc}") from None
+
+
+@dataclass
+class _Op:
+    """All ranks of one block: one spill or one promote."""
+
+    kind: int
+    block: Block
+    remaining: int
+    status: int = 0
+    waiters: list[tuple[ParkedPromote, int]] = field(default_factory=list)
+
+
+@dataclass
+class _Check:
+    """A lookup's question: which of these keys (in order) does the store hold?"""
+
+    ns: Namespace
+    keys: list[bytes]
+    found: list[int | None]
+    remaining: int
+    waiters: list[ParkedLookup] = field(default_factory=list)
+
+
+@dataclass
+class _Job:
+    kind: int
+    what: _Op | _Check
+    index: int  # the rank (ops) or the key's position (checks)
+
+
+class RemoteTier:
+    name = "storage"
+
+    def __init__(
+        self,
+        cfg: Config,
+        server_dir: str,
+        stats: StatsSegment,
+        index: Index,
+        lock: threading.RLock,
+        doorbell: Doorbell,
+        pool_path: str,
+    ):
+        self.cfg = cfg
+        self.dir = server_dir
+        self.stats = stats
+        self.index = index
+        self.lock = lock
+        self.doorbell = doorbell
+        self.pool_path = pool_path
+        self.catalog = FileCatalog(index)
+        self.lookup_wait = float(cfg["HPKV_REMOTE_LOOKUP_WAIT_MS"]) / 1000.0
+        self.worker: WorkerProcess | None = None
+        self._req: Ring | None = None
+        self._resp: Ring | None = None
+        self._dead = False
+        self._seq = 0
+        self._inflight: OrderedDict[int, _Job] = OrderedDict()
+        self._checks_q: deque[_Job] = deque()
+        self._promote_q: deque[_Job] = deque()
+        self._spill_q: deque[_Job] = deque()
+        self._spills = 0  # spill ops not finished
+        self._checking: dict[bytes, _Check] = {}
+        self._checks = 0  # checks not finished
+        self._missing: OrderedDict[bytes, float] = OrderedDict()  # key -> asked, missing until
+        self._promoting: dict[bytes, _Op] = {}
+        self._calls: list[ParkedPromote] = []
+        self._answers: list[PromoteAnswer] = []
+        self._ns_raw: dict[int, bytes] = {}
+        self._down_until = 0.0
+        self._dirty = False
+        self._published: tuple[int, ...] = ()
+        self.counts = {
+            "published": 0,
+            "existed": 0,
+            "dropped": 0,
+            "loaded": 0,
+            "corrupt": 0,
+            "gone": 0,
+            "errors": 0,
+            "found": 0,
+            "asked": 0,
+            "down_events": 0,
+        }
+
+    # ================================================================ life cycle
+    def start(self, slot: int) -> list[WorkerProcess]:
+        cfg = self.cfg
+        spec = {
+            "pool": self.pool_path,
+            "master": cfg["HPKV_REMOTE_MASTER"],
+            "metadata": cfg["HPKV_REMOTE_METADATA"],
+            "local_hostname": cfg["HPKV_REMOTE_LOCAL_HOSTNAME"],
+            "protocol": cfg["HPKV_REMOTE_PROTOCOL"],
+            "devices": cfg["HPKV_REMOTE_DEVICES"],
+            "segment": int(cfg["HPKV_REMOTE_SEGMENT_SIZE"]),
+            "log_level": cfg["HPKV_LOG_LEVEL"],
+        }
+        self.worker, self._req, self._resp = WorkerProcess.start_io(
+            self.dir, "remote0", slot, spec, self.stats, self.doorbell, kind="remote"
+        )
+        log.info(
+            "remote tier: Mooncake Store, master %s, this node %s, contributes %d bytes",
+            spec["master"],
+            spec["local_hostname"],
+            spec["segment"],
+        )
+        return [self.worker]
+
+    def shutdown(self) -> None:
+        for ring in (self._req, self._resp):
+            if ring is not None:
+                ring.close()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "path": f"mooncake://{self.cfg['HPKV_REMOTE_MASTER']}",
+            "remote": {**self.counts, "blocks": len(self.catalog), "down": self._is_down()},
+        }
+
+    @property
+    def degraded(self) -> bool:
+        return self._is_down()
+
+    def take_catalog_dirty(self) -> bool:
+        counts = tuple(self.counts.values())
+        dirty = self._dirty or counts != self._published
+        self._dirty, self._published = False, counts
+        return dirty
+
+    def worker_died(self, worker: Any) -> bool:
+        if worker is not self.worker:
+            return False
+        self._dead = True
+        self.doorbell.ring()
+        return True
+
+    def attach(self, ns: Namespace) -> None:
+        self._ns_raw[ns.ns_id] = kvfile.fingerprint_bytes(ns.fingerprint)
+
+    def detach(self, ns: Namespace) -> None:
+        ns.released = True
+        self._ns_raw.pop(ns.ns_id, None)
+        self.catalog.detach(ns)
+
+    # ================================================================ hot path (lock held)
+    def lookup(
+        self,
+        ns: Namespace,
+        keys: list[bytes],
+        hit: int,
+        tiers: list[int],
+        call: ParkedLookup | None = None,
+    ) -> Presence:
+        if hit >= len(keys) or self._is_down() or not self._unknown(keys[hit], time.monotonic()):
+            return Presence(hit)
+        running = self._checking.get(keys[hit])
+        if running is None:
+            if call is None or self._checks >= MAX_CHECKS:
+                return Presence(hit)
+            now = time.monotonic()
+            ask: list[bytes] = []
+            for k in keys[hit : hit + MAX_CHECK_KEYS]:
+                if not self._unknown(k, now) or k in self._checking:
+                    break
+                ask.append(k)
+            running = _Check(ns, ask, [None] * len(ask), len(ask))
+            for i, k in enumerate(ask):
+                self._checking[k] = running
+                self._checks_q.append(_Job(P.LOOKUP, running, i))
+            self._checks += 1
+            self.counts["asked"] += len(ask)
+            self._dispatch()
+        if call is None:
+            return Presence(hit, True)
+        running.waiters.append(call)
+        call.outstanding += 1
+        call.deadline = max(call.deadline, time.monotonic() + self.lookup_wait)
+        return Presence(hit, True)
+
+    def _unknown(self, key: bytes, now: float) -> bool:
+        if not self.catalog.unknown(key):
+            return False
+        until = self._missing.get(key)
+        if until is None:
+            return True
+        if now < until:
+            return False
+        del self._missing[key]
+        return True
+
+    def promote(
+        self, client: Client, seq: int, ns: Namespace, keys: list[bytes], timeout: float
+    ) -> np.ndarray | None:
+        idx = self.index
+        rows = np.full((len(keys), ns.world_size), -1, np.int64)
+        call = ParkedPromote(client, seq, ns, keys, rows, time.monotonic() + timeout)
+        dram = 0
+        down = self._is_down()
+        for i, k in enumerate(keys):
+            slots = idx.pin(ns, [k], owner=client.cid)[0]
+            if slots is not None:
+                rows[i] = slots
+                dram += 1
+                self.catalog.touch(k)
+                continue
+            running = self._promoting.get(k)
+            if running is not None:
+                if running.block.ns is ns:
+                    running.waiters.append((call, i))
+                    call.outstanding += 1
+                continue
+            if down or self.catalog.owner(k) is not ns:
+                continue
+            b = idx.begin_promote(ns, k)
+            if b is None:
+                continue
+            op = _Op(P.PROMOTE, b, ns.world_size, waiters=[(call, i)])
+            self._promoting[k] = op
+            self._promote_q.extend(_Job(P.PROMOTE, op, r) for r in range(ns.world_size))
+            call.outstanding += 1
+        ns.counters[NsCounter.LOADS_DRAM] += dram
+        if call.outstanding == 0:
+            return rows
+        self._calls.append(call)
+        self._dispatch()
+        return None
+
+    def spill(self, blocks: Iterable[Block]) -> None:
+        for b in blocks:
+            if b.key in self.catalog:
+                self.catalog.touch(b.key)
+                continue
+            if self._is_down() or self._spills >= MAX_QUEUED_SPILLS:
+                self.index.skip_spill(b)  # evictable without a copy below
+                self.counts["dropped"] += 1
+                continue
+            self.index.spill_started(b)
+            op = _Op(P.SPILL, b, b.ns.world_size)
+            self._spills += 1
+            self._spill_q.extend(_Job(P.SPILL, op, r) for r in range(b.ns.world_size))
+        self._dispatch()
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        for k in keys:
+            self.catalog.touch(k)
+
+    def pending_spills(self) -> int:
+        return self._spills
+
+    def client_gone(self, client: Client) -> None:
+        for call in self._calls:
+            if call.client is client:
+                call.done = True
+        self._calls = [c for c in self._calls if not c.done]
+
+    def poll(self) -> list[PromoteAnswer]:
+        with self.lock:
+            self._collect()
+            if self._dead:
+                self._recover()
+            now = time.monotonic()
+            for call in self._calls:
+                if not call.done and now >= call.deadline:
+                    call.finish(self._answers)  # whatever is not loaded yet stays -1
+            self._calls = [c for c in self._calls if not c.done]
+            self._dispatch()
+            answers, self._answers = self._answers, []
+        return answers
+
+    # ================================================================ the worker's rings
+    def _dispatch(self) -> None:
+        if self._dead or self._req is None:
+            return
+        for q in (self._checks_q, self._promote_q, self._spill_q):
+            while q:
+                job = q[0]
+                ns_raw, key, rank, world, offset, length = self._job_args(job)
+                self._seq += 1
+                flags, args = P.io_job(ns_raw, key, rank, world, offset, length)
+                try:
+                    pushed = self._req.try_push(job.kind, self._seq, *args, flags=flags)
+                except RingError as exc:
+                    log.error("remote worker request ring failed: %s", exc)
+                    pushed = False
+                if not pushed:
+                    return  # full (a stuck worker): again on the next wake-up
+                q.popleft()
+                self._inflight[self._seq] = job
+
+    def _job_args(self, job: _Job) -> tuple[bytes, bytes, int, int, int, int]:
+        w = job.what
+        if isinstance(w, _Check):
+            ns = w.ns
+            return self._ns_raw.get(ns.ns_id, bytes(16)), w.keys[job.index], 0, ns.world_size, 0, 0
+        b = w.block
+        assert b.slots is not None, "a remote job's block keeps its slots until the job ends"
+        raw = self._ns_raw.get(b.ns.ns_id, bytes(16))
+        return raw, b.key, job.index, b.ns.world_size, b.slots[job.index], b.ns.shard_bytes
+
+    def _collect(self) -> None:
+        if self._resp is None:
+            return
+        while True:
+            try:
+                d = self._resp.try_pop()
+            except RingError:
+                break
+            if d is None:
+                break
+            job = self._inflight.pop(d.seq, None)
+            if job is not None:
+                self._complete(job, d.status, d.a0, d.flags)
+
+    def _recover(self) -> None:
+        """The worker died: the jobs it had taken fail (those still in the ring stay), and a
+        new worker starts on the same rings."""
+        assert self._req is not None and self.worker is not None
+        queued = self._req.depth
+        jobs = list(self._inflight.items())
+        lost = jobs[: max(0, len(jobs) - queued)]
+        for seq, job in lost:
+            del self._inflight[seq]
+            self._complete(job, Status.WORKER_DIED, 0, 0)
+        self._dead = False
+        self._dirty = True
+        log.error("remote worker died with %d job(s) taken: reported failed", len(lost))
+        self.worker.respawn()
+
+    def _complete(self, job: _Job, status: int, a0: int, flags: int) -> None:
+        w = job.what
+        if status < 0 and status not in GONE:
+            self._failed(job, status)
+        if isinstance(w, _Check):
+            w.found[job.index] = a0 if status == 0 else -1
+            w.remaining -= 1
+            if w.remaining == 0:
+                self._check_done(w)
+            return
+        if status != 0:
+            w.status = w.status or status
+        elif w.kind == P.SPILL:
+            self.counts["existed" if flags & P.IO_EXISTED else "published"] += 1
+        w.remaining -= 1
+        if w.remaining == 0:
+            (self._spill_done if w.kind == P.SPILL else self._promote_done)(w)
+
+    def _failed(self, job: _Job, status: int) -> None:
+        """A store failure (not a missing object): the tier is down for a while."""
+        self.counts["errors"] += 1
+        if status not in NOT_THE_STORE and not self._is_down():
+            self._down_until = time.monotonic() + DOWN_BACKOFF_S
+            self.counts["down_events"] += 1
+            self._dirty = True
+            log.warning(
+                "remote store failed (%s): not asked for %gs; blocks are recomputed meanwhile",
+                status_message(status),
+                DOWN_BACKOFF_S,
+            )
+
+    def _is_down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def _check_done(self, check: _Check) -> None:
+        now = time.monotonic()
+        for k in check.keys:
+            self._checking.pop(k, None)
+        for k, found in zip(check.keys, check.found, strict=True):
+            if found != 1:
+                if found == 0:
+                    self._remember_missing(k, now + NEGATIVE_TTL_S)
+                break
+            if self.catalog.add(check.ns, k, recent=False):
+                self.counts["found"] += 1
+        self._checks -= 1
+        for call in check.waiters:
+            call.outstanding -= 1
+
+    def _remember_missing(self, key: bytes, until: float) -> None:
+        self._missing[key] = until
+        self._missing.move_to_end(key)
+        while len(self._missing) > MAX_NEGATIVE:
+            self._missing.popitem(last=False)
+
+    def _spill_done(self, op: _Op) -> None:
+        b = op.block
+        self._spills -= 1
+        self.index.set_io(b, -1)
+        if op.status == 0:
+            self.catalog.add(b.ns, b.key, recent=True)
+        else:
+            self.index.skip_spill(b)  # evictable without a copy below
+
+    def _promote_done(self, op: _Op) -> None:
+        b = op.block
+        key = b.key
+        ok = op.status == 0
+        self._promoting.pop(key, None)
+        self.index.finish_promote(key, ok)
+        if ok:
+            self.counts["loaded"] += 1
+            self.catalog.touch(key)
+        else:
+            if op.status == Status.CORRUPT:
+                self.counts["corrupt"] += 1
+            elif op.status == -errno.ENOENT:
+                self.counts["gone"] += 1
+            if op.status in GONE:
+                self._remember_missing(key, time.monotonic() + GONE_TTL_S)
+            self.catalog.forget(key)  # no hit any more; a later lookup asks the store again
+        settle_waiters(self.index, b, ok, op.waiters, self._answers)

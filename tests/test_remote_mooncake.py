@@ -1,0 +1,420 @@
+"""Mooncake Store (the optional remote tier's store) inside private network namespaces.
+
+Mooncake binds wildcard addresses whatever it is told, so everything here runs inside
+namespaces the test makes (:mod:`hpkv.testing.netns`) and is stopped by pid at the end. The
+tests skip, saying why, where there is no root, no ``ip`` or no Mooncake (``pip install
+'hpkv[mooncake]'`` plus ``apt-get install libibverbs1``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpkv.client import connect
+from hpkv.common.pool import PoolFile
+from hpkv.io_workers import kvfile, mooncake_api
+from hpkv.io_workers.kvfile import BlockId
+from hpkv.protocol import wire as P
+from hpkv.protocol.keys import block_keys, namespace_fingerprint
+from hpkv.testing import mooncake as mc
+from hpkv.testing import netns
+from hpkv.testing.server import ServerProcess, private_env
+
+
+def _require() -> None:
+    why = netns.unavailable() or mooncake_api.unavailable()
+    if why:
+        pytest.skip(why)
+
+
+def _client(ns: netns.Netns, m: mc.Master, *args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "hpkv.testing.mooncake",
+        "--local",
+        ns.addr,
+        "--metadata",
+        m.metadata,
+        "--master",
+        m.rpc,
+        *args,
+    ]
+
+
+_ECHO = """import socket, sys
+s = socket.create_server((sys.argv[1], 7777)); print("listening", flush=True)
+c, _ = s.accept(); c.sendall(b"hello\\n"); c.close()"""
+_CONNECT = """import socket, sys
+print(socket.create_connection((sys.argv[1], 7777), timeout=10).makefile().readline(), end="")"""
+
+
+def test_namespace_has_only_loopback_and_is_deleted_at_the_end() -> None:
+    if netns.unavailable():
+        pytest.skip(netns.unavailable())
+    with netns.namespaces(2, veth=True) as (a, b):
+        links = a.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+        assert [line.split(":")[1].strip().split("@")[0] for line in links.splitlines()] == ["lo", "hv0"]
+        # b listens on its veth address; a reaches it over the pair.
+        server = b.popen([sys.executable, "-c", _ECHO, b.addr], stdout=subprocess.PIPE, text=True)
+        assert server.stdout is not None and server.stdout.readline() == "listening\n"
+        client = a.run([sys.executable, "-c", _CONNECT, b.addr], capture_output=True, text=True, timeout=30)
+        assert client.stdout == "hello\n", client.stderr
+        sleeper = a.popen(["sleep", "600"])
+        names = (a.name, b.name)
+    assert sleeper.poll() is not None
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert not any(n in listed for n in names)
+
+
+def test_the_store_api_probe_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # an import of it now fails
+    with pytest.raises(mooncake_api.MooncakeUnavailable, match=r"hpkv\[mooncake\].*libibverbs1"):
+        mooncake_api.store_class()
+
+
+def test_put_get_exists_through_a_master_in_a_namespace(tmp_path: Path) -> None:
+    _require()
+    with netns.namespaces(1) as (a,), mc.master(a, tmp_path) as m:
+        r = a.run(_client(a, m), capture_output=True, text=True, env=mc.client_env(a.addr), timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout)
+        assert out["put"] == [0, 0, 0]
+        assert out["exists"] == [1, 1, 1, 0]
+        assert out["get"] == [1 << 20] * 3
+        assert out["crc"] == out["crc_put"]
+
+
+def test_objects_held_in_one_namespace_are_read_from_another_over_a_veth(tmp_path: Path) -> None:
+    _require()
+    with netns.namespaces(2, veth=True) as (a, b), mc.master(a, tmp_path) as m:
+        holder = a.popen(
+            _client(a, m, "--hold", "--prefix", "shared"),
+            env=mc.client_env(a.addr),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert holder.stdout is not None and holder.stdin is not None
+        held = json.loads(holder.stdout.readline())
+        assert held["put"] == [0, 0, 0]
+        r = b.run(
+            _client(b, m, "--no-put", "--segment", "0", "--prefix", "shared"),
+            capture_output=True,
+            text=True,
+            env=mc.client_env(b.addr),
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout)
+        assert out["exists"] == [1, 1, 1, 0]
+        assert out["get"] == [1 << 20] * 3
+        assert out["crc"] == held["crc_put"]
+        holder.stdin.close()
+        assert holder.wait(30) == 0
+
+
+def test_bench_remote_reports_floors_for_every_object_size_and_leaves_no_namespace() -> None:
+    _require()
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    cmd = [sys.executable, "-m", "hpkv", "bench", "remote", "--json", "--mib", "16", "--repeat", "1"]
+    cmd += ["--samples", "5", "--blocks", "4", "--block-mib", "2"]
+    bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = bench.communicate(timeout=300)
+    finally:  # SIGTERM: the bench unwinds, stopping what it started and deleting its namespaces
+        if bench.poll() is None:
+            bench.terminate()
+            bench.communicate(timeout=60)
+    r = subprocess.CompletedProcess(cmd, bench.returncode, stdout, stderr)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert [s["object_mib"] for s in out["sizes"]] == [1, 2, 4, 8]  # (2: also the hpkv phase's)
+    for s in out["sizes"]:
+        assert s["objects"] == 16 // s["object_mib"]
+        assert s["put_gbps"] > 0 and s["get_gbps"] > 0
+        assert 0 < s["get_p50_ms"] <= s["get_p99_ms"]
+        assert set(s["cpu_s_per_gb"]) == {"put_client", "put_holder", "get_client", "get_holder"}
+    assert 0 < out["exists_64_present_us"]["p50"] <= out["exists_64_present_us"]["p99"]
+    h = out["hpkv"]  # node B's promote of what node A published, against the raw get rate
+    assert h["blocks"] == 4 and len(h["promote_s"]) == 1 and h["promote_gbps"] > 0
+    assert h["vs_raw"] == round(h["raw_get_gbps"] / h["promote_gbps"], 3)
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
+
+
+# ------------------------------------------------------------------ the remote tier in hpkv servers
+SHARD = 100_000
+FP = namespace_fingerprint({"model": "remote-test"})
+
+
+class Node:
+    """An hpkv server inside a namespace with the remote tier on, and a client of it that
+    writes random blocks into its pool (the client runs here: a unix socket and /dev/shm)."""
+
+    def __init__(self, ns: netns.Netns, m: mc.Master, segment: str, **extra: str):
+        env = private_env(
+            pool_size="64m",
+            storage="",
+            HPKV_REMOTE_BACKEND="mooncake",
+            HPKV_REMOTE_MASTER=m.rpc,
+            HPKV_REMOTE_METADATA=m.metadata,
+            HPKV_REMOTE_LOCAL_HOSTNAME=ns.addr,
+            HPKV_REMOTE_SEGMENT_SIZE=segment,
+            **extra,
+        )
+        self.srv = ServerProcess(env, prefix=ns.argv([])).start()
+        self.c = connect(self.srv.cfg, spawn=False, call_timeout=30.0)
+        self.ns = self.c.attach_namespace(FP, 1, SHARD, name="remote-test")
+        self.pool = PoolFile.attach(os.path.join(self.srv.pool_dir, P.POOL_FILE))
+        self.rng = np.random.default_rng(len(ns.addr))
+
+    def put(self, keys: list[bytes]) -> dict[bytes, bytes]:
+        slots = P.slot_offset(self.c.reserve(self.ns.ns_id, keys))
+        assert (slots >= 0).all(), slots
+        data = {}
+        for k, row in zip(keys, slots, strict=True):
+            d = self.rng.integers(0, 256, SHARD, dtype=np.uint8)
+            self.pool.array[row[0] : row[0] + SHARD] = d
+            data[k] = d.tobytes()
+        self.c.commit(self.ns.ns_id, keys, rank=0)
+        return data
+
+    def remote(self) -> dict:
+        return self.c.stats()["storage"]["remote"]
+
+    def wait_remote(self, cond, what: str, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while not cond(r := self.remote()):
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {r}\n{self.srv.log()[-4000:]}"
+            time.sleep(0.05)
+        return r
+
+    def close(self) -> None:
+        self.c.close()
+        self.pool.close()
+        self.srv.cleanup()
+
+
+def test_a_block_committed_on_node_a_is_a_byte_exact_hit_on_node_b(tmp_path: Path) -> None:
+    _require()
+    with netns.namespaces(2, veth=True) as (a, b), mc.master(a, tmp_path) as m:
+        na = Node(a, m, segment="128m")
+        try:
+            nb = Node(b, m, segment="0", HPKV_REMOTE_LOOKUP_WAIT_MS="5000")
+            try:
+                keys = block_keys(FP, [str(i).encode() for i in range(4)])
+                data = na.put(keys)
+                na.wait_remote(lambda r: r["published"] == 4, "4 blocks published by node A")
+                # B knows nothing of them: its lookup asks the store (off its request loop)
+                deadline = time.monotonic() + 20
+                while (got := nb.c.lookup(nb.ns.ns_id, keys)) != (4, [2] * 4):
+                    assert time.monotonic() < deadline, (
+                        f"B's lookup: {got}; {nb.remote()}\n{nb.srv.log()[-3000:]}"
+                    )
+                    time.sleep(0.2)
+                rows = nb.c.promote(nb.ns.ns_id, keys)
+                for k, row in zip(keys, rows, strict=True):
+                    assert row[0] >= 0, f"block {k.hex()} not loaded: {nb.remote()}\n{nb.srv.log()[-3000:]}"
+                    assert nb.pool.array[row[0] : row[0] + SHARD].tobytes() == data[k]
+                r = nb.wait_remote(lambda r: r["loaded"] == 4, "B's counters (published every 0.2 s)")
+                assert r["corrupt"] == 0 and r["found"] == 4 and r["errors"] == 0
+                assert nb.c.lookup(nb.ns.ns_id, keys) == (4, [1] * 4)  # in B's DRAM now
+            finally:
+                nb.close()
+        finally:
+            na.close()
+
+
+_UPSERT = """import ctypes, mmap, sys
+from hpkv.testing import mooncake as mc
+local, metadata, master, name, size = sys.argv[1:6]
+store = mc.connect(local, metadata, master, segment=0)
+buf = mmap.mmap(-1, int(size))
+buf[:] = b"garbage!" * (int(size) // 8) + b"!" * (int(size) % 8)
+addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+assert store.register_buffer(addr, int(size)) == 0
+print(store.upsert_from(name, addr, int(size)))
+store.close()
+"""
+
+
+_EXISTS = """import sys
+from hpkv.testing import mooncake as mc
+local, metadata, master, name = sys.argv[1:5]
+store = mc.connect(local, metadata, master, segment=0)
+print(store.batch_is_exist([name]))
+store.close()
+"""
+
+
+def test_an_object_overwritten_with_garbage_is_detected_removed_and_recomputed(tmp_path: Path) -> None:
+    _require()
+    with netns.namespaces(2, veth=True) as (a, b), mc.master(a, tmp_path) as m:
+        na = Node(a, m, segment="128m")
+        try:
+            nb = Node(b, m, segment="0", HPKV_REMOTE_LOOKUP_WAIT_MS="5000")
+            try:
+                keys = block_keys(FP, [f"bad{i}".encode() for i in range(2)])
+                data = na.put(keys)
+                na.wait_remote(lambda r: r["published"] == 2, "2 blocks published by node A")
+                name = mooncake_api.object_key(BlockId(bytes.fromhex(FP), keys[0], 0, 1))
+                size = str(kvfile.file_size(SHARD))
+                r = b.run([sys.executable, "-c", _UPSERT, b.addr, m.metadata, m.rpc, name, size],
+                          env=mc.client_env(b.addr), capture_output=True, text=True, timeout=60)  # fmt: skip
+                assert r.returncode == 0 and r.stdout.strip() == "0", r.stderr[-2000:]
+                deadline = time.monotonic() + 20
+                while nb.c.lookup(nb.ns.ns_id, keys) != (2, [2, 2]):
+                    assert time.monotonic() < deadline, nb.remote()
+                    time.sleep(0.2)
+                rows = nb.c.promote(nb.ns.ns_id, keys)
+                assert rows[0][0] == -1, "the garbage object is a miss (recomputed), never served"
+                assert nb.pool.array[rows[1][0] : rows[1][0] + SHARD].tobytes() == data[keys[1]]
+                nb.wait_remote(lambda r: r["corrupt"] == 1 and r["loaded"] == 1, "one corrupt, one loaded")
+                assert nb.c.lookup(nb.ns.ns_id, keys[:1]) == (0, [])
+                r = b.run([sys.executable, "-c", _EXISTS, b.addr, m.metadata, m.rpc, name],
+                          env=mc.client_env(b.addr), capture_output=True, text=True, timeout=60)  # fmt: skip
+                assert r.stdout.strip() == "[0]", "the corrupt object was removed from the store"
+                assert "corrupt" in nb.srv.log()
+            finally:
+                nb.close()
+        finally:
+            na.close()
+
+
+def test_a_killed_remote_worker_is_restarted_and_publishes_again(tmp_path: Path) -> None:
+    _require()
+    with netns.namespaces(1) as (a,), mc.master(a, tmp_path) as m:
+        n = Node(a, m, segment="128m")
+        try:
+            first = block_keys(FP, [b"before"])
+            n.put(first)
+            n.wait_remote(lambda r: r["published"] == 1, "the first block published")
+            pids = [w["pid"] for w in n.c.stats()["workers"] if w["kind"] == "remote"]
+            assert len(pids) == 1
+            os.kill(pids[0], signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while [w["pid"] for w in n.c.stats()["workers"] if w["kind"] == "remote"] in ([], pids):
+                assert time.monotonic() < deadline, n.srv.log()[-3000:]
+                time.sleep(0.1)
+            # The new worker mounts a new segment (the old one's objects went with it) and
+            # publishes again. For ~10 s the master still lists the dead segment and may place a
+            # put there: such a put fails (tried again, then dropped), never the tier.
+            later: list[bytes] = []
+            deadline = time.monotonic() + 30
+            while n.remote()["published"] < 2:
+                assert time.monotonic() < deadline, (
+                    f"nothing published again: {n.remote()}\n{n.srv.log()[-3000:]}"
+                )
+                later += n.put(block_keys(FP, [f"after{len(later)}".encode()])).keys()
+                tried = len(later)
+                n.wait_remote(lambda r: r["published"] + r["errors"] >= tried, "the put's end")  # noqa: B023
+            assert not n.remote()["down"]
+            assert n.c.lookup(n.ns.ns_id, first + later) == (1 + len(later), [1] * (1 + len(later)))
+        finally:
+            n.close()
+
+
+def test_the_remote_tier_refuses_a_config_it_cannot_run_naming_the_key(tmp_path: Path) -> None:
+    from hpkv.config import ConfigError, load_config
+    from hpkv.engine.remote import check_config
+
+    ini = tmp_path / "hpkv.ini"
+    ini.write_text("")
+    base = {
+        "HPKV_CONFIG_FILE_PATH": str(ini),
+        "HPKV_REMOTE_BACKEND": "mooncake",
+        "HPKV_KV_STORAGE_PATH": "",
+    }
+    with pytest.raises(ConfigError, match="needs HPKV_REMOTE_MASTER"):
+        check_config(load_config(base))
+    full = {**base, "HPKV_REMOTE_MASTER": "10.0.0.1:50051", "HPKV_REMOTE_METADATA": "http://10.0.0.1:8080/metadata",
+            "HPKV_REMOTE_LOCAL_HOSTNAME": "10.0.0.2"}  # fmt: skip
+    with pytest.raises(ConfigError, match="HPKV_KV_STORAGE_PATH= \\(empty\\)"):
+        check_config(load_config({**full, "HPKV_KV_STORAGE_PATH": "/var/tmp/x"}))
+    check_config(load_config({**base, "HPKV_REMOTE_BACKEND": ""}))  # off: nothing asked
+
+
+def test_with_the_master_killed_dram_hits_and_lookups_stay_fast_and_the_tier_goes_down(
+    tmp_path: Path,
+) -> None:
+    _require()
+    with netns.namespaces(1) as (a,), mc.master(a, tmp_path) as m:
+        n = Node(a, m, segment="128m", HPKV_REMOTE_LOOKUP_WAIT_MS="20")
+        try:
+            keys = block_keys(FP, [b"m0", b"m1"])
+            n.put(keys)
+            n.wait_remote(lambda r: r["published"] == 2, "2 blocks published")
+            a.stop(m.proc, signal.SIGKILL)
+            # every Mooncake call now blocks ~4.3 s in the worker: the server never waits on it
+            unknown = block_keys(FP, [f"u{i}".encode() for i in range(3)])
+            for extra in ([], unknown[:1], unknown[1:2]):
+                t0 = time.monotonic()
+                assert n.c.lookup(n.ns.ns_id, keys + extra) == (2, [1, 1])
+                assert time.monotonic() - t0 < 1.0, "a lookup waited on the dead master"
+            later = block_keys(FP, [b"m2"])
+            n.put(later)  # its publish fails after Mooncake's RPC timeout: the tier goes down
+            r = n.wait_remote(lambda r: r["down"], "the tier marked down", timeout=30)
+            assert r["errors"] >= 1 and r["down_events"] == 1
+            t0 = time.monotonic()
+            assert n.c.lookup(n.ns.ns_id, keys + later + unknown[2:]) == (3, [1, 1, 1])
+            assert time.monotonic() - t0 < 0.5
+            rows = n.c.promote(n.ns.ns_id, keys + later)
+            assert (rows >= 0).all()
+            assert n.srv.proc is not None and n.srv.proc.poll() is None
+        finally:
+            n.close()
+
+
+def test_blocks_held_by_a_killed_node_are_misses_within_the_bound_never_wrong_bytes(tmp_path: Path) -> None:
+    _require()
+    with netns.namespaces(2, veth=True) as (a, b), mc.master(a, tmp_path) as m:
+        na = Node(a, m, segment="128m")
+        try:
+            nb = Node(b, m, segment="0", HPKV_REMOTE_LOOKUP_WAIT_MS="5000")
+            try:
+                keys = block_keys(FP, [f"held{i}".encode() for i in range(3)])
+                na.put(keys)
+                na.wait_remote(lambda r: r["published"] == 3, "3 blocks published by node A")
+                deadline = time.monotonic() + 20
+                while nb.c.lookup(nb.ns.ns_id, keys) != (3, [2] * 3):
+                    assert time.monotonic() < deadline, nb.remote()
+                    time.sleep(0.2)
+                # A's remote worker holds the segment the objects live in: killed, they are gone
+                # (the master still lists them for ~10 s)
+                (pid,) = [w["pid"] for w in na.c.stats()["workers"] if w["kind"] == "remote"]
+                os.kill(pid, signal.SIGKILL)
+                time.sleep(0.5)
+                t0 = time.monotonic()
+                rows = nb.c.promote(nb.ns.ns_id, keys)
+                assert time.monotonic() - t0 < 5.0
+                assert (rows == -1).all(), "no bytes of a lost object are served"
+                r = nb.wait_remote(lambda r: r["gone"] == 3, "3 blocks found gone")
+                assert r["loaded"] == 0 and not r["down"], "a lost object is a miss, not a store failure"
+                # and stay misses while the master still lists them (GONE_TTL_S)
+                assert nb.c.lookup(nb.ns.ns_id, keys) == (0, [])
+                assert nb.remote()["blocks"] == 0
+            finally:
+                nb.close()
+        finally:
+            na.close()
+
+
+def test_config_check_says_what_the_remote_tier_lacks(tmp_path: Path) -> None:
+    ini = tmp_path / "hpkv.ini"
+    ini.write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HPKV_")}
+    env.update(HPKV_CONFIG_FILE_PATH=str(ini), HPKV_REMOTE_BACKEND="mooncake", HPKV_KV_STORAGE_PATH="")
+    r = subprocess.run(
+        [sys.executable, "-m", "hpkv", "config", "--check"], env=env, capture_output=True, text=True
+    )
+    assert r.returncode == 1
+    assert "HPKV_REMOTE_BACKEND=mooncake needs HPKV_REMOTE_MASTER" in r.stderr
