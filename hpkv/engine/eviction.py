@@ -38,12 +38,32 @@ re-enters it at the newest end of the same queue when it is evictable again.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from hpkv.engine.index import Block
+
+class _Shape(Protocol):
+    @property
+    def slot_bytes(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+
+class Evictable(Protocol):
+    """What a policy needs of the index's block (:class:`hpkv.engine.index.Block`, which
+    imports this module): its key, its namespace's shape (bytes it holds) and its heat."""
+
+    key: bytes
+    heat: int
+
+    @property
+    def ns(self) -> _Shape: ...
+
+
+Block = TypeVar("Block", bound=Evictable)
+
 
 POLICIES = ("lru", "s3fifo")
 
@@ -56,7 +76,7 @@ MAX_FREQ = 3
 SMALL_SHARE = 0.10  # of the queued bytes the small queue holds before it evicts
 
 
-def _bytes(b: Block) -> int:
+def _bytes(b: Evictable) -> int:
     return b.ns.slot_bytes * b.ns.world_size
 
 
@@ -109,7 +129,7 @@ class Ghost:
         return self.size
 
 
-class Lru:
+class Lru(Generic[Block]):
     """Least recently used first."""
 
     name = "lru"
@@ -143,7 +163,7 @@ class Lru:
         return {"queued": len(self._q)}
 
 
-class S3Fifo:
+class S3Fifo(Generic[Block]):
     """S3-FIFO: a small probation FIFO, a main FIFO with use counts, a ghost of keys."""
 
     name = "s3fifo"
@@ -245,7 +265,7 @@ class S3Fifo:
         }
 
 
-def make_policy(name: str) -> Lru | S3Fifo:
+def make_policy(name: str) -> Lru[Any] | S3Fifo[Any]:
     if name == "lru":
         return Lru()
     if name == "s3fifo":

@@ -58,7 +58,7 @@ import numpy as np
 
 from hpkv.engine.allocator import PoolAllocator, PoolMemory, align_up
 from hpkv.engine.events import REMOVED_DRAM, STORED_DRAM, NsEventLog
-from hpkv.engine.eviction import make_policy
+from hpkv.engine.eviction import Lru, S3Fifo, make_policy
 from hpkv.engine.keytable import KeyTable
 from hpkv.protocol.errors import NamespaceNotAttached, NotOwner
 from hpkv.protocol.stats import NS_COUNTERS, NsCounter
@@ -166,7 +166,7 @@ class Index:
         self.conflicts = 0  # reserves of a key that belongs to another namespace (refused)
         self.namespaces: dict[int, Namespace] = {}
         # The evictable READY blocks, in the order HPKV_DRAM_EVICTION evicts them
-        self.evictable = make_policy(eviction)
+        self.evictable: Lru[Block] | S3Fifo[Block] = make_policy(eviction)
         self._on_evict = on_evict
         self.pinned_bytes = 0
         self.reserved: dict[bytes, Block] = {}  # RESERVED blocks (retired ones too)
