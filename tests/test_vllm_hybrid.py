@@ -56,6 +56,13 @@ KTC = {
 }
 
 
+def kv_cache_size(log: str) -> int:
+    """The KV cache size, in tokens, vLLM logged last."""
+    sizes = re.findall(r"KV cache size: ([\d,]+) tokens", log)
+    assert sizes, "vLLM logged no KV cache size"
+    return int(sizes[-1].replace(",", ""))
+
+
 @pytest.fixture(scope="module")
 def hpkv_env():
     with engine_env(
@@ -96,8 +103,7 @@ def test_an_ssm_hybrid_runs_with_hpkv_configured_and_hpkv_says_once_why_it_is_of
     finally:
         srv.stop()
     assert "Turning off hybrid kv cache manager" not in log
-    sizes = re.findall(r"KV cache size: ([\d,]+) tokens", log)
-    assert sizes and int(sizes[-1].replace(",", "")) == SSM_CAPACITY_WITHOUT_HPKV
+    assert kv_cache_size(log) == SSM_CAPACITY_WITHOUT_HPKV
     said = [line for line in log.splitlines() if "hpkv disabled" in line]
     assert len(said) == 1, said
     assert "Qwen3NextForCausalLM" in said[0]
@@ -127,9 +133,7 @@ def committed(env) -> int:
 def test_vllm_keeps_its_hybrid_kv_cache_manager_and_its_capacity(server):
     log = server.log_tail(100_000)
     assert "Turning off hybrid kv cache manager" not in log
-    sizes = re.findall(r"KV cache size: ([\d,]+) tokens", log)
-    assert sizes, "vLLM logged no KV cache size"
-    assert int(sizes[-1].replace(",", "")) == CAPACITY_WITHOUT_HPKV
+    assert kv_cache_size(log) == CAPACITY_WITHOUT_HPKV
     assert "hpkv disabled" not in log
 
 
