@@ -4,7 +4,6 @@ including a lookup parked while the file tier stats keys another server wrote.""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 
@@ -13,18 +12,9 @@ from test_storage import Writer
 from hpkv.client import connect
 from hpkv.engine.storage.catalog import VERIFY_TTL_S
 from hpkv.protocol.wire import Tier
-from hpkv.testing.server import ServerProcess, private_env
+from hpkv.testing.server import private_env, running
 
 D, S = int(Tier.DRAM), int(Tier.STORAGE)
-
-
-@contextlib.contextmanager
-def running(env):
-    srv = ServerProcess(env).start()
-    try:
-        yield srv
-    finally:
-        srv.cleanup()
 
 
 def test_each_key_is_answered_in_the_pool_and_a_prefix_lookup_is_unchanged(tmp_path):

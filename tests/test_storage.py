@@ -30,7 +30,7 @@ from hpkv.io_workers import kvfile
 from hpkv.io_workers.kvfile import BlockId, CorruptFile, KvFileIO
 from hpkv.protocol import wire as P
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
-from hpkv.testing.server import ServerProcess, private_env, wait_for
+from hpkv.testing.server import ServerProcess, private_env, running, wait_for
 
 FP = namespace_fingerprint({"model": "storage-test", "layers": 4})
 STORAGE_FIELDS = {
@@ -67,15 +67,6 @@ STORAGE_FIELDS = {
 
 
 # ------------------------------------------------------------------ helpers
-@contextlib.contextmanager
-def running(env):
-    srv = ServerProcess(env).start()
-    try:
-        yield srv
-    finally:
-        srv.cleanup()
-
-
 @contextlib.contextmanager
 def mounted(fstype: str, directory: Path, options: str = ""):
     directory.mkdir(parents=True, exist_ok=True)

@@ -202,6 +202,16 @@ class ServerProcess:
         self.cleanup()
 
 
+@contextlib.contextmanager
+def running(env: Mapping[str, str]) -> Iterator[ServerProcess]:
+    """A server for ``env`` while the block runs; cleaned up (stopped, pool removed) after it."""
+    srv = ServerProcess(env).start()
+    try:
+        yield srv
+    finally:
+        srv.cleanup()
+
+
 def assert_serves_correctly(srv: ServerProcess, timeout: float = 10.0) -> None:
     """A well-behaved client gets right answers from ``srv``: reserve, commit, lookup, pin,
     unpin on fresh keys of a fresh namespace (for tests that first throw garbage at it)."""
