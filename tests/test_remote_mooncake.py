@@ -7,12 +7,14 @@ tests skip, saying why, where there is no root, no ``ip`` or no Mooncake (``pip 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -171,6 +173,7 @@ class Node:
             HPKV_REMOTE_SEGMENT_SIZE=segment,
             **extra,
         )
+        self.net = ns  # the network namespace it runs in
         self.srv = ServerProcess(env, prefix=ns.argv([])).start()
         self.c = connect(self.srv.cfg, spawn=False, call_timeout=30.0)
         self.ns = self.c.attach_namespace(FP, 1, SHARD, name="remote-test")
@@ -204,34 +207,40 @@ class Node:
         self.srv.cleanup()
 
 
-def test_a_block_committed_on_node_a_is_a_byte_exact_hit_on_node_b(tmp_path: Path) -> None:
-    _require()
+@contextlib.contextmanager
+def two_nodes(tmp_path: Path) -> Iterator[tuple[Node, Node, mc.Master]]:
+    """Two hpkv "nodes" in two network namespaces joined by a veth, one Mooncake master in the
+    first: node A contributes a segment (holds the objects), node B none (a pure client)."""
     with netns.namespaces(2, veth=True) as (a, b), mc.master(a, tmp_path) as m:
         na = Node(a, m, segment="128m")
         try:
             nb = Node(b, m, segment="0", HPKV_REMOTE_LOOKUP_WAIT_MS="5000")
             try:
-                keys = block_keys(FP, [str(i).encode() for i in range(4)])
-                data = na.put(keys)
-                na.wait_remote(lambda r: r["published"] == 4, "4 blocks published by node A")
-                # B knows nothing of them: its lookup asks the store (off its request loop)
-                deadline = time.monotonic() + 20
-                while (got := nb.c.lookup(nb.ns.ns_id, keys)) != (4, [2] * 4):
-                    assert time.monotonic() < deadline, (
-                        f"B's lookup: {got}; {nb.remote()}\n{nb.srv.log()[-3000:]}"
-                    )
-                    time.sleep(0.2)
-                rows = nb.c.promote(nb.ns.ns_id, keys)
-                for k, row in zip(keys, rows, strict=True):
-                    assert row[0] >= 0, f"block {k.hex()} not loaded: {nb.remote()}\n{nb.srv.log()[-3000:]}"
-                    assert nb.pool.array[row[0] : row[0] + SHARD].tobytes() == data[k]
-                r = nb.wait_remote(lambda r: r["loaded"] == 4, "B's counters (published every 0.2 s)")
-                assert r["corrupt"] == 0 and r["found"] == 4 and r["errors"] == 0
-                assert nb.c.lookup(nb.ns.ns_id, keys) == (4, [1] * 4)  # in B's DRAM now
+                yield na, nb, m
             finally:
                 nb.close()
         finally:
             na.close()
+
+
+def test_a_block_committed_on_node_a_is_a_byte_exact_hit_on_node_b(tmp_path: Path) -> None:
+    _require()
+    with two_nodes(tmp_path) as (na, nb, m):
+        keys = block_keys(FP, [str(i).encode() for i in range(4)])
+        data = na.put(keys)
+        na.wait_remote(lambda r: r["published"] == 4, "4 blocks published by node A")
+        # B knows nothing of them: its lookup asks the store (off its request loop)
+        deadline = time.monotonic() + 20
+        while (got := nb.c.lookup(nb.ns.ns_id, keys)) != (4, [2] * 4):
+            assert time.monotonic() < deadline, f"B's lookup: {got}; {nb.remote()}\n{nb.srv.log()[-3000:]}"
+            time.sleep(0.2)
+        rows = nb.c.promote(nb.ns.ns_id, keys)
+        for k, row in zip(keys, rows, strict=True):
+            assert row[0] >= 0, f"block {k.hex()} not loaded: {nb.remote()}\n{nb.srv.log()[-3000:]}"
+            assert nb.pool.array[row[0] : row[0] + SHARD].tobytes() == data[k]
+        r = nb.wait_remote(lambda r: r["loaded"] == 4, "B's counters (published every 0.2 s)")
+        assert r["corrupt"] == 0 and r["found"] == 4 and r["errors"] == 0
+        assert nb.c.lookup(nb.ns.ns_id, keys) == (4, [1] * 4)  # in B's DRAM now
 
 
 _UPSERT = """import ctypes, mmap, sys
@@ -258,36 +267,29 @@ store.close()
 
 def test_an_object_overwritten_with_garbage_is_detected_removed_and_recomputed(tmp_path: Path) -> None:
     _require()
-    with netns.namespaces(2, veth=True) as (a, b), mc.master(a, tmp_path) as m:
-        na = Node(a, m, segment="128m")
-        try:
-            nb = Node(b, m, segment="0", HPKV_REMOTE_LOOKUP_WAIT_MS="5000")
-            try:
-                keys = block_keys(FP, [f"bad{i}".encode() for i in range(2)])
-                data = na.put(keys)
-                na.wait_remote(lambda r: r["published"] == 2, "2 blocks published by node A")
-                name = mooncake_api.object_key(BlockId(bytes.fromhex(FP), keys[0], 0, 1))
-                size = str(kvfile.file_size(SHARD))
-                r = b.run([sys.executable, "-c", _UPSERT, b.addr, m.metadata, m.rpc, name, size],
-                          env=mc.client_env(b.addr), capture_output=True, text=True, timeout=60)  # fmt: skip
-                assert r.returncode == 0 and r.stdout.strip() == "0", r.stderr[-2000:]
-                deadline = time.monotonic() + 20
-                while nb.c.lookup(nb.ns.ns_id, keys) != (2, [2, 2]):
-                    assert time.monotonic() < deadline, nb.remote()
-                    time.sleep(0.2)
-                rows = nb.c.promote(nb.ns.ns_id, keys)
-                assert rows[0][0] == -1, "the garbage object is a miss (recomputed), never served"
-                assert nb.pool.array[rows[1][0] : rows[1][0] + SHARD].tobytes() == data[keys[1]]
-                nb.wait_remote(lambda r: r["corrupt"] == 1 and r["loaded"] == 1, "one corrupt, one loaded")
-                assert nb.c.lookup(nb.ns.ns_id, keys[:1]) == (0, [])
-                r = b.run([sys.executable, "-c", _EXISTS, b.addr, m.metadata, m.rpc, name],
-                          env=mc.client_env(b.addr), capture_output=True, text=True, timeout=60)  # fmt: skip
-                assert r.stdout.strip() == "[0]", "the corrupt object was removed from the store"
-                assert "corrupt" in nb.srv.log()
-            finally:
-                nb.close()
-        finally:
-            na.close()
+    with two_nodes(tmp_path) as (na, nb, m):
+        keys = block_keys(FP, [f"bad{i}".encode() for i in range(2)])
+        data = na.put(keys)
+        na.wait_remote(lambda r: r["published"] == 2, "2 blocks published by node A")
+        name = mooncake_api.object_key(BlockId(bytes.fromhex(FP), keys[0], 0, 1))
+        size = str(kvfile.file_size(SHARD))
+        b = nb.net
+        r = b.run([sys.executable, "-c", _UPSERT, b.addr, m.metadata, m.rpc, name, size],
+                  env=mc.client_env(b.addr), capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 0 and r.stdout.strip() == "0", r.stderr[-2000:]
+        deadline = time.monotonic() + 20
+        while nb.c.lookup(nb.ns.ns_id, keys) != (2, [2, 2]):
+            assert time.monotonic() < deadline, nb.remote()
+            time.sleep(0.2)
+        rows = nb.c.promote(nb.ns.ns_id, keys)
+        assert rows[0][0] == -1, "the garbage object is a miss (recomputed), never served"
+        assert nb.pool.array[rows[1][0] : rows[1][0] + SHARD].tobytes() == data[keys[1]]
+        nb.wait_remote(lambda r: r["corrupt"] == 1 and r["loaded"] == 1, "one corrupt, one loaded")
+        assert nb.c.lookup(nb.ns.ns_id, keys[:1]) == (0, [])
+        r = b.run([sys.executable, "-c", _EXISTS, b.addr, m.metadata, m.rpc, name],
+                  env=mc.client_env(b.addr), capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert r.stdout.strip() == "[0]", "the corrupt object was removed from the store"
+        assert "corrupt" in nb.srv.log()
 
 
 def test_a_killed_remote_worker_is_restarted_and_publishes_again(tmp_path: Path) -> None:
@@ -376,36 +378,28 @@ def test_with_the_master_killed_dram_hits_and_lookups_stay_fast_and_the_tier_goe
 
 def test_blocks_held_by_a_killed_node_are_misses_within_the_bound_never_wrong_bytes(tmp_path: Path) -> None:
     _require()
-    with netns.namespaces(2, veth=True) as (a, b), mc.master(a, tmp_path) as m:
-        na = Node(a, m, segment="128m")
-        try:
-            nb = Node(b, m, segment="0", HPKV_REMOTE_LOOKUP_WAIT_MS="5000")
-            try:
-                keys = block_keys(FP, [f"held{i}".encode() for i in range(3)])
-                na.put(keys)
-                na.wait_remote(lambda r: r["published"] == 3, "3 blocks published by node A")
-                deadline = time.monotonic() + 20
-                while nb.c.lookup(nb.ns.ns_id, keys) != (3, [2] * 3):
-                    assert time.monotonic() < deadline, nb.remote()
-                    time.sleep(0.2)
-                # A's remote worker holds the segment the objects live in: killed, they are gone
-                # (the master still lists them for ~10 s)
-                (pid,) = [w["pid"] for w in na.c.stats()["workers"] if w["kind"] == "remote"]
-                os.kill(pid, signal.SIGKILL)
-                time.sleep(0.5)
-                t0 = time.monotonic()
-                rows = nb.c.promote(nb.ns.ns_id, keys)
-                assert time.monotonic() - t0 < 5.0
-                assert (rows == -1).all(), "no bytes of a lost object are served"
-                r = nb.wait_remote(lambda r: r["gone"] == 3, "3 blocks found gone")
-                assert r["loaded"] == 0 and not r["down"], "a lost object is a miss, not a store failure"
-                # and stay misses while the master still lists them (GONE_TTL_S)
-                assert nb.c.lookup(nb.ns.ns_id, keys) == (0, [])
-                assert nb.remote()["blocks"] == 0
-            finally:
-                nb.close()
-        finally:
-            na.close()
+    with two_nodes(tmp_path) as (na, nb, m):
+        keys = block_keys(FP, [f"held{i}".encode() for i in range(3)])
+        na.put(keys)
+        na.wait_remote(lambda r: r["published"] == 3, "3 blocks published by node A")
+        deadline = time.monotonic() + 20
+        while nb.c.lookup(nb.ns.ns_id, keys) != (3, [2] * 3):
+            assert time.monotonic() < deadline, nb.remote()
+            time.sleep(0.2)
+        # A's remote worker holds the segment the objects live in: killed, they are gone
+        # (the master still lists them for ~10 s)
+        (pid,) = [w["pid"] for w in na.c.stats()["workers"] if w["kind"] == "remote"]
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        rows = nb.c.promote(nb.ns.ns_id, keys)
+        assert time.monotonic() - t0 < 5.0
+        assert (rows == -1).all(), "no bytes of a lost object are served"
+        r = nb.wait_remote(lambda r: r["gone"] == 3, "3 blocks found gone")
+        assert r["loaded"] == 0 and not r["down"], "a lost object is a miss, not a store failure"
+        # and stay misses while the master still lists them (GONE_TTL_S)
+        assert nb.c.lookup(nb.ns.ns_id, keys) == (0, [])
+        assert nb.remote()["blocks"] == 0
 
 
 def test_config_check_says_what_the_remote_tier_lacks(tmp_path: Path) -> None:
