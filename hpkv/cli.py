@@ -26,6 +26,10 @@ BENCHES = {
     "kernels": ("hpkv.bench.kernels", "native block copy and CRC32C throughput vs. a single-thread memcpy"),
     "scale": ("hpkv.bench.scale", "server memory per stored block, scan rate, lookup latency vs. N"),
     "ttft": ("hpkv.bench.ttft", "the CT-HPKV four-tier TTFT experiment against real vLLM"),
+    "peers": (
+        "hpkv.bench.peers",
+        "hpkv side by side with vLLM alone and LMCache: CT-HPKV's phases and many users",
+    ),
     "admit": (
         "hpkv.bench.admit",
         "HPKV_STORAGE_ADMIT policies on a many-users workload: hits, bytes written",
