@@ -112,11 +112,17 @@ def _doc():
             "engine_cache_tokens": 8192,
         },
         "systems": {
-            "vllm": {"label": "vLLM alone", "phases": phases, "users": {"4": dict(users)}},
+            "vllm": {
+                "label": "vLLM alone",
+                "phases": phases,
+                "users": {"4": dict(users)},
+                "loadavg_1m": {"start": 1.0, "end": 2.0},
+            },
             "hpkv": {
                 "label": "hpkv",
                 "phases": hpkv_phases,
                 "users": {"4": {**users, "requests_per_s": 3.0, "ttft_p50_s": 0.1, "tiers": {"dram": 5}}},
+                "loadavg_1m": {"start": 1.0, "end": 2.0},
             },
         },
         "skipped": {"lmcache": "no LMCache environment"},

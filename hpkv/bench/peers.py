@@ -126,7 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--turns", type=int, default=3, help="many users: turns per conversation (default 3)")
     p.add_argument("--system-tokens", type=int, default=2048, help="many users: shared system prompt (2048)")
-    p.add_argument("--turn-tokens", type=int, default=128, help="many users: user text per turn (128)")
+    p.add_argument("--turn-tokens", type=int, default=256, help="many users: user text per turn (256)")
     p.add_argument("--output-tokens", type=int, default=16, help="many users: tokens streamed per turn (16)")
     p.add_argument(
         "--dram-mib",
@@ -137,8 +137,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engine-cache-tokens",
         type=int,
-        default=8192,
-        help="vLLM's own KV cache in tokens (--num-gpu-blocks-override; default 8192); also the max model length",
+        default=6144,
+        help="vLLM's own KV cache in tokens (--num-gpu-blocks-override; default 6144: the phases' prompts fit, "
+        "the many-users working set does not); the max model length is one block less",
     )
     p.add_argument("--dir", default="/var/tmp", help="where the storage directories go (removed after)")
     p.add_argument("--lmcache-no-fs", action="store_true", help="LMCache with its DRAM L1 only (no fs L2)")
@@ -761,6 +762,8 @@ def run_system(name: str, budget: Budget, args: argparse.Namespace, ns: list[int
     if isinstance(sysm, LmcacheSystem):
         res["label"] += " (L1" + (" + fs L2)" if sysm.fs else " only)")
     t0 = time.monotonic()
+    # the machine's load while this system ran (other work on a shared machine moves every figure)
+    res["loadavg_1m"] = {"start": round(os.getloadavg()[0], 2)}
     try:
         sysm.start()
         if not args.no_phases:
@@ -773,6 +776,7 @@ def run_system(name: str, budget: Budget, args: argparse.Namespace, ns: list[int
         finally:
             sysm.cleanup()
     res["seconds"] = round(time.monotonic() - t0, 1)
+    res["loadavg_1m"]["end"] = round(os.getloadavg()[0], 2)
     return res
 
 
@@ -857,6 +861,12 @@ def print_report(doc: dict[str, Any]) -> None:
                     f"{s['local_cache_hit']:>8}/{s['external_kv_transfer']}/{s['local_compute']:<8} {tiers:>22} "
                     f"{u['cache_cpu_s_per_request']:>15.3f} {f'{vs:.2f}x' if vs else '-':>13}"
                 )
+    print(
+        "load average (1 min) at each system's start and end: "
+        + "; ".join(
+            f"{LABELS[n]} {r['loadavg_1m']['start']}..{r['loadavg_1m']['end']}" for n, r in runs.items()
+        )
+    )
     for name, why in doc.get("skipped", {}).items():
         print(f"not run: {name}: {why}")
     for name, why in NOT_RUN.items():
