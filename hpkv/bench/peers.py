@@ -142,6 +142,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the many-users working set does not); the max model length is one block less",
     )
     p.add_argument("--dir", default="/var/tmp", help="where the storage directories go (removed after)")
+    p.add_argument(
+        "--hpkv-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an hpkv setting for its run (repeatable), e.g. VLLM_HPKV_TOKEN_THRESHOLD=auto (default: hpkv's "
+        "defaults, whose 1204-token threshold recomputes a hit shorter than that)",
+    )
     p.add_argument("--lmcache-no-fs", action="store_true", help="LMCache with its DRAM L1 only (no fs L2)")
     p.add_argument("--no-phases", action="store_true", help="skip workload 1 (CT-HPKV's phases)")
     p.add_argument("--no-users", action="store_true", help="skip workload 2 (many users)")
@@ -359,10 +367,14 @@ def summarize_turns(turns: list[Turn], wall_s: float) -> dict[str, Any]:
 
 
 def prompt_token_sources(metrics_text: str) -> dict[str, float]:
-    """vLLM's ``vllm:prompt_tokens_by_source_total`` per source, and its
-    ``vllm:prompt_tokens_cached_by_source_total`` per tier as ``cached_<tier>`` (summed over
-    engines)."""
-    out = dict.fromkeys([*SOURCES, *(f"cached_{s}" for s in CACHED_SOURCES)], 0.0)
+    """vLLM's ``vllm:prompt_tokens_by_source_total`` per source, its
+    ``vllm:prompt_tokens_cached_by_source_total`` per tier as ``cached_<tier>`` and its
+    ``vllm:num_preemptions_total`` as ``preemptions`` (summed over engines): a preempted
+    request's prompt is counted again when it is scheduled again."""
+    out = dict.fromkeys([*SOURCES, *(f"cached_{s}" for s in CACHED_SOURCES), "preemptions"], 0.0)
+    for line in metrics_text.splitlines():
+        if line.startswith("vllm:num_preemptions_total{"):
+            out["preemptions"] += float(line.rpartition(" ")[2])
     for metric, sources, prefix in (
         ("vllm:prompt_tokens_by_source_total{", SOURCES, ""),
         ("vllm:prompt_tokens_cached_by_source_total{", CACHED_SOURCES, "cached_"),
@@ -536,8 +548,9 @@ class HpkvSystem(System):
     name = "hpkv"
     persistent = True
 
-    def __init__(self, budget: Budget) -> None:
+    def __init__(self, budget: Budget, extra_env: dict[str, str] | None = None) -> None:
         super().__init__(budget)
+        self.extra_env = dict(extra_env or {})
         self.pool_dir = f"/dev/shm/hpkv-bench-peers-{os.getpid()}"
         self.storage = os.path.join(budget.work, "hpkv-storage")
         self.cfg = os.path.join(budget.work, "hpkv.ini")
@@ -552,6 +565,7 @@ class HpkvSystem(System):
             "HPKV_KV_STORAGE_PATH": self.storage,
             "HPKV_KV_MEM_POOL_SIZE": str(self.b.dram_bytes),
             "HPKV_SERVER_IDLE_EXIT": "30",
+            **self.extra_env,
         }
 
     def kv_transfer_args(self) -> list[str]:
@@ -697,7 +711,8 @@ class LmcacheSystem(System):
 
 def make_system(name: str, budget: Budget, args: argparse.Namespace) -> System:
     if name == "hpkv":
-        return HpkvSystem(budget)
+        extra = dict(kv.split("=", 1) for kv in getattr(args, "hpkv_env", []))
+        return HpkvSystem(budget, extra)
     if name == "lmcache":
         return LmcacheSystem(budget, fs=not args.lmcache_no_fs)
     return System(budget)
@@ -759,6 +774,8 @@ def run_many_users(sysm: System, args: argparse.Namespace, ns: list[int]) -> dic
 def run_system(name: str, budget: Budget, args: argparse.Namespace, ns: list[int]) -> dict[str, Any]:
     sysm = make_system(name, budget, args)
     res: dict[str, Any] = {"label": LABELS[name], "persistent": sysm.persistent}
+    if isinstance(sysm, HpkvSystem) and sysm.extra_env:
+        res["hpkv_env"] = sysm.extra_env
     if isinstance(sysm, LmcacheSystem):
         res["label"] += " (L1" + (" + fs L2)" if sysm.fs else " only)")
     t0 = time.monotonic()
@@ -846,7 +863,8 @@ def print_report(doc: dict[str, Any]) -> None:
         )
         print(
             f"{'system':28} {'N':>2} {'req/s':>7} {'prompt tok/s':>12} {'TTFT p50':>9} {'p99':>7} "
-            f"{'max gap p50/max ms':>19} {'prefix/conn/comp tokens':>24} {'conn tiers':>22} {'cache CPU-s/req':>15}"
+            f"{'max gap p50/max ms':>19} {'prefix/conn/comp tokens':>24} {'preempt':>7} {'conn tiers':>22} "
+            f"{'cache CPU-s/req':>15}"
             f" {'req/s vs vLLM':>13}"
         )
         for name, r in runs.items():
@@ -858,7 +876,8 @@ def print_report(doc: dict[str, Any]) -> None:
                     f"{LABELS[name]:28} {n:>2} {u['requests_per_s']:>7.3f} {u['prompt_tokens_per_s']:>12.0f} "
                     f"{u['ttft_p50_s']:>8.3f}s {u['ttft_p99_s']:>6.3f}s "
                     f"{u['max_gap_ms_p50']:>9.0f}/{u['max_gap_ms_max']:<9.0f} "
-                    f"{s['local_cache_hit']:>8}/{s['external_kv_transfer']}/{s['local_compute']:<8} {tiers:>22} "
+                    f"{s['local_cache_hit']:>8}/{s['external_kv_transfer']}/{s['local_compute']:<8} "
+                    f"{s.get('preemptions', '-'):>7} {tiers:>22} "
                     f"{u['cache_cpu_s_per_request']:>15.3f} {f'{vs:.2f}x' if vs else '-':>13}"
                 )
     print(
@@ -887,6 +906,9 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[int]] | str:
         ns = []
     if not ns or min(ns) < 1:
         return f"--users {args.users!r}: give positive integers, e.g. 1,4,8"
+    bad_env = [kv for kv in getattr(args, "hpkv_env", []) if "=" not in kv or not kv.split("=", 1)[0]]
+    if bad_env:
+        return f"--hpkv-env {bad_env[0]!r}: give KEY=VALUE, e.g. VLLM_HPKV_TOKEN_THRESHOLD=auto"
     if args.shape not in SHAPES:
         return f"--shape {args.shape!r}: choose from {', '.join(sorted(SHAPES))}"
     longest = max(args.tokens, args.system_tokens + args.turns * (args.turn_tokens + args.output_tokens) + 64)
