@@ -34,6 +34,10 @@ BENCHES = {
         "hpkv.bench.remote",
         "Mooncake Store floors in network namespaces: batch put/get GB/s, p50/p99, exists latency, CPU-s/GB",
     ),
+    "peers": (
+        "hpkv.bench.peers",
+        "hpkv side by side with vLLM alone and LMCache: CT-HPKV's phases and many users",
+    ),
     "admit": (
         "hpkv.bench.admit",
         "HPKV_STORAGE_ADMIT and HPKV_DRAM_EVICTION policies on a many-users workload: hits, bytes written",

