@@ -253,3 +253,45 @@ def test_hpkv_gets_the_budget_and_the_settings_asked_for(tmp_path):
     assert env["HPKV_KV_STORAGE_PATH"].startswith(str(tmp_path))
     assert env["VLLM_HPKV_TOKEN_THRESHOLD"] == "auto"
     assert "VLLM_HPKV_TOKEN_THRESHOLD" not in peers.make_system("hpkv", b, _args()).env()
+
+
+def _resident_pages(path: str) -> int:
+    """Pages of ``path`` in the OS page cache (mincore over a mapping of it)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    size = os.path.getsize(path)
+    vec = (ctypes.c_ubyte * ((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
+    with open(path, "rb") as f:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+        try:
+            assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0, ctypes.get_errno()
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
+    return sum(v & 1 for v in vec)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
+def test_drop_caches_reads_the_storage_phase_from_the_device_not_the_page_cache():
+    """--drop-caches: a peer's buffered files are not read back from memory outside the budget."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(dir="/var/tmp", prefix="hpkv-peers-cache-") as f:
+        f.write(os.urandom(4 << 20))
+        f.flush()
+        with open(f.name, "rb") as r:
+            r.read()
+        assert _resident_pages(f.name) > 0, "a file just written and read is in the page cache"
+        peers.drop_page_cache()
+        assert _resident_pages(f.name) == 0
+    assert _args("--drop-caches").drop_caches and not _args().drop_caches

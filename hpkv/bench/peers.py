@@ -151,6 +151,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "defaults, whose 1204-token threshold recomputes a hit shorter than that)",
     )
     p.add_argument("--lmcache-no-fs", action="store_true", help="LMCache with its DRAM L1 only (no fs L2)")
+    p.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="drop the OS page cache before the storage phase (root): storage hits at the device's speed; "
+        "without it a peer's buffered files (LMCache's fs L2) may be read back from the page cache, "
+        "memory outside the DRAM budget, while hpkv reads with O_DIRECT",
+    )
     p.add_argument("--no-phases", action="store_true", help="skip workload 1 (CT-HPKV's phases)")
     p.add_argument("--no-users", action="store_true", help="skip workload 2 (many users)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, storage)")
@@ -721,8 +728,21 @@ def make_system(name: str, budget: Budget, args: argparse.Namespace) -> System:
 # ---------------------------------------------------------------------------------- the run
 
 
-def run_phases(sysm: System, prompts: list[str]) -> dict[str, Any]:
-    """CT-HPKV's phases on a started system (restarted for the storage phase, left running)."""
+def drop_page_cache() -> None:
+    """Write back and drop the OS page cache (``/proc/sys/vm/drop_caches``; root only)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError as exc:
+        raise SystemExit(
+            f"hpkv bench peers: --drop-caches needs root (/proc/sys/vm/drop_caches: {exc})"
+        ) from exc
+
+
+def run_phases(sysm: System, prompts: list[str], drop_caches: bool = False) -> dict[str, Any]:
+    """CT-HPKV's phases on a started system (restarted for the storage phase, left running;
+    ``drop_caches``: with the OS page cache dropped after the restart)."""
     from hpkv.bench.ttft import ttft
 
     out: dict[str, Any] = {"ttft": {}, "sources": {}, "tiers": {}}
@@ -747,6 +767,8 @@ def run_phases(sysm: System, prompts: list[str]) -> dict[str, Any]:
     if sysm.persistent:
         _log(f"{sysm.name}: restarting vLLM and the cache engine (storage phase)")
         sysm.restart_all()
+        if drop_caches:
+            drop_page_cache()
         phase("storage_hit")
     return out
 
@@ -784,7 +806,7 @@ def run_system(name: str, budget: Budget, args: argparse.Namespace, ns: list[int
     try:
         sysm.start()
         if not args.no_phases:
-            res["phases"] = run_phases(sysm, phase_prompts(args.tokens, args.requests))
+            res["phases"] = run_phases(sysm, phase_prompts(args.tokens, args.requests), args.drop_caches)
         if not args.no_users:
             res["users"] = run_many_users(sysm, args, ns)
     finally:
@@ -836,6 +858,7 @@ def print_report(doc: dict[str, Any]) -> None:
     if any(r.get("phases") for r in runs.values()):
         print(
             f"\n1. CT-HPKV phases: {w['requests']} prompt(s) of {w['tokens']} tokens, max_tokens=1; mean TTFT (x cold)"
+            + ("; page cache dropped before the storage phase" if w.get("drop_caches") else "")
         )
         print(f"{'phase':38}" + "".join(f"{LABELS[n]:>30}" for n in runs))
         for p in PHASES:
@@ -956,6 +979,7 @@ def run(args: argparse.Namespace) -> int:
                 "output_tokens",
                 "dram_mib",
                 "engine_cache_tokens",
+                "drop_caches",
             )
         },
         "systems": {},
