@@ -12,7 +12,7 @@ import json
 import statistics
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 STREAM_PROMPT_TOKENS = 64
@@ -33,13 +33,24 @@ DRAM_ROUNDS = 4
 ALONE_CASES = {"in_step": IN_STEP, "background": BACKGROUND}
 
 
+def stream_chunks(url: str, body: dict[str, Any], timeout: float = 600.0) -> Iterator[dict[str, Any]]:
+    """The decoded chunks of one streamed ``/v1/completions`` call (``body`` with ``stream``),
+    as they arrive; RuntimeError naming the status when vLLM refuses it."""
+    import requests
+
+    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=timeout) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"completion failed with HTTP {r.status_code}: {r.text[:300]}")
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                yield json.loads(line[6:])
+
+
 def stream_token_times(
     url: str, model: str, prompt: str, max_tokens: int, times: list[float] | None = None
 ) -> list[float]:
     """Arrival times (perf_counter) of each streamed token of one greedy completion, appended
     to ``times`` as they arrive (another thread may watch it)."""
-    import requests
-
     body = {
         "model": model,
         "prompt": prompt,
@@ -49,15 +60,9 @@ def stream_token_times(
         "stream": True,
     }
     times = [] if times is None else times
-    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if (
-                line.startswith(b"data: ")
-                and line != b"data: [DONE]"
-                and json.loads(line[6:])["choices"][0].get("text")
-            ):
-                times.append(time.perf_counter())
+    for chunk in stream_chunks(url, body):
+        if chunk["choices"][0].get("text"):
+            times.append(time.perf_counter())
     return times
 
 

@@ -295,7 +295,7 @@ class Turn:
 
 def stream_turn(url: str, model: str, prompt: str, max_tokens: int, timeout: float = 600.0) -> Turn:
     """One streamed greedy completion: its TTFT, largest inter-token gap and prompt tokens."""
-    import requests
+    from hpkv.bench.interference import stream_chunks
 
     body = {
         "model": model,
@@ -309,19 +309,13 @@ def stream_turn(url: str, model: str, prompt: str, max_tokens: int, timeout: flo
     t0 = time.perf_counter()
     times: list[float] = []
     prompt_tokens = 0
-    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=timeout) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"completion failed with HTTP {r.status_code}: {r.text[:300]}")
-        for line in r.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                prompt_tokens = int(chunk["usage"]["prompt_tokens"])
-            # one chunk per token (its text may be empty: the generated model's tokens need not
-            # decode on their own); the usage chunk at the end has no choices
-            if chunk.get("choices"):
-                times.append(time.perf_counter())
+    for chunk in stream_chunks(url, body, timeout):
+        if chunk.get("usage"):
+            prompt_tokens = int(chunk["usage"]["prompt_tokens"])
+        # one chunk per token (its text may be empty: the generated model's tokens need not
+        # decode on their own); the usage chunk at the end has no choices
+        if chunk.get("choices"):
+            times.append(time.perf_counter())
     if not times:
         raise RuntimeError("the stream returned no token")
     gaps = [(b - a) * 1000 for a, b in zip(times, times[1:], strict=False)]
