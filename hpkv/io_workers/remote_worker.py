@@ -90,7 +90,7 @@ class RemoteStore:
         got = self.store.batch_is_exist(names)
         bad = [c for c in got if c < 0]
         if bad:
-            raise OSError(errno.EIO, f"batch_is_exist: {mooncake_api.describe(bad[0])}")
+            raise OSError(mooncake_api.errno_of(bad[0]), f"batch_is_exist: {mooncake_api.describe(bad[0])}")
         return int(all(c == 1 for c in got))
 
     def put(self, block: BlockId, offset: int, length: int) -> tuple[int, bool]:
@@ -111,7 +111,7 @@ class RemoteStore:
             # after): not published, and no failure of the store
             raise OSError(errno.EHOSTUNREACH, f"put of {name}: {mooncake_api.describe(rc)}")
         if rc != 0:
-            raise OSError(errno.EIO, f"put of {name}: {mooncake_api.describe(rc)}")
+            raise OSError(mooncake_api.errno_of(rc), f"put of {name}: {mooncake_api.describe(rc)}")
         return kvfile.file_size(length), False
 
     def verify(self, block: BlockId, offset: int, length: int, slot: ReadSlot, got: int) -> int:
@@ -128,7 +128,7 @@ class RemoteStore:
             if got == mooncake_api.INVALID_PARAMS:  # an object larger than the header + slot
                 raise CorruptFile("the object is larger than the block's image")
             if got < 0:
-                raise OSError(errno.EIO, f"get of {name}: {mooncake_api.describe(got)}")
+                raise OSError(mooncake_api.errno_of(got), f"get of {name}: {mooncake_api.describe(got)}")
             if got != kvfile.file_size(length):
                 raise CorruptFile(f"object is {got} bytes, expected {kvfile.file_size(length)}")
             payload = self.pool[offset : offset + kvfile.align_up(length)]
@@ -254,11 +254,12 @@ class Checker:
             got = [-1] * len(names)
         for d, (start, world) in zip(jobs, spans, strict=True):
             mine = got[start : start + world]
-            if any(c < 0 for c in mine):
+            bad = [c for c in mine if c < 0]
+            if bad:
                 self.errors.log(
-                    logging.WARNING, "exists", "batch_is_exist: %s", mooncake_api.describe(min(mine))
+                    logging.WARNING, "exists", "batch_is_exist: %s", mooncake_api.describe(bad[0])
                 )
-                self.rt.finish(d, -errno.EIO, 0)
+                self.rt.finish(d, -mooncake_api.errno_of(bad[0]), 0)
             else:
                 self.rt.finish(d, 0, int(all(c == 1 for c in mine)))
 
