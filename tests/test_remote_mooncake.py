@@ -565,3 +565,72 @@ def test_the_remote_state_and_counters_in_status_top_and_prometheus(tmp_path: Pa
             assert prom["hpkv_remote_up"] == 1 and prom["hpkv_remote_probes_total"] == status["probes"]
         finally:
             n.close()
+
+
+def test_the_breaker_counts_store_failures_in_a_row_and_one_probe_at_a_time_brings_it_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The circuit breaker's rules, fed the completions a remote worker answers with (store
+    errors other than a master timeout cannot be caused on demand with a real store)."""
+    import errno
+    import threading
+
+    from hpkv.config import load_config
+    from hpkv.engine.index import Index
+    from hpkv.engine.remote import RemoteTier, _Check, _Job, _Probe
+    from hpkv.protocol.errors import Status
+    from hpkv.protocol.stats import G, RemoteState, StatsSegment
+
+    ini = tmp_path / "hpkv.ini"
+    ini.write_text("")
+    env = {"HPKV_CONFIG_FILE_PATH": str(ini), "HPKV_REMOTE_BACKEND": "mooncake", "HPKV_KV_STORAGE_PATH": ""}
+    cfg = load_config({**env, "HPKV_REMOTE_DOWN_AFTER": "3", "HPKV_REMOTE_PROBE_S": "0.1"})
+    stats = StatsSegment.create(str(tmp_path))
+    t = RemoteTier(cfg, str(tmp_path), stats, Index(1 << 20), threading.RLock(), None, "")  # type: ignore[arg-type]
+
+    def answer(status: int, sent: float | None = None) -> None:
+        job = _Job(P.LOOKUP, _Check(None, [b"k" * 16], [None], 1), 0)  # type: ignore[arg-type]
+        job.sent = time.monotonic() if sent is None else sent
+        t._checks += 1
+        t._complete(job, status, 0, 0)
+
+    def state() -> RemoteState:
+        return RemoteState(int(stats.glob[G.REMOTE_STATE]))
+
+    caplog.set_level("INFO", logger="hpkv.remote")
+    for _ in range(2):
+        answer(-errno.EIO)
+    answer(-errno.ENOENT)  # a missing object: the store answered, the count starts again
+    for status in (-errno.EIO, -errno.EIO, -errno.EHOSTUNREACH, -errno.ENOSPC, Status.WORKER_DIED):
+        answer(status)  # a lost peer, a full store, a dead worker: errors, but not the store's
+    assert state() == RemoteState.UP and t.counts["errors"] == 7
+    answer(-errno.EIO)  # the third store failure in a row
+    assert state() == RemoteState.DOWN and t.counts["down_events"] == 1
+    answer(-errno.EIO)
+    assert t.counts["down_events"] == 1 and caplog.text.count("remote store down") == 1
+    # while down: one probe at a time, every HPKV_REMOTE_PROBE_S
+    t._req = object()  # type: ignore[assignment]  # (a worker to send it to; nothing is sent here)
+    time.sleep(0.11)
+    for _ in range(3):
+        t._breaker(time.monotonic())
+    probes = [j for j in t._checks_q if isinstance(j.what, _Probe)]
+    assert len(probes) == 1 and t.counts["probes"] == 1
+    t._checks_q.clear()
+    probes[0].sent = time.monotonic()
+    t._complete(probes[0], -errno.ETIMEDOUT, 0, 0)  # no answer: still down, probed again later
+    assert state() == RemoteState.DOWN
+    t._breaker(time.monotonic())
+    assert not t._checks_q, "the next probe waits HPKV_REMOTE_PROBE_S"
+    time.sleep(0.11)
+    t._breaker(time.monotonic())
+    (probe,) = t._checks_q
+    t._checks_q.clear()
+    before_up = time.monotonic()
+    t._complete(probe, 0, 0, 0)  # answered (the key is absent): up again
+    assert state() == RemoteState.UP and caplog.text.count("remote store up again") == 1
+    for _ in range(3):
+        answer(-errno.EIO, sent=before_up - 1)  # failures of jobs sent before it came up: old news
+    assert state() == RemoteState.UP
+    answer(-errno.ETIMEDOUT)  # one call the master did not answer: down at once
+    assert state() == RemoteState.DOWN and t.counts["down_events"] == 2
+    stats.close()
