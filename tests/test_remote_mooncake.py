@@ -454,7 +454,9 @@ def test_a_restarted_master_brings_the_tier_back_up_by_itself_and_blocks_are_sha
         assert r["published"] == 1
         unknown = block_keys(FP, [b"nobody"])
         nb.c.lookup(nb.ns.ns_id, unknown)
-        nb.wait_remote(lambda r: r["down"], "B's tier down", timeout=30)
+        r = nb.wait_remote(lambda r: r["down"], "B's tier down", timeout=30)
+        # B knew r0 was in the store: no lookup promises it while the store is down
+        assert r["blocks"] == 0 and nb.c.lookup(nb.ns.ns_id, before) == (0, [])
         # local tiers keep serving meanwhile, without waiting on the store
         for _ in range(3):
             t0 = time.monotonic()

@@ -25,13 +25,13 @@ missing object, not a lost peer), or one call the master did not answer, mark th
 lookups stop asking, spills are dropped (counted), promotes of remote blocks miss; the worst
 case is recompute. While DOWN, one cheap probe (an exists of :data:`PROBE_KEY`) every
 ``HPKV_REMOTE_PROBE_S`` decides: the first the store answers marks it UP again. Each change is
-logged once. Coming back UP, what this node knew the store held is forgotten (a restarted
-master starts empty) and the blocks it published that are still in the pool are published
-again (at most :data:`MAX_QUEUED_SPILLS`; a put of an object that is still there is skipped),
-:data:`GONE_TTL_S` later (the store's liveness window: the clients' segments are mounted on a
-restarted master again by then); the same after a restart of a remote worker that held a
-segment (the objects in it went with it). A worker that dies has its jobs failed and is restarted on
-the same rings, as an IO worker is.
+logged once. Going DOWN, what this node knew the store held is forgotten (no lookup promises
+a remote block meanwhile; a restarted master starts empty); :data:`GONE_TTL_S` after coming
+back UP (the store's liveness window: the clients' segments are mounted on a restarted master
+again by then) the blocks it published that are still in the pool are published again (at
+most :data:`MAX_QUEUED_SPILLS`; a put of an object that is still there is skipped). The same
+after a restart of a remote worker that held a segment (the objects in it went with it). A
+worker that dies has its jobs failed and is restarted on the same rings, as an IO worker is.
 
 For now the remote tier replaces the file tier (HPKV_KV_STORAGE_PATH must be empty); the
 order DRAM → files → remote needs the tier list to route promotes by tier.
@@ -460,6 +460,7 @@ class RemoteTier:
             # the objects in its segment went with it; the master lists them for ~10 s more
             # (exists says yes, gets fail), so they are published again after that
             self._forget_known()
+            self._republish_at = time.monotonic() + GONE_TTL_S
 
     def _complete(self, job: _Job, status: int, a0: int, flags: int) -> None:
         w = job.what
@@ -512,6 +513,9 @@ class RemoteTier:
             reason,
             self.probe_s,
         )
+        # No lookup promises a remote block meanwhile (its promote would miss), and what the
+        # store held may be gone when it is back (a restarted master starts empty).
+        self._forget_known()
 
     def _breaker(self, now: float) -> None:
         """While down: one probe at a time, every HPKV_REMOTE_PROBE_S. Up: a publish again
@@ -540,7 +544,7 @@ class RemoteTier:
         log.warning("remote store up again after %.1fs down", now - self._down_since)
         # A restarted master starts empty, and the clients' segments are mounted on it again
         # within its liveness window: then what this node published is published again.
-        self._forget_known()
+        self._republish_at = now + GONE_TTL_S
 
     def _forget_known(self) -> None:
         """What this node knew the store held is stale (a restarted master starts empty; a
@@ -551,15 +555,13 @@ class RemoteTier:
         for k in keys:
             self.catalog.forget(k)
         again = [k for k in reversed(keys) if self.index.spillable(k) is not None][:MAX_QUEUED_SPILLS]
-        self._republish_keys = again + [k for k in self._republish_keys if k not in set(again)]
+        fresh = set(again)
+        self._republish_keys = again + [k for k in self._republish_keys if k not in fresh]
         del self._republish_keys[MAX_QUEUED_SPILLS:]
-        self._republish_at = time.monotonic() + GONE_TTL_S
         log.info(
-            "remote tier: %d block(s) known to the store forgotten; %d still in the pool are published "
-            "again in %gs",
+            "remote tier: %d block(s) known to the store forgotten; %d still in the pool to publish again",
             len(keys),
             len(again),
-            GONE_TTL_S,
         )
 
     def _republish(self) -> None:
