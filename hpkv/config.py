@@ -590,6 +590,23 @@ KEYS: dict[str, Key] = {
             "waits at most this long; what is not confirmed by then is a miss for that lookup",
         ),
         Key(
+            "HPKV_REMOTE_DOWN_AFTER",
+            "3",
+            _int_parser(minimum=1, maximum=1000),
+            "a count, e.g. 3",
+            "consecutive store failures that mark the remote tier down (one master timeout does at "
+            "once); while down, lookups do not ask it, blocks are not published (counted as dropped) "
+            "and remote hits are recomputed",
+        ),
+        Key(
+            "HPKV_REMOTE_PROBE_S",
+            "2",
+            _float_parser(0.1, 3600.0),
+            "seconds, e.g. 2",
+            "while the remote tier is down, one cheap probe (an exists of one key) every this many "
+            "seconds; the first that the store answers marks it up again",
+        ),
+        Key(
             "HPKV_METRICS_PORT",
             "0",
             _int_parser(minimum=0, maximum=65535),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -321,6 +322,17 @@ def test_a_killed_remote_worker_is_restarted_and_publishes_again(tmp_path: Path)
                 n.wait_remote(lambda r: r["published"] + r["errors"] >= tried, "the put's end")  # noqa: B023
             assert not n.remote()["down"]
             assert n.c.lookup(n.ns.ns_id, first + later) == (1 + len(later), [1] * (1 + len(later)))
+            # The block published before the restart (its object went with the old segment) is
+            # still in the pool: published again once the master has dropped the old segment.
+            published = n.remote()["published"]
+            r = n.wait_remote(
+                lambda r: r["republished"] == 1 and r["published"] == published + 1, "republish"
+            )
+            assert r["existed"] == 0 and not r["down"]
+            name = mooncake_api.object_key(BlockId(bytes.fromhex(FP), first[0], 0, 1))
+            r = a.run([sys.executable, "-c", _EXISTS, a.addr, m.metadata, m.rpc, name],
+                      env=mc.client_env(a.addr), capture_output=True, text=True, timeout=60)  # fmt: skip
+            assert r.stdout.strip() == "[1]", r.stderr[-2000:]
         finally:
             n.close()
 
@@ -412,3 +424,215 @@ def test_config_check_says_what_the_remote_tier_lacks(tmp_path: Path) -> None:
     )
     assert r.returncode == 1
     assert "HPKV_REMOTE_BACKEND=mooncake needs HPKV_REMOTE_MASTER" in r.stderr
+
+
+def _wait_lookup(n: Node, keys: list[bytes], want: tuple[int, list[int]], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (got := n.c.lookup(n.ns.ns_id, keys)) != want:
+        assert time.monotonic() < deadline, f"lookup {got} != {want}: {n.remote()}\n{n.srv.log()[-3000:]}"
+        time.sleep(0.2)
+
+
+def test_a_restarted_master_brings_the_tier_back_up_by_itself_and_blocks_are_shared_again(
+    tmp_path: Path,
+) -> None:
+    _require()
+    with two_nodes(tmp_path) as (na, nb, m):
+        before = block_keys(FP, [b"r0"])
+        data = na.put(before)
+        na.wait_remote(lambda r: r["published"] == 1, "the first block published")
+        _wait_lookup(nb, before, (1, [2]))
+        m.ns.stop(m.proc, signal.SIGKILL)
+        # A's next publish and B's next question fail: each tier goes down (the master did not answer)
+        during = block_keys(FP, [f"r1-{i}".encode() for i in range(8)])
+        data.update(na.put(during))
+        r = na.wait_remote(lambda r: r["down"], "A's tier down", timeout=30)
+        assert r["state"] == "down" and r["down_events"] == 1 and "master" in r["down_reason"]
+        # The 8 publishes queued before A knew end at once (not ~4.3 s each in Mooncake), so
+        # their blocks do not stay unevictable for long.
+        r = na.wait_remote(lambda r: r["errors"] >= 8, "the queued publishes failed", timeout=20)
+        assert r["published"] == 1
+        unknown = block_keys(FP, [b"nobody"])
+        nb.c.lookup(nb.ns.ns_id, unknown)
+        r = nb.wait_remote(lambda r: r["down"], "B's tier down", timeout=30)
+        # B knew r0 was in the store: no lookup promises it while the store is down
+        assert r["blocks"] == 0 and nb.c.lookup(nb.ns.ns_id, before) == (0, [])
+        # local tiers keep serving meanwhile, without waiting on the store
+        for _ in range(3):
+            t0 = time.monotonic()
+            assert na.c.lookup(na.ns.ns_id, before + during + unknown) == (9, [1] * 9)
+            assert time.monotonic() - t0 < 1.0, "a lookup waited on the dead master"
+        rows = na.c.promote(na.ns.ns_id, before + during)
+        assert (rows >= 0).all()
+        na.c.unpin(na.ns.ns_id, before + during)
+        na.put(block_keys(FP, [b"r1-down"]))  # committed while down: not published, counted
+        na.wait_remote(lambda r: r["dropped"] == 1, "a block dropped while down")
+        mc.restart(m)  # same address, an empty store
+        for n in (na, nb):
+            r = n.wait_remote(lambda r: not r["down"], "the tier up again after the master restart", 60)
+            assert r["probes"] >= 1 and r["down_events"] == 1
+        # A published again what it still holds (the new master knew nothing of it) ...
+        na.wait_remote(lambda r: r["republished"] >= 1 and r["published"] >= 2, "r0 published again")
+        # ... and a block committed after the restart is a cross-node hit again, byte-exact
+        after = block_keys(FP, [b"r2"])
+        data.update(na.put(after))
+        na.wait_remote(lambda r: r["published"] >= 3, "the block committed after the restart published")
+        _wait_lookup(nb, before + after, (2, [2, 2]))
+        rows = nb.c.promote(nb.ns.ns_id, before + after)
+        for k, row in zip(before + after, rows, strict=True):
+            assert row[0] >= 0, f"{k.hex()} not loaded: {nb.remote()}\n{nb.srv.log()[-3000:]}"
+            assert nb.pool.array[row[0] : row[0] + SHARD].tobytes() == data[k]
+        # each state change was logged once
+        for n in (na, nb):
+            log = n.srv.log()
+            assert log.count("remote store down") == 1 and log.count("remote store up again") == 1, log[
+                -3000:
+            ]
+
+
+_SCRAPE = """import sys, urllib.request
+print(urllib.request.urlopen(f"http://{sys.argv[1]}/metrics", timeout=10).read().decode())"""
+
+
+def _views(n: Node) -> tuple[dict, str, str, dict[str, float]]:
+    """The remote tier as `hpkv status --json`, `hpkv status`, `hpkv-top --once` and the
+    Prometheus endpoint (scraped inside the node's namespace) show it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def cli(*args: str) -> str:
+        r = subprocess.run(
+            [sys.executable, "-m", *args], env=n.srv.env, capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout
+
+    status = json.loads(cli("hpkv", "status", "--json"))["storage"]["remote"]
+    human = cli("hpkv", "status")
+    top = cli("hpkv.monitor.top", "--once", "--width", "160")
+    r = n.net.run([sys.executable, "-c", _SCRAPE, f"127.0.0.1:{n.srv.env['HPKV_METRICS_PORT']}"],
+                  capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    prom = {
+        s.name: s.value
+        for fam in text_string_to_metric_families(r.stdout)
+        for s in fam.samples
+        if s.name.startswith("hpkv_remote_")
+    }
+    return status, human, top, prom
+
+
+def test_the_remote_state_and_counters_in_status_top_and_prometheus(tmp_path: Path) -> None:
+    _require()
+    with netns.namespaces(1) as (a,), mc.master(a, tmp_path) as m:
+        n = Node(a, m, segment="128m", HPKV_METRICS_PORT="9109", HPKV_METRICS_HOST="127.0.0.1")
+        try:
+            keys = block_keys(FP, [b"o0", b"o1"])
+            n.put(keys)
+            n.wait_remote(lambda r: r["published"] == 2, "2 blocks published")
+            unknown = block_keys(FP, [b"o-missing"])
+            n.c.lookup(n.ns.ns_id, unknown)
+            n.wait_remote(lambda r: r["missed"] == 1, "the unknown key asked about")
+            status, human, top, prom = _views(n)
+            assert status["state"] == "up" and status["blocks"] == 2 and status["asked"] == 1
+            assert status["published"] == 2 and status["bytes_put"] == 2 * kvfile.file_size(SHARD)
+            assert status["down_events"] == 0 and status["errors"] == 0
+            assert re.search(rf"^remote    {m.rpc}  UP$", human, re.M), human
+            assert "puts 2" in human and "misses 1" in human and "down events 0" in human
+            assert re.search(rf"^REMOTE   {m.rpc}  UP", top, re.M) and "puts 2" in top, top
+            assert prom["hpkv_remote_enabled"] == 1 and prom["hpkv_remote_up"] == 1
+            assert prom["hpkv_remote_blocks"] == 2 and prom["hpkv_remote_published_total"] == 2
+            assert prom["hpkv_remote_missed_total"] == 1
+            assert prom["hpkv_remote_bytes_put_total"] == status["bytes_put"]
+
+            a.stop(m.proc, signal.SIGKILL)
+            n.put(block_keys(FP, [b"o2"]))  # its publish finds the master gone
+            n.wait_remote(lambda r: r["down"], "the tier down")
+            n.put(block_keys(FP, [b"o3"]))  # not published while down: dropped
+            n.wait_remote(lambda r: r["dropped"] == 1, "a dropped block")
+            status, human, top, prom = _views(n)
+            assert status["state"] == "down" and "master did not answer" in status["down_reason"]
+            assert status["down_events"] == 1 and status["errors"] >= 1
+            assert re.search(
+                rf"^remote    {m.rpc}  DOWN since \d\d:\d\d:\d\d: the master did not", human, re.M
+            )
+            assert re.search(rf"^REMOTE   {m.rpc}  DOWN since", top, re.M), top
+            assert prom["hpkv_remote_up"] == 0 and prom["hpkv_remote_down_events_total"] == 1
+            assert prom["hpkv_remote_dropped_total"] == 1
+
+            mc.restart(m)
+            r = n.wait_remote(lambda r: not r["down"], "the tier up again")
+            assert r["probes"] >= 1 and r["blocks"] == 0, "what the old master held is forgotten"
+            status, human, top, prom = _views(n)
+            assert status["state"] == "up" and status["down_reason"] is None
+            assert prom["hpkv_remote_up"] == 1 and prom["hpkv_remote_probes_total"] == status["probes"]
+        finally:
+            n.close()
+
+
+def test_the_breaker_counts_store_failures_in_a_row_and_one_probe_at_a_time_brings_it_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The circuit breaker's rules, fed the completions a remote worker answers with (store
+    errors other than a master timeout cannot be caused on demand with a real store)."""
+    import errno
+    import threading
+
+    from hpkv.config import load_config
+    from hpkv.engine.index import Index
+    from hpkv.engine.remote import RemoteTier, _Check, _Job, _Probe
+    from hpkv.protocol.errors import Status
+    from hpkv.protocol.stats import G, RemoteState, StatsSegment
+
+    ini = tmp_path / "hpkv.ini"
+    ini.write_text("")
+    env = {"HPKV_CONFIG_FILE_PATH": str(ini), "HPKV_REMOTE_BACKEND": "mooncake", "HPKV_KV_STORAGE_PATH": ""}
+    cfg = load_config({**env, "HPKV_REMOTE_DOWN_AFTER": "3", "HPKV_REMOTE_PROBE_S": "0.1"})
+    stats = StatsSegment.create(str(tmp_path))
+    t = RemoteTier(cfg, str(tmp_path), stats, Index(1 << 20), threading.RLock(), None, "")  # type: ignore[arg-type]
+
+    def answer(status: int, sent: float | None = None) -> None:
+        job = _Job(P.LOOKUP, _Check(None, [b"k" * 16], [None], 1), 0)  # type: ignore[arg-type]
+        job.sent = time.monotonic() if sent is None else sent
+        t._checks += 1
+        t._complete(job, status, 0, 0)
+
+    def state() -> RemoteState:
+        return RemoteState(int(stats.glob[G.REMOTE_STATE]))
+
+    caplog.set_level("INFO", logger="hpkv.remote")
+    for _ in range(2):
+        answer(-errno.EIO)
+    answer(-errno.ENOENT)  # a missing object: the store answered, the count starts again
+    for status in (-errno.EIO, -errno.EIO, -errno.EHOSTUNREACH, -errno.ENOSPC, Status.WORKER_DIED):
+        answer(status)  # a lost peer, a full store, a dead worker: errors, but not the store's
+    assert state() == RemoteState.UP and t.counts["errors"] == 7
+    answer(-errno.EIO)  # the third store failure in a row
+    assert state() == RemoteState.DOWN and t.counts["down_events"] == 1
+    answer(-errno.EIO)
+    assert t.counts["down_events"] == 1 and caplog.text.count("remote store down") == 1
+    # while down: one probe at a time, every HPKV_REMOTE_PROBE_S
+    t._req = object()  # type: ignore[assignment]  # (a worker to send it to; nothing is sent here)
+    time.sleep(0.11)
+    for _ in range(3):
+        t._breaker(time.monotonic())
+    probes = [j for j in t._checks_q if isinstance(j.what, _Probe)]
+    assert len(probes) == 1 and t.counts["probes"] == 1
+    t._checks_q.clear()
+    probes[0].sent = time.monotonic()
+    t._complete(probes[0], -errno.ETIMEDOUT, 0, 0)  # no answer: still down, probed again later
+    assert state() == RemoteState.DOWN
+    t._breaker(time.monotonic())
+    assert not t._checks_q, "the next probe waits HPKV_REMOTE_PROBE_S"
+    time.sleep(0.11)
+    t._breaker(time.monotonic())
+    (probe,) = t._checks_q
+    t._checks_q.clear()
+    before_up = time.monotonic()
+    t._complete(probe, 0, 0, 0)  # answered (the key is absent): up again
+    assert state() == RemoteState.UP and caplog.text.count("remote store up again") == 1
+    for _ in range(3):
+        answer(-errno.EIO, sent=before_up - 1)  # failures of jobs sent before it came up: old news
+    assert state() == RemoteState.UP
+    answer(-errno.ETIMEDOUT)  # one call the master did not answer: down at once
+    assert state() == RemoteState.DOWN and t.counts["down_events"] == 2
+    stats.close()

@@ -18,10 +18,20 @@ this is the server's side of it, under the server's lock, and it never waits on 
 
 Which keys the store holds (as far as this node knows) is a
 :class:`~hpkv.engine.storage.catalog.FileCatalog` of its own, the index's one owner of
-"has a copy below the pool". A failure of the store (not a missing object) marks the tier
-down for :data:`DOWN_BACKOFF_S`: lookups stop asking, spills are dropped, promotes of
-remote blocks miss; the worst case is recompute. A worker that dies has its jobs failed and
-is restarted on the same rings, as an IO worker is.
+"has a copy below the pool".
+
+A circuit breaker guards the store: ``HPKV_REMOTE_DOWN_AFTER`` failures of it in a row (not a
+missing object, not a lost peer), or one call the master did not answer, mark the tier DOWN:
+lookups stop asking, spills are dropped (counted), promotes of remote blocks miss; the worst
+case is recompute. While DOWN, one cheap probe (an exists of :data:`PROBE_KEY`) every
+``HPKV_REMOTE_PROBE_S`` decides: the first the store answers marks it UP again. Each change is
+logged once. Going DOWN, what this node knew the store held is forgotten (no lookup promises
+a remote block meanwhile; a restarted master starts empty); :data:`GONE_TTL_S` after coming
+back UP (the store's liveness window: the clients' segments are mounted on a restarted master
+again by then) the blocks it published that are still in the pool are published again (at
+most :data:`MAX_QUEUED_SPILLS`; a put of an object that is still there is skipped). The same
+after a restart of a remote worker that held a segment (the objects in it went with it). A
+worker that dies has its jobs failed and is restarted on the same rings, as an IO worker is.
 
 For now the remote tier replaces the file tier (HPKV_KV_STORAGE_PATH must be empty); the
 order DRAM → files → remote needs the tier list to route promotes by tier.
@@ -48,7 +58,7 @@ from hpkv.engine.workers import WorkerProcess
 from hpkv.io_workers import kvfile
 from hpkv.protocol import wire as P
 from hpkv.protocol.errors import Status, status_message
-from hpkv.protocol.stats import NsCounter, StatsSegment
+from hpkv.protocol.stats import REMOTE_COUNTERS, G, NsCounter, RemoteState, StatsSegment
 from hpkv.ring import Doorbell, Ring, RingError
 
 log = logging.getLogger("hpkv.remote")
@@ -58,14 +68,14 @@ NEGATIVE_TTL_S = 1.0  # a key the store did not have is not asked about again fo
 # segment holder for ~10 s (its client_ttl), so it is not asked about again for longer.
 GONE_TTL_S = 12.0
 MAX_NEGATIVE = 65536  # keys remembered as missing
-DOWN_BACKOFF_S = 10.0  # after a store failure: not asked (lookups, spills) for this long
+PROBE_KEY = b"hpkv-probe".ljust(16, b"\0")  # the key the breaker's probe asks about (any answer will do)
 MAX_CHECK_KEYS = 64  # keys one lookup asks about
 MAX_CHECKS = 8  # lookups' questions in flight at once (beyond: answered from what is known)
 MAX_QUEUED_SPILLS = 256  # blocks waiting to be published (beyond: not published, counted)
 GONE = (-errno.ENOENT, Status.CORRUPT)
 # Failures of one object or one peer, not of the store (the tier stays up): a worker that died,
-# a put placed in the segment of a node that is gone.
-NOT_THE_STORE = (Status.WORKER_DIED, -errno.EHOSTUNREACH)
+# a put placed in the segment of a node that is gone, a put no segment had room for.
+NOT_THE_STORE = (Status.WORKER_DIED, -errno.EHOSTUNREACH, -errno.ENOSPC)
 
 
 def check_config(cfg: Config) -> None:
@@ -112,10 +122,32 @@ class _Check:
 
 
 @dataclass
+class _Probe:
+    """The circuit breaker's question while the tier is down: does the store answer at all?"""
+
+
+@dataclass
 class _Job:
     kind: int
-    what: _Op | _Check
+    what: _Op | _Check | _Probe
     index: int  # the rank (ops) or the key's position (checks)
+    sent: float = (
+        0.0  # when it went to the worker (a failure of a job sent before the tier came up is old news)
+    )
+
+
+class _Counts:
+    """The remote tier's counters, live in the stats segment's global row (one writer: the
+    server), read and written by their snapshot names (:data:`REMOTE_COUNTERS`)."""
+
+    def __init__(self, glob: np.ndarray):
+        self._g = glob
+
+    def __getitem__(self, name: str) -> int:
+        return int(self._g[REMOTE_COUNTERS[name]])
+
+    def __setitem__(self, name: str, value: int) -> None:
+        self._g[REMOTE_COUNTERS[name]] = value
 
 
 class RemoteTier:
@@ -140,6 +172,8 @@ class RemoteTier:
         self.pool_path = pool_path
         self.catalog = FileCatalog(index)
         self.lookup_wait = float(cfg["HPKV_REMOTE_LOOKUP_WAIT_MS"]) / 1000.0
+        self.down_after = int(cfg["HPKV_REMOTE_DOWN_AFTER"])
+        self.probe_s = float(cfg["HPKV_REMOTE_PROBE_S"])
         self.worker: WorkerProcess | None = None
         self._req: Ring | None = None
         self._resp: Ring | None = None
@@ -157,21 +191,20 @@ class RemoteTier:
         self._calls: list[ParkedPromote] = []
         self._answers: list[PromoteAnswer] = []
         self._ns_raw: dict[int, bytes] = {}
-        self._down_until = 0.0
+        # the circuit breaker
+        self._state = RemoteState.UP
+        self._fails = 0  # store failures in a row
+        self._up_since = 0.0  # (monotonic) jobs sent before it do not count against the breaker
+        self._down_since = 0.0  # (monotonic) and the wall-clock time and reason, for `hpkv status`
+        self._down_wall: float | None = None
+        self._down_reason: str | None = None
+        self._next_probe = 0.0
+        self._probing = False
+        self._republish_at: float | None = None  # when to publish again what _forget_known kept
+        self._republish_keys: list[bytes] = []
         self._dirty = False
-        self._published: tuple[int, ...] = ()
-        self.counts = {
-            "published": 0,
-            "existed": 0,
-            "dropped": 0,
-            "loaded": 0,
-            "corrupt": 0,
-            "gone": 0,
-            "errors": 0,
-            "found": 0,
-            "asked": 0,
-            "down_events": 0,
-        }
+        stats.glob[G.REMOTE_STATE] = RemoteState.UP
+        self.counts = _Counts(stats.glob)
 
     # ================================================================ life cycle
     def start(self, slot: int) -> list[WorkerProcess]:
@@ -203,9 +236,14 @@ class RemoteTier:
                 ring.close()
 
     def describe(self) -> dict[str, Any]:
+        # the state and the counters are live in the stats segment (G.REMOTE_*): this is the rest
         return {
             "path": f"mooncake://{self.cfg['HPKV_REMOTE_MASTER']}",
-            "remote": {**self.counts, "blocks": len(self.catalog), "down": self._is_down()},
+            "remote": {
+                "master": self.cfg["HPKV_REMOTE_MASTER"],
+                "down_since": self._down_wall,
+                "down_reason": self._down_reason,
+            },
         }
 
     @property
@@ -213,9 +251,7 @@ class RemoteTier:
         return self._is_down()
 
     def take_catalog_dirty(self) -> bool:
-        counts = tuple(self.counts.values())
-        dirty = self._dirty or counts != self._published
-        self._dirty, self._published = False, counts
+        dirty, self._dirty = self._dirty, False
         return dirty
 
     def worker_died(self, worker: Any) -> bool:
@@ -350,6 +386,7 @@ class RemoteTier:
             if self._dead:
                 self._recover()
             now = time.monotonic()
+            self._breaker(now)
             for call in self._calls:
                 if not call.done and now >= call.deadline:
                     call.finish(self._answers)  # whatever is not loaded yet stays -1
@@ -376,10 +413,13 @@ class RemoteTier:
                 if not pushed:
                     return  # full (a stuck worker): again on the next wake-up
                 q.popleft()
+                job.sent = time.monotonic()
                 self._inflight[self._seq] = job
 
     def _job_args(self, job: _Job) -> tuple[bytes, bytes, int, int, int, int]:
         w = job.what
+        if isinstance(w, _Probe):
+            return bytes(16), PROBE_KEY, 0, 1, 0, 0
         if isinstance(w, _Check):
             ns = w.ns
             return self._ns_raw.get(ns.ns_id, bytes(16)), w.keys[job.index], 0, ns.world_size, 0, 0
@@ -416,11 +456,21 @@ class RemoteTier:
         self._dirty = True
         log.error("remote worker died with %d job(s) taken: reported failed", len(lost))
         self.worker.respawn()
+        if int(self.cfg["HPKV_REMOTE_SEGMENT_SIZE"]) > 0:
+            # the objects in its segment went with it; the master lists them for ~10 s more
+            # (exists says yes, gets fail), so they are published again after that
+            self._forget_known()
+            self._republish_at = time.monotonic() + GONE_TTL_S
 
     def _complete(self, job: _Job, status: int, a0: int, flags: int) -> None:
         w = job.what
         if status < 0 and status not in GONE:
             self._failed(job, status)
+        elif job.sent >= self._up_since:
+            self._fails = 0  # the store answered
+        if isinstance(w, _Probe):
+            self._probe_done(status)
+            return
         if isinstance(w, _Check):
             w.found[job.index] = a0 if status == 0 else -1
             w.remaining -= 1
@@ -431,25 +481,101 @@ class RemoteTier:
             w.status = w.status or status
         elif w.kind == P.SPILL:
             self.counts["existed" if flags & P.IO_EXISTED else "published"] += 1
+            self.counts["bytes_put"] += a0
+        else:
+            self.counts["bytes_got"] += a0
         w.remaining -= 1
         if w.remaining == 0:
             (self._spill_done if w.kind == P.SPILL else self._promote_done)(w)
 
     def _failed(self, job: _Job, status: int) -> None:
-        """A store failure (not a missing object): the tier is down for a while."""
+        """A store failure (not a missing object): counted, and the breaker opens after
+        HPKV_REMOTE_DOWN_AFTER of them in a row, or at once when the master did not answer."""
         self.counts["errors"] += 1
-        if status not in NOT_THE_STORE and not self._is_down():
-            self._down_until = time.monotonic() + DOWN_BACKOFF_S
-            self.counts["down_events"] += 1
-            self._dirty = True
-            log.warning(
-                "remote store failed (%s): not asked for %gs; blocks are recomputed meanwhile",
-                status_message(status),
-                DOWN_BACKOFF_S,
-            )
+        if status in NOT_THE_STORE or self._state == RemoteState.DOWN or job.sent < self._up_since:
+            return
+        self._fails += 1
+        if status == -errno.ETIMEDOUT:
+            self._go_down(f"the master did not answer ({status_message(status)})")
+        elif self._fails >= self.down_after:
+            self._go_down(f"{self._fails} store failures in a row, the last: {status_message(status)}")
+
+    def _go_down(self, reason: str) -> None:
+        now = time.monotonic()
+        self._state = RemoteState.DOWN
+        self.stats.glob[G.REMOTE_STATE] = RemoteState.DOWN
+        self._down_since, self._down_wall, self._down_reason = now, time.time(), reason
+        self._next_probe = now + self.probe_s
+        self.counts["down_events"] += 1
+        self._dirty = True
+        log.warning(
+            "remote store down: %s; not asked, blocks recomputed, probed every %gs",
+            reason,
+            self.probe_s,
+        )
+        # No lookup promises a remote block meanwhile (its promote would miss), and what the
+        # store held may be gone when it is back (a restarted master starts empty).
+        self._forget_known()
+
+    def _breaker(self, now: float) -> None:
+        """While down: one probe at a time, every HPKV_REMOTE_PROBE_S. Up: a publish again
+        that a restarted worker's lost segment asked for, once it is due."""
+        if self._state == RemoteState.DOWN:
+            if not self._probing and now >= self._next_probe and not self._dead and self._req is not None:
+                self._probing = True
+                self.counts["probes"] += 1
+                self._checks_q.appendleft(_Job(P.LOOKUP, _Probe(), 0))
+        elif self._republish_at is not None and now >= self._republish_at:
+            self._republish_at = None
+            self._republish()
+        self.counts["blocks"] = len(self.catalog)
+
+    def _probe_done(self, status: int) -> None:
+        self._probing = False
+        now = time.monotonic()
+        if status < 0 or self._state != RemoteState.DOWN:
+            self._next_probe = now + self.probe_s
+            return
+        self._state = RemoteState.UP
+        self.stats.glob[G.REMOTE_STATE] = RemoteState.UP
+        self._up_since, self._fails = now, 0
+        self._down_wall = self._down_reason = None
+        self._dirty = True
+        log.warning("remote store up again after %.1fs down", now - self._down_since)
+        # A restarted master starts empty, and the clients' segments are mounted on it again
+        # within its liveness window: then what this node published is published again.
+        self._republish_at = now + GONE_TTL_S
+
+    def _forget_known(self) -> None:
+        """What this node knew the store held is stale (a restarted master starts empty; a
+        restarted worker's segment is gone): forgotten (lookups ask again), and the most
+        recently used of those blocks still in the pool are kept to publish again later."""
+        known = self.catalog.keys()  # least recently used first
+        keys = [k for k in known if k not in self._promoting]
+        for k in keys:
+            self.catalog.forget(k)
+        again = [k for k in reversed(keys) if self.index.spillable(k) is not None][:MAX_QUEUED_SPILLS]
+        fresh = set(again)
+        self._republish_keys = again + [k for k in self._republish_keys if k not in fresh]
+        del self._republish_keys[MAX_QUEUED_SPILLS:]
+        log.info(
+            "remote tier: %d block(s) known to the store forgotten; %d still in the pool to publish again",
+            len(keys),
+            len(again),
+        )
+
+    def _republish(self) -> None:
+        """Publish again the blocks :meth:`_forget_known` kept that are still in the pool (the
+        worker skips objects that are still there: counted as existed)."""
+        keys, self._republish_keys = self._republish_keys, []
+        room = max(0, MAX_QUEUED_SPILLS - self._spills)
+        blocks = [b for k in keys if (b := self.index.spillable(k)) is not None][:room]
+        blocks = [b for b in blocks if b.key not in self.catalog]
+        self.spill(blocks)
+        self.counts["republished"] += len(blocks)
 
     def _is_down(self) -> bool:
-        return time.monotonic() < self._down_until
+        return self._state == RemoteState.DOWN
 
     def _check_done(self, check: _Check) -> None:
         now = time.monotonic()
@@ -458,6 +584,7 @@ class RemoteTier:
         for k, found in zip(check.keys, check.found, strict=True):
             if found != 1:
                 if found == 0:
+                    self.counts["missed"] += 1
                     self._remember_missing(k, now + NEGATIVE_TTL_S)
                 break
             if self.catalog.add(check.ns, k, recent=False):

@@ -10,6 +10,7 @@ ones hpkv acts on are named in :data:`ERRORS`.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import importlib.metadata
 import importlib.util
@@ -54,6 +55,18 @@ ERRORS = {
 INVALID_PARAMS = -600
 OBJECT_NOT_FOUND = -704
 TRANSFER_FAIL = -800
+RPC_FAIL = -900
+
+
+NO_AVAILABLE_HANDLE = -200
+
+
+def errno_of(code: int) -> int:
+    """The errno a failed call answers the server with: ETIMEDOUT when the master did not
+    answer (its RPC failed: the server marks the tier down at once), ENOSPC when no segment
+    had room (full, or none mounted yet: for a moment after a master restart, until the
+    clients' segments are mounted again; not a failure of the store), EIO otherwise."""
+    return {RPC_FAIL: errno.ETIMEDOUT, NO_AVAILABLE_HANDLE: errno.ENOSPC}.get(code, errno.EIO)
 
 
 class MooncakeUnavailable(RuntimeError):

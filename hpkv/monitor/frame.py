@@ -21,6 +21,7 @@ from typing import Any
 
 from hpkv.config import format_size
 from hpkv.monitor.sample import HISTORY_S, View
+from hpkv.monitor.status import remote_summary
 from hpkv.protocol.stats import STORAGE_HEALTH_COUNTERS, TIERS
 
 #: (text, style); style is one of "title", "head", "text", "warn", "dim".
@@ -339,6 +340,11 @@ def _storage(s: dict[str, Any], width: int) -> list[Line]:
     shown = [f"{label} {fmt_count(st[k])}" for k, label, _ in STORAGE_HEALTH_COUNTERS if st.get(k)]
     if shown:
         lines.append((join_fit(["        ", *shown], width), "text"))
+    rt = st.get("remote")
+    if rt:
+        state, counters = remote_summary(rt)
+        lines.append((clip(f"REMOTE   {state}", width), "warn" if rt.get("down") else "text"))
+        lines.append((join_fit(["        ", *counters], width), "text"))
     return lines
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from hpkv.config import Config
 from hpkv.monitor.rings import peek_all
 from hpkv.monitor.sample import ring_names
-from hpkv.protocol.stats import STORAGE_HEALTH_COUNTERS, StatsSegment
+from hpkv.protocol.stats import REMOTE_COUNTER_HELP, STORAGE_HEALTH_COUNTERS, StatsSegment
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -41,6 +41,21 @@ def namespace_labels(namespaces: list[dict[str, Any]]) -> dict[int, str]:
         n["id"]: n["name"] if names.count(n["name"]) == 1 else f"{n['name']}@{n['fingerprint'][:8]}"
         for n in namespaces
     }
+
+
+def _remote_families(rt: dict[str, Any] | None, gauge: Any, counter: Any) -> Iterator[Metric]:
+    """The remote tier's families (``hpkv_remote_*``): its state and counters."""
+    yield gauge("hpkv_remote_enabled", "1 when the remote tier (HPKV_REMOTE_BACKEND) is on.", 1 if rt else 0)
+    if not rt:
+        return
+    yield gauge(
+        "hpkv_remote_up",
+        "1 while the remote store answers, 0 while its circuit breaker is open (down: not asked, "
+        "blocks recomputed, re-probed every HPKV_REMOTE_PROBE_S).",
+        0 if rt.get("down") else 1,
+    )
+    for key, _, text in REMOTE_COUNTER_HELP:
+        yield (gauge if key == "blocks" else counter)(f"hpkv_remote_{key}", text, rt.get(key, 0))
 
 
 def families(snap: dict[str, Any], rings: dict[str, Any]) -> Iterator[Metric]:
@@ -291,6 +306,8 @@ def families(snap: dict[str, Any], rings: dict[str, Any]) -> Iterator[Metric]:
         )
         for key, _, text in STORAGE_HEALTH_COUNTERS:
             yield counter(f"hpkv_storage_{key}", text, st.get(key, 0))
+
+    yield from _remote_families((st or {}).get("remote"), gauge, counter)
 
     # ------------------------------------------------------------ rings
     depth = gauge("hpkv_ring_depth", "Descriptors queued in the ring.", labels=("ring",))

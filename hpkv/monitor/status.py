@@ -8,7 +8,7 @@ import time
 
 from hpkv.common.numa import format_cpulist
 from hpkv.config import Config, format_size
-from hpkv.protocol.stats import STORAGE_HEALTH_COUNTERS, StatsSegment, StatsVersionError
+from hpkv.protocol.stats import REMOTE_COUNTER_HELP, STORAGE_HEALTH_COUNTERS, StatsSegment, StatsVersionError
 from hpkv.protocol.wire import live_server_pid
 
 
@@ -47,6 +47,21 @@ def _storage_state(st: dict) -> str:
     return out
 
 
+def remote_summary(rt: dict) -> tuple[str, list[str]]:
+    """The remote tier's state (UP, or DOWN with since when and why) and its counters, each
+    "label value" (``hpkv status`` and hpkv-top show the same)."""
+    state = f"{rt.get('master') or ''}  UP"
+    if rt.get("down"):
+        since = rt.get("down_since")
+        when = time.strftime(" since %H:%M:%S", time.localtime(since)) if since else ""
+        state = f"{rt.get('master') or ''}  DOWN{when}: {rt.get('down_reason') or 'the store failed'}"
+    shown = []
+    for key, label, _ in REMOTE_COUNTER_HELP:
+        v = rt.get(key, 0)
+        shown.append(f"{label} {format_size(v)}" if key.startswith("bytes_") else f"{label} {v}")
+    return state, shown
+
+
 def _tier_table(namespaces: list[dict]) -> list[str]:
     """Per namespace and tier: what it holds there, and the prefill time its loads from there
     saved (TIME SAVED = PREFILL SAVED - LOAD TIME: see hpkv.protocol.stats._tiers)."""
@@ -64,6 +79,13 @@ def _tier_table(namespaces: list[dict]) -> list[str]:
     return lines
 
 
+def _remote_lines(rt: dict | None) -> list[str]:
+    if not rt:
+        return []
+    state, counters = remote_summary(rt)
+    return [f"remote    {state}", "          " + "  ".join(counters)]
+
+
 def format_status(s: dict) -> str:
     p = s["pool"]
     lines = [
@@ -71,6 +93,7 @@ def format_status(s: dict) -> str:
         f"pool      {format_size(p['used_bytes'])} used / {format_size(p['capacity_bytes'])}"
         f"  pinned {format_size(p['pinned_bytes'])}  blocks {p['blocks']}",
         f"storage   {s['server'].get('storage') or 'disabled'}{_storage_state(s.get('storage') or {})}",
+        *_remote_lines((s.get("storage") or {}).get("remote")),
         f"requests  {s['requests']}  errors {s['errors']}  worker restarts {s['worker_restarts']}",
         "",
         "NAMESPACE            RANKS  DRAM BLOCKS  PINNED  OPERATOR PINNED  HITS DRAM  HITS STORAGE  MISSES"

@@ -60,9 +60,11 @@ class NsCounter(IntEnum):
 NS_COUNTERS = len(NsCounter)
 
 MAGIC = 0x53544154564B5048  # "HPKVTATS"
-VERSION = 3  # 2: GLOBAL_SLOTS 32 -> 48 (the storage tier's health counters); 3: NS_SLOTS 16 -> 32
+# 2: GLOBAL_SLOTS 32 -> 48 (the storage tier's health counters); 3: NS_SLOTS 16 -> 32;
+# 4: GLOBAL_SLOTS 48 -> 80 (the remote tier's state and counters, 48..64)
+VERSION = 4
 HEADER_SLOTS = 16
-GLOBAL_SLOTS = 48
+GLOBAL_SLOTS = 80
 MAX_NS = 64
 NS_SLOTS = 32
 MAX_WORKERS = 64
@@ -120,6 +122,24 @@ class G(IntEnum):
     # HPKV_STORAGE_ADMIT=reuse:N: blocks kept off storage until reused, and those written then
     STORAGE_ADMIT_DEFERRED = 40
     STORAGE_ADMITTED = 41
+    # The remote tier (HPKV_REMOTE_BACKEND, hpkv/engine/remote.py), written by the server.
+    REMOTE_STATE = 48  # gauge: RemoteState
+    REMOTE_BLOCKS = 49  # gauge: blocks this node knows the store holds
+    REMOTE_ASKED = 50  # keys asked about (lookups of keys nobody here knows)
+    REMOTE_FOUND = 51  # of those, keys the store held (remote hits)
+    REMOTE_MISSED = 52  # of those, keys it did not hold
+    REMOTE_PUBLISHED = 53  # objects put (one per rank)
+    REMOTE_EXISTED = 54  # objects not put: the store had them already
+    REMOTE_DROPPED = 55  # blocks not published: tier down, or the publish queue full
+    REMOTE_LOADED = 56  # blocks read from the store into the pool (remote gets)
+    REMOTE_BYTES_PUT = 57
+    REMOTE_BYTES_GOT = 58
+    REMOTE_CORRUPT = 59  # objects that did not verify (removed, recomputed)
+    REMOTE_GONE = 60  # blocks whose objects were gone at a get (their holder died)
+    REMOTE_ERRORS = 61  # store failures (not a missing object)
+    REMOTE_DOWN_EVENTS = 62  # times the tier went down
+    REMOTE_PROBES = 63  # probes sent while down
+    REMOTE_REPUBLISHED = 64  # blocks published again (the store came back up, a lost segment)
 
 
 class W(IntEnum):
@@ -138,6 +158,33 @@ class W(IntEnum):
     HANGS = 10  # times the server found it hung (no heartbeat for HPKV_WORKER_HANG_S) and killed it
     BAD_JOBS = 11  # jobs refused as malformed (unaligned or out-of-range slot offsets, bad sizes)
     STALE_SAVES = 12  # saves refused: a slot's reservation was released (new generation)
+
+
+class RemoteState(IntEnum):
+    OFF = 0  # no remote tier
+    UP = 1
+    DOWN = 2  # the circuit breaker is open: not asked, re-probed every HPKV_REMOTE_PROBE_S
+
+
+#: The remote tier's counters as snapshots name them (``storage.remote``), in slot order.
+REMOTE_COUNTERS = {
+    "blocks": G.REMOTE_BLOCKS,
+    "asked": G.REMOTE_ASKED,
+    "found": G.REMOTE_FOUND,
+    "missed": G.REMOTE_MISSED,
+    "published": G.REMOTE_PUBLISHED,
+    "existed": G.REMOTE_EXISTED,
+    "dropped": G.REMOTE_DROPPED,
+    "loaded": G.REMOTE_LOADED,
+    "bytes_put": G.REMOTE_BYTES_PUT,
+    "bytes_got": G.REMOTE_BYTES_GOT,
+    "corrupt": G.REMOTE_CORRUPT,
+    "gone": G.REMOTE_GONE,
+    "errors": G.REMOTE_ERRORS,
+    "down_events": G.REMOTE_DOWN_EVENTS,
+    "probes": G.REMOTE_PROBES,
+    "republished": G.REMOTE_REPUBLISHED,
+}
 
 
 class WorkerState(IntEnum):
@@ -363,6 +410,29 @@ STORAGE_HEALTH_COUNTERS = (
 )
 
 
+#: The remote tier's counters as monitors show them: (snapshot key, short label, help); the
+#: Prometheus names are ``hpkv_remote_<key>`` (``blocks`` a gauge, the rest counters).
+REMOTE_COUNTER_HELP = (
+    ("blocks", "blocks", "Blocks this node knows the remote store holds."),
+    ("asked", "asked", "Keys nobody here knew, asked about in the remote store."),
+    ("found", "hits", "Keys asked about that the remote store held (remote hits)."),
+    ("missed", "misses", "Keys asked about that the remote store did not hold."),
+    ("published", "puts", "Objects published to the remote store (one per rank)."),
+    ("existed", "existed", "Objects not published: the remote store held them already."),
+    ("dropped", "dropped", "Blocks not published: the tier was down or the publish queue full."),
+    ("loaded", "gets", "Blocks read from the remote store into the pool."),
+    ("bytes_put", "put", "Bytes published to the remote store."),
+    ("bytes_got", "got", "Bytes read from the remote store."),
+    ("corrupt", "corrupt", "Remote objects that did not verify (removed; the blocks recomputed)."),
+    ("gone", "gone", "Remote blocks whose objects were gone at a read (their holder died)."),
+    ("errors", "errors", "Remote store failures (not a missing object)."),
+    ("down_events", "down events", "Times the remote tier's circuit breaker opened (tier down)."),
+    ("probes", "probes", "Probes of the remote store sent while the tier was down."),
+    ("republished", "republished", "Blocks published again (the store came back, or a lost segment)."),
+)
+assert [k for k, _, _ in REMOTE_COUNTER_HELP] == list(REMOTE_COUNTERS)
+
+
 def _storage_snapshot(g: np.ndarray, cat: dict[str, Any]) -> dict[str, Any]:
     """The ``"storage"`` section of a snapshot (monitors and Prometheus read exactly these)."""
     degraded = bool(g[G.STORAGE_DEGRADED]) and bool(cat.get("degraded_reason"))
@@ -397,6 +467,25 @@ def _storage_snapshot(g: np.ndarray, cat: dict[str, Any]) -> dict[str, Any]:
         "degraded_misses": int(g[G.STORAGE_DEGRADED_MISSES]),
         "admit_deferred": int(g[G.STORAGE_ADMIT_DEFERRED]),
         "admitted": int(g[G.STORAGE_ADMITTED]),
-        # The remote tier's counters (HPKV_REMOTE_BACKEND), None when it is off.
-        "remote": cat.get("remote"),
+        "remote": _remote_snapshot(g, cat.get("remote")),
+    }
+
+
+def _remote_snapshot(g: np.ndarray, cat: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The remote tier's section (``storage.remote``): None when it is off. The counters are
+    live; ``master`` and ``down_since``/``down_reason`` come with the catalog."""
+    state = int(g[G.REMOTE_STATE])
+    if state == RemoteState.OFF:
+        return None
+    cat = cat or {}
+    # The gauge is live; the reason and the time come with the catalog (within 0.2 s): down
+    # once both say so, so a snapshot never shows the state without its reason.
+    down = state == RemoteState.DOWN and bool(cat.get("down_reason"))
+    return {
+        "state": "down" if down else "up",
+        "down": down,
+        "master": cat.get("master"),
+        "down_since": cat.get("down_since") if down else None,
+        "down_reason": cat.get("down_reason") if down else None,
+        **{k: int(g[slot]) for k, slot in REMOTE_COUNTERS.items()},
     }

@@ -51,11 +51,7 @@ def _listening(ns: Netns, port: int) -> bool:
     return bool(out.stdout.strip())
 
 
-@contextlib.contextmanager
-def master(ns: Netns, log_dir: Path, timeout: float = 30) -> Iterator[Master]:
-    """A master bound to ``ns.addr`` (its metadata HTTP server binds 0.0.0.0 regardless: hence
-    the namespace). Stopped at the end of the block; the namespace's teardown is the backstop."""
-    log = log_dir / "mooncake_master.log"
+def _start(ns: Netns, log: Path, timeout: float, mode: str = "wb") -> Any:
     addr = ns.addr
     cmd = [
         mooncake_api.master_binary(),
@@ -67,9 +63,8 @@ def master(ns: Netns, log_dir: Path, timeout: float = 30) -> Iterator[Master]:
         f"--metrics_host={addr}",
         f"--metrics_port={METRICS_PORT}",
     ]
-    with open(log, "wb") as f:
+    with open(log, mode) as f:
         proc = ns.popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    m = Master(ns, proc, log)
     try:
         deadline = time.monotonic() + timeout
         while not (_listening(ns, RPC_PORT) and _listening(ns, METADATA_PORT)):
@@ -78,9 +73,31 @@ def master(ns: Netns, log_dir: Path, timeout: float = 30) -> Iterator[Master]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"mooncake_master not listening after {timeout:.0f} s: {log}")
             time.sleep(0.1)
+    except BaseException:
+        ns.stop(proc)
+        raise
+    return proc
+
+
+@contextlib.contextmanager
+def master(ns: Netns, log_dir: Path, timeout: float = 30) -> Iterator[Master]:
+    """A master bound to ``ns.addr`` (its metadata HTTP server binds 0.0.0.0 regardless: hence
+    the namespace). Stopped at the end of the block (also after :func:`restart`); the
+    namespace's teardown is the backstop."""
+    log = log_dir / "mooncake_master.log"
+    m = Master(ns, _start(ns, log, timeout), log)
+    try:
         yield m
     finally:
-        ns.stop(proc)
+        ns.stop(m.proc)
+
+
+def restart(m: Master, timeout: float = 30) -> None:
+    """Start the master again at the same addresses (after the test stopped or killed it); it
+    starts empty (no HA: the old one's object list is gone). Its log goes on in the same file."""
+    if m.proc.poll() is None:
+        m.ns.stop(m.proc)
+    m.proc = _start(m.ns, m.log, timeout, mode="ab")
 
 
 def client_env(local_addr: str, env: dict[str, str] | None = None) -> dict[str, str]:
