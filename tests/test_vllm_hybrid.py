@@ -6,7 +6,8 @@ With hpkv configured vLLM keeps its hybrid KV cache manager (the connector is ``
 full-attention group's every block and each sliding-window group's last 2 blocks of 32 tokens,
 and a prompt stores just as much: a sliding-window group its window, not the prompt.
 One vLLM server for the module (a start costs 60-100 s here), and one for the SSM hybrid test
-(a generated Qwen3-Next-style model: hpkv turns itself off, vLLM serves it).
+(a generated Qwen3-Next-style model without vLLM's mamba align mode: hpkv turns itself off,
+vLLM serves it; with align mode hpkv serves it: test_vllm_ssm.py).
 """
 
 from __future__ import annotations
@@ -88,8 +89,10 @@ def server(hpkv_env):
 
 
 def test_an_ssm_hybrid_runs_with_hpkv_configured_and_hpkv_says_once_why_it_is_off(hpkv_env):
-    """Defined before the tests of the module's server, so that pytest starts this engine alone
-    (a module-scoped fixture starts at its first use)."""
+    """Without prefix caching in vLLM's align mode (vLLM's default here) an SSM hybrid keeps no
+    state at block boundaries: nothing for hpkv to restore. Defined before the tests of the
+    module's server, so that pytest starts this engine alone (a module-scoped fixture starts
+    at its first use)."""
     model = generate_model(kind="qwen3_next", num_layers=4, full_attention_every=4)
     args = ["--kv-transfer-config", json.dumps(KTC), "--max-num-seqs", "4"]
     srv = VllmServer(model, extra_args=args, env=hpkv_env, max_model_len=MAX_MODEL_LEN)
@@ -108,6 +111,7 @@ def test_an_ssm_hybrid_runs_with_hpkv_configured_and_hpkv_says_once_why_it_is_of
     assert len(said) == 1, said
     assert "Qwen3NextForCausalLM" in said[0]
     assert "SSM/linear-attention hybrid" in said[0]
+    assert "--mamba-cache-mode align" in said[0], "what makes hpkv serve it (test_vllm_ssm.py)"
     assert "remove --kv-transfer-config" in said[0]
 
 
