@@ -19,6 +19,7 @@ import pytest
 from test_vllm_connector import (
     assert_same_up_to_noise,
     complete,
+    complete_with,
     delta,
     kv_files,
     letters,
@@ -112,3 +113,24 @@ def test_gpu_dram_and_storage_hits_restore_the_state_and_give_the_cold_runs_outp
     assert delta(before, loaded(hpkv_env)) == {"dram": 0, "storage": stored * BLOCK}
     assert storage_text == cold_text
     assert storage_lp == gpu_lp
+
+
+def test_the_next_turn_of_a_conversation_hits_the_whole_previous_prompt(server, hpkv_env):
+    """A prompt of 3 blocks and 8 tokens, then one that extends it: the second loads the
+    first's 3 attention blocks and the states after them, and computes the rest."""
+    first = letters(3 * BLOCK + 8, seed=600)
+    second = first + " " + letters(BLOCK, seed=601)
+    reset(server)
+    cold_text, cold_lp = complete_with(server, second, kv_transfer_params={"hpkv_skip": True})
+    reset(server)
+    commits = committed(hpkv_env)
+    complete(server, first)
+    assert committed(hpkv_env) - commits == 3 + STATE_GROUPS
+    reset(server)
+    before = loaded(hpkv_env)
+    hit_text, hit_lp = complete(server, second)
+    assert delta(before, loaded(hpkv_env)) == {"dram": (3 + STATE_GROUPS) * BLOCK, "storage": 0}
+    assert hit_text == cold_text
+    # the blocks after the loaded prefix are computed from the loaded state, not in the cold
+    # prefill's one pass: bf16 rounding differs, the logprobs agree within noise
+    assert_same_up_to_noise([(hit_text, hit_lp)], [(cold_text, cold_lp)])
