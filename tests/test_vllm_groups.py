@@ -548,3 +548,24 @@ def test_a_state_layers_padded_page_is_copied_whole():
     with pytest.raises(ValueError, match="unsupported KV cache tensor layout"):
         narrow = raw.as_strided((blocks, content), (content + 8, 1))  # a stride that is not the page
         describe_kv(layout, {"gdn": narrow}, "/x", raw.data_ptr(), raw.numel())
+
+
+def test_a_hit_whose_state_block_vllm_did_not_allocate_is_recomputed_not_run_from_no_state():
+    from hpkv.connectors.vllm.metadata import LoadOp
+
+    e = SsmEngine()
+    e.computed(request("a", 4), (50, 4 * BS))
+    c = request("c", 4)
+    e.side.on_new_request(c)
+    assert e.side.get_num_new_matched_tokens(c, 0)[0] == 4 * BS
+    full, state = [100, 101, 102, 103, 104], [NULL_BLOCK_ID] * 5  # no block where the state loads
+    e.side.update_state_after_alloc(c, (full, state), 4 * BS)
+    (load,) = e.side.build_connector_meta(step(c, 3)).loads
+    assert load.block_ids == [100, 101, 102, 103, NULL_BLOCK_ID], "kept, for the worker to refuse"
+
+    store = MemoryKvStore(slot_bytes=SSM.shard_bytes)
+    side = hybrid_worker(store, FailingMover())
+    ks, offsets = dram_blocks(store, 2)
+    good = LoadOp("good", ks[:1], [100], offsets[:1])
+    side.load(store, NS, [good, LoadOp("c", ks[1:], [NULL_BLOCK_ID], offsets[1:])], lambda exc: None)
+    assert side.take_failed_loads({"c", "good"}) == {"c"}

@@ -21,7 +21,7 @@ from hpkv.connectors.reconnect import Reconnecting
 from hpkv.connectors.vllm.events import INTERVAL_S, MAX_BLOCKS, EventFeed, EventTranslator
 from hpkv.connectors.vllm.groups import full_reach, longest_hit, window_blocks_to_save
 from hpkv.connectors.vllm.layout import Layout
-from hpkv.connectors.vllm.metadata import HpkvMetadata, LoadOp, SaveOp
+from hpkv.connectors.vllm.metadata import NULL_BLOCK_ID, HpkvMetadata, LoadOp, SaveOp
 from hpkv.connectors.vllm.worth import REPORT_EVERY_S, LoadPolicy, Report, TimeSaved
 from hpkv.protocol.errors import ROW_MISSING, HpkvUnavailable
 from hpkv.protocol.keys import block_keys
@@ -39,10 +39,6 @@ SKIP_PARAM = "hpkv_skip"
 #: background, false in the step, whatever ``HPKV_ASYNC_DRAM_LOADS`` says (unless that is 0).
 #: The benchmark measures both ways on one engine with it.
 ASYNC_DRAM_PARAM = "hpkv_async_dram_load"
-
-#: vLLM's null block (``BlockPool.null_block``, the pool's first block): what a sliding-window
-#: group's block table holds outside its window. Never saved, never loaded into.
-NULL_BLOCK_ID = 0
 
 
 def skipped(request: Any) -> bool:
@@ -333,7 +329,10 @@ class SchedulerSide:
         for g, need in enumerate(self.layout.groups):
             for i in need.needed(first, first + n):
                 block = block_ids[g][i]
-                if need.window_blocks is None or block != NULL_BLOCK_ID:  # no block there: nothing to load
+                # A window's null block: outside vLLM's window, nothing to load. A state group's
+                # is kept: vLLM allocates the hit's state block there, so a null one fails the
+                # load (the worker's) and the request is recomputed, never run from no state.
+                if need.window_blocks is None or need.state or block != NULL_BLOCK_ID:
                     keys.append(plan.keys[g][i - first])
                     targets.append(block)
                     where.append((i, g, plan.tiers[g][i - first]))
