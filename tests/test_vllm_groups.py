@@ -1,6 +1,7 @@
 """Hybrid models (several vLLM KV cache groups): what a hit needs from each group, and the
 scheduler side's lookups, loads and saves with a full-attention and a sliding-window group,
-against an in-memory store (milliseconds; real vLLM in test_vllm_hybrid.py)."""
+and with a full-attention and an SSM/linear-attention state group, against an in-memory store
+(milliseconds; real vLLM in test_vllm_hybrid.py and test_vllm_ssm.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from hpkv.connectors.vllm.groups import (
     FULL,
+    STATE,
     GroupNeed,
     full_reach,
     group_needs,
@@ -112,9 +114,28 @@ def test_group_needs_follow_vllms_specs():
         GroupNeed(3),
     )
     assert group_needs(config(full), 32) == (FULL,)
-    mamba = MambaSpec(block_size=32, shapes=((4,),), dtypes=(torch.float32,))
-    with pytest.raises(NotImplementedError, match="MambaSpec"):
-        group_needs(config(full, mamba), 32)
+    state = dict(block_size=32, shapes=((4,),), dtypes=(torch.float32,))
+    assert group_needs(config(full, MambaSpec(mamba_cache_mode="align", **state)), 32) == (FULL, STATE)
+    assert group_needs(config(MambaSpec(mamba_cache_mode="align", **state)), 32) == (STATE,), "not full"
+    with pytest.raises(NotImplementedError, match="MambaSpec.*--mamba-cache-mode align"):
+        group_needs(config(full, MambaSpec(**state)), 32)  # vLLM's default "none": no state kept by block
+    with pytest.raises(NotImplementedError, match="block size 64"):
+        group_needs(config(full, MambaSpec(mamba_cache_mode="align", **{**state, "block_size": 64})), 32)
+    with pytest.raises(NotImplementedError, match="speculative"):
+        group_needs(config(full, MambaSpec(mamba_cache_mode="align", num_speculative_blocks=1, **state)), 32)
+
+
+def test_a_state_group_needs_the_one_block_that_holds_the_state_at_the_hit():
+    assert STATE.tag == "state", "its blocks mean something else than a window's"
+    assert GroupNeed(1).tag == "window1"
+    assert list(STATE.needed(0, 6)) == [5]
+    assert list(STATE.needed(6, 6)) == [], "the engine's own hit holds its state"
+    # full attention has 6 blocks, the state is there after 2 and 4 blocks only: the hit is 4
+    assert longest_hit([FULL, STATE], [have(1, 1, 1, 1, 1, 1), have(0, 1, 0, 1, 0, 0)], 0, 6) == 4
+    assert longest_hit([FULL, STATE], [have(1, 1, 0, 1), have(0, 1, 0, 1)], 0, 4) == 2, "full stops at 2"
+    assert longest_hit([FULL, STATE], [have(1, 1), have(0, 0)], 0, 2) == 0
+    with pytest.raises(ValueError, match="one block"):
+        GroupNeed(2, state=True)
 
 
 def test_group_zero_keeps_the_keys_hpkv_always_wrote():
@@ -369,6 +390,90 @@ def test_a_hit_after_the_engines_own_loads_only_blocks_past_it():
     assert load.block_ids == full[3:6] + window[4:6]
 
 
+# ---------------------------------------------------------------------------- an SSM hybrid
+
+SSM = Layout(
+    fingerprint="ef" * 16, name="unit-ssm", world_size=1, block_size=BS, num_layers=1, page_bytes=64,
+    groups=(FULL, STATE),
+)  # fmt: skip
+
+
+def offered(s: SimpleNamespace, rid: str, *states: tuple[int, int]) -> SimpleNamespace:
+    """``s`` with vLLM's hand-off of the state group's (block id, tokens) ``states``."""
+    s.kv_connector_block_state = SimpleNamespace(
+        boundary_state_offloads={rid: [(1, block, tokens) for block, tokens in states]}
+    )
+    return s
+
+
+class SsmEngine:
+    """The scheduler side of a full-attention group (blocks 100..) and a state group: vLLM's
+    align mode frees a state block once the next one holds the running state, so the state
+    table holds the null block except where a hit's state is (block 300 + i at i)."""
+
+    def __init__(self):
+        self.store = MemoryKvStore()
+        self.tables: dict[str, tuple[list[int], list[int]]] = {}
+        self.side = SchedulerSide(SSM, 0, lambda: (self.store, NS), self.tables.get)
+        self.side.hpkv.connect_now(timeout=5)
+
+    def admit(self, r: Req) -> int | None:
+        self.side.on_new_request(r)
+        n, _ = self.side.get_num_new_matched_tokens(r, r.num_computed_tokens)
+        hit = (r.num_computed_tokens + (n or 0)) // BS
+        blocks = r.num_tokens // BS + 1
+        state = [300 + i if i == hit - 1 else NULL_BLOCK_ID for i in range(blocks)]
+        self.tables[r.request_id] = ([100 + i for i in range(blocks)], state)
+        self.side.update_state_after_alloc(r, self.tables[r.request_id], n or 0)
+        return n
+
+    def computed(self, r: Req, *states: tuple[int, int]) -> None:
+        """``r`` prefilled in one step that handed ``states`` over, saved, finished."""
+        self.admit(r)
+        for op in self.side.build_connector_meta(offered(step(r, r.num_tokens), r.request_id, *states)).saves:
+            self.store.commit(NS, op.keys)
+        self.side.request_finished(r.request_id)
+
+
+def ssm_keys(r: Req, group: int, blocks: range | list[int]) -> list[bytes]:
+    return block_keys(SSM.fingerprint, [r.block_hashes[i] for i in blocks], group)
+
+
+def test_a_state_group_saves_the_states_vllm_hands_over_under_the_block_before_them():
+    e = SsmEngine()
+    r = request("a", 5)  # 5 blocks and 3 tokens
+    e.admit(r)
+    # vLLM computed up to 4 blocks in a step, and hands over the state after 4 blocks (in
+    # block 77), one after 5 blocks and 3 tokens (a sub-block tail: no hit lands there) and
+    # one past the hashed blocks
+    s = offered(step(r, 4 * BS), "a", (77, 4 * BS), (78, 5 * BS + 3), (79, 9 * BS))
+    (save,) = e.side.build_connector_meta(s).saves
+    assert save.keys == ssm_keys(r, 0, range(4)) + ssm_keys(r, 1, [3])
+    assert save.block_ids == [100, 101, 102, 103, 77]
+    r.num_computed_tokens = 4 * BS
+    (save,) = e.side.build_connector_meta(offered(step(r, BS + 3), "a", (77, 4 * BS))).saves
+    assert save.keys == ssm_keys(r, 0, [4]), "a state is saved once; none is taken by position"
+
+
+def test_an_ssm_hybrid_hits_where_a_state_was_saved_and_loads_that_state_only():
+    e = SsmEngine()
+    e.computed(request("a", 6), (50, 2 * BS), (51, 4 * BS))  # states after 2 and 4 blocks
+    b = request("b", 6)
+    e.store.calls.clear()
+    assert e.admit(b) == 4 * BS, "no state after 5 or 6 blocks: the hit is 4"
+    assert e.store.calls.count("lookup") == 1
+    (load,) = e.side.build_connector_meta(step(b, 2 * BS)).loads
+    assert load.keys == ssm_keys(b, 0, range(4)) + ssm_keys(b, 1, [3])
+    assert load.block_ids == [100, 101, 102, 103, 303], "the state loads into the block vLLM starts from"
+    assert load.tokens == 4 * BS
+
+
+def test_an_ssm_hybrid_without_a_state_has_no_hit():
+    e = SsmEngine()
+    e.computed(request("a", 6))  # vLLM handed no state over
+    assert e.admit(request("b", 6)) == 0
+
+
 # ---------------------------------------------------------------------------- the worker side
 
 
@@ -424,3 +529,43 @@ def test_a_hybrid_load_counts_the_tokens_of_its_hit_not_its_keys():
     side.load(store, NS, [LoadOp("r", ks, [100, 101, 102], offsets, tokens=2 * BS)], lambda exc: None)
     stats = side.take_stats()
     assert stats is not None and stats.data["loaded_tokens_dram"] == 2 * BS
+
+
+def test_a_state_layers_padded_page_is_copied_whole():
+    """vLLM views an SSM layer's pages as int8 state of ``content`` bytes a block, padded to the
+    attention page (block stride = page): hpkv copies the whole page."""
+    import torch
+
+    from hpkv.connectors.vllm.layout import describe_kv
+
+    blocks, page, content = 4, 64, 40
+    raw = torch.zeros(blocks * page, dtype=torch.int8)
+    state = raw.as_strided((blocks, 1, 1, content), (page, content, content, 1))
+    layout = Layout("ef" * 16, "unit", 1, BS, 1, page, (FULL, STATE))
+    for kv_caches in ({"gdn": state}, {"gdn": state, "attn": raw.view(blocks, page)}):  # groups overlay
+        kv = describe_kv(layout, kv_caches, "/x", raw.data_ptr(), raw.numel())
+        assert (kv["block_stride"], kv["page_bytes"], kv["num_blocks"]) == (page, page, blocks)
+    with pytest.raises(ValueError, match="unsupported KV cache tensor layout"):
+        narrow = raw.as_strided((blocks, content), (content + 8, 1))  # a stride that is not the page
+        describe_kv(layout, {"gdn": narrow}, "/x", raw.data_ptr(), raw.numel())
+
+
+def test_a_hit_whose_state_block_vllm_did_not_allocate_is_recomputed_not_run_from_no_state():
+    from hpkv.connectors.vllm.metadata import LoadOp
+
+    e = SsmEngine()
+    e.computed(request("a", 4), (50, 4 * BS))
+    c = request("c", 4)
+    e.side.on_new_request(c)
+    assert e.side.get_num_new_matched_tokens(c, 0)[0] == 4 * BS
+    full, state = [100, 101, 102, 103, 104], [NULL_BLOCK_ID] * 5  # no block where the state loads
+    e.side.update_state_after_alloc(c, (full, state), 4 * BS)
+    (load,) = e.side.build_connector_meta(step(c, 3)).loads
+    assert load.block_ids == [100, 101, 102, 103, NULL_BLOCK_ID], "kept, for the worker to refuse"
+
+    store = MemoryKvStore(slot_bytes=SSM.shard_bytes)
+    side = hybrid_worker(store, FailingMover())
+    ks, offsets = dram_blocks(store, 2)
+    good = LoadOp("good", ks[:1], [100], offsets[:1])
+    side.load(store, NS, [good, LoadOp("c", ks[1:], [NULL_BLOCK_ID], offsets[1:])], lambda exc: None)
+    assert side.take_failed_loads({"c", "good"}) == {"c"}

@@ -6,7 +6,8 @@ With hpkv configured vLLM keeps its hybrid KV cache manager (the connector is ``
 full-attention group's every block and each sliding-window group's last 2 blocks of 32 tokens,
 and a prompt stores just as much: a sliding-window group its window, not the prompt.
 One vLLM server for the module (a start costs 60-100 s here), and one for the SSM hybrid test
-(a generated Qwen3-Next-style model: hpkv turns itself off, vLLM serves it).
+(a generated Qwen3-Next-style model with prefix caching off, so without vLLM's mamba align mode:
+hpkv turns itself off, vLLM serves it; in align mode hpkv serves it: test_vllm_ssm.py).
 """
 
 from __future__ import annotations
@@ -47,8 +48,12 @@ MAX_MODEL_LEN = 4096
 CAPACITY_WITHOUT_HPKV = 1_159_548
 #: The same for the generated Qwen3-Next-style model (4 layers: 3 gated delta net, 1 full
 #: attention; vLLM sets its attention block size to 384 tokens to match the state's page), with
-#: and without hpkv configured (measured 2026-12-04).
+#: and without hpkv configured (measured 2026-12-04; prefix caching on, vLLM's default, which
+#: sets mamba_cache_mode "align" for this model: 2 state blocks a request).
 SSM_CAPACITY_WITHOUT_HPKV = 2_631_559
+#: The same with prefix caching off (mamba_cache_mode "none": 1 state block a request),
+#: measured 2026-12-05 without hpkv.
+SSM_CAPACITY_WITHOUT_PREFIX_CACHING = 3_195_465
 KTC = {
     "kv_connector": "HpkvConnectorV1",
     "kv_role": "kv_both",
@@ -88,10 +93,14 @@ def server(hpkv_env):
 
 
 def test_an_ssm_hybrid_runs_with_hpkv_configured_and_hpkv_says_once_why_it_is_off(hpkv_env):
-    """Defined before the tests of the module's server, so that pytest starts this engine alone
-    (a module-scoped fixture starts at its first use)."""
+    """Without vLLM's mamba align mode (prefix caching off) an SSM hybrid keeps no state at
+    block boundaries: nothing for hpkv to restore. Defined before the tests of the
+    module's server, so that pytest starts this engine alone (a module-scoped fixture starts
+    at its first use)."""
     model = generate_model(kind="qwen3_next", num_layers=4, full_attention_every=4)
-    args = ["--kv-transfer-config", json.dumps(KTC), "--max-num-seqs", "4"]
+    # vLLM's mamba_cache_mode is "align" for this model while prefix caching is on (its
+    # default): hpkv serves it then (test_vllm_ssm.py); without prefix caching it is "none"
+    args = ["--kv-transfer-config", json.dumps(KTC), "--max-num-seqs", "4", "--no-enable-prefix-caching"]
     srv = VllmServer(model, extra_args=args, env=hpkv_env, max_model_len=MAX_MODEL_LEN)
     srv.start().wait_ready()
     try:
@@ -103,11 +112,12 @@ def test_an_ssm_hybrid_runs_with_hpkv_configured_and_hpkv_says_once_why_it_is_of
     finally:
         srv.stop()
     assert "Turning off hybrid kv cache manager" not in log
-    assert kv_cache_size(log) == SSM_CAPACITY_WITHOUT_HPKV
+    assert kv_cache_size(log) == SSM_CAPACITY_WITHOUT_PREFIX_CACHING
     said = [line for line in log.splitlines() if "hpkv disabled" in line]
     assert len(said) == 1, said
     assert "Qwen3NextForCausalLM" in said[0]
     assert "SSM/linear-attention hybrid" in said[0]
+    assert "--mamba-cache-mode align" in said[0], "what makes hpkv serve it (test_vllm_ssm.py)"
     assert "remove --kv-transfer-config" in said[0]
 
 

@@ -8,7 +8,12 @@ token positions. A hit at a prefix of ``n`` blocks needs, from each group:
 * sliding window of ``w`` tokens: the last ``cdiv(w - 1 + extra_retained, block_size)``
   blocks before ``n``, exactly the blocks vLLM allocates for that group when ``n`` blocks are
   computed (``SlidingWindowManager.get_num_skipped_tokens``); the earlier ones are vLLM's
-  null block and are never read.
+  null block and are never read;
+* SSM/linear-attention state (``MambaSpec`` in vLLM's ``mamba_cache_mode="align"``, prefix
+  caching on): the one block ``n - 1``, which holds the recurrent state (conv + SSM state of
+  each of the group's layers) after exactly ``n`` blocks of tokens (vLLM's align-mode
+  invariant; ``MambaManager`` allocates the state of an external hit of ``n`` blocks there and
+  the model runner starts from it). A one-block window.
 
 Blocks below the engine's own prefix-cache hit (``first``) are the engine's and need nothing
 from hpkv. The hit is the longest ``n`` at which every group has what it needs.
@@ -21,6 +26,12 @@ longest hit a resent prompt can have (one block short of a prompt of whole block
 lengths where other prompts were seen to part from this one (the end of a full-attention
 prefix whose windows were missing: a shared system prompt, hit there from the next request
 on). The blocks before a window are vLLM's null block by the time the next chunk runs.
+
+A state group saves only states vLLM itself materialized: its block table is not append-only
+(interior states are freed, the running state moves on), so a state block at ``n - 1`` holds
+the state at ``n`` blocks only in the step that computed up to exactly there. vLLM hands those
+over with their exact block ids (``KVConnectorBlockState.boundary_state_offloads``: every state
+it retains for its own prefix cache: block-aligned prefill chunk ends, decode block ends).
 """
 
 from __future__ import annotations
@@ -37,13 +48,21 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class GroupNeed:
     """What one KV cache group needs for a hit: every block (``window_blocks`` None, full
-    attention) or the last ``window_blocks`` blocks before the hit (sliding window)."""
+    attention) or the last ``window_blocks`` blocks before the hit (sliding window; an
+    SSM/linear-attention ``state`` group: the one block holding the state at the hit)."""
 
     window_blocks: int | None = None
+    state: bool = False  # recurrent state (MambaSpec, align mode): window_blocks is 1
+
+    def __post_init__(self) -> None:
+        if self.state and self.window_blocks != 1:
+            raise ValueError(f"a state group needs one block, not window_blocks={self.window_blocks}")
 
     @property
     def tag(self) -> str:
         """The group's entry in the namespace (its blocks' meaning)."""
+        if self.state:
+            return "state"
         return "full" if self.window_blocks is None else f"window{self.window_blocks}"
 
     def needed(self, first: int, n: int) -> range:
@@ -53,6 +72,8 @@ class GroupNeed:
 
 
 FULL = GroupNeed()
+#: An SSM/linear-attention group (vLLM's ``MambaSpec``, ``mamba_cache_mode="align"``).
+STATE = GroupNeed(1, state=True)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -61,16 +82,37 @@ def _cdiv(a: int, b: int) -> int:
 
 def group_needs(kv_cache_config: KVCacheConfig, block_size: int) -> tuple[GroupNeed, ...]:
     """The needs of the engine's KV cache groups, in vLLM's group order. NotImplementedError
-    for a group hpkv cannot serve yet (Mamba/linear-attention state, chunked local attention,
-    per-group block sizes); a single group of another kind is served as full attention, as
-    before hybrid support."""
+    for a group hpkv cannot serve yet (Mamba/linear-attention state without vLLM's align mode,
+    chunked local attention, per-group block sizes); a single group of another kind is served
+    as full attention, as before hybrid support."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     groups = kv_cache_config.kv_cache_groups
     needs: list[GroupNeed] = []
     for i, group in enumerate(groups):
         spec: Any = group.kv_cache_spec
-        if type(spec) is SlidingWindowSpec:
+        if isinstance(spec, MambaSpec):
+            mode = getattr(spec, "mamba_cache_mode", "none")
+            if mode != "align":
+                raise NotImplementedError(
+                    f"this is an SSM/linear-attention hybrid (KV cache group {i} holds "
+                    f"{type(spec).__name__} recurrent state) with mamba_cache_mode={mode!r}: vLLM keeps "
+                    "no state at block boundaries, so no prefix can be restored; start vLLM with "
+                    "--enable-prefix-caching --mamba-cache-mode align for hpkv to serve it (vLLM serves "
+                    "the model without hpkv meanwhile; remove --kv-transfer-config to silence this)"
+                )
+            if spec.block_size != block_size:
+                raise NotImplementedError(
+                    f"KV cache group {i} ({type(spec).__name__}) has block size {spec.block_size}, the "
+                    f"engine {block_size}: hpkv serves hybrid models whose groups share one block size"
+                )
+            if getattr(spec, "num_speculative_blocks", 0):
+                raise NotImplementedError(
+                    f"KV cache group {i} ({type(spec).__name__}) keeps speculative-decoding state "
+                    "blocks: hpkv serves SSM hybrids without speculative decoding only"
+                )
+            needs.append(STATE)
+        elif type(spec) is SlidingWindowSpec:
             if spec.block_size != block_size:
                 raise NotImplementedError(
                     f"KV cache group {i} has block size {spec.block_size}, the engine {block_size}: "
@@ -85,12 +127,6 @@ def group_needs(kv_cache_config: KVCacheConfig, block_size: int) -> tuple[GroupN
                     "hpkv serves hybrid models whose groups share one block size"
                 )
             needs.append(FULL)
-        elif isinstance(spec, MambaSpec):
-            raise NotImplementedError(
-                f"this is an SSM/linear-attention hybrid (KV cache group {i} holds {type(spec).__name__} "
-                "recurrent state), and hpkv keeps only full and sliding-window attention KV so far; "
-                "vLLM serves the model without hpkv (remove --kv-transfer-config to silence this)"
-            )
         else:
             raise NotImplementedError(
                 f"KV cache group {i} is {type(spec).__name__}: hpkv serves hybrid models of full "
@@ -101,13 +137,15 @@ def group_needs(kv_cache_config: KVCacheConfig, block_size: int) -> tuple[GroupN
 
 
 def has_recurrent_state(vllm_config: VllmConfig) -> bool:
-    """True for an SSM/linear-attention model (vLLM's ``has_inner_state``): its Mamba groups
-    make :func:`group_needs` refuse it, which the engine only learns with its KV cache config;
+    """True for an SSM/linear-attention model (vLLM's ``has_inner_state``) that hpkv cannot
+    serve: one without vLLM's ``mamba_cache_mode="align"``, whose Mamba groups make
+    :func:`group_needs` refuse it, which the engine only learns with its KV cache config;
     known earlier, hpkv starts no server for it."""
     try:
-        return bool(vllm_config.model_config.has_inner_state)
+        inner = bool(vllm_config.model_config.has_inner_state)
     except (AttributeError, RuntimeError):  # no model config, or a registry that cannot tell
         return False
+    return inner and getattr(vllm_config.cache_config, "mamba_cache_mode", "none") != "align"
 
 
 def longest_hit(needs: Sequence[GroupNeed], present: Sequence[Sequence[bool]], first: int, last: int) -> int:

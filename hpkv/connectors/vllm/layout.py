@@ -123,6 +123,11 @@ def derive_layout(
         raise NotImplementedError("this model has no KV cache (attention-free): nothing for hpkv to keep")
     device = str(vllm_config.device_config.device_type)
     needs = group_needs(kv_cache_config, cc.block_size)
+    if any(n.state for n in needs) and device != "cpu":
+        raise NotImplementedError(
+            f"hpkv keeps SSM/linear-attention state on the CPU backend only so far, not on {device}: "
+            "vLLM serves the model without hpkv (remove --kv-transfer-config to silence this)"
+        )
     if len(groups) > 1 and device != "cpu":
         raise NotImplementedError(
             f"hpkv serves models with {len(groups)} KV cache groups (hybrid attention) on the CPU "
@@ -187,6 +192,15 @@ def describe_kv(
         per_kernel_block = t[0].numel() * elem
         k = layout.page_bytes // per_kernel_block  # kernel blocks per vLLM block
         if (
+            t.stride(0) * elem == layout.page_bytes
+            and per_kernel_block < layout.page_bytes
+            and t[0].is_contiguous()
+        ):
+            # A padded page: an SSM/linear-attention layer's state (vLLM's int8 view of its
+            # conv + SSM state, padded to the attention page so that the groups share blocks).
+            # The copy takes the whole page, padding included.
+            k = 1
+        elif (
             k * per_kernel_block != layout.page_bytes
             or t.stride(0) * elem != per_kernel_block
             or not t[0].is_contiguous()
@@ -199,7 +213,7 @@ def describe_kv(
         if not 0 <= off < size:
             raise ValueError("a KV cache tensor lies outside hpkv's shared-memory allocation")
         bases.append((0, off))
-        strides.add(k * per_kernel_block)
+        strides.add(k * t.stride(0) * elem)  # per_kernel_block, or a padded page
         num_blocks = t.shape[0] // k
     if len(strides) != 1:
         raise ValueError(f"KV cache layers have different block strides {sorted(strides)}")

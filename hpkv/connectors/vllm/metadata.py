@@ -8,6 +8,10 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+#: vLLM's null block (``BlockPool.null_block``, the pool's first block): what a sliding-window
+#: group's block table holds outside its window. Never saved, never loaded into.
+NULL_BLOCK_ID = 0
+
 
 @dataclass
 class LoadOp:

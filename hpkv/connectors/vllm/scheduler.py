@@ -21,7 +21,7 @@ from hpkv.connectors.reconnect import Reconnecting
 from hpkv.connectors.vllm.events import INTERVAL_S, MAX_BLOCKS, EventFeed, EventTranslator
 from hpkv.connectors.vllm.groups import full_reach, longest_hit, window_blocks_to_save
 from hpkv.connectors.vllm.layout import Layout
-from hpkv.connectors.vllm.metadata import HpkvMetadata, LoadOp, SaveOp
+from hpkv.connectors.vllm.metadata import NULL_BLOCK_ID, HpkvMetadata, LoadOp, SaveOp
 from hpkv.connectors.vllm.worth import REPORT_EVERY_S, LoadPolicy, Report, TimeSaved
 from hpkv.protocol.errors import ROW_MISSING, HpkvUnavailable
 from hpkv.protocol.keys import block_keys
@@ -39,10 +39,6 @@ SKIP_PARAM = "hpkv_skip"
 #: background, false in the step, whatever ``HPKV_ASYNC_DRAM_LOADS`` says (unless that is 0).
 #: The benchmark measures both ways on one engine with it.
 ASYNC_DRAM_PARAM = "hpkv_async_dram_load"
-
-#: vLLM's null block (``BlockPool.null_block``, the pool's first block): what a sliding-window
-#: group's block table holds outside its window. Never saved, never loaded into.
-NULL_BLOCK_ID = 0
 
 
 def skipped(request: Any) -> bool:
@@ -116,6 +112,7 @@ class SchedulerSide:
         self.background_storage_loads = background_storage_loads
         self.background_all_loads = len(layout.groups) > 1
         self.windowed = any(g.window_blocks is not None for g in layout.groups)
+        self.stateful = any(g.state for g in layout.groups)  # SSM/linear-attention state groups
         self.background_dram_loads = background_dram_loads  # None: auto
         self.lookup_retry_s = lookup_retry_s  # HPKV_STORAGE_LOOKUP_RETRY_MS
         self.ns_id = -1
@@ -332,7 +329,10 @@ class SchedulerSide:
         for g, need in enumerate(self.layout.groups):
             for i in need.needed(first, first + n):
                 block = block_ids[g][i]
-                if need.window_blocks is None or block != NULL_BLOCK_ID:  # no block there: nothing to load
+                # A window's null block: outside vLLM's window, nothing to load. A state group's
+                # is kept: vLLM allocates the hit's state block there, so a null one fails the
+                # load (the worker's) and the request is recomputed, never run from no state.
+                if need.window_blocks is None or need.state or block != NULL_BLOCK_ID:
                     keys.append(plan.keys[g][i - first])
                     targets.append(block)
                     where.append((i, g, plan.tiers[g][i - first]))
@@ -380,15 +380,18 @@ class SchedulerSide:
         }
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
-        for rid, n_sched in scheduler_output.num_scheduled_tokens.items():
+        states = self._states_offered(scheduler_output) if self.stateful else {}
+        scheduled = scheduler_output.num_scheduled_tokens
+        for rid in [*scheduled, *(r for r in states if r not in scheduled)]:
             st = self._reqs.get(rid)
             if st is None or st.skip:
                 continue
             req = st.request
-            done = computed.get(rid, req.num_computed_tokens) + n_sched
+            done = computed.get(rid, req.num_computed_tokens) + scheduled.get(rid, 0)
             full = min(done // self.block_size, len(req.block_hashes))
             points = self._points_reached(st, done, full) if self.windowed else []
-            if full <= st.saved_upto and not points:
+            offered = states.get(rid, ())
+            if full <= st.saved_upto and not points and not offered:
                 continue
             block_ids = self._block_ids_of(rid)
             if block_ids is None:
@@ -397,6 +400,8 @@ class SchedulerSide:
             keys, sources = self._blocks_to_save(
                 req.block_hashes, block_ids, st.saved_upto, full, where, points, st.window_done
             )
+            self._states_to_save(req.block_hashes, offered, st.window_done, keys, sources, where)
+            full = max(full, st.saved_upto)  # a state offered after the request's last step
             if not keys:
                 st.saved_upto = full
                 continue
@@ -413,6 +418,40 @@ class SchedulerSide:
                 self._remember(req, [keys[i] for i in rows], [where[i] for i in rows])
             meta.saves.append(SaveOp(rid, [keys[i] for i in rows], [sources[i] for i in rows], offsets[rows]))
         return meta
+
+    def _states_offered(self, scheduler_output: Any) -> dict[str, list[tuple[int, int, int]]]:
+        """vLLM's state hand-offs of this step (``{request: [(group, block id, tokens)]}``):
+        the exact blocks that hold an SSM/linear-attention group's state after ``tokens``
+        tokens once the step ran (:mod:`.groups`); empty from a vLLM that offers none."""
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = getattr(block_state, "boundary_state_offloads", None)
+        return offers if isinstance(offers, dict) else {}
+
+    def _states_to_save(
+        self,
+        hashes: Sequence[bytes],
+        offered: Sequence[tuple[int, int, int]],
+        done: dict[int, set[int]],
+        keys: list[bytes],
+        sources: list[int],
+        where: list[tuple[int, int]] | None,
+    ) -> None:
+        """Add to ``keys``/``sources`` the offered states a hit can use: a state group's state
+        after ``n`` whole blocks of hashed tokens, saved under block ``n - 1``'s key (the block
+        a hit of ``n`` blocks loads it into), once (``done[g]``)."""
+        groups = self.layout.groups
+        for g, block, tokens in offered:
+            if not (0 <= g < len(groups) and groups[g].state) or block == NULL_BLOCK_ID:
+                continue
+            n, rest = divmod(tokens, self.block_size)
+            seen = done.setdefault(g, set())
+            if rest or not 0 < n <= len(hashes) or n - 1 in seen:
+                continue  # a sub-block (partial-tail) state, or one past the hashed prompt
+            seen.add(n - 1)
+            keys.extend(self._keys([hashes[n - 1]], g))
+            sources.append(block)
+            if where is not None:
+                where.append((n - 1, g))
 
     def _points_reached(self, st: _ReqState, done: int, full: int) -> list[int]:
         """The lengths a later hit may land on that ``full`` computed blocks reach (their
@@ -442,10 +481,12 @@ class SchedulerSide:
         """(keys, block ids) of what a later hit may need: every full-attention group's blocks
         in ``[first, full)``, each sliding-window group's window before each of ``points``
         (not in ``window_done[g]``, which gets them); ``where`` gets each key's (block index,
-        group)."""
+        group). A state group's blocks are not positional: :meth:`_states_to_save`."""
         keys: list[bytes] = []
         sources: list[int] = []
         for g, need in enumerate(self.layout.groups):
+            if need.state:
+                continue  # saved as vLLM hands its states over (_states_to_save), not by position
             ids = block_ids[g]
             windowed = need.window_blocks is not None
             if windowed:

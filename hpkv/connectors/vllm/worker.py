@@ -31,7 +31,7 @@ from hpkv.common import shm
 from hpkv.connectors.promote import load_in_parts
 from hpkv.connectors.reconnect import Reconnecting
 from hpkv.connectors.vllm.layout import Layout, describe_kv
-from hpkv.connectors.vllm.metadata import HpkvConnectorStats, HpkvMetadata, LoadOp
+from hpkv.connectors.vllm.metadata import NULL_BLOCK_ID, HpkvConnectorStats, HpkvMetadata, LoadOp
 from hpkv.protocol.wire import POOL_FILE, device_file_name, device_file_pid
 
 log = logging.getLogger("vllm.hpkv")
@@ -209,6 +209,12 @@ class WorkerSide:
         next one is read from disk; the copies stay on this thread (:func:`load_in_parts`).
         ``copy_batch_bytes`` > 0 cuts each copy into batches of about that size (of this rank's
         shards), one after the other."""
+        nowhere = [op for op in ops if NULL_BLOCK_ID in op.block_ids]
+        if nowhere:  # a hit's block vLLM did not allocate (a state group's): recompute the request
+            self._fail_loads(nowhere, "vLLM allocated no block for part of the hit (the null block)")
+            ops = [op for op in ops if NULL_BLOCK_ID not in op.block_ids]
+            if not ops:
+                return
         blocks = [b for op in ops for b in op.block_ids]
         device = self._device
         if device is None:
