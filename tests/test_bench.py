@@ -36,6 +36,20 @@ def test_bytes_per_token_of_the_generated_shapes(tmp_path, shape, per_token):
     assert ttft.kv_bytes_per_token(str(tmp_path)) == per_token
 
 
+@pytest.mark.parametrize(
+    ("shape", "full", "other"),
+    [("gemma3", 5, 29), ("gpt-oss-20b", 12, 12), ("qwen3-next", 12, 36)],
+    ids=["gemma3", "gpt-oss-20b", "qwen3-next"],
+)
+def test_the_hybrid_shapes_have_their_models_layer_mix(shape, full, other):
+    from hpkv.testing.model import ModelSpec
+
+    spec = ModelSpec(**ttft.SHAPES[shape])
+    spec.validate()
+    kinds = spec.layer_types
+    assert (kinds.count("full_attention"), len(kinds) - kinds.count("full_attention")) == (full, other)
+
+
 def test_added_time_is_set_against_the_floor_for_the_bytes_loaded():
     res = {
         "ttft": {"cold_no_hpkv": [10.0], "cold": [10.2], "gpu_hit": [0.1], "dram_hit": [0.15]},

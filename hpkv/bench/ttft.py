@@ -89,6 +89,36 @@ SHAPES: dict[str, dict[str, Any]] = {
         full_attention_every=6,
         max_position_embeddings=16384,
     ),
+    # gpt-oss-20b's KV: 24 layers alternating a 128-token window and full attention (with
+    # attention sinks), 8 KV heads x 64, bf16 = 48 KiB per token if every layer kept every
+    # token; its 12 window layers store 128 tokens each.
+    "gpt-oss-20b": dict(
+        kind="gpt_oss",
+        hidden_size=512,
+        num_layers=24,
+        num_attention_heads=8,
+        num_kv_heads=8,
+        attention_head_dim=64,
+        intermediate_size=1024,
+        sliding_window=128,
+        full_attention_every=2,
+        max_position_embeddings=16384,
+    ),
+    # Qwen3-Next-80B-A3B's cache: 48 layers, every 4th full attention (12, 2 KV heads x 256,
+    # bf16: 24 KiB per token), the others gated delta net layers whose recurrent state is
+    # 1 MiB each (8 value heads of 256 x 256 here, 32 of 128 x 128 there), saved once per
+    # block where vLLM's mamba align mode keeps it.
+    "qwen3-next": dict(
+        kind="qwen3_next",
+        hidden_size=512,
+        num_layers=48,
+        num_attention_heads=8,
+        num_kv_heads=2,
+        attention_head_dim=256,
+        intermediate_size=1024,
+        full_attention_every=4,
+        max_position_embeddings=16384,
+    ),
 }
 BASELINE = {
     "vllm": "the same vLLM engine: each cold prompt paired with the same prompt in lowercase letters "
@@ -104,8 +134,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--shape",
         choices=sorted(SHAPES),
         default="tiny",
-        help="shape of the generated model: tiny (4 KiB/token), qwen2.5-7b (56 KiB/token), or gemma3 "
-        "(Gemma-3-4B's hybrid KV: 5 full-attention layers and 29 of a 1024-token window)",
+        help="shape of the generated model: tiny (4 KiB/token), qwen2.5-7b (56 KiB/token), gemma3 "
+        "(Gemma-3-4B's hybrid KV: 5 full-attention layers and 29 of a 1024-token window), "
+        "gpt-oss-20b (12 full-attention layers and 12 of a 128-token window, attention sinks), or "
+        "qwen3-next (12 full-attention layers, 36 gated delta net layers whose state is saved per block)",
     )
     p.add_argument(
         "--interference",
