@@ -47,6 +47,18 @@ def _storage_state(st: dict) -> str:
     return out
 
 
+def _remote_line(r: dict | None) -> list[str]:
+    """The remote tier's line (none when it is off)."""
+    if not r:
+        return []
+    down = "  DOWN (not asked, blocks recomputed)" if r.get("down") else ""
+    return [
+        f"remote    mooncake://{r.get('master', '?')}  blocks {r.get('blocks', 0)}  found {r.get('found', 0)}"
+        f"  loaded {r.get('loaded', 0)}  published {r.get('published', 0)}  dropped {r.get('dropped', 0)}"
+        f"  errors {r.get('errors', 0)}{down}"
+    ]
+
+
 def _tier_table(namespaces: list[dict]) -> list[str]:
     """Per namespace and tier: what it holds there, and the prefill time its loads from there
     saved (TIME SAVED = PREFILL SAVED - LOAD TIME: see hpkv.protocol.stats._tiers)."""
@@ -71,6 +83,7 @@ def format_status(s: dict) -> str:
         f"pool      {format_size(p['used_bytes'])} used / {format_size(p['capacity_bytes'])}"
         f"  pinned {format_size(p['pinned_bytes'])}  blocks {p['blocks']}",
         f"storage   {s['server'].get('storage') or 'disabled'}{_storage_state(s.get('storage') or {})}",
+        *_remote_line((s.get("storage") or {}).get("remote")),
         f"requests  {s['requests']}  errors {s['errors']}  worker restarts {s['worker_restarts']}",
         "",
         "NAMESPACE            RANKS  DRAM BLOCKS  PINNED  OPERATOR PINNED  HITS DRAM  HITS STORAGE  MISSES"
