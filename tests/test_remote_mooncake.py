@@ -24,6 +24,7 @@ from hpkv.client import connect
 from hpkv.common.pool import PoolFile
 from hpkv.io_workers import kvfile, mooncake_api
 from hpkv.io_workers.kvfile import BlockId
+from hpkv.monitor.status import format_status
 from hpkv.protocol import wire as P
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.testing import mooncake as mc
@@ -304,6 +305,12 @@ def test_with_files_and_the_store_a_node_hits_another_nodes_blocks_and_its_own_f
         (row,) = [ns for ns in st["namespaces"] if ns["name"] == "remote-test"]
         assert row["loads_remote"] == 2 and row["loads_storage"] == 2 and row["hits_remote"] >= 2
         assert row["tiers"]["remote"]["loads"] == 2
+        text = format_status(st)  # `hpkv status`: the store's line, and its row in the tier table
+        assert f"remote    mooncake://{m.rpc}" in text and "loaded 2" in text, text
+        rows_named = [
+            line.split()[0] for line in text.splitlines() if line.strip() and "mooncake" not in line
+        ]
+        assert "remote" in rows_named, text
         nb.c.unpin(nb.ns.ns_id, keys)
         # on A the blocks are in its files and in the store: its own files win
         assert na.c.evict("remote-test", tier="dram")["dram"]["blocks"] == 2
