@@ -554,6 +554,16 @@ def test_a_lookup_asks_both_tiers_at_once_and_stays_within_the_longer_bound(stac
     assert lookup(idx, tiers, ns, [a, b, c], park=False)[:2] == (3, [Tier.DRAM, Tier.REMOTE, Tier.REMOTE])
 
 
+def test_a_stop_waits_for_the_files_spills_while_the_store_is_down(stacked):
+    idx, ns, files, remote, tiers, _ = stacked
+    remote.degraded = True  # (the store down; its publishes still queued)
+    files.delay_polls, remote.delay_polls = 1, 100
+    tiers.spill(put(idx, ns, keys_of("k")))
+    assert tiers.pending_spills() == 2 and not tiers.degraded, "the files' spill can still end"
+    tiers.poll()
+    assert tiers.pending_spills() == 1 and tiers.degraded, "only the down store's spill is left"
+
+
 def test_a_promote_split_over_two_tiers_of_a_dropped_client_gets_no_answer(stacked):
     idx, ns, files, remote, tiers, _ = stacked
     a, b = keys_of("a", "b")

@@ -369,8 +369,10 @@ class TierList:
 
     @property
     def degraded(self) -> bool:
-        """Any tier is degraded (a stop does not wait for its spills)."""
-        return any(t.degraded for t in self.tiers)
+        """Every tier with spills pending is degraded: a stop waits for no spill that can end
+        (the files' spills are waited for while the remote store is down, and the other way)."""
+        busy = [t for t in self.tiers if t.pending_spills()]
+        return bool(busy) and all(t.degraded for t in busy)
 
     def take_catalog_dirty(self) -> bool:
         return any([t.take_catalog_dirty() for t in self.tiers])  # a list: every tier's flag is taken
