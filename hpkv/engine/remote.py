@@ -17,8 +17,8 @@ this is the server's side of it, under the server's lock, and it never waits on 
   an object already in the store is not written again.
 
 Which keys the store holds (as far as this node knows) is a
-:class:`~hpkv.engine.storage.catalog.FileCatalog` of its own, the index's one owner of
-"has a copy below the pool". A failure of the store (not a missing object) marks the tier
+:class:`~hpkv.engine.storage.catalog.FileCatalog` of its own (``Tier.REMOTE``), the index's
+owner of "has a copy in the store" beside the file tier's. A failure of the store (not a missing object) marks the tier
 down for :data:`DOWN_BACKOFF_S`: lookups stop asking, spills are dropped, promotes of
 remote blocks miss; the worst case is recompute. A worker that dies has its jobs failed and
 is restarted on the same rings, as an IO worker is.

@@ -1,4 +1,5 @@
-"""The catalog: the one owner of "which blocks have files".
+"""The catalog: the one owner of "which blocks have files" (or, for the remote tier, "which
+blocks are in the store": one catalog per tier below the pool).
 
 A key is in the catalog when every rank's file of its block is known to be on storage:
 spilled here, found by the scan at attach, or by a stat on a lookup miss. The index asks
