@@ -307,6 +307,7 @@ def test_with_files_and_the_store_a_node_hits_another_nodes_blocks_and_its_own_f
         assert row["tiers"]["remote"]["loads"] == 2
         text = format_status(st)  # `hpkv status`: the store's line, and its row in the tier table
         assert f"remote    mooncake://{m.rpc}" in text and "loaded 2" in text, text
+        assert "HITS REMOTE" in text, text
         rows_named = [
             line.split()[0] for line in text.splitlines() if line.strip() and "mooncake" not in line
         ]
