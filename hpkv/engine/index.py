@@ -162,8 +162,9 @@ class Index:
         # (wire tier, catalog) of the tiers below, in tier order: each catalog adds itself
         self.below: list[tuple[int, FileOwner]] = []
         self.blocks: dict[bytes, Block] = {}  # key -> block holding slots; the key belongs to block.ns
-        # key -> (ns id, Tier) of every key a lookup can hit (READY: DRAM; files only or
-        # PROMOTING: storage). Kept beside ``blocks`` in a native table, so a lookup runs in C.
+        # key -> (ns id, Tier) of every key a lookup can hit (READY: DRAM; a copy below only, or
+        # PROMOTING: the first tier below that has it, storage or remote). Kept beside
+        # ``blocks`` in a native table, so a lookup runs in C.
         self.present = KeyTable()
         self.conflicts = 0  # reserves of a key that belongs to another namespace (refused)
         self.namespaces: dict[int, Namespace] = {}
