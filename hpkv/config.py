@@ -535,8 +535,9 @@ KEYS: dict[str, Key] = {
             "empty (off) or mooncake",
             "a remote tier below the pool shared by several nodes: `mooncake` (Mooncake Store, the "
             "`mooncake` extra; needs HPKV_REMOTE_MASTER, HPKV_REMOTE_METADATA, "
-            "HPKV_REMOTE_LOCAL_HOSTNAME, and for now HPKV_KV_STORAGE_PATH empty). Mooncake listens "
-            "on every interface of the node: see the README's Mooncake section",
+            "HPKV_REMOTE_LOCAL_HOSTNAME). With HPKV_KV_STORAGE_PATH set too it is the tier below the "
+            "files (DRAM, then files, then the store); alone, the only tier below the pool. Mooncake "
+            "listens on every interface of the node: see the README's Mooncake section",
         ),
         Key(
             "HPKV_REMOTE_MASTER",

@@ -25,6 +25,7 @@ from hpkv.client import connect
 from hpkv.common.pool import PoolFile
 from hpkv.io_workers import kvfile, mooncake_api
 from hpkv.io_workers.kvfile import BlockId
+from hpkv.monitor.status import format_status
 from hpkv.protocol import wire as P
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.testing import mooncake as mc
@@ -163,10 +164,10 @@ class Node:
     """An hpkv server inside a namespace with the remote tier on, and a client of it that
     writes random blocks into its pool (the client runs here: a unix socket and /dev/shm)."""
 
-    def __init__(self, ns: netns.Netns, m: mc.Master, segment: str, **extra: str):
+    def __init__(self, ns: netns.Netns, m: mc.Master, segment: str, storage: str = "", **extra: str):
         env = private_env(
             pool_size="64m",
-            storage="",
+            storage=storage,
             HPKV_REMOTE_BACKEND="mooncake",
             HPKV_REMOTE_MASTER=m.rpc,
             HPKV_REMOTE_METADATA=m.metadata,
@@ -209,13 +210,24 @@ class Node:
 
 
 @contextlib.contextmanager
-def two_nodes(tmp_path: Path) -> Iterator[tuple[Node, Node, mc.Master]]:
+def two_nodes(tmp_path: Path, files: bool = False) -> Iterator[tuple[Node, Node, mc.Master]]:
     """Two hpkv "nodes" in two network namespaces joined by a veth, one Mooncake master in the
-    first: node A contributes a segment (holds the objects), node B none (a pure client)."""
+    first: node A contributes a segment (holds the objects), node B none (a pure client).
+    ``files``: each node has a storage directory of its own too (DRAM -> files -> remote)."""
     with netns.namespaces(2, veth=True) as (a, b), mc.master(a, tmp_path) as m:
-        na = Node(a, m, segment="128m")
+        if files:
+            (tmp_path / "a").mkdir(mode=0o700)
+            (tmp_path / "b").mkdir(mode=0o700)
+        na = Node(a, m, segment="128m", storage=str(tmp_path / "a") if files else "")
         try:
-            nb = Node(b, m, segment="0", HPKV_REMOTE_LOOKUP_WAIT_MS="5000")
+            nb = Node(
+                b,
+                m,
+                segment="0",
+                storage=str(tmp_path / "b") if files else "",
+                HPKV_REMOTE_LOOKUP_WAIT_MS="5000",
+                HPKV_STORAGE_LOOKUP_WAIT_MS="5000",
+            )
             try:
                 yield na, nb, m
             finally:
@@ -232,7 +244,7 @@ def test_a_block_committed_on_node_a_is_a_byte_exact_hit_on_node_b(tmp_path: Pat
         na.wait_remote(lambda r: r["published"] == 4, "4 blocks published by node A")
         # B knows nothing of them: its lookup asks the store (off its request loop)
         deadline = time.monotonic() + 20
-        while (got := nb.c.lookup(nb.ns.ns_id, keys)) != (4, [2] * 4):
+        while (got := nb.c.lookup(nb.ns.ns_id, keys)) != (4, [P.Tier.REMOTE] * 4):
             assert time.monotonic() < deadline, f"B's lookup: {got}; {nb.remote()}\n{nb.srv.log()[-3000:]}"
             time.sleep(0.2)
         rows = nb.c.promote(nb.ns.ns_id, keys)
@@ -242,6 +254,72 @@ def test_a_block_committed_on_node_a_is_a_byte_exact_hit_on_node_b(tmp_path: Pat
         r = nb.wait_remote(lambda r: r["loaded"] == 4, "B's counters (published every 0.2 s)")
         assert r["corrupt"] == 0 and r["found"] == 4 and r["errors"] == 0
         assert nb.c.lookup(nb.ns.ns_id, keys) == (4, [1] * 4)  # in B's DRAM now
+
+
+def wait_lookup(n: Node, keys: list[bytes], want: tuple[int, list[int]], timeout: float = 20.0) -> None:
+    """Ask until the lookup answers ``want`` (a first lookup of keys a node does not know yet
+    may end at its bound before the store answered)."""
+    deadline = time.monotonic() + timeout
+    while (got := n.c.lookup(n.ns.ns_id, keys)) != want:
+        assert time.monotonic() < deadline, f"lookup: {got}, not {want}; {n.remote()}\n{n.srv.log()[-3000:]}"
+        time.sleep(0.2)
+
+
+def test_with_files_and_the_store_a_node_hits_another_nodes_blocks_and_its_own_files_first(
+    tmp_path: Path,
+) -> None:
+    _require()
+    D, S, R = P.Tier.DRAM, P.Tier.STORAGE, P.Tier.REMOTE
+    with two_nodes(tmp_path, files=True) as (na, nb, m):
+        # node A commits a prompt: written to A's files and published to the store
+        theirs = block_keys(FP, [f"a{i}".encode() for i in range(2)])
+        data = na.put(theirs)
+        na.wait_remote(lambda r: r["published"] == 2, "2 blocks published by node A")
+        deadline = time.monotonic() + 30
+        while na.c.stats()["storage"]["spills"] < 2:
+            assert time.monotonic() < deadline, na.srv.log()[-3000:]
+            time.sleep(0.05)
+        assert list((tmp_path / "a").rglob("*.kv")), "A wrote its files too"
+        # node B: two blocks of its own that leave its DRAM (in its files and the store now),
+        # then two it keeps in DRAM
+        files = block_keys(FP, [f"b{i}".encode() for i in range(2)])
+        data |= nb.put(files)
+        nb.wait_remote(lambda r: r["published"] == 2, "B's 2 blocks published")
+        deadline = time.monotonic() + 30
+        while nb.c.stats()["storage"]["spills"] < 2:
+            assert time.monotonic() < deadline, nb.srv.log()[-3000:]
+            time.sleep(0.05)
+        assert nb.c.evict("remote-test", tier="dram")["dram"]["blocks"] == 2
+        dram = block_keys(FP, [f"d{i}".encode() for i in range(2)])
+        data |= nb.put(dram)
+        # one hit across B's three tiers: its DRAM, its files (not the store's copies), A's blocks
+        keys = dram + files + theirs
+        wait_lookup(nb, keys, (6, [D, D, S, S, R, R]))
+        rows = nb.c.promote(nb.ns.ns_id, keys)
+        for k, row in zip(keys, rows, strict=True):
+            assert row[0] >= 0, f"block {k.hex()} not loaded: {nb.remote()}\n{nb.srv.log()[-3000:]}"
+            assert nb.pool.array[row[0] : row[0] + SHARD].tobytes() == data[k], "byte-exact"
+        r = nb.wait_remote(lambda r: r["loaded"] == 2, "B loaded A's 2 blocks from the store")
+        assert r["corrupt"] == 0 and r["errors"] == 0
+        st = nb.c.stats()
+        assert st["storage"]["promotes"] >= 2, "B's own blocks were read from its files"
+        (row,) = [ns for ns in st["namespaces"] if ns["name"] == "remote-test"]
+        assert row["loads_remote"] == 2 and row["loads_storage"] == 2 and row["hits_remote"] >= 2
+        assert row["tiers"]["remote"]["loads"] == 2
+        text = format_status(st)  # `hpkv status`: the store's line, and its row in the tier table
+        assert f"remote    {m.rpc}  UP" in text and "gets 2" in text, text
+        assert "HITS REMOTE" in text, text
+        rows_named = [
+            line.split()[0] for line in text.splitlines() if line.strip() and m.rpc not in line
+        ]
+        assert "remote" in rows_named, text
+        nb.c.unpin(nb.ns.ns_id, keys)
+        # on A the blocks are in its files and in the store: its own files win
+        assert na.c.evict("remote-test", tier="dram")["dram"]["blocks"] == 2
+        wait_lookup(na, theirs, (2, [S, S]))
+        rows = na.c.promote(na.ns.ns_id, theirs)
+        assert [na.pool.array[r[0] : r[0] + SHARD].tobytes() for r in rows] == [data[k] for k in theirs]
+        assert na.remote()["loaded"] == 0, "nothing read from the store where the files have it"
 
 
 _UPSERT = """import ctypes, mmap, sys
@@ -279,7 +357,7 @@ def test_an_object_overwritten_with_garbage_is_detected_removed_and_recomputed(t
                   env=mc.client_env(b.addr), capture_output=True, text=True, timeout=60)  # fmt: skip
         assert r.returncode == 0 and r.stdout.strip() == "0", r.stderr[-2000:]
         deadline = time.monotonic() + 20
-        while nb.c.lookup(nb.ns.ns_id, keys) != (2, [2, 2]):
+        while nb.c.lookup(nb.ns.ns_id, keys) != (2, [P.Tier.REMOTE] * 2):
             assert time.monotonic() < deadline, nb.remote()
             time.sleep(0.2)
         rows = nb.c.promote(nb.ns.ns_id, keys)
@@ -352,8 +430,7 @@ def test_the_remote_tier_refuses_a_config_it_cannot_run_naming_the_key(tmp_path:
         check_config(load_config(base))
     full = {**base, "HPKV_REMOTE_MASTER": "10.0.0.1:50051", "HPKV_REMOTE_METADATA": "http://10.0.0.1:8080/metadata",
             "HPKV_REMOTE_LOCAL_HOSTNAME": "10.0.0.2"}  # fmt: skip
-    with pytest.raises(ConfigError, match="HPKV_KV_STORAGE_PATH= \\(empty\\)"):
-        check_config(load_config({**full, "HPKV_KV_STORAGE_PATH": "/var/tmp/x"}))
+    check_config(load_config({**full, "HPKV_KV_STORAGE_PATH": "/var/tmp/x"}))  # stacked under the files
     check_config(load_config({**base, "HPKV_REMOTE_BACKEND": ""}))  # off: nothing asked
 
 
@@ -395,7 +472,7 @@ def test_blocks_held_by_a_killed_node_are_misses_within_the_bound_never_wrong_by
         na.put(keys)
         na.wait_remote(lambda r: r["published"] == 3, "3 blocks published by node A")
         deadline = time.monotonic() + 20
-        while nb.c.lookup(nb.ns.ns_id, keys) != (3, [2] * 3):
+        while nb.c.lookup(nb.ns.ns_id, keys) != (3, [P.Tier.REMOTE] * 3):
             assert time.monotonic() < deadline, nb.remote()
             time.sleep(0.2)
         # A's remote worker holds the segment the objects live in: killed, they are gone

@@ -56,7 +56,7 @@ def lookup(
     """What the server's _hot_lookup does: the index's prefix, then the tiers below; a parked
     call is answered (the lookup run again, not parked) when the tiers' poll says so."""
     hit, found = idx.lookup(ns.ns_id, keys)
-    if tiers and (hit < len(keys) or Tier.STORAGE in found):
+    if tiers and (hit < len(keys) or max(found, default=0) >= Tier.STORAGE):
         call = ParkedLookup(FakeClient(), 1, ns, len(keys), time.monotonic()) if park else None
         hit, pending = tiers.lookup(ns, keys, hit, found, call)
         if pending and park:
@@ -433,6 +433,148 @@ def test_a_stat_finds_files_the_scan_has_not_reached_and_a_lookup_drops_deleted_
     monkeypatch.setattr(catalog_mod, "VERIFY_TTL_S", 0.0)  # every hit is checked again
     assert lookup(idx, tiers, ns, [a, b]) == (0, [])
     assert a not in tier.catalog and b in tier.catalog
+
+
+# ------------------------------------------------------------------ two tiers: files, then a remote store
+@pytest.fixture
+def stacked():
+    """The index over two in-memory tiers in the server's order: "files" (Tier.STORAGE), then
+    a "remote" store (Tier.REMOTE); the data really moves through the pool."""
+    idx = Index(8 * SLOT, storage_enabled=True)
+    ns = Namespace(0, "m", FP, 1, SLOT)
+    idx.add_namespace(ns)
+    pool = np.zeros(8 * SLOT, np.uint8)
+    files = MemoryTier(idx, pool=pool)
+    remote = MemoryTier(idx, pool=pool, tier=Tier.REMOTE)
+    tiers = TierList([files, remote])
+    tiers.attach(ns)
+    return idx, ns, files, remote, tiers, pool
+
+
+def shard(i: int) -> bytes:
+    return bytes([i]) * SLOT
+
+
+def promote_all(tiers: TierList, ns: Namespace, keys: list[bytes], client=None) -> np.ndarray:
+    """A PROMOTE as the server makes it: the rows now, or the one answer a later poll brings."""
+    client = client or FakeClient()
+    rows = tiers.promote(client, 7, ns, keys, timeout=5.0)
+    for _ in range(100):
+        if rows is not None:
+            return rows
+        answers = tiers.poll()
+        if answers:
+            (answer,) = answers
+            assert answer.client is client and answer.seq == 7
+            rows = answer.rows
+    raise AssertionError("the promote was never answered")
+
+
+def test_a_mixed_hit_across_dram_files_and_the_remote_store_is_one_byte_exact_hit(stacked):
+    idx, ns, files, remote, tiers, pool = stacked
+    keys = keys_of("d0", "d1", "f2", "f3", "r4", "r5")
+    for i, b in enumerate(put(idx, ns, keys[:2])):
+        pool[b.slots[0] : b.slots[0] + SLOT] = i
+    files.put(ns, keys[2], [shard(2)])
+    files.put(ns, keys[3], [shard(3)])
+    remote.put(ns, keys[4], [shard(4)])
+    remote.put(ns, keys[5], [shard(5)])
+    D, S, R = Tier.DRAM, Tier.STORAGE, Tier.REMOTE
+    hit, found = lookup(idx, tiers, ns, keys)
+    assert (hit, found) == (6, [D, D, S, S, R, R]), "one hit across the three tiers"
+    idx.count_lookup(ns, len(keys), found)  # (as the server counts its answer)
+    assert ns.counters[NsCounter.HITS_REMOTE] == 2 and ns.counters[NsCounter.HITS_STORAGE] == 2
+
+    rows = promote_all(tiers, ns, keys)
+    assert [pool[off : off + SLOT].tobytes() for off in rows[:, 0]] == [shard(i) for i in range(6)]
+    assert ns.counters[NsCounter.LOADS_DRAM] == 2
+    assert ns.counters[NsCounter.LOADS_STORAGE] == 2, "files read from the file tier"
+    assert ns.counters[NsCounter.LOADS_REMOTE] == 2, "the rest from the remote store"
+    assert all(idx.blocks[k].pins == 1 for k in keys) and tiers.poll() == [], "answered once"
+    assert lookup(idx, tiers, ns, keys) == (6, [D] * 6)
+
+
+def test_the_file_tier_wins_over_the_remote_store_for_blocks_it_has(stacked):
+    idx, ns, files, remote, tiers, pool = stacked
+    (k,) = keys_of("k")
+    files.put(ns, k, [shard(1)])
+    remote.put(ns, k, [shard(9)])  # (never served while the files have the block)
+    remote.catalog.add(ns, k)  # both tiers know they hold it, the store first
+    files.catalog.add(ns, k)
+    assert lookup(idx, tiers, ns, [k]) == (1, [Tier.STORAGE])
+    (off,) = promote_all(tiers, ns, [k])[:, 0]
+    assert pool[off : off + SLOT].tobytes() == shard(1)
+    assert ns.counters[NsCounter.LOADS_STORAGE] == 1 and ns.counters[NsCounter.LOADS_REMOTE] == 0
+    assert idx.unpin([k], owner=1) == 1 and idx.drop_dram([idx.blocks[k]]) == 1
+    assert k not in idx.blocks and lookup(idx, tiers, ns, [k]) == (1, [Tier.STORAGE])
+    files.lose(k)  # the files go: the store's copy is the hit now
+    assert lookup(idx, tiers, ns, [k]) == (0, []), "the lookup that sees the files gone cuts there"
+    assert idx.lookup(ns.ns_id, [k]) == (1, [Tier.REMOTE]), "and the key falls through to the store"
+
+
+def test_a_committed_block_is_written_to_the_files_and_published_to_the_store(stacked):
+    idx, ns, files, remote, tiers, pool = stacked
+    keys = keys_of("0", "1")
+    ready = put(idx, ns, keys)
+    for i, b in enumerate(ready):
+        pool[b.slots[0] : b.slots[0] + SLOT] = i + 1
+    tiers.spill(ready)
+    assert tiers.pending_spills() == 4, "each block once per tier"
+    tiers.poll()
+    assert tiers.pending_spills() == 0
+    assert files.medium[keys[0]] == remote.medium[keys[0]] == [shard(1)]
+    assert ns.counters[NsCounter.BLOCKS_STORAGE] == 2 and ns.counters[NsCounter.BLOCKS_REMOTE] == 2
+    assert idx.drop_dram(ready) == 2, "with copies below: evictable"
+    assert lookup(idx, tiers, ns, keys) == (2, [Tier.STORAGE] * 2)
+
+
+def test_a_block_the_store_failed_to_take_is_still_written_to_the_files(stacked):
+    idx, ns, files, remote, tiers, pool = stacked
+    (k,) = keys_of("k")
+    remote.fail_spills.add(k)
+    tiers.spill(put(idx, ns, [k]))
+    tiers.poll()
+    assert k in files.catalog and k not in remote.catalog
+    assert idx.drop_dram([idx.blocks[k]]) == 1 and lookup(idx, tiers, ns, [k]) == (1, [Tier.STORAGE])
+
+
+def test_a_lookup_asks_both_tiers_at_once_and_stays_within_the_longer_bound(stacked):
+    idx, ns, files, remote, tiers, _ = stacked
+    files.presence_polls, files.lookup_wait = 3, 10.0
+    remote.presence_polls, remote.lookup_wait = 1, 5.0
+    a, b, c = keys_of("a", "b", "c")
+    put(idx, ns, [a])
+    remote.put(ns, b)
+    remote.put(ns, c)
+    t0 = time.monotonic()
+    call, pending = park(tiers, idx, ns, [a, b, c])
+    assert pending and call.outstanding == 2, "the files and the store are asked at once"
+    assert t0 + 5.0 <= call.deadline <= time.monotonic() + 10.0, "the call waits at most the longer bound"
+    wait_answer(tiers)
+    assert lookup(idx, tiers, ns, [a, b, c], park=False)[:2] == (3, [Tier.DRAM, Tier.REMOTE, Tier.REMOTE])
+
+
+def test_a_stop_waits_for_the_files_spills_while_the_store_is_down(stacked):
+    idx, ns, files, remote, tiers, _ = stacked
+    remote.degraded = True  # (the store down; its publishes still queued)
+    files.delay_polls, remote.delay_polls = 1, 100
+    tiers.spill(put(idx, ns, keys_of("k")))
+    assert tiers.pending_spills() == 2 and not tiers.degraded, "the files' spill can still end"
+    tiers.poll()
+    assert tiers.pending_spills() == 1 and tiers.degraded, "only the down store's spill is left"
+
+
+def test_a_promote_split_over_two_tiers_of_a_dropped_client_gets_no_answer(stacked):
+    idx, ns, files, remote, tiers, _ = stacked
+    a, b = keys_of("a", "b")
+    files.put(ns, a)
+    remote.put(ns, b)
+    lookup(idx, tiers, ns, [a, b])
+    client = FakeClient()
+    assert tiers.promote(client, 1, ns, [a, b], timeout=5.0) is None
+    client.alive = False
+    tiers.client_gone(client)
+    assert tiers.poll() == [] and tiers.poll() == []
 
 
 # ------------------------------------------------------------------ lookups that ask a slow medium

@@ -457,3 +457,12 @@ def test_the_scheduler_in_auto_mode_loads_only_the_dram_part_of_a_hit_from_a_slo
     e.side.request_finished("a")  # nothing else runs: the DRAM part loads in the step
     assert e.admit(request("b", 6 * BS + 1)) == 2 * BS
     assert e.background["b"] is False, "the DRAM part loads in the step"
+
+
+def test_a_remote_store_hit_loads_as_a_storage_hit_does():
+    R = int(Tier.REMOTE)
+    slow_disk = measured_policy(prefill_tps=2000, dram_tps=200_000, storage_tps=500)
+    assert slow_disk.blocks_to_load([D, D, R, R], BS) == 2, "at the rate of loads from below the pool"
+    e = Engine(background=True, dram_background=False)
+    assert e.side.loads_in_background(request("x", 4 * BS), [D, R]), "a background load"
+    assert not e.side.loads_in_background(request("y", 4 * BS), [D, D])

@@ -299,6 +299,8 @@ def _remote_hit(
 ) -> float:
     """One promote of blocks that are remote hits (checked against ``crcs`` when given); their
     DRAM copies are dropped again after. Returns its seconds."""
+    from hpkv.protocol.wire import Tier
+
     n = len(keys)
     t0 = time.perf_counter()
     rows = c.promote(ns_id, keys)
@@ -310,7 +312,7 @@ def _remote_hit(
     c.unpin(ns_id, keys)
     c.clear(ns_id)
     deadline = time.monotonic() + 60
-    while c.lookup(ns_id, keys) != (n, [2] * n):
+    while c.lookup(ns_id, keys) != (n, [Tier.REMOTE] * n):
         if time.monotonic() > deadline:
             raise RuntimeError("hpkv phase: node B's DRAM copies were not dropped")
         time.sleep(0.01)
@@ -379,7 +381,10 @@ def _hpkv_phase(args: argparse.Namespace, a: Any, b: Any, m: Any) -> dict[str, A
         wait(lambda: remote(ca).get("published", 0) >= n, f"{n} blocks published")
         publish_s = time.perf_counter() - t0  # (counters reach the stats within 0.2 s)
         t0 = time.perf_counter()
-        wait(lambda: cb.lookup(nb.ns_id, keys) == (n, [2] * n), "node B's lookup to find every block")
+        wait(
+            lambda: cb.lookup(nb.ns_id, keys) == (n, [P.Tier.REMOTE] * n),
+            "node B's lookup to find every block",
+        )
         discover_s = time.perf_counter() - t0
         times = [
             _remote_hit(cb, nb.ns_id, keys, pb, shard, crcs if r == 0 else None) for r in range(args.repeat)

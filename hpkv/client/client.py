@@ -210,7 +210,7 @@ class HpkvClient:
         return d.a0, d.a1
 
     def lookup(self, ns_id: int, keys: Sequence[bytes]) -> tuple[int, list[int]]:
-        """(number of leading keys present, tier of each: 1 DRAM, 2 storage)."""
+        """(number of leading keys present, tier of each: 1 DRAM, 2 storage, 3 remote store)."""
         hit, tiers, _ = self.probe(ns_id, keys)
         return hit, tiers
 
@@ -296,7 +296,7 @@ class HpkvClient:
     def promote(self, ns_id: int, keys: Sequence[bytes], timeout: float | None = None) -> np.ndarray:
         """Load blocks into the pool and pin them, like :meth:`pin`: pool offsets ``[len(keys), world]``.
 
-        Blocks already in DRAM are pinned at once; storage-resident ones (lookup tier 2)
+        Blocks already in DRAM are pinned at once; storage-resident ones (lookup tier 2, or 3: remote)
         are read by the IO workers first. A row is -1 where the block could not be
         loaded (no file, corrupt file — quarantined —, IO error, pool full, or not
         read within ``timeout``); recompute those. Unpin the keys whose row is not -1

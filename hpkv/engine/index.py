@@ -21,13 +21,14 @@ States of a block (a key holding pool slots)::
                     │                              ▲                (files only, or nothing)
                     └─(owner gone / aborted)─▶ freed  └──(files read)── PROMOTING ◀─(promote)─ files only
 
-Files. Which keys have files is known by one owner, the storage tier's catalog
-(:class:`hpkv.engine.storage.catalog.FileCatalog`, the index's :attr:`Index.files`); the
-index asks it and keeps only what it owns: pool slots, pins, reservations. A key with
-files and no slots ("stored") is no block of the index: it is the catalog's entry, which
-the catalog makes visible to lookups through :meth:`Index.files_added` and
-:meth:`Index.files_gone` (the key table answers lookups for both tiers at C speed). A
-PROMOTING block is a block whose slots the storage tier is filling from its files.
+Files. Which keys have a copy below the pool is known by the catalogs of the tiers below
+(:class:`hpkv.engine.storage.catalog.FileCatalog`: the file tier's, the remote tier's;
+:attr:`Index.below`, in tier order); the index asks them and keeps only what it owns: pool
+slots, pins, reservations. A key with a copy below and no slots ("stored") is no block of
+the index: it is a catalog's entry, which the catalog makes visible to lookups through
+:meth:`Index.files_added` and :meth:`Index.files_gone`, with the wire tier of the first
+catalog that has it (files before the remote store; the key table answers lookups for all
+tiers at C speed). A PROMOTING block is a block whose slots a tier below is filling.
 
 Ownership. A reservation belongs to the client that made it (``owner``); a pin
 belongs to the client that pinned it (``pins_by_owner``), counted only when a block
@@ -76,10 +77,10 @@ class State(IntEnum):
 
 
 class FileOwner(Protocol):
-    """Who knows which keys have files (the storage tier's catalog)."""
+    """Who knows which keys have a copy in one tier below the pool (the tier's catalog)."""
 
     def owner(self, key: bytes) -> Namespace | None:
-        """The namespace whose files ``key`` has, None when it has none."""
+        """The namespace whose copy ``key`` has there, None when it has none."""
         ...
 
 
@@ -158,10 +159,12 @@ class Index:
         self.fenced: list[tuple[int, int]] = []  # (offset, size) freed, not yet back in the allocator
         self.torn_commits = 0  # blocks committed while a save into them still ran (dropped)
         self.storage_enabled = storage_enabled
-        self.files: FileOwner | None = None  # the storage tier's catalog sets itself here
+        # (wire tier, catalog) of the tiers below, in tier order: each catalog adds itself
+        self.below: list[tuple[int, FileOwner]] = []
         self.blocks: dict[bytes, Block] = {}  # key -> block holding slots; the key belongs to block.ns
-        # key -> (ns id, Tier) of every key a lookup can hit (READY: DRAM; files only or
-        # PROMOTING: storage). Kept beside ``blocks`` in a native table, so a lookup runs in C.
+        # key -> (ns id, Tier) of every key a lookup can hit (READY: DRAM; a copy below only, or
+        # PROMOTING: the first tier below that has it, storage or remote). Kept beside
+        # ``blocks`` in a native table, so a lookup runs in C.
         self.present = KeyTable()
         self.conflicts = 0  # reserves of a key that belongs to another namespace (refused)
         self.namespaces: dict[int, Namespace] = {}
@@ -193,8 +196,31 @@ class Index:
         # RESERVED blocks are the ones not in the key table; every other key is in it once
         return len(self.reserved) + len(self.present)
 
+    def add_below(self, catalog: FileOwner, tier: int) -> None:
+        """A tier below the pool knows its keys through ``catalog``; its stored keys are hits of
+        wire tier ``tier`` where no catalog of a lower tier number has them."""
+        self.below = [(t, c) for t, c in self.below if t != tier]  # a new catalog replaces its tier's
+        self.below.append((tier, catalog))
+        self.below.sort(key=lambda tc: tc[0])
+
+    def below_owner(self, key: bytes) -> tuple[int, Namespace] | None:
+        """(wire tier, namespace) of the first tier below the pool that has ``key``."""
+        for tier, cat in self.below:
+            ns = cat.owner(key)
+            if ns is not None:
+                return tier, ns
+        return None
+
     def _has_files(self, key: bytes) -> bool:
-        return self.files is not None and self.files.owner(key) is not None
+        return any(cat.owner(key) is not None for _, cat in self.below)
+
+    def _present_below(self, key: bytes) -> None:
+        """``key`` holds no slots: a hit of the first tier below that has it, or no hit."""
+        found = self.below_owner(key)
+        if found is None:
+            self.present.pop(key, None)
+        else:
+            self.present.set(key, found[1].ns_id, found[0])
 
     def _mine(self, ns: Namespace, k: bytes) -> Block | None:
         """The block of ``k`` if it belongs to ``ns`` (another namespace's key is absent)."""
@@ -253,10 +279,7 @@ class Index:
     def _drop_from_dram(self, b: Block) -> None:
         """The block's pool copy is gone: it lives on as the catalog's files, or not at all."""
         del self.blocks[b.key]
-        if self._has_files(b.key):
-            self.present.set(b.key, b.ns.ns_id, Tier.STORAGE)
-        else:
-            self.present.pop(b.key, None)
+        self._present_below(b.key)
 
     def _evict_one(self) -> bool:
         b = self.evictable.victim()
@@ -302,9 +325,11 @@ class Index:
     def count_lookup(self, ns: Namespace, n_keys: int, tiers: list[int]) -> None:
         c = ns.counters
         dram = tiers.count(Tier.DRAM)
+        remote = tiers.count(Tier.REMOTE)
         c[NsCounter.LOOKUPS] += 1
         c[NsCounter.HITS_DRAM] += dram
-        c[NsCounter.HITS_STORAGE] += len(tiers) - dram
+        c[NsCounter.HITS_STORAGE] += len(tiers) - dram - remote
+        c[NsCounter.HITS_REMOTE] += remote
         if len(tiers) < n_keys:
             c[NsCounter.MISSES] += 1
 
@@ -322,7 +347,8 @@ class Index:
         self.reclaim_fenced()
         for i, k in enumerate(keys):
             b = self.blocks.get(k)
-            holder = b.ns if b is not None else self.files.owner(k) if self.files is not None else None
+            below = self.below_owner(k) if b is None else None
+            holder = b.ns if b is not None else below[1] if below is not None else None
             if holder is not None and holder is not ns:
                 out[i] = -2  # never a slot of this size for another namespace's block
                 self.conflicts += 1
@@ -545,25 +571,32 @@ class Index:
 
     # ------------------------------------------------------------ storage tier
     def files_added(self, ns: Namespace, key: bytes) -> None:
-        """The catalog learned that ``key`` has files (spill done, scan, stat): a DRAM copy
-        may now be evicted, a key with files only is a storage hit."""
+        """A catalog learned that ``key`` has a copy in its tier (spill done, scan, stat, the
+        store's answer): a DRAM copy may now be evicted, a key with no slots is a hit of the
+        first tier below that has it."""
         b = self.blocks.get(key)
         if b is None:
-            self.present.set(key, ns.ns_id, Tier.STORAGE)
+            self._present_below(key)
         else:
             self._refresh(b)
 
-    def files_found(self, ns: Namespace, keys: bytes, n: int) -> None:
+    def files_found(self, ns: Namespace, keys: bytes, n: int, tier: int = Tier.STORAGE) -> None:
         """:meth:`files_added` of ``n`` keys (16 bytes each in ``keys``) that hold no slots (a
-        scan's batch): storage hits, in one native call."""
-        self.present.set_many(keys, n, ns.ns_id, Tier.STORAGE)
+        scan's batch), found by the catalog of ``tier``: in one native call when that is the
+        first tier below (its hits win over the others')."""
+        if self.below and self.below[0][0] == tier:
+            self.present.set_many(keys, n, ns.ns_id, tier)
+        else:
+            for i in range(n):
+                self._present_below(keys[16 * i : 16 * i + 16])
 
     def files_gone(self, key: bytes) -> None:
-        """The catalog forgot the key's files (evicted, corrupt, missing, namespace released):
-        a key with files only is no hit any more, a DRAM copy stays (and is not spilled again)."""
+        """A catalog forgot the key's copy (evicted, corrupt, missing, namespace released): a
+        key with no slots is a hit of the next tier below that has it, or no hit any more; a
+        DRAM copy stays (and is not spilled again)."""
         b = self.blocks.get(key)
         if b is None:
-            self.present.pop(key, None)
+            self._present_below(key)
         elif b.state == State.READY:
             b.no_spill = True
             self._refresh(b)
@@ -603,7 +636,7 @@ class Index:
         the pool is full of blocks that cannot be evicted."""
         if key in self.blocks:
             return None
-        assert self.files is not None and self.files.owner(key) is ns, "promote of a key without files"
+        assert any(cat.owner(key) is ns for _, cat in self.below), "promote of a key with no copy below"
         size = ns.slot_bytes
         slots: list[int] = []
         for _ in range(ns.world_size):

@@ -7,9 +7,9 @@ this is the server's side of it, under the server's lock, and it never waits on 
 * **lookup**: a key nobody here knows is asked about off the request loop (one LOOKUP job
   per key; the worker asks about every rank's object of the keys queued at once in one
   ``batch_is_exist``), the call parked for at most ``HPKV_REMOTE_LOOKUP_WAIT_MS``;
-  found keys join the catalog (so the index answers them as storage hits, the wire's
-  ``Tier.STORAGE``: a remote hit is a background load like a file's), the first missing one
-  is remembered as missing for :data:`NEGATIVE_TTL_S`;
+  found keys join the catalog (so the index answers them as remote hits, the wire's
+  ``Tier.REMOTE``: a background load like a file's, unless the file tier has the key too),
+  the first missing one is remembered as missing for :data:`NEGATIVE_TTL_S`;
 * **promote**: fresh slots, one PROMOTE job per rank; the worker verifies the object as a KV
   file before it answers, and the call is parked as a file promote is;
 * **spill** (write-through of committed blocks): one SPILL job per rank, bounded
@@ -17,8 +17,8 @@ this is the server's side of it, under the server's lock, and it never waits on 
   an object already in the store is not written again.
 
 Which keys the store holds (as far as this node knows) is a
-:class:`~hpkv.engine.storage.catalog.FileCatalog` of its own, the index's one owner of
-"has a copy below the pool".
+:class:`~hpkv.engine.storage.catalog.FileCatalog` of its own (``Tier.REMOTE``), the index's
+owner of "has a copy in the store" beside the file tier's.
 
 A circuit breaker guards the store: ``HPKV_REMOTE_DOWN_AFTER`` failures of it in a row (not a
 missing object, not a lost peer), or one call the master did not answer, mark the tier DOWN:
@@ -33,8 +33,9 @@ most :data:`MAX_QUEUED_SPILLS`; a put of an object that is still there is skippe
 after a restart of a remote worker that held a segment (the objects in it went with it). A
 worker that dies has its jobs failed and is restarted on the same rings, as an IO worker is.
 
-For now the remote tier replaces the file tier (HPKV_KV_STORAGE_PATH must be empty); the
-order DRAM → files → remote needs the tier list to route promotes by tier.
+With HPKV_KV_STORAGE_PATH set too, the remote tier is the second tier below the pool: DRAM →
+files → remote (:class:`~hpkv.engine.tiers.TierList` routes each promote to the tier that
+holds the key, the file tier first; a committed block is written to files and published).
 """
 
 from __future__ import annotations
@@ -85,12 +86,6 @@ def check_config(cfg: Config) -> None:
     for key in ("HPKV_REMOTE_MASTER", "HPKV_REMOTE_METADATA", "HPKV_REMOTE_LOCAL_HOSTNAME"):
         if not cfg[key]:
             raise ConfigError(f"HPKV_REMOTE_BACKEND={cfg['HPKV_REMOTE_BACKEND']} needs {key} (it is empty)")
-    if cfg.storage_path is not None:
-        raise ConfigError(
-            f"HPKV_REMOTE_BACKEND={cfg['HPKV_REMOTE_BACKEND']} with HPKV_KV_STORAGE_PATH="
-            f"{cfg.storage_path}: the remote tier cannot be stacked under the file tier yet; "
-            "set HPKV_KV_STORAGE_PATH= (empty) to use the remote tier"
-        )
     from hpkv.io_workers import mooncake_api
 
     try:
@@ -170,7 +165,7 @@ class RemoteTier:
         self.lock = lock
         self.doorbell = doorbell
         self.pool_path = pool_path
-        self.catalog = FileCatalog(index)
+        self.catalog = FileCatalog(index, P.Tier.REMOTE)
         self.lookup_wait = float(cfg["HPKV_REMOTE_LOOKUP_WAIT_MS"]) / 1000.0
         self.down_after = int(cfg["HPKV_REMOTE_DOWN_AFTER"])
         self.probe_s = float(cfg["HPKV_REMOTE_PROBE_S"])
@@ -303,6 +298,9 @@ class RemoteTier:
         call.outstanding += 1
         call.deadline = max(call.deadline, time.monotonic() + self.lookup_wait)
         return Presence(hit, True)
+
+    def holds(self, ns: Namespace, key: bytes) -> bool:
+        return key in self._promoting or self.catalog.owner(key) is ns
 
     def _unknown(self, key: bytes, now: float) -> bool:
         if not self.catalog.unknown(key):
@@ -625,4 +623,4 @@ class RemoteTier:
             if op.status in GONE:
                 self._remember_missing(key, time.monotonic() + GONE_TTL_S)
             self.catalog.forget(key)  # no hit any more; a later lookup asks the store again
-        settle_waiters(self.index, b, ok, op.waiters, self._answers)
+        settle_waiters(self.index, b, ok, op.waiters, self._answers, NsCounter.LOADS_REMOTE)

@@ -45,7 +45,7 @@ from hpkv.engine.registry import RETIRE_GRACE_S, Client
 from hpkv.engine.remote import RemoteTier
 from hpkv.engine.remote import check_config as check_remote_config
 from hpkv.engine.storage.tier import FileTier
-from hpkv.engine.tiers import LookupAnswer, ParkedLookup, TierList
+from hpkv.engine.tiers import LookupAnswer, LowerTier, ParkedLookup, TierList
 from hpkv.engine.workers import WorkerProcess
 from hpkv.monitor.metrics import start_metrics
 from hpkv.protocol import wire as P
@@ -272,18 +272,20 @@ class Server(OperatorCalls):
         )
         self.stats.glob[G.POOL_CAPACITY] = size
         self.doorbell = Doorbell.create(self.dir, "server")
+        below: list[LowerTier] = []  # DRAM -> local files -> the remote store
         if self.cfg.storage_path is not None:
             files = FileTier(
                 self.cfg, self.dir, self.stats, self.index, self.lock, self.doorbell, self.pool.path
             )
             self.workers += files.start(list(range(self.cfg["HPKV_NUM_IO_WORKERS"])))
-            self.tiers = TierList([files])
-        elif self.cfg["HPKV_REMOTE_BACKEND"]:
+            below.append(files)
+        if self.cfg["HPKV_REMOTE_BACKEND"]:
             remote = RemoteTier(
                 self.cfg, self.dir, self.stats, self.index, self.lock, self.doorbell, self.pool.path
             )
             self.workers += remote.start(self._free_worker_slot())
-            self.tiers = TierList([remote])
+            below.append(remote)
+        self.tiers = TierList(below)
 
         self.metrics = start_metrics(self.cfg)
         sock_path = os.path.join(self.dir, P.SOCKET_FILE)
@@ -618,7 +620,7 @@ class Server(OperatorCalls):
         hit = idx.present.prefix(ns.ns_id, c.mbox[: n * KEY_BYTES], n, out[:n])
         tiers = out[:hit].tolist()
         pending = False
-        if self.tiers and (hit < n or Tier.STORAGE in tiers):
+        if self.tiers and (hit < n or max(tiers, default=0) >= Tier.STORAGE):
             # files deleted from outside are not hits; files the index has not seen yet are
             hit, pending = self.tiers.lookup(ns, self._keys(c, n), hit, tiers, call)
             if pending and call is not None:
@@ -648,7 +650,7 @@ class Server(OperatorCalls):
             miss = np.flatnonzero(out == Tier.MISS)
             pos = int(miss[0]) if len(miss) else n  # the leading prefix
             tiers = out[:pos].tolist()
-            if pos < n or Tier.STORAGE in tiers:
+            if pos < n or max(tiers, default=0) >= Tier.STORAGE:
                 hit, pending = self.tiers.lookup(ns, keys, pos, tiers, call)
                 if pending and call is not None:
                     parked = True
@@ -659,7 +661,7 @@ class Server(OperatorCalls):
                         out[hit] = Tier.MISS
                     pos = hit + 1 if hit < pos else max(hit, pos)
             while pos < n:
-                found = np.flatnonzero(out[pos:] == Tier.STORAGE)
+                found = np.flatnonzero(out[pos:] >= Tier.STORAGE)
                 if not len(found):
                     break
                 start = pos + int(found[0])

@@ -1,7 +1,8 @@
 """The contract of a tier below the DRAM pool, and the list of them the server drives.
 
-A tier keeps KV blocks the pool has no room for (files on a local disk today:
-:class:`hpkv.engine.storage.tier.FileTier`; an in-memory one for tests:
+A tier keeps KV blocks the pool has no room for (files on a local disk:
+:class:`hpkv.engine.storage.tier.FileTier`; a store shared by several nodes:
+:class:`hpkv.engine.remote.RemoteTier`; an in-memory one for tests:
 :class:`hpkv.testing.memory_tier.MemoryTier`). It runs in the server under the server's
 lock, and it never calls the server back: work that ends later (a promote waiting for
 IO, a lookup waiting for a stat) is *returned* by :meth:`LowerTier.poll` as values, and the
@@ -58,10 +59,16 @@ class ParkedPromote:
 
 
 def settle_waiters(
-    index: Index, b: Block, ok: bool, waiters: list[tuple[ParkedPromote, int]], answers: list[PromoteAnswer]
+    index: Index,
+    b: Block,
+    ok: bool,
+    waiters: list[tuple[ParkedPromote, int]],
+    answers: list[PromoteAnswer],
+    counter: int = NsCounter.LOADS_STORAGE,
 ) -> None:
     """A promote of ``b`` ended: pin it for every call still waiting (``(call, row)``), answer
-    the calls that waited for nothing else, and count the blocks loaded."""
+    the calls that waited for nothing else, and count the blocks loaded (in ``counter``, the
+    tier's loads)."""
     loaded = 0
     for call, row in waiters:
         if ok and not call.done and call.client.alive:
@@ -70,7 +77,7 @@ def settle_waiters(
         call.outstanding -= 1
         if call.outstanding == 0 and not call.done:
             call.finish(answers)
-    b.ns.counters[NsCounter.LOADS_STORAGE] += loaded
+    b.ns.counters[counter] += loaded
 
 
 @dataclass
@@ -124,6 +131,11 @@ class LowerTier(Protocol):
     loop, except where it says otherwise; none blocks on the tier's IO."""
 
     name: str  # the stats snapshot's section ("storage")
+
+    def holds(self, ns: Namespace, key: bytes) -> bool:
+        """The tier has ``ns``'s ``key`` (its catalog knows the copy) or is reading it into the
+        pool now: a promote of it is this tier's (:class:`TierList` routes it here)."""
+        ...
 
     def lookup(
         self,
@@ -210,18 +222,31 @@ class LowerTier(Protocol):
         ...
 
 
+class _Joint(NamedTuple):
+    """A PROMOTE split over several tiers, some parked: the whole call's rows, and per tier
+    still to answer the positions of its keys in the call."""
+
+    rows: np.ndarray
+    parts: dict[int, list[int]]
+
+
 class TierList:
-    """The tiers below the pool in priority order, driven as one by the server.
+    """The tiers below the pool in priority order (files, then the remote store), driven as
+    one by the server.
 
     A lookup asks each tier in turn to check and extend the prefix; when a tier says it is
-    still finding out (``pending``), the call is parked here, and :meth:`poll` returns its
+    still finding out (``pending``), the call is parked here (the tiers after it are asked
+    too, so each starts its own checks of the keys after the prefix: files another server
+    wrote, objects another node published), and :meth:`poll` returns its
     :class:`LookupAnswer` once no tier has checks of it outstanding or its deadline passed.
-    Write-through and promotes go to the first tier (the only one today); routing them by
-    where each key lives is for the issue that adds a second tier. Empty when storage is off."""
+    Write-through goes to every tier (each decides whether it keeps a copy); a promote is
+    routed key by key to the tier that holds the key (the first one in order: a file is read
+    rather than a remote object), its parts answered as one call. Empty when storage is off."""
 
     def __init__(self, tiers: Iterable[LowerTier] = ()):
         self.tiers = list(tiers)
         self._lookups: list[ParkedLookup] = []
+        self._joints: dict[tuple[int, int], _Joint] = {}  # (id(client), seq) -> its promote's parts
 
     def __bool__(self) -> bool:
         return bool(self.tiers)
@@ -234,26 +259,58 @@ class TierList:
         tiers: list[int],
         call: ParkedLookup | None = None,
     ) -> Presence:
-        """Pending from any tier parks ``call`` (the tiers after it are asked when the call is
-        answered: what they would check lies past a prefix not known yet); without ``call``
-        it ends the answer there, pending (unconfirmed)."""
+        """Pending from any tier parks ``call`` (after every tier had its turn to start checks);
+        without ``call`` it ends the answer there, pending (unconfirmed)."""
+        parked = False
         for t in self.tiers:
             hit, pending = t.lookup(ns, keys, hit, tiers, call)
             if pending:
-                # (a FLAG_EACH lookup parks once for all its runs)
-                if call is not None and not any(c is call for c in self._lookups):
-                    self._lookups.append(call)
-                return Presence(hit, True)
+                if call is None:
+                    return Presence(hit, True)
+                parked = True
+        if parked:
+            assert call is not None
+            # (a FLAG_EACH lookup parks once for all its runs)
+            if not any(c is call for c in self._lookups):
+                self._lookups.append(call)
+            return Presence(hit, True)
         return Presence(hit, False)
+
+    def _route(self, ns: Namespace, key: bytes) -> int:
+        """The tier a promote of ``key`` goes to: the one that holds it, else the first (a DRAM
+        block is pinned by any tier; the first may look for a key nobody knows)."""
+        for i, t in enumerate(self.tiers):
+            if t.holds(ns, key):
+                return i
+        return 0
 
     def promote(
         self, client: Client, seq: int, ns: Namespace, keys: list[bytes], timeout: float
     ) -> np.ndarray | None:
-        return self.tiers[0].promote(client, seq, ns, keys, timeout)
+        if len(self.tiers) == 1:
+            return self.tiers[0].promote(client, seq, ns, keys, timeout)
+        parts: dict[int, list[int]] = {}
+        for i, k in enumerate(keys):
+            parts.setdefault(self._route(ns, k), []).append(i)
+        if len(parts) == 1:
+            (only,) = parts
+            return self.tiers[only].promote(client, seq, ns, keys, timeout)
+        rows = np.full((len(keys), ns.world_size), -1, np.int64)
+        parked: dict[int, list[int]] = {}
+        for ti, pos in sorted(parts.items()):
+            got = self.tiers[ti].promote(client, seq, ns, [keys[i] for i in pos], timeout)
+            if got is None:
+                parked[ti] = pos
+            else:
+                rows[pos] = got
+        if not parked:
+            return rows
+        self._joints[(id(client), seq)] = _Joint(rows, parked)
+        return None
 
     def spill(self, blocks: list[Block]) -> None:
-        if self.tiers:
-            self.tiers[0].spill(blocks)
+        for t in self.tiers:
+            t.spill(blocks)
 
     def touch(self, keys: list[bytes]) -> None:
         for t in self.tiers:
@@ -264,8 +321,17 @@ class TierList:
 
     def poll(self) -> list[PromoteAnswer | LookupAnswer]:
         answers: list[PromoteAnswer | LookupAnswer] = []
-        for t in self.tiers:
-            answers += t.poll()
+        for ti, t in enumerate(self.tiers):
+            for a in t.poll():
+                joint = self._joints.get((id(a.client), a.seq)) if self._joints else None
+                pos = joint.parts.pop(ti, None) if joint is not None else None
+                if joint is None or pos is None:
+                    answers.append(a)
+                    continue
+                joint.rows[pos] = a.rows
+                if not joint.parts:  # every part answered: the call's answer
+                    del self._joints[(id(a.client), a.seq)]
+                    answers.append(PromoteAnswer(a.client, a.seq, joint.rows))
         if self._lookups:
             now = time.monotonic()
             for call in self._lookups:
@@ -281,6 +347,8 @@ class TierList:
         return min((c.deadline for c in self._lookups), default=None)
 
     def client_gone(self, client: Client) -> None:
+        for k in [k for k in self._joints if k[0] == id(client)]:
+            del self._joints[k]
         for call in self._lookups:
             if call.client is client:
                 call.done = True
@@ -301,15 +369,21 @@ class TierList:
 
     @property
     def degraded(self) -> bool:
-        """Any tier is degraded (a stop does not wait for its spills)."""
-        return any(t.degraded for t in self.tiers)
+        """Every tier with spills pending is degraded: a stop waits for no spill that can end
+        (the files' spills are waited for while the remote store is down, and the other way)."""
+        busy = [t for t in self.tiers if t.pending_spills()]
+        return bool(busy) and all(t.degraded for t in busy)
 
     def take_catalog_dirty(self) -> bool:
         return any([t.take_catalog_dirty() for t in self.tiers])  # a list: every tier's flag is taken
 
     def describe(self) -> dict[str, Any]:
-        """The stats snapshot's ``storage`` section (``{"path": None}`` when there is no tier)."""
-        return self.tiers[0].describe() if self.tiers else {"path": None}
+        """The stats snapshot's ``storage`` section (``{"path": None}`` when there is no tier):
+        each tier's strings, the first tier's where two name the same."""
+        out: dict[str, Any] = {"path": None}
+        for t in reversed(self.tiers):
+            out.update(t.describe())
+        return out
 
     def shutdown(self) -> None:
         for t in self.tiers:

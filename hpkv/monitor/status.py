@@ -99,12 +99,17 @@ def format_status(s: dict) -> str:
         "NAMESPACE            RANKS  DRAM BLOCKS  PINNED  OPERATOR PINNED  HITS DRAM  HITS STORAGE  MISSES"
         "  EVICTIONS",
     ]
+    # the remote store's hits, where a namespace has any there (HITS STORAGE: the files')
+    remote = any(ns.get("blocks_remote") or ns.get("hits_remote") for ns in s["namespaces"])
+    if remote:
+        lines[-1] += "  HITS REMOTE"
     for ns in s["namespaces"]:
         # OPERATOR PINNED: bytes `hpkv pin` holds in DRAM (counted in PINNED's blocks too)
         op_pinned = format_size(ns.get("bytes_pinned_operator", 0))
         lines.append(
             f"{ns['name'][:20]:20} {ns['world_size']:5}  {ns['blocks_dram']:11}  {ns['blocks_pinned']:6}"
             f"  {op_pinned:>15}  {ns['hits_dram']:9}  {ns['hits_storage']:12}  {ns['misses']:6}  {ns['evictions']:9}"
+            + (f"  {ns.get('hits_remote', 0):11}" if remote else "")
         )
     lines += ["", *_tier_table(s["namespaces"])]
     lines += ["", "WORKER  KIND      PID      DEVICE  NODE  CPUS    STATE     JOBS  FAILED  RESTARTS  HANGS"]

@@ -55,6 +55,11 @@ class NsCounter(IntEnum):
     LOAD_US_DRAM = 19
     LOAD_US_STORAGE = 20
     BYTES_PINNED_OPERATOR = 21  # gauge: bytes of DRAM blocks pinned by `hpkv pin`
+    # The remote tier (Mooncake Store, below the files): as the storage counters above
+    BLOCKS_REMOTE = 22  # gauge: blocks known to be in the store (every rank's object)
+    BYTES_REMOTE = 23  # gauge: bytes of their objects (every rank's)
+    HITS_REMOTE = 24  # blocks a lookup found in the store only
+    LOADS_REMOTE = 25  # blocks promoted from the store for loading
 
 
 NS_COUNTERS = len(NsCounter)
@@ -390,6 +395,20 @@ def _tiers(c: dict[str, int]) -> dict[str, dict[str, Any]]:
             "prefill_saved_s": saved_s,
             "load_s": load_s,
             "time_saved_s": saved_s - load_s,
+        }
+    if c["blocks_remote"] or c["hits_remote"] or c["loads_remote"]:
+        # The remote store (below the files), once the namespace has anything there: what it
+        # holds and its hits; its loads' time is in the storage tier's (the engines report
+        # loads from below the pool as one).
+        out["remote"] = {
+            "blocks": c["blocks_remote"],
+            "bytes": c["bytes_remote"],
+            "hits": c["hits_remote"],
+            "loads": c["loads_remote"],
+            "loaded_tokens": 0,
+            "prefill_saved_s": 0.0,
+            "load_s": 0.0,
+            "time_saved_s": 0.0,
         }
     return out
 

@@ -53,7 +53,10 @@ class Tier(IntEnum):
 
     MISS = 0
     DRAM = 1
-    STORAGE = 2
+    STORAGE = 2  # local KV files
+    # A shared store of several nodes (Mooncake Store), below the files. A client treats
+    # every tier from STORAGE up as a load that waits on a medium (a background load).
+    REMOTE = 3
 
 
 # Flags of a COMMIT: the shard could not be written; drop the reservation instead.

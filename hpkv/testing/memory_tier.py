@@ -59,10 +59,13 @@ class MemoryTier:
     name = "storage"
     degraded = False
 
-    def __init__(self, index: Index, pool: np.ndarray | None = None, delay_polls: int = 1):
+    def __init__(
+        self, index: Index, pool: np.ndarray | None = None, delay_polls: int = 1, tier: int = Tier.STORAGE
+    ):
         self.index = index
         self.pool = pool
-        self.catalog = FileCatalog(index)
+        self.tier = tier  # its hits' wire tier (Tier.REMOTE: a second tier, below the files)
+        self.catalog = FileCatalog(index, tier)
         self.medium: dict[bytes, list[bytes]] = {}
         self.delay_polls = delay_polls
         self.fail_spills: set[bytes] = set()
@@ -100,7 +103,7 @@ class MemoryTier:
         if self.presence_polls != 0:
             return self._slow_lookup(ns, keys, hit, call)
         for i in range(hit):
-            if tiers[i] == Tier.STORAGE and keys[i] not in self.medium and keys[i] not in self._promoting:
+            if tiers[i] == self.tier and keys[i] not in self.medium and keys[i] not in self._promoting:
                 self.catalog.forget(keys[i])
                 del tiers[i:]
                 hit = i
@@ -150,6 +153,9 @@ class MemoryTier:
 
     def _learn(self, ns: Namespace, key: bytes) -> bool:
         return self.catalog.unknown(key) and key in self.medium and self.catalog.add(ns, key)
+
+    def holds(self, ns: Namespace, key: bytes) -> bool:
+        return key in self._promoting or self.catalog.owner(key) is ns
 
     def promote(
         self, client: Client, seq: int, ns: Namespace, keys: list[bytes], timeout: float
@@ -265,7 +271,8 @@ class MemoryTier:
             self.catalog.touch(key)
         elif data is None:
             self.catalog.forget(key)  # lost underneath: no hit any more
-        settle_waiters(self.index, b, ok, job.waiters, self._answers)
+        counter = NsCounter.LOADS_STORAGE if self.tier == Tier.STORAGE else NsCounter.LOADS_REMOTE
+        settle_waiters(self.index, b, ok, job.waiters, self._answers, counter)
 
     def _read_slots(self, b: Block) -> list[bytes]:
         if self.pool is None or b.slots is None:

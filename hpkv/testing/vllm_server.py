@@ -521,14 +521,14 @@ def hpkv_status(env: dict[str, str]) -> dict[str, Any] | None:
     return json.loads(out.stdout) if out.returncode == 0 else None
 
 
-def hpkv_loads(env: dict[str, str]) -> dict[str, int]:
-    """Tokens hpkv has served per tier so far (from the stats segment; 0 without a server)."""
+def hpkv_loads(env: dict[str, str], remote: bool = False) -> dict[str, int]:
+    """Tokens hpkv has served per tier so far (from the stats segment; 0 without a server):
+    DRAM and the files (``storage``), and with ``remote`` the remote store too."""
     stats = hpkv_status(env)
-    if stats is None:
-        return {"dram": 0, "storage": 0}
-    dram = storage = 0
-    for ns in stats["namespaces"]:
+    dram = storage = from_remote = 0
+    for ns in stats["namespaces"] if stats is not None else []:
         bt = ns.get("block_tokens") or 0
         dram += ns.get("loads_dram", 0) * bt
         storage += ns.get("loads_storage", 0) * bt
-    return {"dram": dram, "storage": storage}
+        from_remote += ns.get("loads_remote", 0) * bt
+    return {"dram": dram, "storage": storage, **({"remote": from_remote} if remote else {})}

@@ -279,7 +279,7 @@ class SchedulerSide:
         waits, and the hit saves the step an async load takes to be reported)."""
         if self.background_all_loads:
             return True
-        if Tier.STORAGE in block_tiers:
+        if max(block_tiers, default=0) >= Tier.STORAGE:  # files or the remote store
             return self.background_storage_loads
         if self.background_dram_loads is False:
             return False

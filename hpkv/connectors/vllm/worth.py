@@ -97,7 +97,8 @@ class LoadPolicy:
             return n
         best, best_gain, load_s = 0, 0.0, 0.0
         for i, tier in enumerate(tiers, 1):
-            load_s += self.load[Tier(tier)].seconds(block_size)
+            # (a remote block loads at the rate measured for loads from below the pool)
+            load_s += self.load[Tier(min(tier, Tier.STORAGE))].seconds(block_size)
             gain = self.prefill.seconds(i * block_size) - load_s
             if gain >= best_gain:
                 best, best_gain = i, gain

@@ -1,4 +1,5 @@
-"""The catalog: the one owner of "which blocks have files".
+"""The catalog: the one owner of "which blocks have files" (or, for the remote tier, "which
+blocks are in the store": one catalog per tier below the pool).
 
 A key is in the catalog when every rank's file of its block is known to be on storage:
 spilled here, found by the scan at attach, or by a stat on a lookup miss. The index asks
@@ -22,6 +23,10 @@ the table (:meth:`KeyTable.oldest`) and keeps them as candidates for its next ro
 only ever become more recent, except those a scan adds at the cold end, which drop the
 candidates. Nothing on the lookup path is proportional to the number of entries.
 
+The remote tier keeps its catalog of the objects in the store in the same class
+(``tier=Tier.REMOTE``): its own gauges (``blocks_remote`` / ``bytes_remote``) and no KV events
+(a block in a store every node shares is no block of this engine's cache for a router).
+
 Everything here runs under the server's lock; nothing here touches the disk.
 """
 
@@ -34,6 +39,7 @@ from hpkv.engine.index import Index, Namespace
 from hpkv.engine.keytable import KeyTable
 from hpkv.io_workers import kvfile
 from hpkv.protocol.stats import G, NsCounter
+from hpkv.protocol.wire import Tier
 
 VERIFY_TTL_S = 2.0  # a storage hit's files are stat-ed again at most this often
 FILES = 1  # flag: all ranks' files are on storage (the key is in the catalog)
@@ -52,8 +58,14 @@ def _stamp(now: float) -> int:
 class FileCatalog:
     """key → namespace of the blocks with files, LRU first, with their file and byte totals."""
 
-    def __init__(self, index: Index):
+    def __init__(self, index: Index, tier: int = Tier.STORAGE):
         self.index = index
+        self.tier = tier
+        self._events = tier == Tier.STORAGE  # KV events of the file tier only
+        if tier == Tier.STORAGE:
+            self._blocks_counter, self._bytes_counter = NsCounter.BLOCKS_STORAGE, NsCounter.BYTES_STORAGE
+        else:
+            self._blocks_counter, self._bytes_counter = NsCounter.BLOCKS_REMOTE, NsCounter.BYTES_REMOTE
         self._t = KeyTable(columns=True)
         self._peek = self._t.peeker()  # key -> value | owner << 2 | stamp << 8 (0: absent)
         self._ns: dict[int, Namespace] = {}  # namespace id -> the namespace its entries belong to
@@ -65,7 +77,7 @@ class FileCatalog:
         self._candidates: list[tuple[bytes, int]] = []
         self.files = 0
         self.bytes = 0
-        index.files = self
+        index.add_below(self, tier)
 
     def __len__(self) -> int:
         return self._entries
@@ -122,7 +134,7 @@ class FileCatalog:
         self.index.files_added(ns, key)
         # Not for keys found on disk (a scan, another server's journal): no engine here saved
         # them, so none knows their hashes; an engine that hits one learns it then.
-        if recent and ns.events is not None:
+        if recent and ns.events is not None and self._events:
             ns.events.add(key, STORED_STORAGE)
         return True
 
@@ -146,7 +158,7 @@ class FileCatalog:
             self._cold -= n
             self._candidates.clear()
             self._count_in(ns, n)
-            self.index.files_found(ns, raw, n)
+            self.index.files_found(ns, raw, n, self.tier)
         return n
 
     def forget(self, key: bytes) -> Namespace | None:
@@ -156,10 +168,10 @@ class FileCatalog:
             return None
         ns = self._ns[m >> 2 & 63]
         self._drop(key, m, ns)
-        ns.counters[NsCounter.BLOCKS_STORAGE] -= 1
-        ns.counters[NsCounter.BYTES_STORAGE] -= ns.world_size * kvfile.file_size(ns.shard_bytes)
+        ns.counters[self._blocks_counter] -= 1
+        ns.counters[self._bytes_counter] -= ns.world_size * kvfile.file_size(ns.shard_bytes)
         self.index.files_gone(key)
-        if ns.events is not None:
+        if ns.events is not None and self._events:
             ns.events.add(key, REMOVED_STORAGE)
         return ns
 
@@ -278,8 +290,8 @@ class FileCatalog:
         self._entries += n
         self.files += n * ns.world_size
         self.bytes += n * ns.world_size * kvfile.file_size(ns.shard_bytes)
-        ns.counters[NsCounter.BLOCKS_STORAGE] += n
-        ns.counters[NsCounter.BYTES_STORAGE] += n * ns.world_size * kvfile.file_size(ns.shard_bytes)
+        ns.counters[self._blocks_counter] += n
+        ns.counters[self._bytes_counter] += n * ns.world_size * kvfile.file_size(ns.shard_bytes)
 
     def _drop(self, key: bytes, m: int, ns: Namespace) -> None:
         """Clear the entry's FILES flag (``m``: its :meth:`KeyTable.peek`; the slot goes unless

@@ -875,3 +875,6 @@ class FileTier:
 
     def promoting(self, key: bytes) -> bool:
         return key in self._promoting
+
+    def holds(self, ns: Namespace, key: bytes) -> bool:
+        return key in self._promoting or self.catalog.owner(key) is ns
