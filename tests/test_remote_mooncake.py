@@ -309,9 +309,7 @@ def test_with_files_and_the_store_a_node_hits_another_nodes_blocks_and_its_own_f
         text = format_status(st)  # `hpkv status`: the store's line, and its row in the tier table
         assert f"remote    {m.rpc}  UP" in text and "gets 2" in text, text
         assert "HITS REMOTE" in text, text
-        rows_named = [
-            line.split()[0] for line in text.splitlines() if line.strip() and m.rpc not in line
-        ]
+        rows_named = [line.split()[0] for line in text.splitlines() if line.strip() and m.rpc not in line]
         assert "remote" in rows_named, text
         nb.c.unpin(nb.ns.ns_id, keys)
         # on A the blocks are in its files and in the store: its own files win
