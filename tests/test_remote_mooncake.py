@@ -516,7 +516,7 @@ def test_a_restarted_master_brings_the_tier_back_up_by_itself_and_blocks_are_sha
         before = block_keys(FP, [b"r0"])
         data = na.put(before)
         na.wait_remote(lambda r: r["published"] == 1, "the first block published")
-        _wait_lookup(nb, before, (1, [2]))
+        _wait_lookup(nb, before, (1, [P.Tier.REMOTE]))
         m.ns.stop(m.proc, signal.SIGKILL)
         # A's next publish and B's next question fail: each tier goes down (the master did not answer)
         during = block_keys(FP, [f"r1-{i}".encode() for i in range(8)])
@@ -552,7 +552,7 @@ def test_a_restarted_master_brings_the_tier_back_up_by_itself_and_blocks_are_sha
         after = block_keys(FP, [b"r2"])
         data.update(na.put(after))
         na.wait_remote(lambda r: r["published"] >= 3, "the block committed after the restart published")
-        _wait_lookup(nb, before + after, (2, [2, 2]))
+        _wait_lookup(nb, before + after, (2, [P.Tier.REMOTE] * 2))
         rows = nb.c.promote(nb.ns.ns_id, before + after)
         for k, row in zip(before + after, rows, strict=True):
             assert row[0] >= 0, f"{k.hex()} not loaded: {nb.remote()}\n{nb.srv.log()[-3000:]}"
