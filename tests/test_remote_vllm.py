@@ -118,7 +118,9 @@ def test_a_prompt_vllm_computed_on_node_a_is_a_remote_hit_for_vllm_on_node_b(tin
                 assert delta(before, hpkv_loads(env_b)) == {"dram": 0, "storage": HIT_TOKENS}, (
                     f"not a remote hit on B: {remote(env_b)}\n{servers[1].log()[-3000:]}"
                 )
-                r = wait_remote(env_b, lambda r: r["loaded"] == BLOCKS, "B's counters (published every 0.2 s)")
+                r = wait_remote(
+                    env_b, lambda r: r["loaded"] == BLOCKS, "B's counters (published every 0.2 s)"
+                )
                 assert r["found"] >= BLOCKS and r["corrupt"] == 0 and r["errors"] == 0, r
                 # B's own recompute, for the same prompt (hpkv skipped: neither loaded nor saved)
                 vb.post("/reset_prefix_cache")

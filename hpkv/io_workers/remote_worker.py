@@ -284,7 +284,9 @@ class Getter:
             self._pages.put(remote.header_page())
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._count = threading.Lock()  # the loaded-bytes counter, added to by every thread
-        self._threads = [threading.Thread(target=self._run, name=f"get{i}", daemon=True) for i in range(GETTERS)]
+        self._threads = [
+            threading.Thread(target=self._run, name=f"get{i}", daemon=True) for i in range(GETTERS)
+        ]
         for t in self._threads:
             t.start()
 
