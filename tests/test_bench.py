@@ -3,6 +3,7 @@ floors, and how hpkv's added time is set against them (no vLLM needed)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -180,6 +181,43 @@ def test_the_added_time_pairs_each_hit_with_the_gpu_hit_of_its_repeat(capsys):
     assert "median of hit − the same prompt again, a GPU hit: mean 0.120 s" in capsys.readouterr().out
     del res["ttft"]["dram_hit_repeat"]  # --url: no repeats, the phases' means
     assert ttft.summarize(res)["dram_added_ms"] == pytest.approx((0.62 / 3 - 0.08) * 1000, abs=0.1)
+
+
+def test_the_remote_hit_is_set_against_the_raw_batch_get_into_time_of_its_bytes(capsys):
+    # --remote: node B's hit of 1 MiB a request adds 3 ms to its GPU hit (pairs); the raw
+    # batch_get_into rate measured from node B in the same run was best 1.0 GB/s: 1.05 ms.
+    res = {
+        "ttft": {
+            "remote_cold": [0.9, 0.9],
+            "remote_hit": [0.105, 0.104],
+            "remote_hit_repeat": [0.102, 0.101],
+        },
+        "served_tokens": {"remote_hit": {"dram": 0, "storage": 2 * 32, "remote": 2 * 32}},
+        "requests": 2,
+        "tokens": 40,
+        "model": "m",
+        "kv_bytes_per_token": 32 * 1024,
+        "remote_floor_gbps": {"best": 1.0, "rounds": [0.9, 1.0, 0.95]},
+    }
+    s = ttft.summarize(res)
+    nbytes = 32 * 32 * 1024
+    assert s["remote_loaded_tokens"] == 64
+    assert s["remote_added_ms"] == pytest.approx(3.0)
+    assert s["remote_floor_ms"] == pytest.approx(nbytes / 1e9 * 1000, abs=0.05)
+    assert s["remote_added_vs_floor"] == pytest.approx(3.0 / (nbytes / 1e6), abs=0.01)
+    ttft.print_table(s)
+    out = capsys.readouterr().out
+    assert "node B: remote hit (Mooncake)" in out
+    assert "remote hit: hpkv adds 3.0 ms" in out and "raw batch_get_into, best of 0.9, 1, 0.95" in out
+
+
+def test_remote_phases_skip_with_the_reason_where_namespaces_cannot_be_made(monkeypatch, capsys):
+    monkeypatch.setattr(ttft, "remote_unavailable", lambda: "needs root to create network namespaces")
+    results: dict = {"requests": 1}
+    ttft.remote_phases(argparse.Namespace(), {}, "/nonexistent", 0, results, {}, ("m", [], 0, 0), print)
+    assert results["remote_skipped"] == "needs root to create network namespaces"
+    ttft.print_table(ttft.summarize({**results, "ttft": {}, "tokens": 1, "model": "m", "served_tokens": {}}))
+    assert "remote phases skipped: needs root to create network namespaces" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

@@ -198,10 +198,102 @@ def _holder(args: argparse.Namespace) -> int:
     return 0
 
 
+class _RawGets:
+    """``--role floor``: ``--count`` objects of ``--object-bytes`` put by a pure client (so
+    they live in segments held elsewhere), then read back whole with ``batch_get_into`` in
+    batches of ``--batch`` into one registered buffer, a round at a time (:meth:`round`; the
+    first round's bytes are checked). The objects are removed at :meth:`close`."""
+
+    def __init__(self, args: argparse.Namespace):
+        from hpkv.testing import mooncake as mc
+
+        self.store = mc.connect(args.local, args.metadata, args.master, segment=0)
+        self.size, self.n, self.batch = args.object_bytes, args.count, args.batch
+        self.span = self.size * self.n
+        self.buf = mmap.mmap(-1, 2 * self.span, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
+        self.buf[: self.span] = os.urandom(self.size) * self.n
+        self.buf[self.span :] = bytes(self.span)  # touched before any timing
+        if self.store.register_buffer(self.base, 2 * self.span) != 0:
+            raise RuntimeError("register_buffer failed")
+        self.keys = [f"floor/{os.getpid()}/{i}" for i in range(self.n)]
+        self.rounds = 0
+        self._call(self.store.batch_put_from, self.base, 0)
+
+    def _call(self, call: Any, base: int, want: int) -> None:
+        for i in range(0, self.n, self.batch):
+            part = self.keys[i : i + self.batch]
+            rcs = call(part, [base + j * self.size for j in range(i, i + len(part))], [self.size] * len(part))
+            if any(rc != want for rc in rcs):
+                raise RuntimeError(f"{call.__name__} failed: {rcs}")
+
+    def round(self) -> float:
+        """Seconds to read every object once."""
+        t0 = time.perf_counter()
+        self._call(self.store.batch_get_into, self.base + self.span, self.size)
+        took = time.perf_counter() - t0
+        if self.rounds == 0 and zlib.crc32(self.buf[self.span :]) != zlib.crc32(self.buf[: self.span]):
+            raise RuntimeError("the bytes read back differ from those put")
+        self.rounds += 1
+        return took
+
+    def close(self) -> None:
+        self.store.batch_remove(self.keys, True)
+        self.store.unregister_buffer(self.base)
+        self.store.close()
+
+
+def _floor(args: argparse.Namespace) -> None:
+    """``--role floor``: ``--repeat`` rounds, then their rates as JSON (the best and each);
+    with ``--stdin``, ``ready``, then one round per line read, its seconds printed."""
+    raw = _RawGets(args)
+    try:
+        if args.stdin:
+            print("ready", flush=True)
+            for _ in sys.stdin:
+                print(raw.round(), flush=True)
+            return
+        rates = [raw.span / raw.round() / 1e9 for _ in range(args.repeat)]
+        print(json.dumps({"best": round(max(rates), 3), "rounds": [round(r, 3) for r in rates]}), flush=True)
+    finally:
+        raw.close()
+
+
+def _floor_cmd(
+    ns: Any, m: Any, object_bytes: int, count: int, *extra: str
+) -> tuple[list[str], dict[str, str]]:
+    """The ``--role floor`` command line and environment for a client in ``ns``."""
+    from hpkv.testing import mooncake as mc
+
+    env = dict(os.environ)
+    here = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "hpkv.bench.remote", "--role", "floor", "--local", ns.addr]
+    cmd += ["--metadata", m.metadata, "--master", m.rpc, "--object-bytes", str(object_bytes)]
+    cmd += ["--count", str(count), *extra]
+    return cmd, mc.client_env(ns.addr, env)
+
+
+def raw_get_gbps(
+    ns: Any, m: Any, object_bytes: int, count: int, repeat: int = 3, batch: int = 16
+) -> dict[str, Any]:
+    """The raw ``batch_get_into`` rate of ``count`` objects of ``object_bytes``, read by a pure
+    client inside ``ns`` (a namespace of :mod:`hpkv.testing.netns`, in the master ``m``'s
+    cluster): ``{"best": GB/s, "rounds": [...]}`` over ``repeat`` rounds."""
+    cmd, env = _floor_cmd(ns, m, object_bytes, count, "--repeat", str(repeat), "--batch", str(batch))
+    r = ns.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"the raw batch_get_into floor failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def _role_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m hpkv.bench.remote")
     add_arguments(p)
-    p.add_argument("--role", choices=("holder", "client"), required=True)
+    p.add_argument("--role", choices=("holder", "client", "floor"), required=True)
+    p.add_argument("--object-bytes", type=int, default=7 << 20)
+    p.add_argument("--count", type=int, default=16)
+    p.add_argument("--stdin", action="store_true", help="floor: one round per line read")
     p.add_argument("--local", required=True)
     p.add_argument("--metadata", required=True)
     p.add_argument("--master", required=True)
@@ -210,6 +302,9 @@ def _role_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.role == "holder":
         return _holder(args)
+    if args.role == "floor":
+        _floor(args)
+        return 0
     print(json.dumps(_Client(args).run()), flush=True)
     return 0
 
@@ -237,9 +332,10 @@ def _print(out: dict[str, Any]) -> None:
     if h:
         print(
             f"hpkv remote hit: node B promotes {h['blocks']} x {h['block_mib']} MiB blocks node A published: "
-            f"{h['promote_gbps']:.2f} GB/s (median of {len(h['promote_s'])}) vs raw batch_get_into "
-            f"{h['raw_get_gbps']:.2f} GB/s at {h['block_mib']} MiB: {h['vs_raw']:.2f}x the raw time "
-            f"(target <= 1.3); publish {h['publish_gbps']:.2f} GB/s; first lookup {h['discover_ms']} ms"
+            f"{h['promote_gbps']:.2f} GB/s (median of {len(h['promote_s'])}) vs raw batch_get_into of as "
+            f"many objects of the same size {h['raw_get_gbps']:.2f} GB/s, a round right before or after each "
+            f"promote: {h['vs_raw']:.2f}x the raw time (median of the pairs; target <= 1.3); publish "
+            f"{h['publish_gbps']:.2f} GB/s; first lookup {h['discover_ms']} ms"
         )
     print(f"({out['seconds']} s)")
 
@@ -286,11 +382,6 @@ def _measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         out = json.loads(r.stdout.strip().splitlines()[-1])
         if args.blocks:
             out["hpkv"] = _hpkv_phase(args, a, b, m)
-            raw = next(c for c in out["sizes"] if c["object_mib"] == args.block_mib)
-            h = out["hpkv"]
-            h["raw_get_gbps"] = raw["get_gbps"]
-            # hpkv's time for a remote hit over the same bytes at the raw batch_get_into rate
-            h["vs_raw"] = round(raw["get_gbps"] / h["promote_gbps"], 3)
         return out
 
 
@@ -319,11 +410,62 @@ def _remote_hit(
     return took
 
 
+class _RawClient:
+    """A ``--role floor --stdin`` client in namespace ``ns``: :meth:`round` reads its objects
+    once with raw ``batch_get_into`` calls and returns the seconds; ended at the block's end."""
+
+    def __init__(self, ns: Any, m: Any, object_bytes: int, count: int, batch: int):
+        cmd, env = _floor_cmd(ns, m, object_bytes, count, "--stdin", "--batch", str(batch))
+        self.ns = ns
+        self.proc = ns.popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def __enter__(self) -> _RawClient:
+        if self.proc.stdout.readline().strip() != "ready":
+            self.ns.stop(self.proc)
+            raise RuntimeError("the raw batch_get_into client did not start")
+        return self
+
+    def round(self) -> float:
+        self.proc.stdin.write("get\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the raw batch_get_into client failed")
+        return float(line)
+
+    def __exit__(self, *exc: Any) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()  # it removes its objects and exits
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.ns.stop(self.proc)
+
+
+def _paired(repeat: int, hit: Any, raw: Any) -> tuple[list[float], list[float]]:
+    """``repeat`` rounds of ``hit(round)`` each paired with a ``raw()`` right after it, or
+    right before it on odd rounds (an order effect cannot pass for hpkv's); their seconds."""
+    hits, raws = [], []
+    for r in range(repeat):
+        if r % 2:
+            raws.append(raw())
+        hits.append(hit(r))
+        if not r % 2:
+            raws.append(raw())
+    return hits, raws
+
+
 def _hpkv_phase(args: argparse.Namespace, a: Any, b: Any, m: Any) -> dict[str, Any]:
     """Two hpkv servers with the remote tier: node A (in the master's namespace, its remote
     worker holding the segment) saves ``--blocks`` blocks, which it publishes; node B (a pure
     client) finds them with a lookup and promotes them, ``--repeat`` times (its DRAM copies
-    dropped in between). The bytes are checked on the first round."""
+    dropped in between). The bytes are checked on the first round.
+
+    Each promote is paired with a round of raw ``batch_get_into`` of as many objects of the
+    same size (the block's image), read from node B's namespace by a pure client as well
+    (:class:`_RawGets`, objects in node A's segment), right before or after it (the order
+    alternates): ``vs_raw`` is the median of the pairs' ratios, so a shared machine whose
+    speed drifts between seconds moves both halves of a pair alike."""
     import numpy as np
 
     from hpkv.client import connect
@@ -362,7 +504,7 @@ def _hpkv_phase(args: argparse.Namespace, a: Any, b: Any, m: Any) -> dict[str, A
 
     servers: list[ServerProcess] = []
     try:
-        sa = node(a, f"{n * (args.block_mib + 1) + 64}m")
+        sa = node(a, f"{2 * n * (args.block_mib + 1) + 64}m")  # hpkv's objects and the raw ones
         servers.append(sa.start())
         sb = node(b, "0", HPKV_REMOTE_LOOKUP_WAIT_MS="5000")
         servers.append(sb.start())
@@ -386,9 +528,12 @@ def _hpkv_phase(args: argparse.Namespace, a: Any, b: Any, m: Any) -> dict[str, A
             "node B's lookup to find every block",
         )
         discover_s = time.perf_counter() - t0
-        times = [
-            _remote_hit(cb, nb.ns_id, keys, pb, shard, crcs if r == 0 else None) for r in range(args.repeat)
-        ]
+        with _RawClient(b, m, shard + 4096, n, args.batch) as raw:
+            times, raw_s = _paired(
+                args.repeat,
+                lambda r: _remote_hit(cb, nb.ns_id, keys, pb, shard, crcs if r == 0 else None),
+                raw.round,
+            )
         nbytes = n * shard
         for c in (ca, cb):
             c.close()
@@ -401,6 +546,11 @@ def _hpkv_phase(args: argparse.Namespace, a: Any, b: Any, m: Any) -> dict[str, A
             "discover_ms": round(discover_s * 1e3, 1),
             "promote_s": [round(t, 4) for t in times],
             "promote_gbps": round(nbytes / statistics.median(times) / 1e9, 3),
+            "raw_get_s": [round(t, 4) for t in raw_s],
+            # the raw objects are the blocks' images: the header page and the payload
+            "raw_get_gbps": round(n * (shard + 4096) / statistics.median(raw_s) / 1e9, 3),
+            # hpkv's time for a remote hit over the same bytes' raw batch_get_into time
+            "vs_raw": round(statistics.median(t / r for t, r in zip(times, raw_s, strict=True)), 3),
         }
     finally:
         for s in servers:

@@ -31,6 +31,11 @@ engine leaves free during the load (its CPU seconds beyond the GPU hit's tell ho
 kept busy; the floor on every CPU is printed beside), and the best raw O_DIRECT read of the
 KV files written (1..8 threads).
 
+``--remote`` adds two phases on two Mooncake Store nodes in network namespaces (``--remote-only``:
+only them; :func:`remote_phases`): node A computes the prompts and publishes their blocks, node
+B's engine, its hpkv empty, hits them in the store; the time the hit adds to a GPU hit is set
+against the raw ``batch_get_into`` time of the same bytes, measured from node B in the same run.
+
 With ``--url`` only the request phases run, against a server you started
 (as the seed's shell script does): cold, GPU hit, and DRAM hit if the server
 runs with ``VLLM_SERVER_DEV_MODE=1``.
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -49,6 +55,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from hpkv.bench import order_balanced
@@ -59,7 +66,16 @@ INTERFERENCE_HIT, INTERFERENCE_COLD = "Y", "X"  # --interference: never among th
 WARMUP_TOKENS = 2304  # > vLLM's default prefill chunk (2048 tokens)
 COLD_SETTLE_S = 1.0  # after a cold prompt, before the next: the engine's OpenMP threads go idle
 READY_TIMEOUT_S = 1200.0  # the first start at a new model shape compiles (minutes on a busy 2-core machine)
-PHASES = ("cold_no_connector", "cold_no_hpkv", "cold", "gpu_hit", "dram_hit", "storage_hit")
+PHASES = (
+    "cold_no_connector",
+    "cold_no_hpkv",
+    "cold",
+    "gpu_hit",
+    "dram_hit",
+    "storage_hit",
+    "remote_cold",
+    "remote_hit",
+)
 #: Model shapes ``--shape`` generates (hpkv.testing.model.generate_model arguments).
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {},  # 8 layers, 2 KV heads x 64, bf16: 4 KiB per token
@@ -168,6 +184,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="extra argument for the vLLM servers the benchmark starts (repeatable)",
     )
     p.add_argument("--keep", action="store_true", help="keep the benchmark's pool and storage directories")
+    p.add_argument(
+        "--remote",
+        action="store_true",
+        help="after the storage phase, two nodes on Mooncake Store (network namespaces, root): node A's engine "
+        "computes the prompts, node B's, with empty local tiers, hits them in the store (remote hit), set "
+        "against the raw batch_get_into time of the same bytes",
+    )
+    p.add_argument(
+        "--remote-only",
+        action="store_true",
+        help="run only --remote's two phases (no single-node phases)",
+    )
     p.add_argument(
         "--top-frame",
         action="store_true",
@@ -512,6 +540,48 @@ def _stopped_on_error(srv: Any) -> Iterator[None]:
         raise
 
 
+def _on(srv: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` where ``srv`` can be reached: inside its network namespace (a --remote
+    node's engine, bound to the namespace's loopback) or here."""
+    ns = getattr(srv, "netns", None)
+    return ns.call(fn, *args) if ns is not None else fn(*args)
+
+
+def remote_unavailable() -> str | None:
+    """Why --remote's two nodes cannot run here (no root for network namespaces, no Mooncake)."""
+    from hpkv.io_workers import mooncake_api
+    from hpkv.testing import netns
+
+    return netns.unavailable() or mooncake_api.unavailable()
+
+
+def _wait_published(env: dict[str, str], blocks: int, timeout: float = 600.0) -> float:
+    """Seconds until node ``env``'s hpkv has published (or found already published) ``blocks``
+    blocks to the remote store."""
+    from hpkv.testing.vllm_server import hpkv_status
+
+    t0 = time.monotonic()
+    while True:
+        r = ((hpkv_status(env) or {}).get("storage") or {}).get("remote") or {}
+        if r.get("published", 0) + r.get("existed", 0) >= blocks:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(
+                f"node A published {r.get('published', 0)} of {blocks} blocks in {timeout:.0f} s: {r}"
+            )
+        time.sleep(0.2)
+
+
+def warm_up(srv: Any, tokens: int) -> None:
+    """The first long prompt compiles the prefill-chunk kernels; keep that out of the phases.
+    A bit more than one chunk is enough, and cheap next to a full prompt. Sent twice: the
+    repeat is a hit, which compiles the short-step kernels every hit phase needs (its tail is
+    one partial block, like theirs)."""
+    with _stopped_on_error(srv):
+        for _ in range(2):
+            _on(srv, ttft, srv.url, srv.model_name, prompt_for(WARMUP_LETTER, min(tokens, WARMUP_TOKENS)))
+
+
 def _log(msg: str) -> None:
     print(f"[bench ttft] {msg}", file=sys.stderr, flush=True)
 
@@ -586,6 +656,7 @@ def start_vllm(
     max_len: int,
     kv_space_gib: int,
     work: str,
+    netns: Any = None,
 ) -> Any:
     """A vLLM server for the experiment, ready: with CT-HPKV's ``--kv-transfer-config`` when
     ``connector``, hpkv turned off by ``VLLM_ENABLE_HPKV=0`` unless ``hpkv``."""
@@ -602,6 +673,7 @@ def start_vllm(
         max_model_len=max_len,
         kv_cache_space_gib=kv_space_gib,
         log_path=os.path.join(work, f"vllm-{tag}.log"),
+        netns=netns,
     ).start()
     with _stopped_on_error(srv):
         srv.wait_ready(timeout=READY_TIMEOUT_S)
@@ -706,33 +778,37 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
         else:
             srv = start_vllm(model, env, tag, connector, hpkv, extra, max_len, kv_space_gib, work)
         log(f"{engine} ready; warm-up request (letter {WARMUP_LETTER})")
-        # The first long prompt compiles the prefill-chunk kernels; keep that out of the
-        # phases. A bit more than one chunk is enough, and cheap next to a full prompt.
-        # Sent twice: the repeat is a hit, which compiles the short-step kernels every hit
-        # phase needs (its tail is one partial block, like theirs).
-        with _stopped_on_error(srv):
-            for _ in range(2):
-                ttft(srv.url, srv.model_name, prompt_for(WARMUP_LETTER, min(args.tokens, WARMUP_TOKENS)))
+        warm_up(srv, args.tokens)
         return srv
 
-    def phase(name: str, srv: VllmServer, repeat: bool = False) -> None:
+    def phase(
+        name: str,
+        srv: VllmServer,
+        repeat: bool = False,
+        node_env: dict[str, str] = env,
+        meter: CpuMeter = cpu,
+    ) -> None:
         """``repeat``: each prompt is sent again right after its hit (a GPU hit, timed in
-        ``<name>_repeat`` and left out of the phase's CPU)."""
-        before = hpkv_loads(env)
+        ``<name>_repeat`` and left out of the phase's CPU). ``node_env``/``meter``: a --remote
+        node's hpkv and its CPU meter."""
+        before = hpkv_loads(node_env)
         log(f"phase {name}: {len(letters)} request(s) of {args.tokens} tokens")
-        cpu.start(name, srv.pid)
+        meter.start(name, srv.pid)
         repeats: list[float] = []
-        times[name] = run_phase(
+        times[name] = _on(
+            srv,
+            run_phase,
             srv.url,
             srv.model_name,
             letters,
             args.tokens,
             repeats if repeat else None,
-            lambda: cpu.paused(name, srv.pid, into=f"{name}_repeat"),
+            lambda: meter.paused(name, srv.pid, into=f"{name}_repeat"),
         )
         times.update({f"{name}_repeat": repeats} if repeats else {})
-        cpu.stop(name, srv.pid)
-        after = hpkv_loads(env)
+        meter.stop(name, srv.pid)
+        cpu.per_request.update(meter.per_request)
+        after = hpkv_loads(node_env)
         served[name] = {t: after[t] - before[t] for t in ("dram", "storage")}
         log(f"phase {name}: mean TTFT {statistics.mean(times[name]):.3f}s; hpkv served {served[name]}")
 
@@ -763,7 +839,7 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
         results.update(hpkv_key_shape(env) or {})
         return srv
 
-    try:
+    def single_node_phases() -> None:
         if args.no_connector_too:
             one_phase_server("cold_no_connector", "no-connector", connector=False, hpkv=False)
         srv = cold_phases()
@@ -792,6 +868,15 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
             _after_storage_phase(args, srv, env, storage, results)
         finally:
             srv.stop()
+        subprocess.run([sys.executable, "-m", "hpkv", "stop"], env=env, capture_output=True, timeout=600)
+
+    try:
+        remote = (model, extra, max_len, kv_space_gib)
+        _run_phases(
+            args,
+            single_node_phases,
+            functools.partial(remote_phases, args, env, work, prompt_bytes, results, served, remote, phase),
+        )
     finally:
         subprocess.run([sys.executable, "-m", "hpkv", "stop"], env=env, capture_output=True, timeout=600)
         shutil.rmtree(pool_dir, ignore_errors=True)
@@ -827,6 +912,106 @@ def run_url(args: argparse.Namespace) -> dict[str, Any]:
         "ttft": times,
         "served_tokens": {},
     }
+
+
+def _run_phases(
+    args: argparse.Namespace, single_node: Callable[[], None], two_nodes: Callable[[], None]
+) -> None:
+    """The single-node phases unless --remote-only, then --remote's two-node phases."""
+    if not args.remote_only:
+        single_node()
+    if args.remote:
+        two_nodes()
+
+
+def remote_phases(
+    args: argparse.Namespace,
+    env: dict[str, str],
+    work: str,
+    prompt_bytes: int,
+    results: dict[str, Any],
+    served: dict[str, dict[str, int]],
+    engine: tuple[str, list[str], int, int],
+    phase: Callable[..., None],
+) -> None:
+    """--remote: two nodes on Mooncake Store in network namespaces, a master in the first.
+    Node A's engine computes the prompts (``remote_cold``; its hpkv publishes the blocks and,
+    started by the operator as ``hpkv serve``, outlives the engine, holding the segment they
+    live in); node B's engine, its hpkv empty, hits them in the store (``remote_hit``, each
+    prompt sent again right after: a GPU hit). Then the floor: the raw ``batch_get_into``
+    rate from node B of as many bytes in objects of one block's image. ``engine``: vLLM's
+    model, extra arguments, max model length and KV cache GiB."""
+    why = remote_unavailable()
+    if why:
+        _log(f"skipping the remote phases: {why}")
+        results["remote_skipped"] = why
+        return
+    from hpkv.bench.remote import raw_get_gbps
+    from hpkv.io_workers.kvfile import file_size
+    from hpkv.testing import mooncake as mc
+    from hpkv.testing import netns
+    from hpkv.testing.server import ServerProcess
+    from hpkv.testing.vllm_server import hpkv_status
+
+    n, bpt = results["requests"], results["kv_bytes_per_token"]
+    segment = int(prompt_bytes * (n + 2) * 1.5) + (256 << 20)
+    with netns.namespaces(2, veth=True) as (a, b), mc.master(a, Path(work)) as m:
+        nodes: list[Any] = []
+        try:
+            for ns, tag, seg in ((a, "a", segment), (b, "b", 0)):
+                e = dict(env)
+                e.update(
+                    HPKV_SHARE_MEM_FILE_PATH=f"{env['HPKV_SHARE_MEM_FILE_PATH']}-node-{tag}",
+                    HPKV_KV_STORAGE_PATH="",  # DRAM + remote (the remote tier replaces files)
+                    HPKV_REMOTE_BACKEND="mooncake",
+                    HPKV_REMOTE_MASTER=m.rpc,
+                    HPKV_REMOTE_METADATA=m.metadata,
+                    HPKV_REMOTE_LOCAL_HOSTNAME=ns.addr,
+                    HPKV_REMOTE_SEGMENT_SIZE=str(seg),
+                )
+                e.pop("HPKV_SERVER_IDLE_EXIT", None)
+                e["HPKV_CONFIG_FILE_PATH"] = os.path.join(work, f"config-node-{tag}.ini")  # removed with it
+                with open(e["HPKV_CONFIG_FILE_PATH"], "w") as f:
+                    f.write("# hpkv bench ttft --remote: a node's private pool, no storage\n")
+                # each node's operator runs `hpkv serve`: it outlives the node's engine
+                nodes.append((ns, e, ServerProcess(e, prefix=ns.argv([]))))
+            ns_a, env_a, hpkv_a = nodes[0]
+            hpkv_a.start()
+            srv = start_vllm(engine[0], env_a, "node-a", True, True, *engine[1:], work, ns_a)
+            warm_up(srv, args.tokens)
+            try:
+                phase(
+                    "remote_cold", srv, node_env=env_a, meter=CpuMeter(env_a["HPKV_SHARE_MEM_FILE_PATH"], n)
+                )
+                want = sum(ns.get("commits", 0) for ns in (hpkv_status(env_a) or {}).get("namespaces", []))
+                results["remote_published_wait_s"] = round(_wait_published(env_a, want), 2)
+                results.update({k: v for k, v in (hpkv_key_shape(env_a) or {}).items() if k not in results})
+            finally:
+                srv.stop()
+            ns_b, env_b, hpkv_b = nodes[1]
+            hpkv_b.start()
+            srv = start_vllm(engine[0], env_b, "node-b", True, True, *engine[1:], work, ns_b)
+            warm_up(srv, args.tokens)
+            try:
+                phase(
+                    "remote_hit",
+                    srv,
+                    repeat=True,
+                    node_env=env_b,
+                    meter=CpuMeter(env_b["HPKV_SHARE_MEM_FILE_PATH"], n),
+                )
+            finally:
+                srv.stop()
+            served["remote_hit"]["remote"] = served["remote_hit"]["storage"]
+            results["remote_counters"] = (hpkv_status(env_b) or {}).get("storage", {}).get("remote")
+            shard = round((results.get("block_tokens") or 16) * results.get("loaded_bytes_per_token", bpt))
+            obj = file_size(shard)  # an object is a block's KV file image: header page + payload
+            count = max(1, -(-prompt_bytes // shard))
+            _log(f"floor: raw batch_get_into of {count} objects of {obj} bytes from node B")
+            results["remote_floor_gbps"] = raw_get_gbps(ns_b, m, obj, count)
+        finally:
+            for _, _, proc in reversed(nodes):
+                proc.cleanup()
 
 
 def memcpy_thread_counts(cpus: int) -> tuple[int, ...]:
@@ -931,12 +1116,14 @@ def _floor_columns(out: dict[str, Any], res: dict[str, Any], tier: str, hit: str
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
     t = res["ttft"]
     out: dict[str, Any] = {f"{p}_s": round(statistics.mean(t[p]), 4) for p in PHASES if p in t}
-    for hit in ("dram_hit", "storage_hit"):
+    for hit in ("dram_hit", "storage_hit", "remote_hit"):
         if t.get(f"{hit}_repeat"):
             out[f"{hit}_repeat_s"] = round(statistics.mean(t[f"{hit}_repeat"]), 4)
     served = res.get("served_tokens", {})
     out["dram_loaded_tokens"] = served.get("dram_hit", {}).get("dram", 0)
     out["storage_loaded_tokens"] = served.get("storage_hit", {}).get("storage", 0)
+    if "remote_hit" in served:
+        out["remote_loaded_tokens"] = served["remote_hit"].get("remote", 0)
     ratio = cold_vs_baseline(t, bool(res.get("cold_paired")))
     if ratio is not None:
         out["cold_vs_baseline"] = round(ratio, 3)
@@ -950,6 +1137,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     if "kv_bytes_per_token" in res:
         _floor_columns(out, res, "dram", "dram_hit")
         _floor_columns(out, res, "storage", "storage_hit")
+        _floor_columns(out, res, "remote", "remote_hit")
     for k in (
         "shape",
         "kv_bytes_per_token",
@@ -963,6 +1151,9 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         "cpu_s_per_request",
         "interference",
         "engine",
+        "remote_published_wait_s",
+        "remote_counters",
+        "remote_skipped",
     ):
         if k in res:
             out[k] = res[k]
@@ -983,6 +1174,8 @@ def print_table(s: dict[str, Any]) -> None:
         if s.get("engine") == "sglang"
         else "DRAM hit (after /reset_prefix_cache)",
         "storage_hit": "storage hit (after restart)",
+        "remote_cold": "node A: cold prefill (publishes)",
+        "remote_hit": "node B: remote hit (Mooncake)",
     }
     print(
         f"CT-HPKV TTFT experiment: {s['requests']} request(s) per phase, {s['tokens']}-token prompts, "
@@ -1004,10 +1197,10 @@ def print_table(s: dict[str, Any]) -> None:
             f" {f'{pub:.3f}s' if pub else '':>8}   [{', '.join(f'{t:.3f}' for t in s['ttft_all'][p])}]"
         )
     print(f"baseline: {s.get('baseline', 'a vLLM without hpkv')}")
-    for tier, hit in (("dram", "DRAM hit"), ("storage", "storage hit")):
+    for tier, hit in (("dram", "DRAM hit"), ("storage", "storage hit"), ("remote", "remote hit")):
         if f"{tier}_added_ms" in s:
             fl = s[f"{tier}_floor_gbps"]
-            rates = ", ".join(f"{k} {v:g}" for k, v in fl.items() if k.startswith("threads_"))
+            rates = _floor_rates(tier, fl)
             where = ""
             if tier == "dram" and "dram_floor_cpus" in s:
                 where = (
@@ -1032,6 +1225,7 @@ def print_table(s: dict[str, Any]) -> None:
                     f"    against all {s['cpus']} CPUs, as if the engine used none: floor "
                     f"{s['dram_floor_all_cpus_ms']:.1f} ms -> {s['dram_added_vs_floor_all_cpus']:.3f}x"
                 )
+    _print_remote_skipped(s)
     _print_hybrid_bytes(s)
     for label, key in (
         ("during a storage hit", "during_storage_hit"),
@@ -1066,6 +1260,18 @@ def print_table(s: dict[str, Any]) -> None:
             f"{_seconds(alone['in_step'])} s; in the background {_seconds(alone['background'])} s"
         )
     _print_cold(s)
+
+
+def _floor_rates(tier: str, floor: dict[str, Any]) -> str:
+    """A floor's rates for the table: per thread count, or the remote floor's rounds."""
+    if tier == "remote":  # the raw batch_get_into of as many bytes, from node B
+        return f"raw batch_get_into, best of {', '.join(f'{v:g}' for v in floor['rounds'])}"
+    return ", ".join(f"{k} {v:g}" for k, v in floor.items() if k.startswith("threads_"))
+
+
+def _print_remote_skipped(s: dict[str, Any]) -> None:
+    if "remote_skipped" in s:
+        print(f"  remote phases skipped: {s['remote_skipped']}")
 
 
 def _seconds(value: float | list[float]) -> str:
@@ -1131,6 +1337,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    args.remote = getattr(args, "remote", False) or getattr(args, "remote_only", False)
     res = run_url(args) if args.url else run_orchestrated(args)
     s = summarize(res)
     if args.json:

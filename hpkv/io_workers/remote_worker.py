@@ -10,7 +10,8 @@ the pool mapping once, and serves three kinds of job, each one rank's shard of o
 * PROMOTE: read the object into the pool slot, then verify it exactly as a KV file is
   verified (:meth:`KvFileIO.verify`) before the completion makes the slot readable; a
   mismatch removes the object (forced: a plain remove fails for 10 s after any get) and
-  answers E_CORRUPT. Read in batches and verified on threads of their own (:class:`Getter`);
+  answers E_CORRUPT. Read in batches and verified on threads of their own, one thread's
+  checks overlapping another's transfer (:class:`Getter`);
 * LOOKUP: does the object of every rank exist? (the completion's a0: 1 or 0). Answered by a
   thread of its own (:class:`Checker`), the lookups queued at once in one ``batch_is_exist``.
 
@@ -54,7 +55,10 @@ PUT_ATTEMPTS = 3  # a put placed in a dead node's segment is tried again (placed
 # blocking ~4.3 s: the publishes queued when the master died end in moments, not minutes
 # (their blocks stay unevictable until then). The server's probes (exists) always ask.
 MASTER_DOWN_LATCH_S = 1.0
-HEADER_PAGES = 32  # gets in flight at most (each reads its object's header into a page of its own)
+# Promotes: GETTERS threads, each reading up to GET_BATCH objects a call and checking them
+# while another thread reads (each get reads its object's header into a page of its own).
+GETTERS = 2
+GET_BATCH = 16
 
 
 def _address(buf: Any) -> int:
@@ -195,7 +199,7 @@ def main(argv: list[str]) -> int:
             checker.put(d)  # answered by the checker thread, batched with the lookups queued by then
             return None
         if d.kind == P.PROMOTE:
-            getter.put(d)  # read in a batch by the getter thread, verified by the verifier thread
+            getter.put(d)  # read in a batch and verified by a getter thread
             return None
         ns, key, rank, world, offset, length = P.decode_io_job(d.flags, d.args)
         block = BlockId(ns, key, rank, world)
@@ -278,24 +282,24 @@ class Checker:
 
 
 class Getter:
-    """Answers PROMOTE jobs on two threads of their own: the getter reads the promotes queued
-    when it wakes up in one ``batch_get_into_multi_buffers`` (each into a header page of its
-    own and the pool slot), the verifier checks each object (:meth:`RemoteStore.verify`) and
-    answers it, while the getter reads the next batch. :data:`HEADER_PAGES` gets are in flight
-    at most."""
+    """Answers PROMOTE jobs on :data:`GETTERS` threads of their own. Each takes the promotes
+    queued when it wakes up (at most :data:`GET_BATCH`), reads them in one
+    ``batch_get_into_multi_buffers`` (each into a header page of its own and the pool slot),
+    then checks each object (:meth:`RemoteStore.verify`) and answers it, while another thread's
+    get is on the wire: the checks (CRC32C of every byte) overlap the transfers, and the last
+    batch's checks, the one part that cannot, are one small batch's."""
 
     def __init__(self, remote: RemoteStore, rt: WorkerRuntime, errors: RateLimitedLog):
         self.remote = remote
         self.rt = rt
         self.errors = errors
         self._pages: queue.SimpleQueue[tuple[ReadSlot, int]] = queue.SimpleQueue()
-        for _ in range(HEADER_PAGES):
+        for _ in range(GETTERS * GET_BATCH):
             self._pages.put(remote.header_page())
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._checks: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._count = threading.Lock()  # the loaded-bytes counter, added to by every thread
         self._threads = [
-            threading.Thread(target=self._get, name="get", daemon=True),
-            threading.Thread(target=self._verify, name="verify", daemon=True),
+            threading.Thread(target=self._run, name=f"get{i}", daemon=True) for i in range(GETTERS)
         ]
         for t in self._threads:
             t.start()
@@ -304,26 +308,26 @@ class Getter:
         self._q.put(d)
 
     def close(self) -> None:
-        self._q.put(None)
+        for _ in self._threads:
+            self._q.put(None)
         for t in self._threads:
             t.join()
 
-    def _get(self) -> None:
+    def _run(self) -> None:
         done = False
         while not done:
             batch = [self._q.get()]
-            while len(batch) < HEADER_PAGES:
+            while batch[-1] is not None and len(batch) < GET_BATCH:
                 try:
                     batch.append(self._q.get_nowait())
                 except queue.Empty:
                     break
-            done = None in batch
+            done = batch[-1] is None  # this thread's end (each thread takes one None)
             jobs = [d for d in batch if d is not None]
             if jobs:
-                self._read(jobs)
-        self._checks.put(None)
+                self._verify(self._read(jobs))
 
-    def _read(self, jobs: list[Any]) -> None:
+    def _read(self, jobs: list[Any]) -> list[tuple[Any, BlockId, int, int, tuple[ReadSlot, int], int]]:
         todo, names, ptrs, sizes = [], [], [], []
         for d in jobs:
             ns, key, rank, world, offset, length = P.decode_io_job(d.flags, d.args)
@@ -341,21 +345,20 @@ class Getter:
             ptrs.append(p)
             sizes.append(n)
         if not todo:
-            return
+            return []
         try:
             got = self.remote.store.batch_get_into_multi_buffers(names, ptrs, sizes)
         except Exception as exc:  # noqa: BLE001 - every job is answered
             self.errors.log(logging.WARNING, "get", "batch_get_into_multi_buffers failed: %r", exc)
             got = [-1] * len(todo)
-        for item, g in zip(todo, got, strict=True):
-            self._checks.put((*item, g))
+        return [(*item, g) for item, g in zip(todo, got, strict=True)]
 
-    def _verify(self) -> None:
-        while (item := self._checks.get()) is not None:
-            d, block, offset, length, page, got = item
+    def _verify(self, items: list[tuple[Any, BlockId, int, int, tuple[ReadSlot, int], int]]) -> None:
+        for d, block, offset, length, page, got in items:
             try:
                 nbytes = self.remote.verify(block, offset, length, page[0], got)
-                self.rt.row[W.BYTES_LOADED] += nbytes
+                with self._count:
+                    self.rt.row[W.BYTES_LOADED] += nbytes
                 self.rt.finish(d, 0, nbytes)
             except FileNotFoundError:
                 self.rt.finish(d, -errno.ENOENT, 0)
@@ -366,8 +369,8 @@ class Getter:
             except OSError as exc:
                 self.errors.log(logging.WARNING, "store", "remote get failed: %s", exc)
                 self.rt.finish(d, -(exc.errno or errno.EIO), 0)
-            except Exception:  # noqa: BLE001 - a dead verifier would leave jobs unanswered
-                log.critical("remote verifier failed on job seq %d: exiting", d.seq, exc_info=True)
+            except Exception:  # noqa: BLE001 - a dead getter would leave jobs unanswered
+                log.critical("remote getter failed on job seq %d: exiting", d.seq, exc_info=True)
                 os._exit(70)  # the server fails this worker's jobs and starts another
             finally:
                 self._pages.put(page)

@@ -11,17 +11,21 @@ whatever the block did.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 # The pair's addresses (a /24 of their own inside the two namespaces; never routed anywhere).
 VETH_NET = "10.77.0"
+CLONE_NEWNET = 0x40000000
+T = TypeVar("T")
 
 
 def unavailable() -> str | None:
@@ -60,6 +64,33 @@ class Netns:
         )
         self.procs.append(p)
         return p
+
+    def call(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """``fn(*args, **kw)`` on a thread that entered the namespace (``setns``: the network
+        namespace is per thread), so the sockets it opens are the namespace's: this process
+        reaches a server bound to the namespace's loopback while its other threads stay on
+        the host's network. Returns what ``fn`` returned, raises what it raised."""
+        out: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                fd = os.open(f"/run/netns/{self.name}", os.O_RDONLY)
+                try:
+                    if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+                        err = ctypes.get_errno()
+                        raise OSError(err, f"setns into network namespace {self.name}: {os.strerror(err)}")
+                finally:
+                    os.close(fd)
+                out["value"] = fn(*args, **kw)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+                out["error"] = exc
+
+        t = threading.Thread(target=run, name=f"netns-{self.name}", daemon=True)
+        t.start()
+        t.join()  # fn bounds its own time (its requests' timeouts)
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
 
     def pids(self) -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True, text=True, timeout=30)

@@ -26,10 +26,13 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import requests
+
+if TYPE_CHECKING:
+    from hpkv.testing.netns import Netns
 
 __all__ = ["VllmServer", "VllmServerError", "free_port"]
 
@@ -125,6 +128,7 @@ class VllmServer:
         python: str | None = None,
         ready_timeout: float = 300.0,
         cwd: str | os.PathLike[str] | None = None,
+        netns: Netns | None = None,
     ) -> None:
         self.model = str(model)
         self.extra_args = [str(a) for a in extra_args]
@@ -140,6 +144,9 @@ class VllmServer:
         self.python = python or sys.executable
         self.ready_timeout = ready_timeout
         self.cwd = cwd  # the server's working directory (None: this process's)
+        # A network namespace to run in (``ip netns exec``, which execs vLLM: same pid); its
+        # HTTP calls are then made from a thread inside it (:meth:`Netns.call`).
+        self.netns = netns
         if log_path is None:  # created by start(), not here
             log_path = Path(tempfile.gettempdir()) / (f"hpkv-vllm-{self.port}-{os.getpid()}-{id(self):x}.log")
         self.log_path = Path(log_path)
@@ -190,7 +197,15 @@ class VllmServer:
         ]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
-        return cmd + self.extra_args
+        cmd += self.extra_args
+        return self.netns.argv(cmd) if self.netns is not None else cmd
+
+    def _http(self, method: str, path: str, **kw: Any) -> requests.Response:
+        """One request to the server (from inside its network namespace when it has one)."""
+        call = getattr(self._session, method)
+        if self.netns is None:
+            return call(self.url + path, **kw)
+        return self.netns.call(call, self.url + path, **kw)
 
     def environment(self) -> dict[str, str]:
         """The server's environment: CPU/offline defaults, overridden by the inherited
@@ -301,7 +316,7 @@ class VllmServer:
                 )
             self.process_tree()  # record the children's pids while they are alive
             try:
-                r = self._session.get(self.url + "/health", timeout=5)
+                r = self._http("get", "/health", timeout=5)
                 if r.status_code == 200:
                     return self
             except requests.RequestException:
@@ -438,7 +453,7 @@ class VllmServer:
         """
         body = {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens, **kw}
         try:
-            r = self._session.post(self.url + "/v1/completions", json=body, timeout=timeout)
+            r = self._http("post", "/v1/completions", json=body, timeout=timeout)
         except requests.RequestException as exc:
             alive = "running" if self.is_running() else f"exited ({self.proc and self.proc.poll()})"
             raise VllmServerError(
@@ -450,7 +465,11 @@ class VllmServer:
 
     def get(self, path: str, timeout: float = 30.0) -> requests.Response:
         """``GET`` an arbitrary server path (``/metrics``, ``/v1/models``, ...)."""
-        return self._session.get(self.url + path, timeout=timeout)
+        return self._http("get", path, timeout=timeout)
+
+    def post(self, path: str, timeout: float = 60.0, **kw: Any) -> requests.Response:
+        """``POST`` an arbitrary server path (``/reset_prefix_cache``, ...)."""
+        return self._http("post", path, timeout=timeout, **kw)
 
     def __repr__(self) -> str:
         state = "running" if self.is_running() else "stopped"
