@@ -230,3 +230,37 @@ def test_a_head_size_apart_from_the_width_is_written_and_unset_changes_no_digest
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim) == (512, 8, 128)
     with pytest.raises(ValueError, match="qwen2"):
         ModelSpec(attention_head_dim=128).validate()
+
+
+def test_qwen3_next_linear_heads_apart_from_the_attention_load_in_transformers(tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = ModelSpec(kind="qwen3_next")
+    assert base.digest() == ModelSpec(kind="qwen3_next", linear_key_heads=0, linear_head_dim=0).digest()
+    assert base.digest() != ModelSpec(kind="qwen3_next", linear_head_dim=128).digest()
+    path = generate_model(
+        tmp_path / "q",
+        kind="qwen3_next",
+        num_layers=2,
+        full_attention_every=2,
+        attention_head_dim=256,
+        linear_key_heads=4,
+        linear_value_heads=8,
+        linear_head_dim=32,
+    )
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    c = model.config
+    assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.head_dim) == (
+        4,
+        8,
+        32,
+        256,
+    )
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[69, 292, 292]])).logits.float()).all()
+    with pytest.raises(ValueError, match="multiple"):
+        ModelSpec(kind="qwen3_next", linear_key_heads=3, linear_value_heads=8).validate()
+    with pytest.raises(ValueError, match="qwen3_next"):
+        ModelSpec(kind="gemma3", linear_head_dim=64).validate()

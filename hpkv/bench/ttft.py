@@ -121,9 +121,9 @@ SHAPES: dict[str, dict[str, Any]] = {
         max_position_embeddings=16384,
     ),
     # Qwen3-Next-80B-A3B's cache: 48 layers, every 4th full attention (12, 2 KV heads x 256,
-    # bf16: 24 KiB per token), the others gated delta net layers whose recurrent state is
-    # 1 MiB each (8 value heads of 256 x 256 here, 32 of 128 x 128 there), saved once per
-    # block where vLLM's mamba align mode keeps it.
+    # bf16: 24 KiB per token), the others gated delta net layers (16 key and 32 value heads of
+    # 128) whose recurrent state, 1 MiB a layer, is saved once per block where vLLM's mamba
+    # align mode keeps it.
     "qwen3-next": dict(
         kind="qwen3_next",
         hidden_size=512,
@@ -131,6 +131,9 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_attention_heads=8,
         num_kv_heads=2,
         attention_head_dim=256,
+        linear_key_heads=16,
+        linear_value_heads=32,
+        linear_head_dim=128,
         intermediate_size=1024,
         full_attention_every=4,
         max_position_embeddings=16384,

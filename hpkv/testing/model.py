@@ -137,6 +137,11 @@ class ModelSpec:
     # gemma3, qwen3_next: the attention head size, independent of the width as in those models
     # (Gemma 3 has 256 at every size); 0: hidden_size // num_attention_heads
     attention_head_dim: int = 0
+    # qwen3_next: the gated delta net's heads and head size (0: the KV heads, the attention
+    # heads and the attention head size, as before these could be set)
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_head_dim: int = 0
 
     def validate(self) -> None:
         if self.kind not in KINDS:
@@ -151,6 +156,7 @@ class ModelSpec:
             )
         if self.attention_head_dim and self.kind == "qwen2":
             raise ValueError("qwen2 derives its head size from hidden_size: no attention_head_dim")
+        self._validate_linear_heads()
         if self.attention_head_dim < 0:
             raise ValueError("attention_head_dim must be positive (or 0: hidden_size // heads)")
         if not self.attention_head_dim and self.hidden_size % self.num_attention_heads:
@@ -168,6 +174,17 @@ class ModelSpec:
         if self.max_position_embeddings < 16:
             raise ValueError("max_position_embeddings is too small to be useful")
 
+    def _validate_linear_heads(self) -> None:
+        linear = (self.linear_key_heads, self.linear_value_heads, self.linear_head_dim)
+        if any(linear) and self.kind != "qwen3_next":
+            raise ValueError("linear_key_heads, linear_value_heads and linear_head_dim are qwen3_next's")
+        if min(linear) < 0:
+            raise ValueError("linear_key_heads, linear_value_heads and linear_head_dim must be >= 0")
+        if self.kind == "qwen3_next":
+            keys, values = _qwen3_next_linear_heads(self)
+            if values % keys:
+                raise ValueError(f"linear value heads {values} must be a multiple of linear key heads {keys}")
+
     @property
     def head_dim(self) -> int:
         return self.attention_head_dim or self.hidden_size // self.num_attention_heads
@@ -184,6 +201,9 @@ class ModelSpec:
         d = asdict(self)
         if not self.attention_head_dim:
             d.pop("attention_head_dim")
+        for name in ("linear_key_heads", "linear_value_heads", "linear_head_dim"):
+            if not d[name]:
+                d.pop(name)
         if self.kind == "qwen2":
             for name in ("kind", "sliding_window", "full_attention_every"):
                 d.pop(name)
@@ -246,6 +266,9 @@ def generate_model(
     sliding_window: int = 256,
     full_attention_every: int = 6,
     attention_head_dim: int = 0,
+    linear_key_heads: int = 0,
+    linear_value_heads: int = 0,
+    linear_head_dim: int = 0,
     force: bool = False,
 ) -> str:
     """Write the tiny model into ``path`` (default: the cache) and return the directory.
@@ -267,6 +290,9 @@ def generate_model(
         sliding_window=sliding_window,
         full_attention_every=full_attention_every,
         attention_head_dim=attention_head_dim,
+        linear_key_heads=linear_key_heads,
+        linear_value_heads=linear_value_heads,
+        linear_head_dim=linear_head_dim,
     )
     spec.validate()
     target = Path(path).expanduser() if path is not None else default_model_dir(spec)
@@ -456,10 +482,14 @@ def _gemma3_config_dict(spec: ModelSpec) -> dict[str, Any]:
     }
 
 
-#: Qwen3-Next's gated delta net heads at the test shape: key heads = KV heads, value heads =
-#: attention heads, both of the attention head size.
+#: Qwen3-Next's gated delta net heads: unless set, key heads = KV heads, value heads =
+#: attention heads, both of the attention head size (the test models).
 def _qwen3_next_linear_heads(spec: ModelSpec) -> tuple[int, int]:
-    return spec.num_kv_heads, spec.num_attention_heads
+    return spec.linear_key_heads or spec.num_kv_heads, spec.linear_value_heads or spec.num_attention_heads
+
+
+def _qwen3_next_linear_head_dim(spec: ModelSpec) -> int:
+    return spec.linear_head_dim or spec.head_dim
 
 
 def _qwen3_next_config_dict(spec: ModelSpec) -> dict[str, Any]:
@@ -480,10 +510,10 @@ def _qwen3_next_config_dict(spec: ModelSpec) -> dict[str, Any]:
         "intermediate_size": spec.intermediate_size,
         "layer_types": spec.layer_types,
         "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": spec.head_dim,
+        "linear_key_head_dim": _qwen3_next_linear_head_dim(spec),
         "linear_num_key_heads": key_heads,
         "linear_num_value_heads": value_heads,
-        "linear_value_head_dim": spec.head_dim,
+        "linear_value_head_dim": _qwen3_next_linear_head_dim(spec),
         "max_position_embeddings": spec.max_position_embeddings,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
@@ -648,7 +678,8 @@ def _qwen3_next_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     q, kv = spec.num_attention_heads * hd, spec.num_kv_heads * hd
     moe_ff = spec.intermediate_size // MOE_EXPERTS
     key_heads, value_heads = _qwen3_next_linear_heads(spec)
-    keys, values = key_heads * hd, value_heads * hd
+    lhd = _qwen3_next_linear_head_dim(spec)
+    keys, values = key_heads * lhd, value_heads * lhd
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (spec.vocab_size, h),
         "model.norm.weight": (h,),
@@ -693,7 +724,7 @@ def _qwen3_next_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
                     a + "conv1d.weight": (2 * keys + values, 1, 4),
                     a + "dt_bias": (value_heads,),
                     a + "A_log": (value_heads,),
-                    a + "norm.weight": (hd,),  # a plain (gated) RMSNorm: scales by its weight
+                    a + "norm.weight": (lhd,),  # a plain (gated) RMSNorm: scales by its weight
                     a + "out_proj.weight": (h, values),
                 }
             )
