@@ -17,6 +17,8 @@ One SGLang server at a time (each test starts and stops its own).
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -135,8 +137,22 @@ def test_gpt_oss_sliding_window_pool_is_stored_in_its_own_namespace_and_restored
         assert hpkv_loads(hpkv_env)["dram"] > before["dram"]
         assert namespaces(hpkv_env)["swa"].get("loads_dram", 0) >= 1
         assert_same(hit, cold)
-        log = srv.log_path.read_text(errors="replace") if srv.log_path else ""
+        log = srv.log_path.read_text(errors="replace")
         assert "NotImplementedError" not in log and "HiCache storage query failed" not in log
+
+        # Both restart: `hpkv stop` writes every pending spill first; the restarted SGLang
+        # spawns a new hpkv server, which finds both namespaces' KV files.
+        srv.stop()
+        stop = subprocess.run(
+            [sys.executable, "-m", "hpkv", "stop"], env=hpkv_env, capture_output=True, text=True, timeout=120
+        )
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        srv.start().wait_ready()
+        disk = generate(srv, PROMPT)
+        assert disk[2]["storage"] >= 12 * PAGE, disk[2]
+        ns = namespaces(hpkv_env)
+        assert ns["kv"].get("loads_storage", 0) >= 1 and ns["swa"].get("loads_storage", 0) >= 1, ns
+        assert_same(disk, cold)
     finally:
         srv.stop()
 

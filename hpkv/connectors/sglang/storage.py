@@ -50,6 +50,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from hpkv.client import HpkvClient, connect
+from hpkv.client.client import RECHECK_S
 from hpkv.common import shm
 from hpkv.common.layout import pages_fit
 from hpkv.common.numa import current_numa_node
@@ -666,10 +668,18 @@ class HpkvHiCacheStorage(HiCacheStorage):
         return hit
 
     def _present(self, client: HpkvClient, side: SidePool, keys: Sequence[str]) -> list[bool]:
+        """Whether each page of ``keys`` is in the sidecar pool's namespace (DRAM or storage); a
+        page still being checked on storage is asked about again for HPKV_STORAGE_LOOKUP_RETRY_MS."""
         hkeys = self._keys(keys, side.fingerprint)
         out: list[bool] = []
+        give_up = time.monotonic() + self.lookup_retry_s
         for i in range(0, len(hkeys), MAX_KEYS_PER_CALL):
-            out += [t > 0 for t in client.probe_each(side.ns_id, hkeys[i : i + MAX_KEYS_PER_CALL]).tiers]
+            chunk = hkeys[i : i + MAX_KEYS_PER_CALL]
+            probe = client.probe_each(side.ns_id, chunk)
+            while probe.unconfirmed and time.monotonic() < give_up:
+                time.sleep(RECHECK_S)
+                probe = client.probe_each(side.ns_id, chunk)
+            out += [t > 0 for t in probe.tiers]
         return out
 
     def batch_exists_v2(
