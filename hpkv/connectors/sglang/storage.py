@@ -25,6 +25,17 @@ size, TP rank and size (MHA: each rank stores its own head shard under its own
 namespace; MLA: the KV is the same on every rank, so one namespace serves all ranks and
 only ``is_storage_writer`` stores), PP/CP rank, SGLang version, hpkv's format.
 
+Hybrid models (SGLang's storage interface v2): a hybrid radix tree (sliding-window layers in
+SGLang's SWA pool, e.g. GPT-OSS; Mamba/linear-attention state) has sidecar host pools next to the
+KV pool. Each sidecar pool SGLang registers (``register_mem_host_pool_v2``) gets a namespace of its
+own (the KV namespace's fingerprint plus the pool's name, with its own page geometry) and its own
+device registration of that pool's memfd. SGLang stores only the pages a later hit needs (for a
+sliding window, the trailing pages of a node), so ``batch_exists_v2`` asks for every page's
+presence and applies the pool's hit policy (``TRAILING_PAGES``: the last N pages before the hit
+end; ``ALL_PAGES``: all of them): the hit is the longest prefix every pool can restore. The KV
+pages still go through ``batch_get_v1``/``batch_set_v1``; the sidecar pages through
+``batch_get_v2``/``batch_set_v2``, with the same zero-copy transfer worker path.
+
 Failures: hpkv slow, dead or wrong means a miss (``batch_exists`` 0, per-page False),
 never an exception into SGLang and never a wait longer than the client's call timeout
 (a promote from storage at most ``PROMOTE_TIMEOUT_S``). A checksum failure in a KV file
@@ -39,6 +50,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,9 +61,14 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
 
 from hpkv.client import HpkvClient, connect
+from hpkv.client.client import RECHECK_S
 from hpkv.common import shm
 from hpkv.common.layout import pages_fit
 from hpkv.common.numa import current_numa_node
@@ -125,6 +142,21 @@ def describe_host_pool(pool: Any) -> HostLayout:
     return HostLayout(fd, size, bases, stride, nbytes, num_pages)
 
 
+def _register_host_pool(client: HpkvClient, ns_id: int, lay: HostLayout) -> Any:
+    """Register a host pool's memfd with the hpkv server as a CPU device of namespace ``ns_id``."""
+    return client.register_device(
+        ns_id,
+        rank=0,
+        device="cpu",
+        numa_node=current_numa_node(),
+        regions=[{"path": f"/proc/{os.getpid()}/fd/{lay.fd}", "size": lay.region_size}],
+        layer_bases=[(0, b) for b in lay.bases],
+        block_stride=lay.stride,
+        page_bytes=lay.page_bytes,
+        num_blocks=lay.num_pages,
+    )
+
+
 def model_spec(model_name: str, pool: Any, model_id: str | None = None) -> dict[str, Any]:
     """The model's entries of the namespace (:mod:`hpkv.protocol.model_identity`).
 
@@ -188,6 +220,19 @@ def _raw_hash(key: str) -> bytes:
         return key.encode()
 
 
+@dataclass
+class SidePool:
+    """A sidecar host pool of a hybrid model (SGLang's SWA or Mamba pool) in its own namespace."""
+
+    name: str
+    layout: HostLayout
+    page_size: int
+    fingerprint: str
+    ns_name: str
+    ns_id: int = -1
+    device: Any = None
+
+
 # ---------------------------------------------------------------------------- backend
 class HpkvHiCacheStorage(HiCacheStorage):
     """SGLang HiCache storage backend over hpkv. Constructed by SGLang's ``dynamic`` factory as
@@ -206,6 +251,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
         self.mem_pool_host: Any = None
         self._device: Any = None
         self._pool_map: np.ndarray | None = None  # this process's view of hpkv's pool (legacy API)
+        self._side: dict[str, SidePool] = {}  # sidecar pools of a hybrid model, by SGLang's pool name
         self._legacy_page: tuple[torch.dtype, tuple[int, ...]] | None = None
         self._conn: Reconnecting[HpkvClient] = Reconnecting(
             f"sglang rank {int(storage_config.tp_rank)}", self._connect, log
@@ -221,6 +267,9 @@ class HpkvHiCacheStorage(HiCacheStorage):
                 "saved_pages",
                 "save_failed_pages",
                 "already_stored_pages",
+                "sidecar_loaded_pages",
+                "sidecar_saved_pages",
+                "sidecar_failed_pages",
             ),
             0,
         )
@@ -293,18 +342,9 @@ class HpkvHiCacheStorage(HiCacheStorage):
                 self.fingerprint, 1, self.shard_bytes, name=self.ns_name, rank=0, block_tokens=self.page_size
             )
             if self.layout is not None:
-                lay = self.layout
-                self._device = client.register_device(
-                    ns.ns_id,
-                    rank=0,
-                    device="cpu",
-                    numa_node=current_numa_node(),
-                    regions=[{"path": f"/proc/{os.getpid()}/fd/{lay.fd}", "size": lay.region_size}],
-                    layer_bases=[(0, b) for b in lay.bases],
-                    block_stride=lay.stride,
-                    page_bytes=lay.page_bytes,
-                    num_blocks=lay.num_pages,
-                )
+                self._device = _register_host_pool(client, ns.ns_id, self.layout)
+                for side in list(self._side.values()):
+                    self._attach_side(client, side)
             else:
                 # Not populated: the pool may still be sparse, and populating would allocate
                 # all of it here (seconds per GiB, and past the server's free-space checks).
@@ -316,21 +356,80 @@ class HpkvHiCacheStorage(HiCacheStorage):
             raise
         return client
 
+    def _attach_side(self, client: HpkvClient, side: SidePool) -> None:
+        ns = client.attach_namespace(
+            side.fingerprint,
+            1,
+            side.layout.shard_bytes,
+            name=side.ns_name,
+            rank=0,
+            block_tokens=side.page_size,
+        )
+        side.device = _register_host_pool(client, ns.ns_id, side.layout)
+        side.ns_id = ns.ns_id
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang registers each host pool of its pool group (hybrid models: the SWA or Mamba pool
+        next to the KV pool): a sidecar pool gets a namespace of its own."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        if (
+            name == str(PoolName.KV)
+            or host_pool is self.mem_pool_host
+            or not self.enabled
+            or not self.ns_name
+        ):
+            return
+        if not self.interface_v1:
+            log.warning(
+                "hpkv: SGLang's %s pool is not stored (hpkv stores sidecar pools only with "
+                '"interface_v1":1 and "allocator":"shm", as --enable-ct-hpkv sets): hybrid prefixes '
+                "are recomputed",
+                name,
+            )
+            return
+        try:
+            layout = describe_host_pool(host_pool)
+            data_path = f"host-pages x{len(layout.bases)} stride {layout.stride}"
+            spec = namespace_spec(self.config, host_pool, data_path, self.cfg["HPKV_MODEL_ID"])
+        except Exception as exc:  # noqa: BLE001 - never fail SGLang's start-up over hpkv
+            log.error(
+                "hpkv: SGLang's %s pool is not stored, so hybrid prefixes are recomputed: %s", name, exc
+            )
+            return
+        # a sidecar is per rank also where the KV is replicated (SGLang backs Mamba state up on every rank)
+        spec.update(pool=name, kv_namespace=self.fingerprint, tp=[self.config.tp_rank, self.config.tp_size])
+        side = SidePool(
+            name, layout, int(host_pool.page_size), namespace_fingerprint(spec), f"{self.ns_name} {name}"[:60]
+        )
+        self._side[name] = side
+        if (client := self._conn.client) is not None:
+            try:
+                self._attach_side(client, side)
+            except Exception as exc:  # noqa: BLE001 - reconnecting attaches it again
+                self._conn.lost(exc)
+        log.info(
+            "hpkv storage backend: SGLang's %s pool in namespace %s (%d bytes a page)",
+            name,
+            side.fingerprint[:12],
+            layout.shard_bytes,
+        )
+
     def _client(self) -> HpkvClient | None:
         return self._conn.get() if self.enabled and self.ns_name else None
 
-    def _keys(self, keys: Sequence[str]) -> list[bytes]:
-        return block_keys(self.fingerprint, [_raw_hash(k) for k in keys])
+    def _keys(self, keys: Sequence[str], fingerprint: str = "") -> list[bytes]:
+        return block_keys(fingerprint or self.fingerprint, [_raw_hash(k) for k in keys])
 
     def _count(self, **inc: int) -> None:
         with self._stat_lock:
             for k, v in inc.items():
                 self.stats[k] += v
 
-    def _pages(self, host_indices: torch.Tensor, n: int) -> np.ndarray | None:
+    def _pages(self, host_indices: torch.Tensor, n: int, page_size: int = 0) -> np.ndarray | None:
         """Host page numbers of ``n`` pages given as token indices (``n * page_size`` of them)."""
         idx = host_indices.numpy() if host_indices.device.type == "cpu" else host_indices.cpu().numpy()
-        p = self.page_size
+        p = page_size or self.page_size
         if len(idx) < n * p:
             return None
         first = idx[: n * p : p].astype(np.int64)
@@ -405,23 +504,49 @@ class HpkvHiCacheStorage(HiCacheStorage):
         client = self._client()
         if client is None or self._device is None or n == 0:
             return [False] * n
-        pages = self._pages(host_indices, n)
-        if pages is None:
-            return [False] * n
-        hkeys = self._keys(keys)
-        device = self._device
+        ok = self._load(
+            client,
+            self.ns_id,
+            self._device,
+            self.fingerprint,
+            self.shard_bytes,
+            self.page_size,
+            keys,
+            host_indices,
+        )
+        self._count(loaded_pages=int(ok.sum()), load_failed_pages=n - int(ok.sum()))
+        return ok.tolist()
+
+    def _load(
+        self,
+        client: HpkvClient,
+        ns_id: int,
+        device: Any,
+        fingerprint: str,
+        shard_bytes: int,
+        page_size: int,
+        keys: Sequence[str],
+        host_indices: torch.Tensor,
+    ) -> np.ndarray:
+        """Copy the pages of ``keys`` from namespace ``ns_id`` into a host pool (``device``) at
+        ``host_indices``; True for each of the leading pages that arrived."""
+        n = len(keys)
         ok = np.zeros(n, bool)
+        pages = self._pages(host_indices, n, page_size)
+        if pages is None:
+            return ok
+        hkeys = self._keys(keys, fingerprint)
         pinned: list[bytes] = []
         try:
-            offs = client.pin(self.ns_id, hkeys)[:, 0].copy()
+            offs = client.pin(ns_id, hkeys)[:, 0].copy()
             pinned = [k for k, o in zip(hkeys, offs, strict=True) if o >= 0]
             ok = load_in_parts(
                 client,
-                self.ns_id,
+                ns_id,
                 hkeys,
                 offs,
                 0,
-                self.shard_bytes,
+                shard_bytes,
                 self.promote_part_bytes,
                 PROMOTE_TIMEOUT_S,
                 lambda idx, offsets: device.load(pages[idx], offsets),
@@ -433,12 +558,11 @@ class HpkvHiCacheStorage(HiCacheStorage):
         finally:
             if pinned and self._conn.client is client:
                 with contextlib.suppress(Exception):
-                    client.unpin(self.ns_id, pinned)
+                    client.unpin(ns_id, pinned)
         short = np.flatnonzero(~ok)
         if len(short):
             ok[short[0] :] = False
-        self._count(loaded_pages=int(ok.sum()), load_failed_pages=n - int(ok.sum()))
-        return ok.tolist()
+        return ok
 
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
@@ -488,31 +612,179 @@ class HpkvHiCacheStorage(HiCacheStorage):
         client = self._client()
         if client is None or self._device is None or n == 0:
             return [False] * n
-        pages = self._pages(host_indices, n)
-        if pages is None:
-            return [False] * n
-        hkeys = self._keys(keys)
+        res, already = self._save(
+            client, self.ns_id, self._device, self.fingerprint, self.page_size, keys, host_indices
+        )
+        self._count(
+            saved_pages=int(res.sum()), save_failed_pages=n - int(res.sum()), already_stored_pages=already
+        )
+        return res.tolist()
+
+    def _save(
+        self,
+        client: HpkvClient,
+        ns_id: int,
+        device: Any,
+        fingerprint: str,
+        page_size: int,
+        keys: Sequence[str],
+        host_indices: torch.Tensor,
+    ) -> tuple[np.ndarray, int]:
+        """Store the host pool pages at ``host_indices`` under ``keys`` in namespace ``ns_id``:
+        (True for each page stored or already there, how many were already there)."""
+        n = len(keys)
         res = np.zeros(n, bool)
+        pages = self._pages(host_indices, n, page_size)
+        if pages is None:
+            return res, 0
+        hkeys = self._keys(keys, fingerprint)
         already = 0
         try:
-            offs = client.reserve(self.ns_id, hkeys)[:, 0]
+            offs = client.reserve(ns_id, hkeys)[:, 0]
             res[offs == ROW_PRESENT] = True  # already stored (or being stored)
             already = int(res.sum())
             new = np.flatnonzero(offs >= 0)
             if len(new):
                 new_keys = [hkeys[i] for i in new]
-                if self._device.save(pages[new], offs[new]):
-                    client.commit(self.ns_id, new_keys, rank=0)
+                if device.save(pages[new], offs[new]):
+                    client.commit(ns_id, new_keys, rank=0)
                     res[new] = True
                 else:
-                    client.abort(self.ns_id, new_keys)
+                    client.abort(ns_id, new_keys)
         except Exception as exc:  # noqa: BLE001 - a lost save is a future miss
             self._conn.lost(exc)
             res[:] = False
-        self._count(
-            saved_pages=int(res.sum()), save_failed_pages=n - int(res.sum()), already_stored_pages=already
-        )
-        return res.tolist()
+        return res, already
+
+    # ------------------------------------------------------------------ v2 (hybrid models)
+    def _leading(self, client: HpkvClient, ns_id: int, hkeys: list[bytes]) -> int:
+        hit = 0
+        for i in range(0, len(hkeys), MAX_KEYS_PER_CALL):
+            chunk = hkeys[i : i + MAX_KEYS_PER_CALL]
+            n, _ = client.settled_lookup(ns_id, chunk, self.lookup_retry_s)
+            hit += n
+            if n < len(chunk):
+                break
+        return hit
+
+    def _present(self, client: HpkvClient, side: SidePool, keys: Sequence[str]) -> list[bool]:
+        """Whether each page of ``keys`` is in the sidecar pool's namespace (DRAM or storage); a
+        page still being checked on storage is asked about again for HPKV_STORAGE_LOOKUP_RETRY_MS."""
+        hkeys = self._keys(keys, side.fingerprint)
+        out: list[bool] = []
+        give_up = time.monotonic() + self.lookup_retry_s
+        for i in range(0, len(hkeys), MAX_KEYS_PER_CALL):
+            chunk = hkeys[i : i + MAX_KEYS_PER_CALL]
+            probe = client.probe_each(side.ns_id, chunk)
+            while probe.unconfirmed and time.monotonic() < give_up:
+                time.sleep(RECHECK_S)
+                probe = client.probe_each(side.ns_id, chunk)
+            out += [t > 0 for t in probe.tiers]
+        return out
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """The longest prefix of ``keys`` that the KV pool and every sidecar pool can restore:
+        the KV pages all present, and each sidecar pool's pages its hit policy asks for
+        (``TRAILING_PAGES``: the last ``len(transfer.keys)`` before the prefix end). A pool hpkv
+        does not hold (not registered, another policy) means no hit."""
+        client = self._client()
+        if client is None or not keys:
+            return PoolTransferResult.empty()
+        try:
+            kv = self._leading(client, self.ns_id, self._keys(keys))
+            hits: dict[str, int] = {PoolName.KV: kv} if kv else {}
+            restorable = set(range(1, kv + 1))
+            for t in pool_transfers or []:
+                side = self._side.get(str(t.name))
+                if not restorable:
+                    break
+                if side is None or side.ns_id < 0 or t.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
+                    restorable = set()
+                    break
+                present = self._present(client, side, keys[:kv])
+                if t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                    tail = max(1, len(t.keys) if t.keys else 1)
+                    mine = {n for n in range(1, kv + 1) if all(present[max(0, n - tail) : n])}
+                else:  # ALL_PAGES
+                    mine = set(range(1, (present.index(False) if False in present else kv) + 1))
+                if mine:
+                    hits[t.name] = max(mine)
+                restorable &= mine
+        except Exception as exc:  # noqa: BLE001 - hpkv trouble means a miss
+            self._conn.lost(exc)
+            return PoolTransferResult.empty()
+        self._count(exists_calls=1)
+        best = max(restorable, default=0)
+        if best * self.page_size < (self.threshold or 0):
+            if best:
+                self._count(below_threshold=1)
+            return PoolTransferResult(0, {}, [])
+        self._count(hit_pages=best)
+        return PoolTransferResult(best, hits, sorted(restorable))
+
+    def _transfer_target(self, name: str) -> tuple[int, Any, str, int, int] | None:
+        """(namespace, device, fingerprint, page bytes, page size) of SGLang's pool ``name``."""
+        if name == str(PoolName.KV):
+            if self._device is None:
+                return None
+            return self.ns_id, self._device, self.fingerprint, self.shard_bytes, self.page_size
+        side = self._side.get(name)
+        if side is None or side.device is None:
+            return None
+        return side.ns_id, side.device, side.fingerprint, side.layout.shard_bytes, side.page_size
+
+    def _batch_v2(self, transfers: list[PoolTransfer], load: bool) -> dict[str, list[bool]]:
+        client = self._client()
+        out: dict[str, list[bool]] = {}
+        for t in transfers:
+            keys = list(t.keys or [])
+            target = self._transfer_target(str(t.name)) if client is not None else None
+            if target is None or not keys or t.host_indices is None:
+                out[t.name] = [False] * len(keys)
+                continue
+            ns_id, device, fingerprint, shard_bytes, page_size = target
+            if t.host_indices.numel() != len(keys) * page_size:
+                log.error(
+                    "hpkv: %s pages of pool %s with %d host indices (page size %d): treated as misses",
+                    len(keys),
+                    t.name,
+                    t.host_indices.numel(),
+                    page_size,
+                )
+                out[t.name] = [False] * len(keys)
+                continue
+            assert client is not None
+            if load:
+                ok = self._load(
+                    client, ns_id, device, fingerprint, shard_bytes, page_size, keys, t.host_indices
+                )
+            else:
+                ok, _ = self._save(client, ns_id, device, fingerprint, page_size, keys, t.host_indices)
+            out[t.name] = ok.tolist()
+        done = sum(sum(v) for v in out.values())
+        failed = sum(len(v) for v in out.values()) - done
+        if load:
+            self._count(sidecar_loaded_pages=done, sidecar_failed_pages=failed)
+        else:
+            self._count(sidecar_saved_pages=done, sidecar_failed_pages=failed)
+        return out
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """Copy each transfer's pages from hpkv into its host pool; per pool, True per page that arrived."""
+        return self._batch_v2(transfers, load=True)
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """Store each transfer's host pool pages in its pool's namespace; per pool, True per page stored."""
+        return self._batch_v2(transfers, load=False)
 
     def batch_set(
         self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
