@@ -36,9 +36,27 @@ Two workloads per system:
    workers, LMCache's server; the connector's work inside vLLM's processes is in the
    engine's time, not here).
 
+And on SGLang-CPU (``.venv-sglang`` with hpkv's test shims; skipped, saying so, without it):
+
+- ``sglang-file``: SGLang's HiCache with its own ``file`` storage backend (files under
+  ``--dir``, the disk of hpkv's storage); its host pool (L2) is the device pool's size plus
+  the DRAM budget.
+- ``sglang-hpkv``: SGLang ``--enable-ct-hpkv`` (hpkv as HiCache's storage tier); its host pool
+  is the device pool's size and hpkv's DRAM pool is the budget: the same host memory.
+
+Both have a device pool of ``--engine-cache-tokens`` (``--max-total-tokens``), pages of 16
+tokens, the same ``--sglang-prefetch-policy``; hpkv's ``VLLM_HPKV_TOKEN_THRESHOLD`` becomes
+HiCache's prefetch threshold (SGLang's own default, 256 tokens, for ``file``). Requests go to
+SGLang's ``/generate``, whose ``cached_tokens_details`` says which tier served each prompt;
+the DRAM phase follows ``/flush_cache``, which drops SGLang's device and host pools (it has no
+call that drops the device's only). Ratios are to hpkv on the same engine.
+
+For every system: the bytes its storage directory grew by, and the CPU-seconds of the engine
+and the cache server together per request (HiCache's own I/O runs in SGLang's scheduler, so
+only that figure compares the two SGLang systems).
+
 Not run here (named in the report): vLLM's ``OffloadingConnector`` (refuses non-CUDA
-tensors), SGLang HiCache (``hpkv bench ttft --engine sglang`` compares it with hpkv on the
-phases). ``HPKV_SKIP_PEERS=1`` runs only vLLM alone and hpkv.
+tensors). ``HPKV_SKIP_PEERS=1`` runs only vLLM alone and hpkv.
 """
 
 from __future__ import annotations
@@ -1051,7 +1069,7 @@ def run_phases(sysm: System, prompts: list[str], drop_caches: bool = False) -> d
     sysm.reset_engine_cache()
     phase("dram_hit")
     if sysm.persistent:
-        _log(f"{sysm.name}: restarting vLLM and the cache engine (storage phase)")
+        _log(f"{sysm.name}: restarting the engine and the cache engine (storage phase)")
         sysm.restart_all()
         if drop_caches:
             drop_page_cache()
