@@ -372,3 +372,26 @@ def test_sglang_hicache_file_harness_serves_a_hit_from_its_storage(tiny_model, t
     assert got["sglang_storage"] >= 512 - 16, got
     assert got["sglang_device"] == 0 and got["sglang_host"] == 0, got
     assert not server.is_running() and not os.path.exists(s.storage)
+
+
+def test_vllm_offloading_connector_cpu_harness_serves_a_hit_after_the_engine_forgets(tiny_model, tmp_path):
+    """vLLM's own OffloadingConnector through hpkv's test-only CPU worker: a prompt, vLLM's prefix
+    cache reset, the same prompt again: vLLM counts the prompt as loaded by the connector."""
+    import time
+
+    b = peers.Budget(tiny_model, str(tmp_path), 64 << 20, 4096)
+    s = peers.OffloadSystem(b)
+    prompt = peers.phase_prompts(1024, 1)[0]
+    try:
+        s.start()
+        s.ttft(prompt)
+        time.sleep(1.0)  # the store is submitted in the step after the prefill
+        s.ttft("Z " * 8)  # one more step, which submits it
+        before = s.sources()
+        s.reset_engine_cache()
+        s.ttft(prompt)
+        got = peers.diff(s.sources(), before)
+    finally:
+        s.stop()
+    assert got["external_kv_transfer"] >= 1024 - 128, got
+    assert got["local_compute"] <= 128 + 8, got

@@ -77,19 +77,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SYSTEMS = ("vllm", "hpkv", "lmcache", "sglang-file", "sglang-hpkv")
+SYSTEMS = ("vllm", "hpkv", "lmcache", "vllm-offload", "sglang-file", "sglang-hpkv")
 LABELS = {
     "vllm": "vLLM alone (recompute)",
     "hpkv": "vLLM + hpkv",
     "lmcache": "vLLM + LMCache 0.5.6 MP",
+    "vllm-offload": "vLLM OffloadingConnector CPU",
     "sglang-file": "SGLang HiCache + file",
     "sglang-hpkv": "SGLang + hpkv (ct-hpkv)",
 }
 #: Each system's reference in the ratios: the engine alone for vLLM's, hpkv on the same engine for SGLang's.
-REFERENCE = {"hpkv": "vllm", "lmcache": "vllm", "sglang-file": "sglang-hpkv"}
+REFERENCE = {"hpkv": "vllm", "lmcache": "vllm", "vllm-offload": "vllm", "sglang-file": "sglang-hpkv"}
 NOT_RUN = {
-    "vllm-offloading": "vLLM's OffloadingConnector: refuses non-CUDA tensors (vllm/v1/kv_offload/cpu/spec.py "
-    "get_worker, cpu/gpu_worker.py asserts is_cuda); needs a test-only CPU worker shim, not written yet",
+    "vllm-tiering": "vLLM's TieringOffloadingSpec (its fs tier): not through the CPU harness yet (its worker "
+    "shares an mmap region with the scheduler's secondary tiers)",
 }
 LMCACHE_VERSION = "0.5.6"
 LMCACHE_EXTRA_PACKAGES = ("aiofiles",)  # imported by its fs L2 adapter
@@ -812,6 +813,19 @@ class LmcacheSystem(System):
                     os.unlink(os.path.join("/dev/shm", name))
 
 
+class OffloadSystem(System):
+    """vLLM + its own ``OffloadingConnector`` with a CPU tier of the DRAM budget, through the
+    test-only CPU worker of :mod:`hpkv.testing.vllm_offloading_cpu` (vLLM's manager, LRU and
+    copy plan; ``memmove`` in place of its CUDA copies). No persistent tier."""
+
+    name = "vllm-offload"
+
+    def kv_transfer_args(self) -> list[str]:
+        from hpkv.testing.vllm_offloading_cpu import kv_transfer_config
+
+        return ["--kv-transfer-config", json.dumps(kv_transfer_config(self.b.dram_bytes))]
+
+
 class SglangSystem(System):
     """SGLang-CPU (``.venv-sglang``, hpkv's test shims) with HiCache and its ``file`` storage
     backend: SGLang's device pool (``--max-total-tokens``) of ``engine_cache_tokens`` and a
@@ -1022,6 +1036,8 @@ def make_system(name: str, budget: Budget, args: argparse.Namespace) -> System:
         return HpkvSystem(budget, extra)
     if name == "lmcache":
         return LmcacheSystem(budget, fs=not args.lmcache_no_fs)
+    if name == "vllm-offload":
+        return OffloadSystem(budget)
     if name == "sglang-file":
         return SglangSystem(budget, args.sglang_prefetch_policy)
     if name == "sglang-hpkv":
@@ -1317,7 +1333,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 doc["systems"][name] = run_system(name, budget, args, ns)
             except (RuntimeError, OSError) as exc:
-                if name in ("lmcache", "sglang-file"):  # a peer that fails is reported, the others still run
+                if name in ("lmcache", "vllm-offload", "sglang-file"):  # a failed peer is reported, not fatal
                     skipped[name] = f"failed: {exc}"[:2000]
                     _log(f"{name} failed: {exc}")
                     continue
