@@ -374,24 +374,36 @@ def test_sglang_hicache_file_harness_serves_a_hit_from_its_storage(tiny_model, t
     assert not server.is_running() and not os.path.exists(s.storage)
 
 
-def test_vllm_offloading_connector_cpu_harness_serves_a_hit_after_the_engine_forgets(tiny_model, tmp_path):
-    """vLLM's own OffloadingConnector through hpkv's test-only CPU worker: a prompt, vLLM's prefix
-    cache reset, the same prompt again: vLLM counts the prompt as loaded by the connector."""
+def test_vllm_offloading_connector_harness_hits_its_cpu_tier_then_its_files(tiny_model, tmp_path):
+    """vLLM's own OffloadingConnector (tiering spec: CPU tier + fs tier) through hpkv's test-only
+    CPU worker: a prompt; vLLM's prefix cache reset: the same prompt is the connector's (CPU
+    tier); vLLM restarted: it is the connector's again (vLLM's files)."""
     import time
 
     b = peers.Budget(tiny_model, str(tmp_path), 64 << 20, 4096)
-    s = peers.OffloadSystem(b)
+    s = peers.OffloadSystem(b, fs=True)
     prompt = peers.phase_prompts(1024, 1)[0]
+    got: list[dict[str, int]] = []
+
+    def hit() -> None:
+        before = s.sources()
+        s.ttft(prompt)
+        got.append(peers.diff(s.sources(), before))
+
     try:
         s.start()
         s.ttft(prompt)
         time.sleep(1.0)  # the store is submitted in the step after the prefill
         s.ttft("Z " * 8)  # one more step, which submits it
-        before = s.sources()
         s.reset_engine_cache()
-        s.ttft(prompt)
-        got = peers.diff(s.sources(), before)
+        hit()
+        time.sleep(2.0)  # the fs tier writes behind the CPU tier
+        stored = s.storage_bytes()
+        s.restart_all()
+        hit()
     finally:
         s.stop()
-    assert got["external_kv_transfer"] >= 1024 - 128, got
-    assert got["local_compute"] <= 128 + 8, got
+    assert stored >= 1024 * 4096, "vLLM's fs tier wrote the prompt (4 KiB of KV a token)"
+    for g in got:
+        assert g["external_kv_transfer"] >= 1024 - 128, got
+        assert g["local_compute"] <= 128 + 8, got

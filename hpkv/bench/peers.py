@@ -77,21 +77,25 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SYSTEMS = ("vllm", "hpkv", "lmcache", "vllm-offload", "sglang-file", "sglang-hpkv")
+SYSTEMS = ("vllm", "hpkv", "lmcache", "vllm-offload", "vllm-tiering", "sglang-file", "sglang-hpkv")
 LABELS = {
     "vllm": "vLLM alone (recompute)",
     "hpkv": "vLLM + hpkv",
     "lmcache": "vLLM + LMCache 0.5.6 MP",
     "vllm-offload": "vLLM OffloadingConnector CPU",
+    "vllm-tiering": "vLLM Offloading CPU + fs",
     "sglang-file": "SGLang HiCache + file",
     "sglang-hpkv": "SGLang + hpkv (ct-hpkv)",
 }
 #: Each system's reference in the ratios: the engine alone for vLLM's, hpkv on the same engine for SGLang's.
-REFERENCE = {"hpkv": "vllm", "lmcache": "vllm", "vllm-offload": "vllm", "sglang-file": "sglang-hpkv"}
-NOT_RUN = {
-    "vllm-tiering": "vLLM's TieringOffloadingSpec (its fs tier): not through the CPU harness yet (its worker "
-    "shares an mmap region with the scheduler's secondary tiers)",
+REFERENCE = {
+    "hpkv": "vllm",
+    "lmcache": "vllm",
+    "vllm-offload": "vllm",
+    "vllm-tiering": "vllm",
+    "sglang-file": "sglang-hpkv",
 }
+NOT_RUN: dict[str, str] = {}
 LMCACHE_VERSION = "0.5.6"
 LMCACHE_EXTRA_PACKAGES = ("aiofiles",)  # imported by its fs L2 adapter
 PHASES = ("cold", "gpu_hit", "dram_hit", "storage_hit")
@@ -816,14 +820,29 @@ class LmcacheSystem(System):
 class OffloadSystem(System):
     """vLLM + its own ``OffloadingConnector`` with a CPU tier of the DRAM budget, through the
     test-only CPU worker of :mod:`hpkv.testing.vllm_offloading_cpu` (vLLM's manager, LRU and
-    copy plan; ``memmove`` in place of its CUDA copies). No persistent tier."""
+    copy plan; ``memmove`` in place of its CUDA copies); with ``fs``, vLLM's tiering spec and
+    its ``fs`` tier in a directory under the work directory (the disk of hpkv's storage)."""
 
-    name = "vllm-offload"
+    def __init__(self, budget: Budget, fs: bool = False) -> None:
+        super().__init__(budget)
+        self.fs = fs
+        self.persistent = fs
+        self.name = "vllm-tiering" if fs else "vllm-offload"
+        self.storage = os.path.join(budget.work, "vllm-fs-storage") if fs else ""
+
+    def env(self) -> dict[str, str]:
+        # the fs tier's file names come from vLLM's block hashes: the same after a restart
+        return {**super().env(), "PYTHONHASHSEED": "0"}
 
     def kv_transfer_args(self) -> list[str]:
         from hpkv.testing.vllm_offloading_cpu import kv_transfer_config
 
-        return ["--kv-transfer-config", json.dumps(kv_transfer_config(self.b.dram_bytes))]
+        cfg = kv_transfer_config(self.b.dram_bytes, fs_dir=self.storage or None)
+        return ["--kv-transfer-config", json.dumps(cfg)]
+
+    def start_cache(self) -> None:
+        if self.storage:
+            os.makedirs(self.storage, exist_ok=True)
 
 
 class SglangSystem(System):
@@ -1036,8 +1055,8 @@ def make_system(name: str, budget: Budget, args: argparse.Namespace) -> System:
         return HpkvSystem(budget, extra)
     if name == "lmcache":
         return LmcacheSystem(budget, fs=not args.lmcache_no_fs)
-    if name == "vllm-offload":
-        return OffloadSystem(budget)
+    if name in ("vllm-offload", "vllm-tiering"):
+        return OffloadSystem(budget, fs=name == "vllm-tiering")
     if name == "sglang-file":
         return SglangSystem(budget, args.sglang_prefetch_policy)
     if name == "sglang-hpkv":
@@ -1333,7 +1352,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 doc["systems"][name] = run_system(name, budget, args, ns)
             except (RuntimeError, OSError) as exc:
-                if name in ("lmcache", "vllm-offload", "sglang-file"):  # a failed peer is reported, not fatal
+                if name not in ("vllm", "hpkv", "sglang-hpkv"):  # a failed peer is reported, not fatal
                     skipped[name] = f"failed: {exc}"[:2000]
                     _log(f"{name} failed: {exc}")
                     continue

@@ -35,20 +35,27 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 from vllm.v1.kv_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-__all__ = ["CpuHarnessOffloadingSpec", "CpuHarnessWorker", "kv_transfer_config"]
+__all__ = ["CpuHarnessOffloadingSpec", "CpuHarnessTieringSpec", "CpuHarnessWorker", "kv_transfer_config"]
 
 
-def kv_transfer_config(cpu_bytes: int, block_tokens: int | None = None) -> dict[str, Any]:
+def kv_transfer_config(
+    cpu_bytes: int, block_tokens: int | None = None, fs_dir: str | None = None
+) -> dict[str, Any]:
     """The ``--kv-transfer-config`` that runs vLLM's OffloadingConnector through this harness
     with a CPU tier of ``cpu_bytes`` (``block_tokens``: its offloaded block size, a multiple
-    of vLLM's; default vLLM's own)."""
+    of vLLM's; default vLLM's own); with ``fs_dir``, vLLM's tiering spec with its ``fs``
+    secondary tier there (vLLM's own files: keep ``PYTHONHASHSEED`` fixed across restarts)."""
     extra: dict[str, Any] = {
-        "spec_name": "CpuHarnessOffloadingSpec",
+        "spec_name": "CpuHarnessTieringSpec" if fs_dir else "CpuHarnessOffloadingSpec",
         "spec_module_path": __name__,
         "cpu_bytes_to_use": int(cpu_bytes),
     }
+    if fs_dir:
+        extra["secondary_tiers"] = [{"type": "fs", "root_dir": fs_dir}]
     if block_tokens:
         extra["block_size"] = int(block_tokens)
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
@@ -137,12 +144,24 @@ class CpuHarnessWorker(OffloadingWorker):
     """vLLM's ``CPUOffloadingWorker`` for a host-memory engine KV cache: a private CPU tier of
     ``num_cpu_chunks`` chunks per KV tensor and two :class:`_MemcpyHandler` directions."""
 
-    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_cpu_chunks: int) -> None:
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        blocks_per_chunk: int,
+        num_cpu_chunks: int,
+        mmap_region: SharedOffloadRegion | None = None,
+    ) -> None:
+        """``mmap_region``: the CPU tier is views of that region (tiering: its secondary tiers
+        read and write the same memory from the scheduler); owned by the worker from here."""
+        self._mmap_region = mmap_region
         gpu_tensors, cpu_tensors = [], []
         for t in kv_caches.tensors:
             gpu_tensors.append(t.tensor.view(torch.int8).view((-1, t.page_size_bytes)))
+            cpu_page = t.page_size_bytes * blocks_per_chunk
             cpu_tensors.append(
-                torch.zeros((num_cpu_chunks, t.page_size_bytes * blocks_per_chunk), dtype=torch.int8)
+                mmap_region.create_next_worker_view(cpu_page)
+                if mmap_region is not None
+                else torch.zeros((num_cpu_chunks, cpu_page), dtype=torch.int8)
             )
         refs = kv_caches.group_data_refs
         self._store = _MemcpyHandler(gpu_tensors, cpu_tensors, blocks_per_chunk, refs, gpu_to_cpu=True)
@@ -163,6 +182,9 @@ class CpuHarnessWorker(OffloadingWorker):
     def shutdown(self) -> None:
         self._store.shutdown()
         self._load.shutdown()
+        if self._mmap_region is not None:
+            self._mmap_region.cleanup()
+            self._mmap_region = None
 
 
 class CpuHarnessOffloadingSpec(CPUOffloadingSpec):
@@ -177,3 +199,31 @@ class CpuHarnessOffloadingSpec(CPUOffloadingSpec):
         return self._harness_worker
 
     _harness_worker: CpuHarnessWorker | None = None
+
+
+class CpuHarnessTieringSpec(TieringOffloadingSpec):
+    """``TieringOffloadingSpec`` (CPU primary tier, secondary tiers such as ``fs``) with
+    :class:`CpuHarnessWorker` over the shared region its secondary tiers use."""
+
+    _harness_worker: CpuHarnessWorker | None = None
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._harness_worker is None:
+            if self.config.canonical_layout:
+                raise ValueError("the CPU harness copies the direct layout only: turn canonical_layout off")
+            rank = 0 if self.replicated_layout else self.config.parallel.rank
+            region = SharedOffloadRegion(
+                engine_id=self._engine_id,
+                num_chunks=self.num_chunks,
+                rank=rank,
+                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                cpu_page_size=self.cpu_page_size_per_worker,
+            )
+            try:
+                self._harness_worker = CpuHarnessWorker(
+                    kv_caches, self.blocks_per_chunk, self.num_chunks, mmap_region=region
+                )
+            except BaseException:
+                region.cleanup()
+                raise
+        return self._harness_worker
