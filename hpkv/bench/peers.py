@@ -13,6 +13,11 @@ shape), the same prompts and the same memory budget for each system, one after t
   disk as hpkv's storage). Runs from ``~/.cache/hpkv/peers/lmcache``, which ``hpkv bench peers
   --setup`` (or ``scripts/setup_peers.sh``) creates; skipped, saying so, where it is missing.
 
+- ``vllm-offload`` / ``vllm-tiering``: vLLM + its own ``OffloadingConnector``, a CPU tier of
+  ``--dram-mib`` (and for ``vllm-tiering`` its ``fs`` tier in a directory under ``--dir``),
+  through the TEST-ONLY CPU worker of :mod:`hpkv.testing.vllm_offloading_cpu` (vLLM ships no
+  worker for a non-CUDA KV cache; its manager, LRU and copy plan are vLLM's own).
+
 The engine's own KV cache (the "GPU" tier) holds ``--engine-cache-tokens`` tokens
 (``--num-gpu-blocks-override``), so that the many-users working set does not fit in it and
 the connector's tiers matter.
@@ -55,8 +60,7 @@ For every system: the bytes its storage directory grew by, and the CPU-seconds o
 and the cache server together per request (HiCache's own I/O runs in SGLang's scheduler, so
 only that figure compares the two SGLang systems).
 
-Not run here (named in the report): vLLM's ``OffloadingConnector`` (refuses non-CUDA
-tensors). ``HPKV_SKIP_PEERS=1`` runs only vLLM alone and hpkv.
+``HPKV_SKIP_PEERS=1`` skips the peers that need an environment of their own (LMCache, SGLang).
 """
 
 from __future__ import annotations
