@@ -1,6 +1,8 @@
 """``hpkv bench peers``: its workload generator, counters and report without an engine; one real
 many-users run with hpkv; the LMCache harness (two requests, the hit read from LMCache's own
-log), skipped where ``~/.cache/hpkv/peers/lmcache`` does not exist (``hpkv bench peers --setup``)."""
+log), skipped where ``~/.cache/hpkv/peers/lmcache`` does not exist (``hpkv bench peers --setup``);
+the SGLang HiCache ``file`` harness (two requests, the hit read from SGLang's own per-request
+report), skipped without ``.venv-sglang``."""
 
 from __future__ import annotations
 
@@ -244,6 +246,53 @@ def test_lmcache_harness_serves_a_hit_after_the_engine_forgets(tiny_model, tmp_p
     assert s.cache_pid() is None, "LMCache's server is stopped"
 
 
+def test_sglang_systems_get_the_same_host_memory(tiny_model, tmp_path):
+    """HiCache + file: one host pool of the device pool's size plus the DRAM budget; SGLang + hpkv:
+    a host pool of the device pool's size, and hpkv's DRAM pool of the budget."""
+    b = peers.Budget(model=tiny_model, work=str(tmp_path), dram_bytes=512 << 20, engine_cache_tokens=6144)
+    args = _args("--hpkv-env", "VLLM_HPKV_TOKEN_THRESHOLD=256")
+    f = peers.make_system("sglang-file", b, args)
+    h = peers.make_system("sglang-hpkv", b, args)
+    assert isinstance(f, peers.SglangSystem) and isinstance(h, peers.SglangHpkvSystem)
+    assert f.kv_bytes == 4096  # the tiny model's KV per token
+    assert f.host_pool_tokens() == 6144 + (512 << 20) // 4096
+    assert h.host_pool_tokens() == 6144
+    assert h.env()["HPKV_KV_MEM_POOL_SIZE"] == str(512 << 20)
+    assert h.env()["VLLM_HPKV_TOKEN_THRESHOLD"] == "256"
+    assert f.env()["VLLM_ENABLE_HPKV"] == "0" and h.env()["VLLM_ENABLE_HPKV"] == "1"
+    fa, ha = f.hicache_args(), h.hicache_args()
+    assert fa[fa.index("--hicache-storage-backend") + 1] == "file"
+    assert json.loads(fa[fa.index("--hicache-storage-backend-extra-config") + 1]) == {
+        "file_storage_path": f.storage
+    }
+    assert ha[0] == "--enable-ct-hpkv"
+    # both on the same disk (the work directory), neither in the other's directory
+    assert os.path.dirname(f.storage) == os.path.dirname(h.storage) == str(tmp_path)
+    assert f.storage != h.storage and h.env()["HPKV_KV_STORAGE_PATH"] == h.storage
+
+
+def test_sglang_ratios_are_to_hpkv_on_sglang(capsys):
+    doc = _doc()
+    u = doc["systems"]["vllm"]["users"]["4"]
+    doc["systems"]["sglang-hpkv"] = {
+        "label": "x",
+        "users": {"4": {**u, "requests_per_s": 4.0, "total_cpu_s_per_request": 1.0}},
+        "loadavg_1m": {"start": 1.0, "end": 2.0},
+    }
+    doc["systems"]["sglang-file"] = {
+        "label": "y",
+        "users": {"4": {**u, "requests_per_s": 1.0, "storage_bytes_written": 3 << 20}},
+        "loadavg_1m": {"start": 1.0, "end": 2.0},
+    }
+    doc = peers.summarize(doc)
+    f = doc["systems"]["sglang-file"]["users"]["4"]
+    assert f["vs_sglang-hpkv"]["requests_per_s"] == 0.25
+    assert "vs_vllm" not in f and "vs_hpkv" not in f, "not against another engine"
+    peers.print_report(doc)
+    out = capsys.readouterr().out
+    assert "0.25x" in out and "SGLang HiCache + file" in out
+
+
 def test_hpkv_gets_the_budget_and_the_settings_asked_for(tmp_path):
     b = peers.Budget(model="m", work=str(tmp_path), dram_bytes=512 << 20, engine_cache_tokens=8192)
     args = _args("--hpkv-env", "VLLM_HPKV_TOKEN_THRESHOLD=auto")
@@ -295,3 +344,66 @@ def test_drop_caches_reads_the_storage_phase_from_the_device_not_the_page_cache(
         peers.drop_page_cache()
         assert _resident_pages(f.name) == 0
     assert _args("--drop-caches").drop_caches and not _args().drop_caches
+
+
+@pytest.mark.skipif(peers.sglang_missing() is not None, reason=f"SGLang: {peers.sglang_missing()}")
+def test_sglang_hicache_file_harness_serves_a_hit_from_its_storage(tiny_model, tmp_path):
+    """SGLang-CPU with HiCache's ``file`` backend: a prompt, SGLang's device and host pools
+    flushed, the same prompt again: SGLang's own ``cached_tokens_details`` says storage served it."""
+    from hpkv.bench.ttft import prompt_for
+
+    b = peers.Budget(tiny_model, str(tmp_path), 32 << 20, 2048)
+    # wait_complete: a loaded machine must not cut the storage hit short (the default gives up)
+    s = peers.SglangSystem(b, prefetch_policy="wait_complete")
+    prompt = prompt_for("Q", 512)
+    try:
+        s.start()
+        s.ttft(prompt)
+        s.settle()
+        stored = s.storage_bytes()
+        s.reset_engine_cache()
+        s.ttft(prompt)
+        got = s.tiers()
+        server = s.srv
+    finally:
+        s.stop()
+        s.cleanup()
+    assert stored >= 512 * 4096, "HiCache wrote the prompt's pages (4 KiB of KV a token) to its files"
+    assert got["sglang_storage"] >= 512 - 16, got
+    assert got["sglang_device"] == 0 and got["sglang_host"] == 0, got
+    assert not server.is_running() and not os.path.exists(s.storage)
+
+
+def test_vllm_offloading_connector_harness_hits_its_cpu_tier_then_its_files(tiny_model, tmp_path):
+    """vLLM's own OffloadingConnector (tiering spec: CPU tier + fs tier) through hpkv's test-only
+    CPU worker: a prompt; vLLM's prefix cache reset: the same prompt is the connector's (CPU
+    tier); vLLM restarted: it is the connector's again (vLLM's files)."""
+    import time
+
+    b = peers.Budget(tiny_model, str(tmp_path), 64 << 20, 4096)
+    s = peers.OffloadSystem(b, fs=True)
+    prompt = peers.phase_prompts(1024, 1)[0]
+    got: list[dict[str, int]] = []
+
+    def hit() -> None:
+        before = s.sources()
+        s.ttft(prompt)
+        got.append(peers.diff(s.sources(), before))
+
+    try:
+        s.start()
+        s.ttft(prompt)
+        time.sleep(1.0)  # the store is submitted in the step after the prefill
+        s.ttft("Z " * 8)  # one more step, which submits it
+        s.reset_engine_cache()
+        hit()
+        time.sleep(2.0)  # the fs tier writes behind the CPU tier
+        stored = s.storage_bytes()
+        s.restart_all()
+        hit()
+    finally:
+        s.stop()
+    assert stored >= 1024 * 4096, "vLLM's fs tier wrote the prompt (4 KiB of KV a token)"
+    for g in got:
+        assert g["external_kv_transfer"] >= 1024 - 128, got
+        assert g["local_compute"] <= 128 + 8, got

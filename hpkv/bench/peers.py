@@ -13,6 +13,11 @@ shape), the same prompts and the same memory budget for each system, one after t
   disk as hpkv's storage). Runs from ``~/.cache/hpkv/peers/lmcache``, which ``hpkv bench peers
   --setup`` (or ``scripts/setup_peers.sh``) creates; skipped, saying so, where it is missing.
 
+- ``vllm-offload`` / ``vllm-tiering``: vLLM + its own ``OffloadingConnector``, a CPU tier of
+  ``--dram-mib`` (and for ``vllm-tiering`` its ``fs`` tier in a directory under ``--dir``),
+  through the TEST-ONLY CPU worker of :mod:`hpkv.testing.vllm_offloading_cpu` (vLLM ships no
+  worker for a non-CUDA KV cache; its manager, LRU and copy plan are vLLM's own).
+
 The engine's own KV cache (the "GPU" tier) holds ``--engine-cache-tokens`` tokens
 (``--num-gpu-blocks-override``), so that the many-users working set does not fit in it and
 the connector's tiers matter.
@@ -36,9 +41,26 @@ Two workloads per system:
    workers, LMCache's server; the connector's work inside vLLM's processes is in the
    engine's time, not here).
 
-Not run here (named in the report): vLLM's ``OffloadingConnector`` (refuses non-CUDA
-tensors), SGLang HiCache (``hpkv bench ttft --engine sglang`` compares it with hpkv on the
-phases). ``HPKV_SKIP_PEERS=1`` runs only vLLM alone and hpkv.
+And on SGLang-CPU (``.venv-sglang`` with hpkv's test shims; skipped, saying so, without it):
+
+- ``sglang-file``: SGLang's HiCache with its own ``file`` storage backend (files under
+  ``--dir``, the disk of hpkv's storage); its host pool (L2) is the device pool's size plus
+  the DRAM budget.
+- ``sglang-hpkv``: SGLang ``--enable-ct-hpkv`` (hpkv as HiCache's storage tier); its host pool
+  is the device pool's size and hpkv's DRAM pool is the budget: the same host memory.
+
+Both have a device pool of ``--engine-cache-tokens`` (``--max-total-tokens``), pages of 16
+tokens, the same ``--sglang-prefetch-policy``; hpkv's ``VLLM_HPKV_TOKEN_THRESHOLD`` becomes
+HiCache's prefetch threshold (SGLang's own default, 256 tokens, for ``file``). Requests go to
+SGLang's ``/generate``, whose ``cached_tokens_details`` says which tier served each prompt;
+the DRAM phase follows ``/flush_cache``, which drops SGLang's device and host pools (it has no
+call that drops the device's only). Ratios are to hpkv on the same engine.
+
+For every system: the bytes its storage directory grew by, and the CPU-seconds of the engine
+and the cache server together per request (HiCache's own I/O runs in SGLang's scheduler, so
+only that figure compares the two SGLang systems).
+
+``HPKV_SKIP_PEERS=1`` skips the peers that need an environment of their own (LMCache, SGLang).
 """
 
 from __future__ import annotations
@@ -55,22 +77,29 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SYSTEMS = ("vllm", "hpkv", "lmcache")
+SYSTEMS = ("vllm", "hpkv", "lmcache", "vllm-offload", "vllm-tiering", "sglang-file", "sglang-hpkv")
 LABELS = {
     "vllm": "vLLM alone (recompute)",
     "hpkv": "vLLM + hpkv",
     "lmcache": "vLLM + LMCache 0.5.6 MP",
+    "vllm-offload": "vLLM OffloadingConnector CPU",
+    "vllm-tiering": "vLLM Offloading CPU + fs",
+    "sglang-file": "SGLang HiCache + file",
+    "sglang-hpkv": "SGLang + hpkv (ct-hpkv)",
 }
-NOT_RUN = {
-    "vllm-offloading": "vLLM's OffloadingConnector: refuses non-CUDA tensors (vllm/v1/kv_offload/cpu/spec.py "
-    "get_worker, cpu/gpu_worker.py asserts is_cuda); needs a test-only CPU worker shim, not written yet",
-    "sglang-hicache": "SGLang HiCache (file backend): another engine; not in this bench yet "
-    "(hpkv bench ttft --engine sglang runs the phases against SGLang's HiCache)",
+#: Each system's reference in the ratios: the engine alone for vLLM's, hpkv on the same engine for SGLang's.
+REFERENCE = {
+    "hpkv": "vllm",
+    "lmcache": "vllm",
+    "vllm-offload": "vllm",
+    "vllm-tiering": "vllm",
+    "sglang-file": "sglang-hpkv",
 }
+NOT_RUN: dict[str, str] = {}
 LMCACHE_VERSION = "0.5.6"
 LMCACHE_EXTRA_PACKAGES = ("aiofiles",)  # imported by its fs L2 adapter
 PHASES = ("cold", "gpu_hit", "dram_hit", "storage_hit")
@@ -152,6 +181,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--lmcache-no-fs", action="store_true", help="LMCache with its DRAM L1 only (no fs L2)")
     p.add_argument(
+        "--sglang-prefetch-policy",
+        choices=("best_effort", "wait_complete", "timeout"),
+        default="timeout",
+        help="SGLang systems: HiCache's --hicache-storage-prefetch-policy, the same for both (default timeout, "
+        "SGLang's own)",
+    )
+    p.add_argument(
         "--drop-caches",
         action="store_true",
         help="drop the OS page cache before the storage phase (root): storage hits at the device's speed; "
@@ -224,6 +260,17 @@ def lmcache_missing() -> str | None:
             f"no LMCache environment at {os.path.dirname(os.path.dirname(lmcache_python()))}; install it with "
             "`hpkv bench peers --setup` (or bash scripts/setup_peers.sh)"
         )
+    return None
+
+
+def sglang_missing() -> str | None:
+    """Why the SGLang systems cannot run here (None when ``.venv-sglang`` exists)."""
+    from hpkv.testing.sglang_server import sglang_python
+
+    if os.environ.get("HPKV_SKIP_PEERS") == "1":
+        return "HPKV_SKIP_PEERS=1"
+    if sglang_python() is None:
+        return "no SGLang environment (.venv-sglang): install it with scripts/setup-sglang.sh"
     return None
 
 
@@ -322,9 +369,17 @@ def stream_turn(url: str, model: str, prompt: str, max_tokens: int, timeout: flo
     return Turn(times[0] - t0, max(gaps, default=0.0), prompt_tokens, times[-1])
 
 
-def run_users(url: str, model: str, convs: list[Conversation], output_tokens: int) -> dict[str, Any]:
-    """Every conversation in a thread of its own, its turns one after the other; returns the
-    workload's throughput and latency summary."""
+def run_users(
+    url: str,
+    model: str,
+    convs: list[Conversation],
+    output_tokens: int,
+    turn: Callable[[str, int], Turn] | None = None,
+) -> dict[str, Any]:
+    """Every conversation in a thread of its own, its turns one after the other (``turn``:
+    how one is sent, default a streamed ``/v1/completions``); returns the workload's
+    throughput and latency summary."""
+    send = turn or (lambda prompt, n: stream_turn(url, model, prompt, n))
     results: list[list[Turn]] = [[] for _ in convs]
     errors: list[BaseException] = []
     start = threading.Barrier(len(convs))
@@ -333,7 +388,7 @@ def run_users(url: str, model: str, convs: list[Conversation], output_tokens: in
         try:
             start.wait(timeout=60)
             for prompt in convs[i].prompts():
-                results[i].append(stream_turn(url, model, prompt, output_tokens))
+                results[i].append(send(prompt, output_tokens))
         except BaseException as exc:  # noqa: BLE001 - reported by the caller
             errors.append(exc)
 
@@ -420,6 +475,36 @@ def _proc_tree_cpu_s(pid: int | None) -> float:
     return total
 
 
+def _procs_cpu_s(pids: list[int | None]) -> float:
+    """CPU seconds of the process trees of ``pids`` together, each process counted once."""
+    import psutil
+
+    seen: dict[int, psutil.Process] = {}
+    for pid in pids:
+        if pid is None:
+            continue
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(pid)
+            for p in (root, *root.children(recursive=True)):
+                seen.setdefault(p.pid, p)
+    total = 0.0
+    for p in seen.values():
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+def dir_bytes(path: str) -> int:
+    """Bytes in the regular files under ``path`` (0 when it does not exist)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, f)).st_size
+    return total
+
+
 def max_model_len(engine_cache_tokens: int, block_tokens: int = 128) -> int:
     """The longest prompt vLLM admits with a KV cache of ``engine_cache_tokens``: vLLM wants
     room for one block more than the model length."""
@@ -449,6 +534,7 @@ class System:
         self.srv: Any = None
         self.starts = 0
         self.cpu_seen = 0.0  # the cache engine's CPU of earlier incarnations
+        self.total_cpu_seen = 0.0  # the engine's and the cache engine's, of earlier incarnations
 
     # what a subclass sets
     def python(self) -> str:
@@ -474,6 +560,30 @@ class System:
     def tiers(self) -> dict[str, int]:
         """Tokens the connector loaded per tier so far, where it reports them."""
         return {}
+
+    #: the cache engine's storage directory (its files' bytes are what it wrote), if it has one
+    storage = ""
+
+    def storage_bytes(self) -> int:
+        """Bytes in the storage directory's files now (0 without one)."""
+        return dir_bytes(self.storage) if self.storage else 0
+
+    def ttft(self, prompt: str) -> float:
+        """One ``max_tokens=1`` completion's time to first byte."""
+        from hpkv.bench.ttft import ttft
+
+        return ttft(self.srv.url, self.srv.model_name, prompt)
+
+    def turn(self, prompt: str, max_tokens: int) -> Turn:
+        """One streamed turn of a conversation."""
+        return stream_turn(self.srv.url, self.srv.model_name, prompt, max_tokens)
+
+    def engine_pid(self) -> int | None:
+        return self.srv.pid if self.srv is not None else None
+
+    def total_cpu_s(self) -> float:
+        """CPU seconds of the engine and the cache engine together (their process trees)."""
+        return self.total_cpu_seen + _procs_cpu_s([self.engine_pid(), self.cache_pid()])
 
     # shared
     def start(self) -> None:
@@ -518,6 +628,7 @@ class System:
         return kv_bytes_per_token(self.b.model)
 
     def stop(self) -> None:
+        self.total_cpu_seen += _procs_cpu_s([self.engine_pid(), self.cache_pid()])
         try:
             if self.srv is not None:
                 self.srv.stop()
@@ -710,12 +821,251 @@ class LmcacheSystem(System):
                     os.unlink(os.path.join("/dev/shm", name))
 
 
+class OffloadSystem(System):
+    """vLLM + its own ``OffloadingConnector`` with a CPU tier of the DRAM budget, through the
+    test-only CPU worker of :mod:`hpkv.testing.vllm_offloading_cpu` (vLLM's manager, LRU and
+    copy plan; ``memmove`` in place of its CUDA copies); with ``fs``, vLLM's tiering spec and
+    its ``fs`` tier in a directory under the work directory (the disk of hpkv's storage)."""
+
+    def __init__(self, budget: Budget, fs: bool = False) -> None:
+        super().__init__(budget)
+        self.fs = fs
+        self.persistent = fs
+        self.name = "vllm-tiering" if fs else "vllm-offload"
+        self.storage = os.path.join(budget.work, "vllm-fs-storage") if fs else ""
+
+    def env(self) -> dict[str, str]:
+        # the fs tier's file names come from vLLM's block hashes: the same after a restart
+        return {**super().env(), "PYTHONHASHSEED": "0"}
+
+    def kv_transfer_args(self) -> list[str]:
+        from hpkv.testing.vllm_offloading_cpu import kv_transfer_config
+
+        cfg = kv_transfer_config(self.b.dram_bytes, fs_dir=self.storage or None)
+        return ["--kv-transfer-config", json.dumps(cfg)]
+
+    def start_cache(self) -> None:
+        if self.storage:
+            os.makedirs(self.storage, exist_ok=True)
+
+
+class SglangSystem(System):
+    """SGLang-CPU (``.venv-sglang``, hpkv's test shims) with HiCache and its ``file`` storage
+    backend: SGLang's device pool (``--max-total-tokens``) of ``engine_cache_tokens`` and a
+    host pool (L2) of that size plus the DRAM budget (``--hicache-ratio``), its files under
+    the work directory (the disk of hpkv's storage). Requests go to SGLang's ``/generate``,
+    whose ``meta_info.cached_tokens_details`` says per request which tier served the prefix."""
+
+    name = "sglang-file"
+    persistent = True
+    page_tokens = 16  # SglangServer's default: HiCache's page (and hpkv's key on SGLang)
+
+    def __init__(self, budget: Budget, prefetch_policy: str = "timeout") -> None:
+        super().__init__(budget)
+        self.prefetch_policy = prefetch_policy
+        self.storage = os.path.join(budget.work, f"{self.name}-storage")
+        self._lock = threading.Lock()
+        self._served = dict.fromkeys((*SOURCES, "device", "host", "storage"), 0)
+
+    def python(self) -> str:
+        from hpkv.testing.sglang_server import sglang_python
+
+        return sglang_python() or "python"
+
+    # the host memory each SGLang system gets
+    def host_pool_tokens(self) -> int:
+        """HiCache's host pool (L2): the device pool's size (SGLang's own default ratio is 2)
+        plus the DRAM budget."""
+        return self.b.engine_cache_tokens + self.b.dram_bytes // self.kv_bytes
+
+    def hicache_args(self) -> list[str]:
+        cfg = {"file_storage_path": self.storage}
+        return [
+            "--enable-hierarchical-cache",
+            "--hicache-storage-backend",
+            "file",
+            "--hicache-storage-backend-extra-config",
+            json.dumps(cfg),
+        ]
+
+    def env(self) -> dict[str, str]:
+        return {**super().env(), "VLLM_ENABLE_HPKV": "0"}
+
+    def start(self) -> None:
+        from hpkv.testing.sglang_server import SglangServer
+
+        self.starts += 1
+        tag = f"{self.name}-{self.starts}"
+        os.makedirs(self.storage, exist_ok=True)
+        self.start_cache()
+        ratio = self.host_pool_tokens() / self.b.engine_cache_tokens
+        _log(f"{LABELS[self.name]}: starting SGLang ({tag}), host pool {ratio:.3f} x the device pool ...")
+        t0 = time.monotonic()
+        self.srv = SglangServer(
+            self.b.model,
+            extra_args=[
+                *self.hicache_args(),
+                "--hicache-ratio",
+                f"{ratio:.4f}",
+                "--hicache-storage-prefetch-policy",
+                self.prefetch_policy,
+            ],
+            env=self.env(),
+            page_size=self.page_tokens,
+            max_total_tokens=self.b.engine_cache_tokens,
+            omp_threads=os.cpu_count() or 1,
+            log_path=os.path.join(self.b.work, f"sglang-{tag}.log"),
+            ready_timeout=READY_TIMEOUT_S,
+        )
+        try:
+            self.srv.start().wait_ready(timeout=READY_TIMEOUT_S)
+            from hpkv.bench.ttft import prompt_for
+
+            for _ in range(2):  # as vLLM's: a long prefill, then a hit
+                self.request(prompt_for("Z", WARMUP_TOKENS), 1, count=False)
+        except BaseException:
+            self.stop()
+            raise
+        _log(f"{LABELS[self.name]}: SGLang ready and warm in {time.monotonic() - t0:.0f}s")
+
+    def request(self, prompt: str, max_tokens: int, count: bool = True) -> Turn:
+        """One streamed greedy ``/generate``: its TTFT, largest inter-token gap and prompt
+        tokens; the prompt's tokens by the tier SGLang says served them are counted."""
+        import requests
+
+        body = {
+            "text": prompt,
+            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+            "stream": True,
+        }
+        t0 = time.perf_counter()
+        times: list[float] = []
+        meta: dict[str, Any] = {}
+        seen = 0
+        with requests.post(f"{self.srv.url}/generate", json=body, stream=True, timeout=600) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"SGLang /generate returned HTTP {r.status_code}: {r.text[:300]}")
+            for line in r.iter_lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                meta = json.loads(line[6:]).get("meta_info") or meta
+                done = int(meta.get("completion_tokens", 0))
+                now = time.perf_counter()
+                times += [now] * max(0, done - seen)  # one chunk per token (several if batched)
+                seen = max(seen, done)
+        if not times:
+            raise RuntimeError(f"SGLang's stream returned no token: {meta}")
+        details = meta.get("cached_tokens_details") or {}
+        prompt_tokens = int(meta.get("prompt_tokens", 0))
+        tiers = {t: int(details.get(t, 0) or 0) for t in ("device", "host", "storage")}
+        if count:
+            with self._lock:
+                for t, v in tiers.items():
+                    self._served[t] += v
+                self._served["local_cache_hit"] += tiers["device"]
+                self._served["external_kv_transfer"] += tiers["host"] + tiers["storage"]
+                self._served["local_compute"] += prompt_tokens - int(meta.get("cached_tokens", 0))
+        gaps = [(b - a) * 1000 for a, b in zip(times, times[1:], strict=False)]
+        return Turn(times[0] - t0, max(gaps, default=0.0), prompt_tokens, times[-1])
+
+    def ttft(self, prompt: str) -> float:
+        return self.request(prompt, 1).ttft_s
+
+    def turn(self, prompt: str, max_tokens: int) -> Turn:
+        return self.request(prompt, max_tokens)
+
+    def sources(self) -> dict[str, float]:
+        """SGLang's own per-request report, summed: ``local_cache_hit`` = its device (L1),
+        ``external_kv_transfer`` = its host pool (L2) and storage (L3), ``local_compute`` =
+        the rest."""
+        with self._lock:
+            return {k: float(self._served[k]) for k in SOURCES}
+
+    def tiers(self) -> dict[str, int]:
+        with self._lock:
+            return {f"sglang_{t}": self._served[t] for t in ("device", "host", "storage")}
+
+    def reset_engine_cache(self) -> None:
+        """``/flush_cache``: SGLang drops its device and host pools (it has no call that drops
+        only the device's); the storage tier stays."""
+        self.srv.flush_cache()
+
+    def settle(self, timeout: float = 300.0) -> None:
+        """Wait for SGLang's write-behind to storage (its backup thread): the storage
+        directory's bytes unchanged over 1.5 s."""
+        deadline = time.monotonic() + timeout
+        last, quiet = -1, 0
+        while time.monotonic() < deadline:
+            now = self.storage_bytes()
+            quiet = quiet + 1 if now == last else 0
+            if quiet >= 3:
+                return
+            last = now
+            time.sleep(0.5)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.storage, ignore_errors=True)
+
+
+class SglangHpkvSystem(SglangSystem):
+    """SGLang with ``--enable-ct-hpkv``: HiCache with hpkv as its storage tier (hpkv's DRAM pool,
+    then its files). Its host pool (L2) is the device pool's size and hpkv's DRAM pool is the
+    DRAM budget: the same host memory as :class:`SglangSystem`'s one larger L2."""
+
+    name = "sglang-hpkv"
+
+    def __init__(
+        self, budget: Budget, prefetch_policy: str = "timeout", extra_env: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(budget, prefetch_policy)
+        self.hpkv = HpkvSystem(budget, extra_env)
+        self.hpkv.pool_dir += "-sglang"
+        self.hpkv.storage = self.storage  # its own, not vLLM + hpkv's
+        self.extra_env = self.hpkv.extra_env
+
+    def host_pool_tokens(self) -> int:
+        return self.b.engine_cache_tokens
+
+    def hicache_args(self) -> list[str]:
+        from hpkv.testing.sglang_server import hpkv_backend_args
+
+        return hpkv_backend_args()
+
+    def env(self) -> dict[str, str]:
+        return {**self.hpkv.env(), "VLLM_ENABLE_HPKV": "1", **self.extra_env}
+
+    def cache_pid(self) -> int | None:
+        return self.hpkv.cache_pid()
+
+    def stop_cache(self) -> None:
+        self.hpkv.stop_cache()
+
+    def tiers(self) -> dict[str, int]:
+        return {**super().tiers(), **{f"hpkv_{k}": v for k, v in self.hpkv.tiers().items()}}
+
+    def settle(self, timeout: float = 300.0) -> None:
+        super().settle(timeout)  # SGLang's backup thread hands pages to hpkv ...
+        if self.cache_pid() is not None:
+            self.hpkv.settle()  # ... which writes them through to its files
+
+    def cleanup(self) -> None:
+        super().cleanup()
+        self.hpkv.cleanup()
+
+
 def make_system(name: str, budget: Budget, args: argparse.Namespace) -> System:
     if name == "hpkv":
         extra = dict(kv.split("=", 1) for kv in getattr(args, "hpkv_env", []))
         return HpkvSystem(budget, extra)
     if name == "lmcache":
         return LmcacheSystem(budget, fs=not args.lmcache_no_fs)
+    if name in ("vllm-offload", "vllm-tiering"):
+        return OffloadSystem(budget, fs=name == "vllm-tiering")
+    if name == "sglang-file":
+        return SglangSystem(budget, args.sglang_prefetch_policy)
+    if name == "sglang-hpkv":
+        extra = dict(kv.split("=", 1) for kv in getattr(args, "hpkv_env", []))
+        return SglangHpkvSystem(budget, args.sglang_prefetch_policy, extra)
     return System(budget)
 
 
@@ -737,13 +1087,11 @@ def drop_page_cache() -> None:
 def run_phases(sysm: System, prompts: list[str], drop_caches: bool = False) -> dict[str, Any]:
     """CT-HPKV's phases on a started system (restarted for the storage phase, left running;
     ``drop_caches``: with the OS page cache dropped after the restart)."""
-    from hpkv.bench.ttft import ttft
-
-    out: dict[str, Any] = {"ttft": {}, "sources": {}, "tiers": {}}
+    out: dict[str, Any] = {"ttft": {}, "sources": {}, "tiers": {}, "storage_bytes_written": {}}
 
     def phase(name: str) -> None:
-        before, tiers_before = sysm.sources(), sysm.tiers()
-        times = [ttft(sysm.srv.url, sysm.srv.model_name, p) for p in prompts]
+        before, tiers_before, stored = sysm.sources(), sysm.tiers(), sysm.storage_bytes()
+        times = [sysm.ttft(p) for p in prompts]
         out["ttft"][name] = times
         out["sources"][name] = diff(sysm.sources(), before)
         out["tiers"][name] = diff(sysm.tiers(), tiers_before)
@@ -753,13 +1101,14 @@ def run_phases(sysm: System, prompts: list[str], drop_caches: bool = False) -> d
             settle()
         else:
             time.sleep(1.0)  # a peer's write-behind: give it the time hpkv's settle takes at most here
+        out["storage_bytes_written"][name] = sysm.storage_bytes() - stored
 
     phase("cold")
     phase("gpu_hit")
     sysm.reset_engine_cache()
     phase("dram_hit")
     if sysm.persistent:
-        _log(f"{sysm.name}: restarting vLLM and the cache engine (storage phase)")
+        _log(f"{sysm.name}: restarting the engine and the cache engine (storage phase)")
         sysm.restart_all()
         if drop_caches:
             drop_page_cache()
@@ -774,11 +1123,17 @@ def run_many_users(sysm: System, args: argparse.Namespace, ns: list[int]) -> dic
             n, args.turns, args.system_tokens, args.turn_tokens, args.output_tokens, seed=run_no + 1
         )
         before, tiers_before, cpu_before = sysm.sources(), sysm.tiers(), sysm.cache_cpu_s()
+        total_cpu_before, stored_before = sysm.total_cpu_s(), sysm.storage_bytes()
         _log(f"{sysm.name}: {n} user(s) x {args.turns} turns")
-        res = run_users(sysm.srv.url, sysm.srv.model_name, convs, args.output_tokens)
+        res = run_users(sysm.srv.url, sysm.srv.model_name, convs, args.output_tokens, turn=sysm.turn)
+        settle = getattr(sysm, "settle", None)
+        if settle is not None:  # the write-behind this workload caused is its own
+            settle()
         res["sources"] = diff(sysm.sources(), before)
         res["tiers"] = diff(sysm.tiers(), tiers_before)
         res["cache_cpu_s_per_request"] = round((sysm.cache_cpu_s() - cpu_before) / res["requests"], 4)
+        res["total_cpu_s_per_request"] = round((sysm.total_cpu_s() - total_cpu_before) / res["requests"], 4)
+        res["storage_bytes_written"] = sysm.storage_bytes() - stored_before
         _log(
             f"{sysm.name} N={n}: {res['requests_per_s']} req/s, TTFT p50 {res['ttft_p50_s']} s, "
             f"p99 {res['ttft_p99_s']} s; {res['sources']} {res['tiers']}"
@@ -823,11 +1178,13 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
             cold = statistics.mean(ph["ttft"]["cold"])
             ph["mean_s"] = {p: round(statistics.mean(t), 4) for p, t in ph["ttft"].items()}
             ph["vs_cold"] = {p: round(statistics.mean(t) / cold, 3) for p, t in ph["ttft"].items()}
-    for base in ("vllm", "hpkv"):
+    for base in ("vllm", "hpkv", "sglang-hpkv"):
         b = runs.get(base, {}).get("users")
         if not b:
             continue
         for name, r in runs.items():
+            if name.startswith("sglang") != base.startswith("sglang"):
+                continue  # another engine
             for n, u in (r.get("users") or {}).items():
                 if n in b and name != base:
                     u[f"vs_{base}"] = {
@@ -864,7 +1221,10 @@ def print_report(doc: dict[str, Any]) -> None:
                 else:
                     cells.append("n/a (no persistent tier)" if p == "storage_hit" else "-")
             print(f"{PHASE_LABELS[p]:38}" + "".join(f"{c:>30}" for c in cells))
-        print("  prompt tokens by source (vLLM's count: prefix cache / connector / computed), per phase:")
+        print(
+            "  prompt tokens by source (vLLM's count: prefix cache / connector / computed; SGLang's: device / "
+            "host + storage / computed), per phase:"
+        )
         for name, r in runs.items():
             ph = r.get("phases") or {}
             cells = [
@@ -881,22 +1241,28 @@ def print_report(doc: dict[str, Any]) -> None:
         print(
             f"{'system':28} {'N':>2} {'req/s':>7} {'prompt tok/s':>12} {'TTFT p50':>9} {'p99':>7} "
             f"{'max gap p50/max ms':>19} {'prefix/conn/comp tokens':>24} {'preempt':>7} {'conn tiers':>22} "
-            f"{'cache CPU-s/req':>15}"
-            f" {'req/s vs vLLM':>13}"
+            f"{'cache CPU-s/req':>15} {'all CPU-s/req':>13} {'stored MiB':>10}"
+            f" {'req/s vs ref':>12}"
         )
         for name, r in runs.items():
             for n, u in (r.get("users") or {}).items():
                 s = u["sources"]
                 tiers = ",".join(f"{k} {v}" for k, v in u["tiers"].items()) or "-"
-                vs = u.get("vs_vllm", {}).get("requests_per_s")
+                vs = u.get(f"vs_{REFERENCE.get(name)}", {}).get("requests_per_s")
                 print(
                     f"{LABELS[name]:28} {n:>2} {u['requests_per_s']:>7.3f} {u['prompt_tokens_per_s']:>12.0f} "
                     f"{u['ttft_p50_s']:>8.3f}s {u['ttft_p99_s']:>6.3f}s "
                     f"{u['max_gap_ms_p50']:>9.0f}/{u['max_gap_ms_max']:<9.0f} "
                     f"{s['local_cache_hit']:>8}/{s['external_kv_transfer']}/{s['local_compute']:<8} "
                     f"{s.get('preemptions', '-'):>7} {tiers:>22} "
-                    f"{u['cache_cpu_s_per_request']:>15.3f} {f'{vs:.2f}x' if vs else '-':>13}"
+                    f"{u['cache_cpu_s_per_request']:>15.3f} {u.get('total_cpu_s_per_request', 0):>13.3f} "
+                    f"{u.get('storage_bytes_written', 0) / (1 << 20):>10.1f} {f'{vs:.2f}x' if vs else '-':>12}"
                 )
+        print(
+            "  ref: vLLM alone for vLLM's systems, SGLang + hpkv for SGLang's; cache CPU-s: the cache server's "
+            "processes (none for HiCache + file: its I/O runs in SGLang's scheduler threads), all CPU-s: the "
+            "engine's and the cache server's process trees together"
+        )
     print(
         "load average (1 min) at each system's start and end: "
         + "; ".join(
@@ -955,6 +1321,11 @@ def run(args: argparse.Namespace) -> int:
         skipped["lmcache"] = why
         names.remove("lmcache")
         _log(f"skipping LMCache: {why}")
+    if why := sglang_missing():
+        for name in [n for n in names if n.startswith("sglang")]:
+            skipped[name] = why
+            names.remove(name)
+            _log(f"skipping {name}: {why}")
     model = args.model or generate_model(**SHAPES[args.shape])
     work = tempfile.mkdtemp(prefix="hpkv-bench-peers-", dir=args.dir)
     budget = Budget(model, work, args.dram_mib << 20, args.engine_cache_tokens)
@@ -985,9 +1356,9 @@ def run(args: argparse.Namespace) -> int:
             try:
                 doc["systems"][name] = run_system(name, budget, args, ns)
             except (RuntimeError, OSError) as exc:
-                if name == "lmcache":  # a peer that fails is reported, the others still run
+                if name not in ("vllm", "hpkv", "sglang-hpkv"):  # a failed peer is reported, not fatal
                     skipped[name] = f"failed: {exc}"[:2000]
-                    _log(f"LMCache failed: {exc}")
+                    _log(f"{name} failed: {exc}")
                     continue
                 raise
     finally:
