@@ -87,7 +87,8 @@ class Engine:
         """A step's load of ``keys`` (``offsets``: the scheduler's pins, ROW_MISSING where only
         storage has a block); returns the worker's stats of it, as vLLM hands them over."""
         lost: list[BaseException] = []
-        op = LoadOp("r1", keys, list(range(len(keys))), offsets)
+        # into blocks 1.. (block 0 is vLLM's null block, which a load refuses)
+        op = LoadOp("r1", keys, list(range(1, len(keys) + 1)), offsets)
         self.worker.load(self.c, self.ns_id, [op], lost.append)
         assert lost == [] and self.worker.take_load_errors() == set()
         stats = self.worker.take_stats()
