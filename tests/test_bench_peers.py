@@ -390,8 +390,12 @@ def test_vllm_offloading_connector_harness_hits_its_cpu_tier_then_its_files(tiny
         s.ttft(prompt)
         got.append(peers.diff(s.sources(), before))
 
+    import glob
+
+    regions_before = set(glob.glob(peers.VLLM_OFFLOAD_REGIONS))
     try:
         s.start()
+        assert set(glob.glob(peers.VLLM_OFFLOAD_REGIONS)) - regions_before, "the CPU tier's shared region"
         s.ttft(prompt)
         time.sleep(1.0)  # the store is submitted in the step after the prefill
         s.ttft("Z " * 8)  # one more step, which submits it
@@ -403,6 +407,7 @@ def test_vllm_offloading_connector_harness_hits_its_cpu_tier_then_its_files(tiny
         hit()
     finally:
         s.stop()
+    assert set(glob.glob(peers.VLLM_OFFLOAD_REGIONS)) <= regions_before, "its shared region left in /dev/shm"
     assert stored >= 1024 * 4096, "vLLM's fs tier wrote the prompt (4 KiB of KV a token)"
     for g in got:
         assert g["external_kv_transfer"] >= 1024 - 128, got

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import json
 import os
 import random
@@ -81,6 +82,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+#: vLLM's tiering spec maps its CPU tier from here (``SharedOffloadRegion``: one per engine)
+VLLM_OFFLOAD_REGIONS = "/dev/shm/vllm_offload_*.mmap"
 SYSTEMS = ("vllm", "hpkv", "lmcache", "vllm-offload", "vllm-tiering", "sglang-file", "sglang-hpkv")
 LABELS = {
     "vllm": "vLLM alone (recompute)",
@@ -829,6 +832,7 @@ class OffloadSystem(System):
 
     def __init__(self, budget: Budget, fs: bool = False) -> None:
         super().__init__(budget)
+        self._regions_before: set[str] = set()
         self.fs = fs
         self.persistent = fs
         self.name = "vllm-tiering" if fs else "vllm-offload"
@@ -845,8 +849,16 @@ class OffloadSystem(System):
         return ["--kv-transfer-config", json.dumps(cfg)]
 
     def start_cache(self) -> None:
+        self._regions_before = set(glob.glob(VLLM_OFFLOAD_REGIONS))
         if self.storage:
             os.makedirs(self.storage, exist_ok=True)
+
+    def stop_cache(self) -> None:
+        # vLLM's shared offload region is unlinked by its worker's shutdown, which an engine
+        # stopped by a signal does not always reach: remove the ones this engine made.
+        for path in set(glob.glob(VLLM_OFFLOAD_REGIONS)) - self._regions_before:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 class SglangSystem(System):
