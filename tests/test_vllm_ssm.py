@@ -27,11 +27,11 @@ from test_vllm_connector import (
     reset,
     wait_for_files,
 )
-from test_vllm_hybrid import KTC, SSM_CAPACITY_WITHOUT_HPKV, kv_cache_size
+from test_vllm_hybrid import KTC, SSM_CAPACITY_WITHOUT_HPKV, committed, kv_cache_size
 
 from hpkv.testing.model import generate_model
 from hpkv.testing.server import engine_env
-from hpkv.testing.vllm_server import VllmServer, hpkv_status
+from hpkv.testing.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -63,13 +63,6 @@ def server(hpkv_env):
         yield srv
     finally:
         srv.stop()
-
-
-def committed(env) -> int:
-    """Blocks hpkv's server took in so far (each saved key once)."""
-    status = hpkv_status(env)
-    assert status is not None, "no hpkv server is running"
-    return sum(ns["commits"] for ns in status["namespaces"])
 
 
 def test_vllm_keeps_its_hybrid_kv_cache_manager_and_its_capacity(server):
