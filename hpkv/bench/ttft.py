@@ -794,7 +794,7 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
         """``repeat``: each prompt is sent again right after its hit (a GPU hit, timed in
         ``<name>_repeat`` and left out of the phase's CPU). ``node_env``/``meter``: a --remote
         node's hpkv and its CPU meter."""
-        before = hpkv_loads(node_env)
+        before = hpkv_loads(node_env, remote=True)
         log(f"phase {name}: {len(letters)} request(s) of {args.tokens} tokens")
         meter.start(name, srv.pid)
         repeats: list[float] = []
@@ -811,8 +811,8 @@ def run_orchestrated(args: argparse.Namespace) -> dict[str, Any]:
         times.update({f"{name}_repeat": repeats} if repeats else {})
         meter.stop(name, srv.pid)
         cpu.per_request.update(meter.per_request)
-        after = hpkv_loads(node_env)
-        served[name] = {t: after[t] - before[t] for t in ("dram", "storage")}
+        after = hpkv_loads(node_env, remote=True)
+        served[name] = {t: after[t] - before[t] for t in ("dram", "storage", "remote")}
         log(f"phase {name}: mean TTFT {statistics.mean(times[name]):.3f}s; hpkv served {served[name]}")
 
     def one_phase_server(name: str, tag: str, **kw: bool) -> None:
@@ -1005,7 +1005,6 @@ def remote_phases(
                 )
             finally:
                 srv.stop()
-            served["remote_hit"]["remote"] = served["remote_hit"]["storage"]
             results["remote_counters"] = (hpkv_status(env_b) or {}).get("storage", {}).get("remote")
             shard = round((results.get("block_tokens") or 16) * results.get("loaded_bytes_per_token", bpt))
             obj = file_size(shard)  # an object is a block's KV file image: header page + payload
