@@ -171,11 +171,7 @@ class Node:
         env = private_env(
             pool_size="64m",
             storage=storage,
-            HPKV_REMOTE_BACKEND="mooncake",
-            HPKV_REMOTE_MASTER=m.rpc,
-            HPKV_REMOTE_METADATA=m.metadata,
-            HPKV_REMOTE_LOCAL_HOSTNAME=ns.addr,
-            HPKV_REMOTE_SEGMENT_SIZE=segment,
+            **mc.node_keys(m, ns.addr, segment),
             **extra,
         )
         self.net = ns  # the network namespace it runs in

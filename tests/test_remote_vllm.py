@@ -50,11 +50,7 @@ def node_env(ns: netns.Netns, m: mc.Master, segment: str) -> dict[str, str]:
         storage="",
         VLLM_HPKV_TOKEN_THRESHOLD=str(THRESHOLD),
         HPKV_LOG_LEVEL="INFO",
-        HPKV_REMOTE_BACKEND="mooncake",
-        HPKV_REMOTE_MASTER=m.rpc,
-        HPKV_REMOTE_METADATA=m.metadata,
-        HPKV_REMOTE_LOCAL_HOSTNAME=ns.addr,
-        HPKV_REMOTE_SEGMENT_SIZE=segment,
+        **mc.node_keys(m, ns.addr, segment),
     )
 
 

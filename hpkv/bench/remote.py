@@ -472,6 +472,7 @@ def _hpkv_phase(args: argparse.Namespace, a: Any, b: Any, m: Any) -> dict[str, A
     from hpkv.common.pool import PoolFile
     from hpkv.protocol import wire as P
     from hpkv.protocol.keys import block_keys, namespace_fingerprint
+    from hpkv.testing import mooncake as mc
     from hpkv.testing.server import ServerProcess, private_env
 
     shard, n = args.block_mib << 20, args.blocks
@@ -483,11 +484,7 @@ def _hpkv_phase(args: argparse.Namespace, a: Any, b: Any, m: Any) -> dict[str, A
             pool_size=pool,
             storage="",
             HPKV_LOG_LEVEL="INFO",
-            HPKV_REMOTE_BACKEND="mooncake",
-            HPKV_REMOTE_MASTER=m.rpc,
-            HPKV_REMOTE_METADATA=m.metadata,
-            HPKV_REMOTE_LOCAL_HOSTNAME=ns.addr,
-            HPKV_REMOTE_SEGMENT_SIZE=segment,
+            **mc.node_keys(m, ns.addr, segment),
             **extra,
         )
         return ServerProcess(env, prefix=ns.argv([]))

@@ -965,12 +965,8 @@ def remote_phases(
                 e = dict(env)
                 e.update(
                     HPKV_SHARE_MEM_FILE_PATH=f"{env['HPKV_SHARE_MEM_FILE_PATH']}-node-{tag}",
-                    HPKV_KV_STORAGE_PATH="",  # DRAM + remote (the remote tier replaces files)
-                    HPKV_REMOTE_BACKEND="mooncake",
-                    HPKV_REMOTE_MASTER=m.rpc,
-                    HPKV_REMOTE_METADATA=m.metadata,
-                    HPKV_REMOTE_LOCAL_HOSTNAME=ns.addr,
-                    HPKV_REMOTE_SEGMENT_SIZE=str(seg),
+                    HPKV_KV_STORAGE_PATH="",  # DRAM + remote: node B's hit comes from the store
+                    **mc.node_keys(m, ns.addr, str(seg)),
                 )
                 e.pop("HPKV_SERVER_IDLE_EXIT", None)
                 e["HPKV_CONFIG_FILE_PATH"] = os.path.join(work, f"config-node-{tag}.ini")  # removed with it

@@ -92,6 +92,18 @@ def master(ns: Netns, log_dir: Path, timeout: float = 30) -> Iterator[Master]:
         ns.stop(m.proc)
 
 
+def node_keys(m: Master, local_addr: str, segment: str) -> dict[str, str]:
+    """An hpkv node's configuration keys for the remote tier on ``m``: its Mooncake client at
+    ``local_addr``, contributing ``segment`` bytes ("0": a pure client)."""
+    return {
+        "HPKV_REMOTE_BACKEND": "mooncake",
+        "HPKV_REMOTE_MASTER": m.rpc,
+        "HPKV_REMOTE_METADATA": m.metadata,
+        "HPKV_REMOTE_LOCAL_HOSTNAME": local_addr,
+        "HPKV_REMOTE_SEGMENT_SIZE": segment,
+    }
+
+
 def restart(m: Master, timeout: float = 30) -> None:
     """Start the master again at the same addresses (after the test stopped or killed it); it
     starts empty (no HA: the old one's object list is gone). Its log goes on in the same file."""
