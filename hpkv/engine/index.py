@@ -212,7 +212,7 @@ class Index:
         return None
 
     def _has_files(self, key: bytes) -> bool:
-        return any(cat.owner(key) is not None for _, cat in self.below)
+        return self.below_owner(key) is not None
 
     def _present_below(self, key: bytes) -> None:
         """``key`` holds no slots: a hit of the first tier below that has it, or no hit."""

@@ -400,7 +400,11 @@ class HpkvHiCacheStorage(HiCacheStorage):
         # a sidecar is per rank also where the KV is replicated (SGLang backs Mamba state up on every rank)
         spec.update(pool=name, kv_namespace=self.fingerprint, tp=[self.config.tp_rank, self.config.tp_size])
         side = SidePool(
-            name, layout, int(host_pool.page_size), namespace_fingerprint(spec), f"{self.ns_name} {name}"[:60]
+            name,
+            layout,
+            int(host_pool.page_size),
+            namespace_fingerprint(spec),
+            f"{self.ns_name[: 59 - len(name)]} {name}",
         )
         self._side[name] = side
         if (client := self._conn.client) is not None:
