@@ -7,10 +7,14 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
 from test_storage import Writer
 
 from hpkv.client import connect
 from hpkv.engine.storage.catalog import VERIFY_TTL_S
+from hpkv.engine.storage.journal import Adds, JournalWriter
+from hpkv.io_workers import kvfile
+from hpkv.io_workers.tree import StorageTree
 from hpkv.protocol.wire import Tier
 from hpkv.testing.server import private_env, running
 
@@ -69,4 +73,36 @@ def test_each_key_is_answered_from_the_files_and_after_a_restart(tmp_path):
             assert time.monotonic() < deadline, "still unconfirmed after 30 s"
             time.sleep(0.05)
         assert p == (3, [t and S for t in want], False)
+        c.close()
+
+
+def test_each_key_is_answered_while_the_journals_are_still_read(tmp_path):
+    """Right after a restart the server is still reading the journals: a key past the leading
+    prefix that the catalog has not reached yet may be on storage, so it is stat-ed as the
+    prefix's keys are, never answered as a confirmed miss (a sliding-window model would
+    recompute what is on disk). Another node's long journal, older than this node's, is read
+    first, so this node's blocks are learned last."""
+    n = 40
+    absent = {3, 20}
+    with running(private_env(pool_size="64m", storage=str(tmp_path))) as srv:
+        w = Writer(srv, shard=4096)
+        keys = w.keys(range(n))
+        stored = [k for i, k in enumerate(keys) if i not in absent]
+        w.put(stored)
+        w.wait_spilled(len(stored))
+        w.close()
+    others = np.random.default_rng(7).bytes(16 * 400_000)  # blocks of a node that shares the directory
+    tree = StorageTree.open(str(tmp_path))
+    journal = JournalWriter(tree, w.fp, "other-node")
+    journal.append([journal.apply_adds(Adds(1, 1, others, kvfile.file_size(4096)))])
+    with running(private_env(pool_size="64m", storage=str(tmp_path))) as srv:
+        c = connect(srv.cfg, spawn=False, call_timeout=30.0)
+        ns = c.attach_namespace(w.fp, 1, 4096, name="storage-test")
+        p = c.probe_each(ns.ns_id, keys)  # the journals take about a second to read here
+        deadline = time.monotonic() + 30
+        while p.unconfirmed:
+            assert time.monotonic() < deadline, "still unconfirmed after 30 s"
+            time.sleep(0.05)
+            p = c.probe_each(ns.ns_id, keys)
+        assert p == (3, [0 if i in absent else S for i in range(n)], False)
         c.close()

@@ -299,6 +299,9 @@ class RemoteTier:
         call.deadline = max(call.deadline, time.monotonic() + self.lookup_wait)
         return Presence(hit, True)
 
+    def discover(self, ns: Namespace, keys: list[bytes], call: ParkedLookup | None = None) -> bool:
+        return False  # nothing to learn at attach: presence is asked of the store per lookup
+
     def holds(self, ns: Namespace, key: bytes) -> bool:
         return key in self._promoting or self.catalog.owner(key) is ns
 

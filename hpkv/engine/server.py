@@ -639,8 +639,9 @@ class Server(OperatorCalls):
         pool and the tiers know them, each run of them from a storage hit checked by the tiers
         as a prefix (files deleted from outside are no hits). Unknown keys past the leading
         prefix are not looked for on the medium: a sliding-window model's missing blocks are
-        the rule there, and a stat of each would cost every lookup. All runs' checks start
-        before the call parks, once."""
+        the rule there, and a stat of each would cost every lookup; only while a tier is still
+        learning what it holds (its journals read after a restart) are they checked too
+        (:meth:`TierList.discover`). All runs' checks start before the call parks, once."""
         idx = self.index
         out = c.mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + n]
         idx.present.each(ns.ns_id, c.mbox[: n * KEY_BYTES], n, out)
@@ -677,6 +678,12 @@ class Server(OperatorCalls):
                 if hit < end - start:
                     out[start + hit] = Tier.MISS
                 pos = start + hit + 1
+            nowhere = [keys[i] for i in np.flatnonzero(out == Tier.MISS)]
+            if nowhere and self.tiers.discover(ns, nowhere, call):
+                if call is not None:
+                    parked = True
+                else:
+                    unconfirmed = True
         if parked:
             return None
         present = out[out != Tier.MISS]

@@ -159,6 +159,14 @@ class LowerTier(Protocol):
         ``call`` it says ``pending`` when the key after its prefix is still being checked."""
         ...
 
+    def discover(self, ns: Namespace, keys: list[bytes], call: ParkedLookup | None = None) -> bool:
+        """Keys a FLAG_EACH lookup found nowhere past its leading prefix: while the tier is
+        still learning what it holds of ``ns`` (after a restart), check them as
+        :meth:`lookup` checks unknown keys after the prefix. True while a check is
+        outstanding (``call`` parked on it as :meth:`lookup` parks it); False at once when the
+        tier knows all it holds."""
+        ...
+
     def promote(
         self, client: Client, seq: int, ns: Namespace, keys: list[bytes], timeout: float
     ) -> np.ndarray | None:
@@ -275,6 +283,16 @@ class TierList:
                 self._lookups.append(call)
             return Presence(hit, True)
         return Presence(hit, False)
+
+    def discover(self, ns: Namespace, keys: list[bytes], call: ParkedLookup | None = None) -> bool:
+        """:meth:`LowerTier.discover` of every tier; a pending one parks ``call`` as
+        :meth:`lookup` does."""
+        pending = False
+        for t in self.tiers:
+            pending |= t.discover(ns, keys, call)
+        if pending and call is not None and not any(c is call for c in self._lookups):
+            self._lookups.append(call)
+        return pending
 
     def _route(self, ns: Namespace, key: bytes) -> int:
         """The tier a promote of ``key`` goes to: the one that holds it, else the first (a DRAM

@@ -315,17 +315,8 @@ class FileTier:
         if not verify and not extend:
             return Presence(hit)
         if call is not None:
-            batches = self._check(ns, verify, extend)
-            if batches:
-                for b in batches:
-                    waiting = self._waiters.setdefault(id(b), [])
-                    if len(waiting) >= MAX_WAITERS:  # a stuck batch: drop the calls answered already
-                        waiting[:] = [c for c in waiting if not c.done]
-                    waiting.append(call)
-                call.outstanding += len(batches)
-                call.deadline = max(call.deadline, now + self.lookup_wait)
+            if self._park_on_checks(ns, verify, extend, call, now):
                 return Presence(hit, True)
-            self.g[G.STORAGE_STAT_SATURATED] += 1
         else:
             self._check(ns, verify, extend)  # for the next lookup, if the threads have room
         # Answer now: a hit due for a check that is not done is a miss for this lookup.
@@ -338,6 +329,43 @@ class FileTier:
         if unconfirmed:
             self.g[G.STORAGE_LOOKUPS_BOUNDED] += 1
         return Presence(hit, unconfirmed)
+
+    def discover(self, ns: Namespace, keys: list[bytes], call: ParkedLookup | None = None) -> bool:
+        """Keys a FLAG_EACH lookup found nowhere past its leading prefix, while the namespace's
+        files are still being learned (its journals read or its directory scanned after a
+        restart): they may be files the catalog has not reached yet, so they are stat-ed as
+        the prefix's unknown keys are (at most MAX_STAT_KEYS a lookup). Once the namespace is
+        learned such keys are misses without a stat (the sliding-window rule). True while a
+        check of them is outstanding: ``call`` parked on it, or, without ``call``, the answer
+        is unconfirmed."""
+        if self.health.degraded or self.scanner.done.get(ns.ns_id, True):
+            return False
+        now = time.monotonic()
+        todo = [k for k in keys if self.catalog.unknown(k) and not self._known_missing(k)][:MAX_STAT_KEYS]
+        if not todo:
+            return False
+        if call is not None:
+            return self._park_on_checks(ns, [], todo, call, now)
+        self._check(ns, [], todo)
+        return any(k in self._checking for k in todo)
+
+    def _park_on_checks(
+        self, ns: Namespace, verify: list[bytes], extend: list[bytes], call: ParkedLookup, now: float
+    ) -> bool:
+        """Start (or join) the stats of these keys and park ``call`` on them, its deadline at
+        the lookup bound; False (counted) when the stat threads are saturated."""
+        batches = self._check(ns, verify, extend)
+        if not batches:
+            self.g[G.STORAGE_STAT_SATURATED] += 1
+            return False
+        for b in batches:
+            waiting = self._waiters.setdefault(id(b), [])
+            if len(waiting) >= MAX_WAITERS:  # a stuck batch: drop the calls answered already
+                waiting[:] = [c for c in waiting if not c.done]
+            waiting.append(call)
+        call.outstanding += len(batches)
+        call.deadline = max(call.deadline, now + self.lookup_wait)
+        return True
 
     def _cut_at_storage(self, tiers: list[int], hit: int) -> Presence:
         """While degraded: the prefix ends at its first storage block (counted), and nothing
