@@ -113,6 +113,22 @@ def wait_for_files(env, n: int, timeout: float = 60.0) -> None:
         time.sleep(0.1)
 
 
+def restart_engine_and_hpkv(srv: VllmServer, env: dict[str, str]) -> None:
+    """What an operator does between two runs: stop vLLM, stop hpkv (``hpkv stop`` writes
+    pending spills first), start vLLM again on the same port, its connector starting a new
+    hpkv server over the same storage. Only the files are left across it."""
+    pid = hpkv_status(env)["server"]["pid"]
+    srv.stop()
+    stop = subprocess.run(
+        [sys.executable, "-m", "hpkv", "stop"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert stop.returncode == 0, stop.stderr
+    assert f"server {pid} stopped" in stop.stdout and "NOT written" not in stop.stdout, stop.stdout
+    srv.start().wait_ready()
+    status = hpkv_status(env)
+    assert status is not None and status["server"]["pid"] != pid, "vLLM's connector started a new hpkv"
+
+
 def assert_same_up_to_noise(
     got: list[tuple[str, list]], expected: list[tuple[str, list]], tol: float = 0.25
 ) -> None:

@@ -14,7 +14,15 @@ import json
 import time
 
 import pytest
-from test_vllm_connector import assert_same_up_to_noise, complete, delta, letters, loaded, reset
+from test_vllm_connector import (
+    assert_same_up_to_noise,
+    complete,
+    delta,
+    letters,
+    loaded,
+    reset,
+    restart_engine_and_hpkv,
+)
 from test_vllm_hybrid import KTC, kv_cache_size
 
 from hpkv.testing.model import generate_model
@@ -90,3 +98,24 @@ def test_gpu_dram_and_storage_hits_give_the_cold_runs_output_and_logprobs(server
     storage_text, storage_lp = complete(server, prompt)
     assert delta(before, loaded(hpkv_env)) == {"dram": 0, "storage": got["dram"]}
     assert (storage_text, storage_lp) == (gpu_text, gpu_lp)
+
+
+def test_storage_hits_after_restarting_vllm_and_hpkv_give_the_gpu_hits_output_and_logprobs(server, hpkv_env):
+    """Hits inside and beyond the window from the files alone, after vLLM and hpkv were
+    stopped and started again; each loads what its DRAM hit loaded before the restart."""
+    prompts = [letters(blocks * BLOCK + 8, seed=500 + blocks) for blocks in (6, 2)]
+    gpu, keys = {}, {}
+    for prompt in prompts:
+        complete(server, prompt)  # cold: hpkv saves what a hit needs
+        gpu[prompt] = complete(server, prompt)  # vLLM's own prefix cache
+        reset(server)
+        before = loaded(hpkv_env)
+        assert complete(server, prompt) == gpu[prompt]  # a DRAM hit: what a hit loads
+        keys[prompt] = delta(before, loaded(hpkv_env))["dram"]
+    settled_storage(hpkv_env)
+    restart_engine_and_hpkv(server, hpkv_env)
+    for prompt in prompts:
+        before = loaded(hpkv_env)
+        got = complete(server, prompt)
+        assert delta(before, loaded(hpkv_env)) == {"dram": 0, "storage": keys[prompt]}
+        assert got == gpu[prompt], "same KV bytes, same computation, a new engine: identical logprobs"

@@ -27,6 +27,7 @@ from test_vllm_connector import (
     loaded,
     newest_kv_files,
     reset,
+    restart_engine_and_hpkv,
     wait_for_files,
 )
 
@@ -230,3 +231,21 @@ def test_prompts_that_share_a_prefix_hit_it_from_the_second_that_parts_there_on(
     # a prefill of the last 2 blocks after a loaded prefix is not the cold computation of all
     # of them: bf16 rounding differs, the logprobs agree within noise
     assert_same_up_to_noise([(hit_text, hit_lp)], [(cold_text, cold_lp)])
+
+
+def test_storage_hits_after_restarting_vllm_and_hpkv_give_the_gpu_hits_output_and_logprobs(server, hpkv_env):
+    """Hits inside and beyond the window from the files alone: vLLM and hpkv stopped and
+    started again (a new hpkv server learns the files from its journals)."""
+    prompts = {blocks: letters(blocks * BLOCK + 8, seed=300 + blocks) for blocks in (6, 2)}
+    files = kv_files(hpkv_env)
+    gpu = {}
+    for prompt in prompts.values():
+        complete(server, prompt)  # cold: hpkv saves what a hit needs
+        gpu[prompt] = complete(server, prompt)  # vLLM's own prefix cache
+    wait_for_files(hpkv_env, files + sum(stored_keys(b) for b in prompts))
+    restart_engine_and_hpkv(server, hpkv_env)
+    for blocks, prompt in prompts.items():
+        before = loaded(hpkv_env)
+        got = complete(server, prompt)
+        assert delta(before, loaded(hpkv_env)) == {"dram": 0, "storage": loaded_keys(blocks)}, blocks
+        assert got == gpu[prompt], "same KV bytes, same computation, a new engine: identical logprobs"

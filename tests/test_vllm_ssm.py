@@ -25,6 +25,7 @@ from test_vllm_connector import (
     letters,
     loaded,
     reset,
+    restart_engine_and_hpkv,
     wait_for_files,
 )
 from test_vllm_hybrid import KTC, SSM_CAPACITY_WITHOUT_HPKV, committed, kv_cache_size
@@ -127,3 +128,20 @@ def test_the_next_turn_of_a_conversation_hits_the_whole_previous_prompt(server, 
     # the blocks after the loaded prefix are computed from the loaded state, not in the cold
     # prefill's one pass: bf16 rounding differs, the logprobs agree within noise
     assert_same_up_to_noise([(hit_text, hit_lp)], [(cold_text, cold_lp)])
+
+
+def test_a_storage_hit_after_restarting_vllm_and_hpkv_restores_the_state(server, hpkv_env):
+    """The attention blocks and the states from the files alone, after vLLM and hpkv were
+    stopped and started again: the GPU hit's output and logprobs."""
+    blocks = 2
+    prompt = letters(blocks * BLOCK + 8, seed=700)
+    files = kv_files(hpkv_env)
+    complete(server, prompt)  # cold: hpkv saves the KV and the states
+    gpu = complete(server, prompt)  # vLLM's own prefix cache
+    stored = blocks + STATE_GROUPS
+    wait_for_files(hpkv_env, files + stored)
+    restart_engine_and_hpkv(server, hpkv_env)
+    before = loaded(hpkv_env)
+    got = complete(server, prompt)
+    assert delta(before, loaded(hpkv_env)) == {"dram": 0, "storage": stored * BLOCK}
+    assert got == gpu, "same KV and state bytes, same computation, a new engine: identical logprobs"
