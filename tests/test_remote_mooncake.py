@@ -167,9 +167,17 @@ class Node:
     """An hpkv server inside a namespace with the remote tier on, and a client of it that
     writes random blocks into its pool (the client runs here: a unix socket and /dev/shm)."""
 
-    def __init__(self, ns: netns.Netns, m: mc.Master, segment: str, storage: str = "", **extra: str):
+    def __init__(
+        self,
+        ns: netns.Netns,
+        m: mc.Master,
+        segment: str,
+        storage: str = "",
+        pool_size: str = "64m",
+        **extra: str,
+    ):
         env = private_env(
-            pool_size="64m",
+            pool_size=pool_size,
             storage=storage,
             **mc.node_keys(m, ns.addr, segment),
             **extra,
@@ -317,6 +325,60 @@ def test_with_files_and_the_store_a_node_hits_another_nodes_blocks_and_its_own_f
         rows = na.c.promote(na.ns.ns_id, theirs)
         assert [na.pool.array[r[0] : r[0] + SHARD].tobytes() for r in rows] == [data[k] for k in theirs]
         assert na.remote()["loaded"] == 0, "nothing read from the store where the files have it"
+
+
+@pytest.mark.parametrize("order", ["files,remote", "remote,files"])
+def test_a_block_in_the_files_and_the_store_is_read_from_the_first_tier_of_the_order(
+    tmp_path: Path, order: str
+) -> None:
+    """HPKV_TIER_ORDER: a block held by both tiers below the pool is a hit of the first one in
+    the order, and its promote reads that tier (the per-tier counters say which)."""
+    _require()
+    first = P.Tier.STORAGE if order == "files,remote" else P.Tier.REMOTE
+    (tmp_path / "files").mkdir(mode=0o700)
+    with netns.namespaces(1) as (a,), mc.master(a, tmp_path) as m:
+        n = Node(a, m, segment="128m", storage=str(tmp_path / "files"), HPKV_TIER_ORDER=order)
+        try:
+            keys = block_keys(FP, [f"o{i}".encode() for i in range(2)])
+            data = n.put(keys)
+            n.wait_remote(lambda r: r["published"] == 2, "2 blocks published")
+            deadline = time.monotonic() + 30
+            while n.c.stats()["storage"]["spills"] < 2:
+                assert time.monotonic() < deadline, n.srv.log()[-3000:]
+                time.sleep(0.05)
+            assert n.c.evict("remote-test", tier="dram")["dram"]["blocks"] == 2
+            wait_lookup(n, keys, (2, [first] * 2))  # in both tiers: a hit of the first
+            rows = n.c.promote(n.ns.ns_id, keys)
+            for k, row in zip(keys, rows, strict=True):
+                assert row[0] >= 0, f"block {k.hex()} not loaded: {n.remote()}\n{n.srv.log()[-3000:]}"
+                assert n.pool.array[row[0] : row[0] + SHARD].tobytes() == data[k], "byte-exact"
+            st = n.c.stats()
+            (row,) = [ns for ns in st["namespaces"] if ns["name"] == "remote-test"]
+            if first == P.Tier.REMOTE:
+                assert row["loads_remote"] == 2 and row["loads_storage"] == 0 and row["hits_remote"] >= 2, row
+                assert st["storage"]["promotes"] == 0 and n.remote()["loaded"] == 2
+            else:
+                assert row["loads_storage"] == 2 and row["loads_remote"] == 0 and row["hits_storage"] >= 2, (
+                    row
+                )
+                assert st["storage"]["promotes"] >= 2 and n.remote()["loaded"] == 0
+            assert st["storage"]["path"] == str(tmp_path / "files"), "the files' path, whatever the order"
+        finally:
+            n.close()
+
+
+def test_a_tier_order_naming_a_tier_that_is_off_leaves_it_out_and_says_so_once(tmp_path: Path) -> None:
+    (tmp_path / "files").mkdir(mode=0o700)
+    env = private_env(storage=str(tmp_path / "files"), HPKV_TIER_ORDER="remote,files")
+    srv = ServerProcess(env).start()
+    try:
+        c = connect(srv.cfg, spawn=False, call_timeout=30.0)
+        ns = c.attach_namespace(FP, 1, SHARD, name="remote-test")
+        assert c.lookup(ns.ns_id, block_keys(FP, [b"x"])) == (0, [])
+        c.close()
+        assert srv.log().count("HPKV_TIER_ORDER=remote,files: remote is off on this node, left out") == 1
+    finally:
+        srv.cleanup()
 
 
 _UPSERT = """import ctypes, mmap, sys

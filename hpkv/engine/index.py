@@ -27,8 +27,9 @@ Files. Which keys have a copy below the pool is known by the catalogs of the tie
 slots, pins, reservations. A key with a copy below and no slots ("stored") is no block of
 the index: it is a catalog's entry, which the catalog makes visible to lookups through
 :meth:`Index.files_added` and :meth:`Index.files_gone`, with the wire tier of the first
-catalog that has it (files before the remote store; the key table answers lookups for all
-tiers at C speed). A PROMOTING block is a block whose slots a tier below is filling.
+catalog that has it (in HPKV_TIER_ORDER: files before the remote store by default; the key
+table answers lookups for all tiers at C speed). A PROMOTING block is a block whose slots a
+tier below is filling.
 
 Ownership. A reservation belongs to the client that made it (``owner``); a pin
 belongs to the client that pinned it (``pins_by_owner``), counted only when a block
@@ -150,6 +151,7 @@ class Index:
         memory: PoolMemory | None = None,
         fence_bump: Callable[[int], bool] | None = None,
         eviction: str = "lru",
+        below_order: Sequence[int] = (Tier.STORAGE, Tier.REMOTE),
     ):
         self.alloc = PoolAllocator(pool_capacity)
         self.memory = memory  # None: every byte of the pool exists (tests)
@@ -159,8 +161,10 @@ class Index:
         self.fenced: list[tuple[int, int]] = []  # (offset, size) freed, not yet back in the allocator
         self.torn_commits = 0  # blocks committed while a save into them still ran (dropped)
         self.storage_enabled = storage_enabled
-        # (wire tier, catalog) of the tiers below, in tier order: each catalog adds itself
+        # (wire tier, catalog) of the tiers below, in tier order (``below_order``: HPKV_TIER_ORDER's
+        # wire tiers, files then the remote store by default): each catalog adds itself
         self.below: list[tuple[int, FileOwner]] = []
+        self._below_rank = {int(t): i for i, t in enumerate(below_order)}
         self.blocks: dict[bytes, Block] = {}  # key -> block holding slots; the key belongs to block.ns
         # key -> (ns id, Tier) of every key a lookup can hit (READY: DRAM; a copy below only, or
         # PROMOTING: the first tier below that has it, storage or remote). Kept beside
@@ -198,10 +202,10 @@ class Index:
 
     def add_below(self, catalog: FileOwner, tier: int) -> None:
         """A tier below the pool knows its keys through ``catalog``; its stored keys are hits of
-        wire tier ``tier`` where no catalog of a lower tier number has them."""
+        wire tier ``tier`` where no catalog of a tier before it (in ``below_order``) has them."""
         self.below = [(t, c) for t, c in self.below if t != tier]  # a new catalog replaces its tier's
         self.below.append((tier, catalog))
-        self.below.sort(key=lambda tc: tc[0])
+        self.below.sort(key=lambda tc: (self._below_rank.get(tc[0], len(self._below_rank)), tc[0]))
 
     def below_owner(self, key: bytes) -> tuple[int, Namespace] | None:
         """(wire tier, namespace) of the first tier below the pool that has ``key``."""
