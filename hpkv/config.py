@@ -623,6 +623,16 @@ KEYS: dict[str, Key] = {
             "seconds; the first that the store answers marks it up again",
         ),
         Key(
+            "HPKV_REMOTE_WRITE_POLICY",
+            "commit",
+            _choice_parser("commit", "evict"),
+            "commit or evict",
+            "when a block is published to the remote store: `commit`, as soon as it is committed "
+            "(write-through); `evict`, when the DRAM pool evicts it (its slots wait for the put, at most a "
+            "quarter of the pool at once; beyond that, or while the store is down, the block is evicted "
+            "unpublished, counted as dropped). A block the store holds already is not published again",
+        ),
+        Key(
             "HPKV_TIER_ORDER",
             "files,remote",
             parse_tier_order,

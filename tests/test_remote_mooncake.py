@@ -217,15 +217,16 @@ class Node:
 
 
 @contextlib.contextmanager
-def two_nodes(tmp_path: Path, files: bool = False) -> Iterator[tuple[Node, Node, mc.Master]]:
+def two_nodes(tmp_path: Path, files: bool = False, **a_keys: str) -> Iterator[tuple[Node, Node, mc.Master]]:
     """Two hpkv "nodes" in two network namespaces joined by a veth, one Mooncake master in the
     first: node A contributes a segment (holds the objects), node B none (a pure client).
-    ``files``: each node has a storage directory of its own too (DRAM -> files -> remote)."""
+    ``files``: each node has a storage directory of its own too (DRAM -> files -> remote).
+    ``a_keys``: node A's :class:`Node` keywords (its pool size, configuration keys)."""
     with netns.namespaces(2, veth=True) as (a, b), mc.master(a, tmp_path) as m:
         if files:
             (tmp_path / "a").mkdir(mode=0o700)
             (tmp_path / "b").mkdir(mode=0o700)
-        na = Node(a, m, segment="128m", storage=str(tmp_path / "a") if files else "")
+        na = Node(a, m, segment="128m", storage=str(tmp_path / "a") if files else "", **a_keys)
         try:
             nb = Node(
                 b,
@@ -379,6 +380,37 @@ def test_a_tier_order_naming_a_tier_that_is_off_leaves_it_out_and_says_so_once(t
         assert srv.log().count("HPKV_TIER_ORDER=remote,files: remote is off on this node, left out") == 1
     finally:
         srv.cleanup()
+
+
+def test_with_the_evict_write_policy_a_block_is_published_when_the_pool_evicts_it(tmp_path: Path) -> None:
+    """HPKV_REMOTE_WRITE_POLICY=evict: a committed block is not in the store; once node A's pool
+    evicts it, it is (published before its slots were reused), a byte-exact hit on node B, and
+    it is never published twice."""
+    _require()
+    with two_nodes(tmp_path, pool_size="4m", HPKV_REMOTE_WRITE_POLICY="evict") as (na, nb, m):
+        first = block_keys(FP, [f"e{i}".encode() for i in range(4)])
+        data = na.put(first)
+        # B asks the store (waiting up to 5 s for its answer): not there
+        assert nb.c.lookup(nb.ns.ns_id, first) == (0, [])
+        assert nb.remote()["missed"] >= 1, "the store answered B's question"
+        assert na.remote()["published"] == 0 and na.c.lookup(na.ns.ns_id, first) == (4, [P.Tier.DRAM] * 4)
+        # A commits more than its pool holds: the oldest blocks (``first``) are the first victims
+        filler = block_keys(FP, [f"f{i}".encode() for i in range(120)])
+        for i in range(0, len(filler), 4):
+            na.put(filler[i : i + 4])
+        r = na.wait_remote(lambda r: r["published"] >= 4, "the evicted blocks published")
+        (row,) = [ns for ns in na.c.stats()["namespaces"] if ns["name"] == "remote-test"]
+        assert row["evictions"] > 0
+        # evicted from A's DRAM by now (120 blocks through a pool of ~40), and in the store
+        wait_lookup(na, first, (4, [P.Tier.REMOTE] * 4))
+        wait_lookup(nb, first, (4, [P.Tier.REMOTE] * 4))
+        rows = nb.c.promote(nb.ns.ns_id, first)
+        for k, row in zip(first, rows, strict=True):
+            assert row[0] >= 0, f"block {k.hex()} not loaded: {nb.remote()}\n{nb.srv.log()[-3000:]}"
+            assert nb.pool.array[row[0] : row[0] + SHARD].tobytes() == data[k], "byte-exact"
+        r = na.remote()
+        assert r["existed"] == 0, "no block was put twice (one the store held is evicted unpublished)"
+        assert r["errors"] == 0 and r["published"] + r["dropped"] >= 4, r
 
 
 _UPSERT = """import ctypes, mmap, sys

@@ -175,6 +175,10 @@ class Index:
         # The evictable READY blocks, in the order HPKV_DRAM_EVICTION evicts them
         self.evictable: Lru[Block] | S3Fifo[Block] = make_policy(eviction)
         self._on_evict = on_evict
+        # A tier that copies a block when the pool evicts it (HPKV_REMOTE_WRITE_POLICY=evict):
+        # called with the victim, True when it started reading the victim's slots instead
+        # (the block stays until that ends, not evictable meanwhile; the next victim is taken).
+        self.before_evict: Callable[[Block], bool] | None = None
         self.pinned_bytes = 0
         self.reserved: dict[bytes, Block] = {}  # RESERVED blocks (retired ones too)
         # owner -> key -> [pins held, monotonic time of the latest]: who holds which pins
@@ -286,11 +290,16 @@ class Index:
         self._present_below(b.key)
 
     def _evict_one(self) -> bool:
-        b = self.evictable.victim()
-        if b is None:
-            return False
+        while True:
+            b = self.evictable.victim()
+            if b is None:
+                return False
+            assert self.blocks.get(b.key) is b and self._is_evictable(b), "eviction policy out of step"
+            if self.before_evict is None or not self.before_evict(b):
+                break
+            # copied below first: out of the policy's queue until that ends, never waited for
+            assert not self._is_evictable(b), "before_evict kept a block without starting IO on it"
         key = b.key
-        assert self.blocks.get(key) is b and self._is_evictable(b), "eviction policy out of step"
         c = b.ns.counters
         c[NsCounter.BLOCKS_DRAM] -= 1
         c[NsCounter.BYTES_DRAM] -= b.ns.slot_bytes * b.ns.world_size
