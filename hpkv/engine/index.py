@@ -45,7 +45,9 @@ A READY block is *evictable* when it is unpinned, no IO job is reading its slots
 (``no_spill``: spilling paused or failed) — a block is never dropped while its
 spill is in flight. Eviction takes the evictable block the policy
 (``HPKV_DRAM_EVICTION``, :mod:`hpkv.engine.eviction`: LRU by default, or S3-FIFO) puts first,
-across all namespaces.
+across all namespaces, unless :attr:`Index.before_evict` (the remote tier's publish on
+eviction) starts copying it below instead: it then stays until that copy ends (back in the
+policy's queue as a block with a copy below) and the next victim is taken, never waited for.
 """
 
 from __future__ import annotations
