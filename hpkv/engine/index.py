@@ -46,8 +46,9 @@ A READY block is *evictable* when it is unpinned, no IO job is reading its slots
 spill is in flight. Eviction takes the evictable block the policy
 (``HPKV_DRAM_EVICTION``, :mod:`hpkv.engine.eviction`: LRU by default, or S3-FIFO) puts first,
 across all namespaces, unless :attr:`Index.before_evict` (the remote tier's publish on
-eviction) starts copying it below instead: it then stays until that copy ends (back in the
-policy's queue as a block with a copy below) and the next victim is taken, never waited for.
+eviction) starts copying it below instead: it then stays until that copy ends (back at the
+head of the policy's queue, unless it was used meanwhile) and the next victim is taken, never
+waited for.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class Block:
         "retired",
         "used",
         "heat",
+        "kept",
     )
 
     def __init__(self, key: bytes, ns: Namespace, slots: list[int], owner: int):
@@ -136,6 +138,7 @@ class Block:
         self.retired = False  # RESERVED, released, waiting for its copies to end
         self.used = self.since  # when last committed, loaded or promoted (`hpkv evict --older-than`)
         self.heat = 0  # the eviction policy's state of the block (hpkv.engine.eviction)
+        self.kept = False  # a victim Index.before_evict kept: first to go once evictable again
 
     @property
     def in_dram(self) -> bool:
@@ -251,8 +254,13 @@ class Index:
         (committed, loaded, promoted)."""
         if touch:
             b.used = time.monotonic()
+            b.kept = False
         if self._is_evictable(b):
-            self.evictable.add(b, touch)
+            if b.kept:  # its copy below ended: it goes next, as it would have then
+                b.kept = False
+                self.evictable.add_first(b)
+            else:
+                self.evictable.add(b, touch)
         else:
             self.evictable.discard(b)
 
@@ -301,6 +309,7 @@ class Index:
                 break
             # copied below first: out of the policy's queue until that ends, never waited for
             assert not self._is_evictable(b), "before_evict kept a block without starting IO on it"
+            b.kept = True
         key = b.key
         c = b.ns.counters
         c[NsCounter.BLOCKS_DRAM] -= 1

@@ -17,10 +17,11 @@ this is the server's side of it, under the server's lock, and it never waits on 
   an object already in the store is not written again. With ``HPKV_REMOTE_WRITE_POLICY=evict``
   a committed block is not published then: it is evictable at once, and when the pool picks
   it as a victim (:attr:`Index.before_evict`) it is published instead of evicted (its slots
-  unevictable until the put ended, then evicted on a later round, the store holding it); the
+  unevictable until the put ended, then the next to go, the store holding it); the
   allocation takes the next victim meanwhile, never waiting. At most a quarter of the pool
-  waits for such puts (and :data:`MAX_QUEUED_SPILLS` blocks); beyond that, while the store is
-  down or when the put failed, the victim is evicted unpublished (counted in ``dropped``).
+  waits for such puts (and :data:`MAX_QUEUED_SPILLS` blocks); beyond that, or while the store
+  is down, the victim is evicted unpublished (counted in ``dropped``), and so is a victim
+  whose put failed (the failure counted in ``errors``) at its next turn.
 
 Which keys the store holds (as far as this node knows) is a
 :class:`~hpkv.engine.storage.catalog.FileCatalog` of its own (``Tier.REMOTE``), the index's
@@ -181,6 +182,7 @@ class RemoteTier:
         self.on_evict = cfg["HPKV_REMOTE_WRITE_POLICY"] == "evict"
         self._evicting = 0  # pool bytes of victims waiting for their publish
         self._evicting_limit = index.alloc.capacity // 4
+        self._put_failed: OrderedDict[bytes, None] = OrderedDict()  # victims whose publish failed
         if self.on_evict:
             index.before_evict = self._publish_victim
         self.worker: WorkerProcess | None = None
@@ -398,13 +400,14 @@ class RemoteTier:
     def _publish_victim(self, b: Block) -> bool:
         """:attr:`Index.before_evict` under HPKV_REMOTE_WRITE_POLICY=evict: publish the pool's
         victim ``b`` first (True: its slots stay until the put ended), unless the store holds
-        it already, or it is down, or the puts of victims are at their bound (counted as
-        dropped): then it is evicted now (False)."""
+        it already (evicted now: False), or, counted as dropped, its put failed before, the
+        store is down or the puts of victims are at their bound (evicted now, unpublished)."""
         if b.key in self.catalog:
             return False
         size = b.ns.slot_bytes * b.ns.world_size
         if (
-            self._is_down()
+            (self._put_failed and self._put_failed.pop(b.key, False) is None)  # tried once: no again
+            or self._is_down()
             or self._spills >= MAX_QUEUED_SPILLS
             or self._evicting + size > self._evicting_limit
             or b.ns.ns_id not in self._ns_raw
@@ -656,6 +659,10 @@ class RemoteTier:
         if op.status == 0:
             self.catalog.add(b.ns, b.key, recent=True)
         else:
+            if op.evicting:
+                self._put_failed[b.key] = None
+                while len(self._put_failed) > MAX_NEGATIVE:  # (blocks dropped otherwise meanwhile)
+                    self._put_failed.popitem(last=False)
             self.index.skip_spill(b)  # evictable without a copy below
 
     def _promote_done(self, op: _Op) -> None:
