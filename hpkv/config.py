@@ -195,6 +195,20 @@ def _choice_parser(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+TIER_NAMES = ("files", "remote")  # the tiers below the DRAM pool HPKV_TIER_ORDER orders
+
+
+def parse_tier_order(text: str) -> tuple[str, ...]:
+    """``files,remote`` or ``remote,files``: each tier below the pool named once, in order."""
+    names = tuple(n.strip().lower() for n in text.split(","))
+    if sorted(names) != sorted(TIER_NAMES):
+        raise ValueError(
+            f"{text!r} is not a tier order: name each of {', '.join(TIER_NAMES)} once, "
+            "comma-separated (files,remote or remote,files)"
+        )
+    return names
+
+
 MAX_GID = 0xFFFFFFFE  # (gid_t)-1 means "no change" to chown
 
 
@@ -536,8 +550,9 @@ KEYS: dict[str, Key] = {
             "a remote tier below the pool shared by several nodes: `mooncake` (Mooncake Store, the "
             "`mooncake` extra; needs HPKV_REMOTE_MASTER, HPKV_REMOTE_METADATA, "
             "HPKV_REMOTE_LOCAL_HOSTNAME). With HPKV_KV_STORAGE_PATH set too it is the tier below the "
-            "files (DRAM, then files, then the store); alone, the only tier below the pool. Mooncake "
-            "listens on every interface of the node: see the README's Mooncake section",
+            "files (DRAM, then files, then the store; HPKV_TIER_ORDER reverses it); alone, the only tier "
+            "below the pool. Mooncake listens on every interface of the node: see the README's Mooncake "
+            "section",
         ),
         Key(
             "HPKV_REMOTE_MASTER",
@@ -606,6 +621,25 @@ KEYS: dict[str, Key] = {
             "seconds, e.g. 2",
             "while the remote tier is down, one cheap probe (an exists of one key) every this many "
             "seconds; the first that the store answers marks it up again",
+        ),
+        Key(
+            "HPKV_REMOTE_WRITE_POLICY",
+            "commit",
+            _choice_parser("commit", "evict"),
+            "commit or evict",
+            "when a block is published to the remote store: `commit`, as soon as it is committed "
+            "(write-through); `evict`, when the DRAM pool evicts it (its slots wait for the put, at most a "
+            "quarter of the pool at once; beyond that, or while the store is down, the block is evicted "
+            "unpublished, counted as dropped). A block the store holds already is not published again",
+        ),
+        Key(
+            "HPKV_TIER_ORDER",
+            "files,remote",
+            parse_tier_order,
+            "files,remote or remote,files",
+            "the order of the tiers below the DRAM pool (DRAM is always first): a lookup asks them in "
+            "this order and a block held by both is read from the first. A tier that is off "
+            "(HPKV_KV_STORAGE_PATH empty, HPKV_REMOTE_BACKEND empty) is left out",
         ),
         Key(
             "HPKV_METRICS_PORT",

@@ -484,3 +484,16 @@ def test_the_token_threshold_takes_auto_and_names_the_form_when_wrong(tmp_path):
     )
     with pytest.raises(ConfigError, match=r"VLLM_HPKV_TOKEN_THRESHOLD.*'fast'.*an integer >= 0, or auto"):
         load_config(env={**env, "VLLM_HPKV_TOKEN_THRESHOLD": "fast"})
+
+
+def test_the_tier_order_names_each_tier_below_the_pool_once() -> None:
+    assert load_config({})["HPKV_TIER_ORDER"] == ("files", "remote")
+    assert load_config({"HPKV_TIER_ORDER": " Remote , files"})["HPKV_TIER_ORDER"] == ("remote", "files")
+    for bad in ("files", "files,files", "files,remote,dram", "disk,remote", ""):
+        with pytest.raises(ConfigError) as err:
+            load_config({"HPKV_TIER_ORDER": bad})
+        msg = str(err.value)
+        assert f"HPKV_TIER_ORDER={bad!r}" in msg and "files,remote or remote,files" in msg, msg
+    assert load_config({"HPKV_REMOTE_WRITE_POLICY": "evict"})["HPKV_REMOTE_WRITE_POLICY"] == "evict"
+    with pytest.raises(ConfigError, match=r"HPKV_REMOTE_WRITE_POLICY='lazy'.*not one of commit, evict"):
+        load_config({"HPKV_REMOTE_WRITE_POLICY": "lazy"})

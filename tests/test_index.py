@@ -266,3 +266,59 @@ def test_operator_pins_have_no_lease_count_once_per_key_and_stop_at_the_cap():
     assert ns.counters[NsCounter.BYTES_PINNED_OPERATOR] == 2 * SLOT
     assert idx.operator_unpin(ns, None) == (2, 2 * SLOT)
     assert ns.counters[NsCounter.BYTES_PINNED_OPERATOR] == 0 and idx.pinned_bytes == 0
+
+
+@pytest.mark.parametrize("eviction", ["lru", "s3fifo"])
+def test_a_victim_kept_for_a_copy_below_stays_and_the_allocation_takes_the_next_one(eviction):
+    """Index.before_evict (a publish on eviction): the victim it keeps stays readable, out of
+    the eviction queue until its IO ends; the allocation evicts the next victim, never waits;
+    once the IO ended with a copy below, the kept block is the next to go."""
+    idx = Index(4 * SLOT, storage_enabled=True, eviction=eviction)
+    ns = Namespace(0, "m", FP, 1, SLOT)
+    idx.add_namespace(ns)
+    keys = block_keys(FP, [f"v{i}".encode() for i in range(6)])
+
+    def put_evictable(ks):
+        assert (put(idx, ks) >= 0).all()
+        for k in ks:
+            idx.skip_spill(idx.blocks[k])  # evictable without a copy below (the evict write policy)
+
+    put_evictable(keys[:4])
+    kept = []
+
+    def publish(b):
+        if kept:
+            return False
+        idx.spill_started(b)
+        kept.append(b)
+        return True
+
+    idx.before_evict = publish
+    put_evictable([keys[4]])
+    assert [b.key for b in kept] == [keys[0]], "the oldest victim is published first"
+    assert keys[0] in idx.blocks and keys[1] not in idx.blocks, "the next victim was evicted instead"
+    assert idx.lookup(0, [keys[0]]) == (1, [Tier.DRAM])
+    remote = FileCatalog(idx, Tier.REMOTE)
+    idx.set_io(kept[0], -1)
+    assert keys[0] not in idx.evictable, "no copy below yet"
+    remote.add(ns, keys[0], recent=True)  # the publish ended: in the store
+    put_evictable([keys[5]])
+    assert keys[0] not in idx.blocks and idx.lookup(0, [keys[0]]) == (1, [Tier.REMOTE]), "it went next"
+    assert all(k in idx.blocks for k in keys[2:]) and ns.counters[NsCounter.EVICTIONS] == 2
+
+
+def test_a_before_evict_hook_that_keeps_every_victim_makes_the_allocation_fail_not_hang():
+    idx, ns = make(2, storage=True)
+    keys = block_keys(FP, [b"a", b"b", b"c"])
+    for k in keys[:2]:
+        put(idx, [k])
+        idx.skip_spill(idx.blocks[k])
+
+    def keep(b):
+        idx.spill_started(b)
+        return True
+
+    idx.before_evict = keep
+    slots = idx.reserve(0, [keys[2]])
+    assert (slots < 0).all(), "no slot: every block waits for its copy"
+    assert keys[0] in idx.blocks and keys[1] in idx.blocks

@@ -167,9 +167,17 @@ class Node:
     """An hpkv server inside a namespace with the remote tier on, and a client of it that
     writes random blocks into its pool (the client runs here: a unix socket and /dev/shm)."""
 
-    def __init__(self, ns: netns.Netns, m: mc.Master, segment: str, storage: str = "", **extra: str):
+    def __init__(
+        self,
+        ns: netns.Netns,
+        m: mc.Master,
+        segment: str,
+        storage: str = "",
+        pool_size: str = "64m",
+        **extra: str,
+    ):
         env = private_env(
-            pool_size="64m",
+            pool_size=pool_size,
             storage=storage,
             **mc.node_keys(m, ns.addr, segment),
             **extra,
@@ -209,15 +217,16 @@ class Node:
 
 
 @contextlib.contextmanager
-def two_nodes(tmp_path: Path, files: bool = False) -> Iterator[tuple[Node, Node, mc.Master]]:
+def two_nodes(tmp_path: Path, files: bool = False, **a_keys: str) -> Iterator[tuple[Node, Node, mc.Master]]:
     """Two hpkv "nodes" in two network namespaces joined by a veth, one Mooncake master in the
     first: node A contributes a segment (holds the objects), node B none (a pure client).
-    ``files``: each node has a storage directory of its own too (DRAM -> files -> remote)."""
+    ``files``: each node has a storage directory of its own too (DRAM -> files -> remote).
+    ``a_keys``: node A's :class:`Node` keywords (its pool size, configuration keys)."""
     with netns.namespaces(2, veth=True) as (a, b), mc.master(a, tmp_path) as m:
         if files:
             (tmp_path / "a").mkdir(mode=0o700)
             (tmp_path / "b").mkdir(mode=0o700)
-        na = Node(a, m, segment="128m", storage=str(tmp_path / "a") if files else "")
+        na = Node(a, m, segment="128m", storage=str(tmp_path / "a") if files else "", **a_keys)
         try:
             nb = Node(
                 b,
@@ -317,6 +326,91 @@ def test_with_files_and_the_store_a_node_hits_another_nodes_blocks_and_its_own_f
         rows = na.c.promote(na.ns.ns_id, theirs)
         assert [na.pool.array[r[0] : r[0] + SHARD].tobytes() for r in rows] == [data[k] for k in theirs]
         assert na.remote()["loaded"] == 0, "nothing read from the store where the files have it"
+
+
+@pytest.mark.parametrize("order", ["files,remote", "remote,files"])
+def test_a_block_in_the_files_and_the_store_is_read_from_the_first_tier_of_the_order(
+    tmp_path: Path, order: str
+) -> None:
+    """HPKV_TIER_ORDER: a block held by both tiers below the pool is a hit of the first one in
+    the order, and its promote reads that tier (the per-tier counters say which)."""
+    _require()
+    first = P.Tier.STORAGE if order == "files,remote" else P.Tier.REMOTE
+    (tmp_path / "files").mkdir(mode=0o700)
+    with netns.namespaces(1) as (a,), mc.master(a, tmp_path) as m:
+        n = Node(a, m, segment="128m", storage=str(tmp_path / "files"), HPKV_TIER_ORDER=order)
+        try:
+            keys = block_keys(FP, [f"o{i}".encode() for i in range(2)])
+            data = n.put(keys)
+            n.wait_remote(lambda r: r["published"] == 2, "2 blocks published")
+            deadline = time.monotonic() + 30
+            while n.c.stats()["storage"]["spills"] < 2:
+                assert time.monotonic() < deadline, n.srv.log()[-3000:]
+                time.sleep(0.05)
+            assert n.c.evict("remote-test", tier="dram")["dram"]["blocks"] == 2
+            wait_lookup(n, keys, (2, [first] * 2))  # in both tiers: a hit of the first
+            rows = n.c.promote(n.ns.ns_id, keys)
+            for k, row in zip(keys, rows, strict=True):
+                assert row[0] >= 0, f"block {k.hex()} not loaded: {n.remote()}\n{n.srv.log()[-3000:]}"
+                assert n.pool.array[row[0] : row[0] + SHARD].tobytes() == data[k], "byte-exact"
+            st = n.c.stats()
+            (row,) = [ns for ns in st["namespaces"] if ns["name"] == "remote-test"]
+            if first == P.Tier.REMOTE:
+                assert row["loads_remote"] == 2 and row["loads_storage"] == 0 and row["hits_remote"] >= 2, row
+                assert st["storage"]["promotes"] == 0 and n.remote()["loaded"] == 2
+            else:
+                assert row["loads_storage"] == 2 and row["loads_remote"] == 0 and row["hits_storage"] >= 2, (
+                    row
+                )
+                assert st["storage"]["promotes"] >= 2 and n.remote()["loaded"] == 0
+            assert st["storage"]["path"] == str(tmp_path / "files"), "the files' path, whatever the order"
+        finally:
+            n.close()
+
+
+def test_a_tier_order_naming_a_tier_that_is_off_leaves_it_out_and_says_so_once(tmp_path: Path) -> None:
+    (tmp_path / "files").mkdir(mode=0o700)
+    env = private_env(storage=str(tmp_path / "files"), HPKV_TIER_ORDER="remote,files")
+    srv = ServerProcess(env).start()
+    try:
+        c = connect(srv.cfg, spawn=False, call_timeout=30.0)
+        ns = c.attach_namespace(FP, 1, SHARD, name="remote-test")
+        assert c.lookup(ns.ns_id, block_keys(FP, [b"x"])) == (0, [])
+        c.close()
+        assert srv.log().count("HPKV_TIER_ORDER=remote,files: remote is off on this node, left out") == 1
+    finally:
+        srv.cleanup()
+
+
+def test_with_the_evict_write_policy_a_block_is_published_when_the_pool_evicts_it(tmp_path: Path) -> None:
+    """HPKV_REMOTE_WRITE_POLICY=evict: a committed block is not in the store; once node A's pool
+    evicts it, it is (published before its slots were reused), a byte-exact hit on node B, and
+    it is never published twice."""
+    _require()
+    with two_nodes(tmp_path, pool_size="4m", HPKV_REMOTE_WRITE_POLICY="evict") as (na, nb, m):
+        first = block_keys(FP, [f"e{i}".encode() for i in range(4)])
+        data = na.put(first)
+        # B asks the store (waiting up to 5 s for its answer): not there
+        assert nb.c.lookup(nb.ns.ns_id, first) == (0, [])
+        assert nb.remote()["missed"] >= 1, "the store answered B's question"
+        assert na.remote()["published"] == 0 and na.c.lookup(na.ns.ns_id, first) == (4, [P.Tier.DRAM] * 4)
+        # A commits more than its pool holds: the oldest blocks (``first``) are the first victims
+        filler = block_keys(FP, [f"f{i}".encode() for i in range(120)])
+        for i in range(0, len(filler), 4):
+            na.put(filler[i : i + 4])
+        r = na.wait_remote(lambda r: r["published"] >= 4, "the evicted blocks published")
+        (row,) = [ns for ns in na.c.stats()["namespaces"] if ns["name"] == "remote-test"]
+        assert row["evictions"] > 0
+        # evicted from A's DRAM by now (120 blocks through a pool of ~40), and in the store
+        wait_lookup(na, first, (4, [P.Tier.REMOTE] * 4))
+        wait_lookup(nb, first, (4, [P.Tier.REMOTE] * 4))
+        rows = nb.c.promote(nb.ns.ns_id, first)
+        for k, row in zip(first, rows, strict=True):
+            assert row[0] >= 0, f"block {k.hex()} not loaded: {nb.remote()}\n{nb.srv.log()[-3000:]}"
+            assert nb.pool.array[row[0] : row[0] + SHARD].tobytes() == data[k], "byte-exact"
+        r = na.remote()
+        assert r["existed"] == 0, "no block was put twice (one the store held is evicted unpublished)"
+        assert r["errors"] == 0 and r["published"] + r["dropped"] >= 4, r
 
 
 _UPSERT = """import ctypes, mmap, sys

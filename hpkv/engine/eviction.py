@@ -151,6 +151,11 @@ class Lru(Generic[Block]):
             self._q[b.key] = b
             self._q.move_to_end(b.key)
 
+    def add_first(self, b: Block) -> None:
+        """Queue ``b`` to go next (a victim kept for a copy below, whose copy ended)."""
+        self._q[b.key] = b
+        self._q.move_to_end(b.key, last=False)
+
     def discard(self, b: Block) -> None:
         self._q.pop(b.key, None)
 
@@ -221,6 +226,14 @@ class S3Fifo(Generic[Block]):
         elif b.key not in self._main:
             self._main[b.key] = b
             self._main_bytes += _bytes(b)
+
+    def add_first(self, b: Block) -> None:
+        """Queue ``b`` to go next from its queue, its use count kept (a victim kept for a copy
+        below, whose copy ended; it was no ghost meanwhile)."""
+        self._ghost.take(b.key)
+        self.add(b)
+        q = self._small if b.heat & _QUEUE == SMALL else self._main
+        q.move_to_end(b.key, last=False)
 
     def discard(self, b: Block) -> None:
         if self._small.pop(b.key, None) is not None:

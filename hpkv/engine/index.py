@@ -27,8 +27,9 @@ Files. Which keys have a copy below the pool is known by the catalogs of the tie
 slots, pins, reservations. A key with a copy below and no slots ("stored") is no block of
 the index: it is a catalog's entry, which the catalog makes visible to lookups through
 :meth:`Index.files_added` and :meth:`Index.files_gone`, with the wire tier of the first
-catalog that has it (files before the remote store; the key table answers lookups for all
-tiers at C speed). A PROMOTING block is a block whose slots a tier below is filling.
+catalog that has it (in HPKV_TIER_ORDER: files before the remote store by default; the key
+table answers lookups for all tiers at C speed). A PROMOTING block is a block whose slots a
+tier below is filling.
 
 Ownership. A reservation belongs to the client that made it (``owner``); a pin
 belongs to the client that pinned it (``pins_by_owner``), counted only when a block
@@ -44,7 +45,10 @@ A READY block is *evictable* when it is unpinned, no IO job is reading its slots
 (``no_spill``: spilling paused or failed) — a block is never dropped while its
 spill is in flight. Eviction takes the evictable block the policy
 (``HPKV_DRAM_EVICTION``, :mod:`hpkv.engine.eviction`: LRU by default, or S3-FIFO) puts first,
-across all namespaces.
+across all namespaces, unless :attr:`Index.before_evict` (the remote tier's publish on
+eviction) starts copying it below instead: it then stays until that copy ends (back at the
+head of the policy's queue, unless it was used meanwhile) and the next victim is taken, never
+waited for.
 """
 
 from __future__ import annotations
@@ -117,6 +121,7 @@ class Block:
         "retired",
         "used",
         "heat",
+        "kept",
     )
 
     def __init__(self, key: bytes, ns: Namespace, slots: list[int], owner: int):
@@ -133,6 +138,7 @@ class Block:
         self.retired = False  # RESERVED, released, waiting for its copies to end
         self.used = self.since  # when last committed, loaded or promoted (`hpkv evict --older-than`)
         self.heat = 0  # the eviction policy's state of the block (hpkv.engine.eviction)
+        self.kept = False  # a victim Index.before_evict kept: first to go once evictable again
 
     @property
     def in_dram(self) -> bool:
@@ -150,6 +156,7 @@ class Index:
         memory: PoolMemory | None = None,
         fence_bump: Callable[[int], bool] | None = None,
         eviction: str = "lru",
+        below_order: Sequence[int] = (Tier.STORAGE, Tier.REMOTE),
     ):
         self.alloc = PoolAllocator(pool_capacity)
         self.memory = memory  # None: every byte of the pool exists (tests)
@@ -159,8 +166,10 @@ class Index:
         self.fenced: list[tuple[int, int]] = []  # (offset, size) freed, not yet back in the allocator
         self.torn_commits = 0  # blocks committed while a save into them still ran (dropped)
         self.storage_enabled = storage_enabled
-        # (wire tier, catalog) of the tiers below, in tier order: each catalog adds itself
+        # (wire tier, catalog) of the tiers below, in tier order (``below_order``: HPKV_TIER_ORDER's
+        # wire tiers, files then the remote store by default): each catalog adds itself
         self.below: list[tuple[int, FileOwner]] = []
+        self._below_rank = {int(t): i for i, t in enumerate(below_order)}
         self.blocks: dict[bytes, Block] = {}  # key -> block holding slots; the key belongs to block.ns
         # key -> (ns id, Tier) of every key a lookup can hit (READY: DRAM; a copy below only, or
         # PROMOTING: the first tier below that has it, storage or remote). Kept beside
@@ -171,6 +180,10 @@ class Index:
         # The evictable READY blocks, in the order HPKV_DRAM_EVICTION evicts them
         self.evictable: Lru[Block] | S3Fifo[Block] = make_policy(eviction)
         self._on_evict = on_evict
+        # A tier that copies a block when the pool evicts it (HPKV_REMOTE_WRITE_POLICY=evict):
+        # called with the victim, True when it started reading the victim's slots instead
+        # (the block stays until that ends, not evictable meanwhile; the next victim is taken).
+        self.before_evict: Callable[[Block], bool] | None = None
         self.pinned_bytes = 0
         self.reserved: dict[bytes, Block] = {}  # RESERVED blocks (retired ones too)
         # owner -> key -> [pins held, monotonic time of the latest]: who holds which pins
@@ -198,10 +211,10 @@ class Index:
 
     def add_below(self, catalog: FileOwner, tier: int) -> None:
         """A tier below the pool knows its keys through ``catalog``; its stored keys are hits of
-        wire tier ``tier`` where no catalog of a lower tier number has them."""
+        wire tier ``tier`` where no catalog of a tier before it (in ``below_order``) has them."""
         self.below = [(t, c) for t, c in self.below if t != tier]  # a new catalog replaces its tier's
         self.below.append((tier, catalog))
-        self.below.sort(key=lambda tc: tc[0])
+        self.below.sort(key=lambda tc: (self._below_rank.get(tc[0], len(self._below_rank)), tc[0]))
 
     def below_owner(self, key: bytes) -> tuple[int, Namespace] | None:
         """(wire tier, namespace) of the first tier below the pool that has ``key``."""
@@ -241,8 +254,13 @@ class Index:
         (committed, loaded, promoted)."""
         if touch:
             b.used = time.monotonic()
+            b.kept = False
         if self._is_evictable(b):
-            self.evictable.add(b, touch)
+            if b.kept:  # its copy below ended: it goes next, as it would have then
+                b.kept = False
+                self.evictable.add_first(b)
+            else:
+                self.evictable.add(b, touch)
         else:
             self.evictable.discard(b)
 
@@ -282,11 +300,17 @@ class Index:
         self._present_below(b.key)
 
     def _evict_one(self) -> bool:
-        b = self.evictable.victim()
-        if b is None:
-            return False
+        while True:
+            b = self.evictable.victim()
+            if b is None:
+                return False
+            assert self.blocks.get(b.key) is b and self._is_evictable(b), "eviction policy out of step"
+            if self.before_evict is None or not self.before_evict(b):
+                break
+            # copied below first: out of the policy's queue until that ends, never waited for
+            assert not self._is_evictable(b), "before_evict kept a block without starting IO on it"
+            b.kept = True
         key = b.key
-        assert self.blocks.get(key) is b and self._is_evictable(b), "eviction policy out of step"
         c = b.ns.counters
         c[NsCounter.BLOCKS_DRAM] -= 1
         c[NsCounter.BYTES_DRAM] -= b.ns.slot_bytes * b.ns.world_size

@@ -14,7 +14,14 @@ this is the server's side of it, under the server's lock, and it never waits on 
   file before it answers, and the call is parked as a file promote is;
 * **spill** (write-through of committed blocks): one SPILL job per rank, bounded
   (:data:`MAX_QUEUED_SPILLS`; beyond it a block is not published, counted in ``dropped``);
-  an object already in the store is not written again.
+  an object already in the store is not written again. With ``HPKV_REMOTE_WRITE_POLICY=evict``
+  a committed block is not published then: it is evictable at once, and when the pool picks
+  it as a victim (:attr:`Index.before_evict`) it is published instead of evicted (its slots
+  unevictable until the put ended, then the next to go, the store holding it); the
+  allocation takes the next victim meanwhile, never waiting. At most a quarter of the pool
+  waits for such puts (and :data:`MAX_QUEUED_SPILLS` blocks); beyond that, or while the store
+  is down, the victim is evicted unpublished (counted in ``dropped``), and so is a victim
+  whose put failed (the failure counted in ``errors``) at its next turn.
 
 Which keys the store holds (as far as this node knows) is a
 :class:`~hpkv.engine.storage.catalog.FileCatalog` of its own (``Tier.REMOTE``), the index's
@@ -34,8 +41,9 @@ after a restart of a remote worker that held a segment (the objects in it went w
 worker that dies has its jobs failed and is restarted on the same rings, as an IO worker is.
 
 With HPKV_KV_STORAGE_PATH set too, the remote tier is the second tier below the pool: DRAM →
-files → remote (:class:`~hpkv.engine.tiers.TierList` routes each promote to the tier that
-holds the key, the file tier first; a committed block is written to files and published).
+files → remote, or the first with HPKV_TIER_ORDER=remote,files
+(:class:`~hpkv.engine.tiers.TierList` routes each promote to the first tier in the order that
+holds the key; a committed block is written to files and published).
 """
 
 from __future__ import annotations
@@ -103,6 +111,7 @@ class _Op:
     remaining: int
     status: int = 0
     waiters: list[tuple[ParkedPromote, int]] = field(default_factory=list)
+    evicting: int = 0  # a publish on eviction: the pool bytes its slots hold until it ends
 
 
 @dataclass
@@ -169,6 +178,13 @@ class RemoteTier:
         self.lookup_wait = float(cfg["HPKV_REMOTE_LOOKUP_WAIT_MS"]) / 1000.0
         self.down_after = int(cfg["HPKV_REMOTE_DOWN_AFTER"])
         self.probe_s = float(cfg["HPKV_REMOTE_PROBE_S"])
+        # HPKV_REMOTE_WRITE_POLICY=evict: blocks are published when the pool evicts them
+        self.on_evict = cfg["HPKV_REMOTE_WRITE_POLICY"] == "evict"
+        self._evicting = 0  # pool bytes of victims waiting for their publish
+        self._evicting_limit = index.alloc.capacity // 4
+        self._put_failed: OrderedDict[bytes, None] = OrderedDict()  # victims whose publish failed
+        if self.on_evict:
+            index.before_evict = self._publish_victim
         self.worker: WorkerProcess | None = None
         self._req: Ring | None = None
         self._resp: Ring | None = None
@@ -354,6 +370,16 @@ class RemoteTier:
         return None
 
     def spill(self, blocks: Iterable[Block]) -> None:
+        if not self.on_evict:
+            self._publish(blocks)
+            return
+        for b in blocks:  # published when the pool evicts them (_publish_victim)
+            if b.key in self.catalog:
+                self.catalog.touch(b.key)
+            else:
+                self.index.skip_spill(b)  # evictable now, as far as this tier is concerned
+
+    def _publish(self, blocks: Iterable[Block]) -> None:
         for b in blocks:
             if b.key in self.catalog:
                 self.catalog.touch(b.key)
@@ -362,11 +388,36 @@ class RemoteTier:
                 self.index.skip_spill(b)  # evictable without a copy below
                 self.counts["dropped"] += 1
                 continue
-            self.index.spill_started(b)
-            op = _Op(P.SPILL, b, b.ns.world_size)
-            self._spills += 1
-            self._spill_q.extend(_Job(P.SPILL, op, r) for r in range(b.ns.world_size))
+            self._start_publish(b)
         self._dispatch()
+
+    def _start_publish(self, b: Block, evicting: int = 0) -> None:
+        self.index.spill_started(b)
+        op = _Op(P.SPILL, b, b.ns.world_size, evicting=evicting)
+        self._spills += 1
+        self._spill_q.extend(_Job(P.SPILL, op, r) for r in range(b.ns.world_size))
+
+    def _publish_victim(self, b: Block) -> bool:
+        """:attr:`Index.before_evict` under HPKV_REMOTE_WRITE_POLICY=evict: publish the pool's
+        victim ``b`` first (True: its slots stay until the put ended), unless the store holds
+        it already (evicted now: False), or, counted as dropped, its put failed before, the
+        store is down or the puts of victims are at their bound (evicted now, unpublished)."""
+        if b.key in self.catalog:
+            return False
+        size = b.ns.slot_bytes * b.ns.world_size
+        if (
+            (self._put_failed and self._put_failed.pop(b.key, False) is None)  # tried once: no again
+            or self._is_down()
+            or self._spills >= MAX_QUEUED_SPILLS
+            or self._evicting + size > self._evicting_limit
+            or b.ns.ns_id not in self._ns_raw
+        ):
+            self.counts["dropped"] += 1
+            return False
+        self._evicting += size
+        self._start_publish(b, evicting=size)
+        self._dispatch()
+        return True
 
     def touch(self, keys: Iterable[bytes]) -> None:
         for k in keys:
@@ -572,7 +623,7 @@ class RemoteTier:
         room = max(0, MAX_QUEUED_SPILLS - self._spills)
         blocks = [b for k in keys if (b := self.index.spillable(k)) is not None][:room]
         blocks = [b for b in blocks if b.key not in self.catalog]
-        self.spill(blocks)
+        self._publish(blocks)
         self.counts["republished"] += len(blocks)
 
     def _is_down(self) -> bool:
@@ -603,10 +654,15 @@ class RemoteTier:
     def _spill_done(self, op: _Op) -> None:
         b = op.block
         self._spills -= 1
+        self._evicting -= op.evicting
         self.index.set_io(b, -1)
         if op.status == 0:
             self.catalog.add(b.ns, b.key, recent=True)
         else:
+            if op.evicting:
+                self._put_failed[b.key] = None
+                while len(self._put_failed) > MAX_NEGATIVE:  # (blocks dropped otherwise meanwhile)
+                    self._put_failed.popitem(last=False)
             self.index.skip_spill(b)  # evictable without a copy below
 
     def _promote_done(self, op: _Op) -> None:

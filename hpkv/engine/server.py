@@ -67,6 +67,7 @@ log = logging.getLogger("hpkv.server")
 
 LOCK_RETRY_S = 0.5
 MAX_PROMOTE_MS = 600_000  # a promote's deadline is clamped to 10 minutes
+TIER_OF = {"files": Tier.STORAGE, "remote": Tier.REMOTE}  # HPKV_TIER_ORDER's names, as wire tiers
 HOT_BATCH = 32  # hot calls taken from one client per round of the request loop (fairness)
 
 
@@ -261,6 +262,7 @@ class Server(OperatorCalls):
             memory=self.pool,
             fence_bump=self.fence.bump,
             eviction=self.cfg["HPKV_DRAM_EVICTION"],
+            below_order=[TIER_OF[name] for name in self.cfg["HPKV_TIER_ORDER"]],
         )
         self.pool.keep_free = self._kv_space_kept
         self._check_space("at start")
@@ -272,20 +274,7 @@ class Server(OperatorCalls):
         )
         self.stats.glob[G.POOL_CAPACITY] = size
         self.doorbell = Doorbell.create(self.dir, "server")
-        below: list[LowerTier] = []  # DRAM -> local files -> the remote store
-        if self.cfg.storage_path is not None:
-            files = FileTier(
-                self.cfg, self.dir, self.stats, self.index, self.lock, self.doorbell, self.pool.path
-            )
-            self.workers += files.start(list(range(self.cfg["HPKV_NUM_IO_WORKERS"])))
-            below.append(files)
-        if self.cfg["HPKV_REMOTE_BACKEND"]:
-            remote = RemoteTier(
-                self.cfg, self.dir, self.stats, self.index, self.lock, self.doorbell, self.pool.path
-            )
-            self.workers += remote.start(self._free_worker_slot())
-            below.append(remote)
-        self.tiers = TierList(below)
+        self.tiers = self._start_tiers()
 
         self.metrics = start_metrics(self.cfg)
         sock_path = os.path.join(self.dir, P.SOCKET_FILE)
@@ -316,6 +305,36 @@ class Server(OperatorCalls):
             self.cfg.storage_path or "disabled",
             f", idle exit after {self.idle_exit:g}s" if self.idle_exit else "",
         )
+
+    def _start_tiers(self) -> TierList:
+        """The tiers below the pool that are on, in HPKV_TIER_ORDER (DRAM -> local files -> the
+        remote store by default); a tier the order names that is off is left out (said once)."""
+        order = self.cfg["HPKV_TIER_ORDER"]
+        on = {"files": self.cfg.storage_path is not None, "remote": bool(self.cfg["HPKV_REMOTE_BACKEND"])}
+        off = [name for name in order if not on[name]]
+        if off and any(on.values()) and self.cfg.source("HPKV_TIER_ORDER").kind != "default":
+            log.info(
+                "HPKV_TIER_ORDER=%s: %s is off on this node, left out", ",".join(order), " and ".join(off)
+            )
+        below: list[LowerTier] = []
+        fallback = 0
+        for name in order:
+            if not on[name]:
+                continue
+            if name == "files":
+                files = FileTier(
+                    self.cfg, self.dir, self.stats, self.index, self.lock, self.doorbell, self.pool.path
+                )
+                self.workers += files.start(list(range(self.cfg["HPKV_NUM_IO_WORKERS"])))
+                fallback = len(below)
+                below.append(files)
+            else:
+                remote = RemoteTier(
+                    self.cfg, self.dir, self.stats, self.index, self.lock, self.doorbell, self.pool.path
+                )
+                self.workers += remote.start(self._free_worker_slot())
+                below.append(remote)
+        return TierList(below, fallback=fallback)
 
     def _pool_warm_progress(self, done: int) -> None:
         self.stats.glob[G.POOL_WARM] = done

@@ -239,8 +239,8 @@ class _Joint(NamedTuple):
 
 
 class TierList:
-    """The tiers below the pool in priority order (files, then the remote store), driven as
-    one by the server.
+    """The tiers below the pool in priority order (HPKV_TIER_ORDER: files, then the remote
+    store, by default), driven as one by the server.
 
     A lookup asks each tier in turn to check and extend the prefix; when a tier says it is
     still finding out (``pending``), the call is parked here (the tiers after it are asked
@@ -248,11 +248,15 @@ class TierList:
     wrote, objects another node published), and :meth:`poll` returns its
     :class:`LookupAnswer` once no tier has checks of it outstanding or its deadline passed.
     Write-through goes to every tier (each decides whether it keeps a copy); a promote is
-    routed key by key to the tier that holds the key (the first one in order: a file is read
-    rather than a remote object), its parts answered as one call. Empty when storage is off."""
+    routed key by key to the tier that holds the key (the first one in order: by default a file
+    is read rather than a remote object), its parts answered as one call; a key no tier holds
+    (a DRAM block, or one nobody knows) goes to tier ``fallback`` (the file tier, which pins
+    DRAM blocks for its admission rules and stats unknown keys, wherever it is in the order).
+    Empty when storage is off."""
 
-    def __init__(self, tiers: Iterable[LowerTier] = ()):
+    def __init__(self, tiers: Iterable[LowerTier] = (), fallback: int = 0):
         self.tiers = list(tiers)
+        self.fallback = fallback
         self._lookups: list[ParkedLookup] = []
         self._joints: dict[tuple[int, int], _Joint] = {}  # (id(client), seq) -> its promote's parts
 
@@ -295,12 +299,12 @@ class TierList:
         return pending
 
     def _route(self, ns: Namespace, key: bytes) -> int:
-        """The tier a promote of ``key`` goes to: the one that holds it, else the first (a DRAM
-        block is pinned by any tier; the first may look for a key nobody knows)."""
+        """The tier a promote of ``key`` goes to: the first that holds it, else ``fallback`` (a
+        DRAM block is pinned by any tier; the file tier may look for a key nobody knows)."""
         for i, t in enumerate(self.tiers):
             if t.holds(ns, key):
                 return i
-        return 0
+        return self.fallback
 
     def promote(
         self, client: Client, seq: int, ns: Namespace, keys: list[bytes], timeout: float
@@ -397,10 +401,11 @@ class TierList:
 
     def describe(self) -> dict[str, Any]:
         """The stats snapshot's ``storage`` section (``{"path": None}`` when there is no tier):
-        each tier's strings, the first tier's where two name the same."""
+        each tier's strings, the ``fallback`` (file) tier's where two name the same, then the
+        first tier's."""
         out: dict[str, Any] = {"path": None}
-        for t in reversed(self.tiers):
-            out.update(t.describe())
+        for i in sorted(range(len(self.tiers)), key=lambda i: (i == self.fallback, -i)):
+            out.update(self.tiers[i].describe())
         return out
 
     def shutdown(self) -> None:
