@@ -50,7 +50,8 @@ And on SGLang-CPU (``.venv-sglang`` with hpkv's test shims; skipped, saying so, 
   is the device pool's size and hpkv's DRAM pool is the budget: the same host memory.
 
 Both have a device pool of ``--engine-cache-tokens`` (``--max-total-tokens``), pages of 16
-tokens, the same ``--sglang-prefetch-policy``; hpkv's ``VLLM_HPKV_TOKEN_THRESHOLD`` becomes
+tokens, the same ``--sglang-prefetch-policy`` and OpenMP wait policy
+(``--sglang-omp-wait-policy``, passive: see :meth:`SglangSystem.omp_env`); hpkv's ``VLLM_HPKV_TOKEN_THRESHOLD`` becomes
 HiCache's prefetch threshold (SGLang's own default, 256 tokens, for ``file``). Requests go to
 SGLang's ``/generate``, whose ``cached_tokens_details`` says which tier served each prompt;
 the DRAM phase follows ``/flush_cache``, which drops SGLang's device and host pools (it has no
@@ -189,6 +190,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="timeout",
         help="SGLang systems: HiCache's --hicache-storage-prefetch-policy, the same for both (default timeout, "
         "SGLang's own)",
+    )
+    p.add_argument(
+        "--sglang-omp-wait-policy",
+        choices=("passive", "active", "inherit"),
+        default="passive",
+        help="SGLang systems: OMP_WAIT_POLICY of both engines (default passive). With libgomp's default, "
+        "idle OpenMP threads spin for about 3 ms at every barrier unless the process runs more OpenMP "
+        "threads than CPUs, which HiCache + file does by accident (its backup thread's page copies start "
+        "a second OpenMP team) and SGLang + hpkv does not (zero-copy): on a loaded machine the spinning "
+        "made the same forward 3-4x slower. inherit: leave it to the environment",
     )
     p.add_argument(
         "--drop-caches",
@@ -872,9 +883,12 @@ class SglangSystem(System):
     persistent = True
     page_tokens = 16  # SglangServer's default: HiCache's page (and hpkv's key on SGLang)
 
-    def __init__(self, budget: Budget, prefetch_policy: str = "timeout") -> None:
+    def __init__(
+        self, budget: Budget, prefetch_policy: str = "timeout", omp_wait_policy: str = "passive"
+    ) -> None:
         super().__init__(budget)
         self.prefetch_policy = prefetch_policy
+        self.omp_wait_policy = omp_wait_policy
         self.storage = os.path.join(budget.work, f"{self.name}-storage")
         self._lock = threading.Lock()
         self._served = dict.fromkeys((*SOURCES, "device", "host", "storage"), 0)
@@ -900,8 +914,19 @@ class SglangSystem(System):
             json.dumps(cfg),
         ]
 
+    def omp_env(self) -> dict[str, str]:
+        """The OpenMP wait policy both SGLang systems run with (``--sglang-omp-wait-policy``).
+
+        libgomp's idle threads spin (about 3 ms) at each barrier of the forward, or only 100
+        iterations while the process has more OpenMP threads than CPUs (``do_spin`` in libgomp's
+        ``config/linux/wait.h``). HiCache + file gets the short spin by accident: its backup thread
+        copies pages with torch (``_generic_page_set`` → ``get_data_page``), which starts a second
+        OpenMP team; SGLang + hpkv's zero-copy path never runs torch there. With the long spin, a
+        busy 2-vCPU machine ran the same 2304-token turn 3-4x slower, so the policy is set alike."""
+        return {} if self.omp_wait_policy == "inherit" else {"OMP_WAIT_POLICY": self.omp_wait_policy.upper()}
+
     def env(self) -> dict[str, str]:
-        return {**super().env(), "VLLM_ENABLE_HPKV": "0"}
+        return {**super().env(), "VLLM_ENABLE_HPKV": "0", **self.omp_env()}
 
     def start(self) -> None:
         from hpkv.testing.sglang_server import SglangServer
@@ -1027,9 +1052,13 @@ class SglangHpkvSystem(SglangSystem):
     name = "sglang-hpkv"
 
     def __init__(
-        self, budget: Budget, prefetch_policy: str = "timeout", extra_env: dict[str, str] | None = None
+        self,
+        budget: Budget,
+        prefetch_policy: str = "timeout",
+        extra_env: dict[str, str] | None = None,
+        omp_wait_policy: str = "passive",
     ) -> None:
-        super().__init__(budget, prefetch_policy)
+        super().__init__(budget, prefetch_policy, omp_wait_policy)
         self.hpkv = HpkvSystem(budget, extra_env)
         self.hpkv.pool_dir += "-sglang"
         self.hpkv.storage = self.storage  # its own, not vLLM + hpkv's
@@ -1044,7 +1073,7 @@ class SglangHpkvSystem(SglangSystem):
         return hpkv_backend_args()
 
     def env(self) -> dict[str, str]:
-        return {**self.hpkv.env(), "VLLM_ENABLE_HPKV": "1", **self.extra_env}
+        return {**self.hpkv.env(), "VLLM_ENABLE_HPKV": "1", **self.omp_env(), **self.extra_env}
 
     def cache_pid(self) -> int | None:
         return self.hpkv.cache_pid()
@@ -1074,10 +1103,10 @@ def make_system(name: str, budget: Budget, args: argparse.Namespace) -> System:
     if name in ("vllm-offload", "vllm-tiering"):
         return OffloadSystem(budget, fs=name == "vllm-tiering")
     if name == "sglang-file":
-        return SglangSystem(budget, args.sglang_prefetch_policy)
+        return SglangSystem(budget, args.sglang_prefetch_policy, args.sglang_omp_wait_policy)
     if name == "sglang-hpkv":
         extra = dict(kv.split("=", 1) for kv in getattr(args, "hpkv_env", []))
-        return SglangHpkvSystem(budget, args.sglang_prefetch_policy, extra)
+        return SglangHpkvSystem(budget, args.sglang_prefetch_policy, extra, args.sglang_omp_wait_policy)
     return System(budget)
 
 
@@ -1357,6 +1386,7 @@ def run(args: argparse.Namespace) -> int:
                 "dram_mib",
                 "engine_cache_tokens",
                 "drop_caches",
+                "sglang_omp_wait_policy",
             )
         },
         "systems": {},
