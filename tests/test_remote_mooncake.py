@@ -131,7 +131,7 @@ def test_bench_remote_reports_floors_for_every_object_size_and_leaves_no_namespa
     _require()
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     cmd = [sys.executable, "-m", "hpkv", "bench", "remote", "--json", "--mib", "16", "--repeat", "1"]
-    cmd += ["--samples", "5", "--blocks", "4", "--block-mib", "2"]
+    cmd += ["--samples", "5", "--blocks", "4", "--block-mib", "2", "--sweep"]
     bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = bench.communicate(timeout=300)
@@ -153,6 +153,15 @@ def test_bench_remote_reports_floors_for_every_object_size_and_leaves_no_namespa
     assert h["blocks"] == 4 and len(h["promote_s"]) == len(h["raw_get_s"]) == 1 and h["promote_gbps"] > 0
     assert h["raw_get_gbps"] > 0
     assert h["vs_raw"] == pytest.approx(h["promote_s"][0] / h["raw_get_s"][0], rel=0.05)
+    # --sweep: raw gets of the phase's objects by threads x objects a call, plain and in the remote
+    # worker's header + slot form, each with its ratio to one call of all; hpkv's CRC32C rate
+    sw = h["sweep"]
+    assert sw["objects"] == 4 and sw["object_bytes"] == (2 << 20) + 4096
+    # 4 objects: 8/16/32/all a call are all one call, which one thread makes (no second to share it)
+    got = {(c["threads"], c["batch"], c["multi_buffers"]) for c in sw["cases"]}
+    assert got == {(1, b, m) for b in (8, 16, 32, 4) for m in (False, True)}
+    assert all(c["gbps"] > 0 and c["vs_one_call"] > 0 for c in sw["cases"])
+    assert sw["crc32c_gbps"] > 0
     # (the bench's namespaces are named after its pid; other sessions' come and go meanwhile)
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     assert not [n for n in listed if n.startswith(f"hpkv{bench.pid % 100000}") and n not in before]

@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -56,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=7,
         help="MiB per block in the hpkv phase (7: 128 tokens of Qwen2.5-7B)",
+    )
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="after the hpkv phase: raw gets of its objects by 1/2/4 threads x 8/16/32/all objects a "
+        "call (plain and as the remote worker reads them) and hpkv's CRC32C rate, from node B",
     )
 
 
@@ -237,6 +244,62 @@ class _RawGets:
         self.rounds += 1
         return took
 
+    def threaded_round(self, threads: int, batch: int, multi: bool) -> float:
+        """Seconds to read every object once in calls of ``batch`` objects taken in turn by
+        ``threads`` threads (as the remote worker's getters take promotes); ``multi``: each
+        object read as the remote worker reads it, with ``batch_get_into_multi_buffers`` into
+        a 4096-byte header page and the rest (here adjacent)."""
+        parts = [list(range(i, min(i + batch, self.n))) for i in range(0, self.n, batch)]
+        todo = iter(parts)
+        lock = threading.Lock()
+        errors: list[str] = []
+        dst = self.base + self.span
+
+        def work() -> None:
+            while True:
+                with lock:
+                    part = next(todo, None)
+                if part is None:
+                    return
+                names = [self.keys[i] for i in part]
+                if multi:
+                    head = 4096
+                    ptrs = [[dst + i * self.size, dst + i * self.size + head] for i in part]
+                    sizes = [[head, self.size - head] for _ in part]
+                    rcs = self.store.batch_get_into_multi_buffers(names, ptrs, sizes)
+                else:
+                    rcs = self.store.batch_get_into(
+                        names, [dst + i * self.size for i in part], [self.size] * len(part)
+                    )
+                if any(rc != self.size for rc in rcs):
+                    errors.append(f"threads {threads} batch {batch}: {rcs[:4]}")
+
+        t0 = time.perf_counter()
+        pool = [threading.Thread(target=work) for _ in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        took = time.perf_counter() - t0
+        if errors:
+            raise RuntimeError(f"threaded batch_get_into failed: {errors[0]}")
+        return took
+
+    def crc_gbps(self, repeat: int = 3) -> float:
+        """hpkv's CRC32C (the check every promoted object gets) over the round's bytes, GB/s."""
+        from hpkv.io_workers.checksum import crc32c
+
+        view = memoryview(self.buf)[self.span :]
+        best = min(self._timed(lambda: crc32c(view)) for _ in range(repeat))
+        view.release()
+        return self.span / best / 1e9
+
+    @staticmethod
+    def _timed(fn: Any) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
     def close(self) -> None:
         self.store.batch_remove(self.keys, True)
         self.store.unregister_buffer(self.base)
@@ -253,10 +316,63 @@ def _floor(args: argparse.Namespace) -> None:
             for _ in sys.stdin:
                 print(raw.round(), flush=True)
             return
+        if args.sweep:
+            print(json.dumps(_sweep(raw, args.repeat)), flush=True)
+            return
         rates = [raw.span / raw.round() / 1e9 for _ in range(args.repeat)]
         print(json.dumps({"best": round(max(rates), 3), "rounds": [round(r, 3) for r in rates]}), flush=True)
     finally:
         raw.close()
+
+
+SWEEP_THREADS = (1, 2, 4)
+SWEEP_BATCHES = (8, 16, 32, 0)  # 0: every object in one call
+
+
+def _sweep(raw: _RawGets, repeat: int) -> dict[str, Any]:
+    """Raw gets of ``raw``'s objects by 1/2/4 threads x 8/16/32/all objects a call, plain and
+    in the remote worker's two-buffer form, each the best of ``repeat`` rounds; the reference
+    (one thread, one plain call of every object) is measured between each case and the next,
+    so each case has a ratio to a reference of the same moment (``vs_one_call``)."""
+    raw.round()  # the first round checks the bytes
+    cases = []
+    for multi in (False, True):
+        for threads in SWEEP_THREADS:
+            for batch in SWEEP_BATCHES:
+                b = batch or raw.n
+                if threads > 1 and -(-raw.n // b) < threads:
+                    continue  # fewer calls than threads
+                ts, refs = [], []
+                for _ in range(repeat):
+                    refs.append(raw.threaded_round(1, raw.n, False))
+                    ts.append(raw.threaded_round(threads, b, multi))
+                cases.append(
+                    {
+                        "threads": threads,
+                        "batch": b,
+                        "multi_buffers": multi,
+                        "gbps": round(raw.span / min(ts) / 1e9, 3),
+                        "vs_one_call": round(
+                            statistics.median(t / r for t, r in zip(ts, refs, strict=True)), 3
+                        ),
+                    }
+                )
+    return {
+        "objects": raw.n,
+        "object_bytes": raw.size,
+        "repeat": repeat,
+        "cases": cases,
+        "crc32c_gbps": round(raw.crc_gbps(), 2),
+    }
+
+
+def raw_sweep(ns: Any, m: Any, object_bytes: int, count: int, repeat: int = 3) -> dict[str, Any]:
+    """:func:`_sweep` run by a pure client inside ``ns``."""
+    cmd, env = _floor_cmd(ns, m, object_bytes, count, "--repeat", str(repeat), "--sweep")
+    r = ns.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        raise RuntimeError(f"the raw batch_get_into sweep failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def _floor_cmd(
@@ -337,7 +453,30 @@ def _print(out: dict[str, Any]) -> None:
             f"promote: {h['vs_raw']:.2f}x the raw time (median of the pairs; target <= 1.3); publish "
             f"{h['publish_gbps']:.2f} GB/s; first lookup {h['discover_ms']} ms"
         )
+    if h and h.get("sweep"):
+        _print_sweep(h["sweep"], h)
     print(f"({out['seconds']} s)")
+
+
+def _print_sweep(sw: dict[str, Any], h: dict[str, Any]) -> None:
+    """The raw gets by threads x objects a call next to the one-call floor, and what the
+    checks of a promote's bytes cost at hpkv's CRC32C rate."""
+    n, size = sw["objects"], sw["object_bytes"]
+    print(
+        f"raw gets of the {n} objects of {size} bytes from node B, best of {sw['repeat']} rounds; "
+        "vs_one_call: the median ratio to one thread reading all in one plain call, measured "
+        "right before each round"
+    )
+    print(f"{'threads':>8} {'objects/call':>13} {'form':>12} {'GB/s':>7} {'vs_one_call':>12}")
+    for c in sw["cases"]:
+        form = "hdr+slot" if c["multi_buffers"] else "plain"
+        print(f"{c['threads']:>8} {c['batch']:>13} {form:>12} {c['gbps']:>7.2f} {c['vs_one_call']:>11.2f}x")
+    verify_ms = n * size / (sw["crc32c_gbps"] * 1e9) * 1e3
+    floor_ms = n * size / (h["raw_get_gbps"] * 1e9) * 1e3
+    print(
+        f"CRC32C (hpkv's check of every promoted byte) {sw['crc32c_gbps']:.2f} GB/s: {verify_ms:.1f} ms for "
+        f"the {n} objects, {verify_ms / floor_ms:.2f}x of their raw get ({floor_ms:.1f} ms) if none overlapped"
+    )
 
 
 def _measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -501,7 +640,7 @@ def _hpkv_phase(args: argparse.Namespace, a: Any, b: Any, m: Any) -> dict[str, A
 
     servers: list[ServerProcess] = []
     try:
-        sa = node(a, f"{2 * n * (args.block_mib + 1) + 64}m")  # hpkv's objects and the raw ones
+        sa = node(a, f"{3 * n * (args.block_mib + 1) + 64}m")  # hpkv's objects, the raw ones, room
         servers.append(sa.start())
         sb = node(b, "0", HPKV_REMOTE_LOOKUP_WAIT_MS="5000")
         servers.append(sb.start())
@@ -532,6 +671,7 @@ def _hpkv_phase(args: argparse.Namespace, a: Any, b: Any, m: Any) -> dict[str, A
                 raw.round,
             )
         nbytes = n * shard
+        sweep = raw_sweep(b, m, shard + 4096, n, args.repeat) if args.sweep else None
         for c in (ca, cb):
             c.close()
         for p in (pa, pb):
@@ -548,6 +688,7 @@ def _hpkv_phase(args: argparse.Namespace, a: Any, b: Any, m: Any) -> dict[str, A
             "raw_get_gbps": round(n * (shard + 4096) / statistics.median(raw_s) / 1e9, 3),
             # hpkv's time for a remote hit over the same bytes' raw batch_get_into time
             "vs_raw": round(statistics.median(t / r for t, r in zip(times, raw_s, strict=True)), 3),
+            **({"sweep": sweep} if sweep else {}),
         }
     finally:
         for s in servers:
