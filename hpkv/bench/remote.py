@@ -59,6 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="MiB per block in the hpkv phase (7: 128 tokens of Qwen2.5-7B)",
     )
     p.add_argument(
+        "--part-mib",
+        type=int,
+        default=16,
+        help="the hpkv phase's loads in parts: HPKV_PROMOTE_PART_SIZE in MiB (default 16, its default)",
+    )
+    p.add_argument(
         "--sweep",
         action="store_true",
         help="after the hpkv phase: raw gets of its objects by 1/2/4 threads x 8/16/32/all objects a "
@@ -338,8 +344,7 @@ def _sweep(raw: _RawGets, repeat: int) -> dict[str, Any]:
     cases = []
     for multi in (False, True):
         for threads in SWEEP_THREADS:
-            for batch in SWEEP_BATCHES:
-                b = batch or raw.n
+            for b in sorted({min(batch or raw.n, raw.n) for batch in SWEEP_BATCHES}):
                 if threads > 1 and -(-raw.n // b) < threads:
                     continue  # fewer calls than threads
                 ts, refs = [], []
@@ -453,6 +458,16 @@ def _print(out: dict[str, Any]) -> None:
             f"promote: {h['vs_raw']:.2f}x the raw time (median of the pairs; target <= 1.3); publish "
             f"{h['publish_gbps']:.2f} GB/s; first lookup {h['discover_ms']} ms"
         )
+    for ld in (h or {}).get("load", {}).values():
+        how = (
+            f"in parts of >= {ld['part_mib']} MiB, each copied out of the pool while the next is read"
+            if ld["part_mib"]
+            else "in one part, then copied out of the pool"
+        )
+        print(
+            f"hpkv remote hit loaded as vLLM's connector loads it ({how}): "
+            f"{statistics.median(ld['load_s']):.3f} s, {ld['vs_raw']:.2f}x the raw time (median of the pairs)"
+        )
     if h and h.get("sweep"):
         _print_sweep(h["sweep"], h)
     print(f"({out['seconds']} s)")
@@ -529,9 +544,6 @@ def _remote_hit(
 ) -> float:
     """One promote of blocks that are remote hits (checked against ``crcs`` when given); their
     DRAM copies are dropped again after. Returns its seconds."""
-    from hpkv.protocol.wire import Tier
-
-    n = len(keys)
     t0 = time.perf_counter()
     rows = c.promote(ns_id, keys)
     took = time.perf_counter() - t0
@@ -540,13 +552,45 @@ def _remote_hit(
     if crcs is not None and [zlib.crc32(pool.array[off : off + shard].data) for off in rows[:, 0]] != crcs:
         raise RuntimeError("hpkv phase: node B's blocks differ from node A's")
     c.unpin(ns_id, keys)
+    _drop(c, ns_id, keys)
+    return took
+
+
+def _remote_load(
+    c: Any, ns_id: int, keys: list[bytes], pool: Any, shard: int, part_bytes: int, dst: Any
+) -> float:
+    """A remote hit loaded as vLLM's connector loads it (:func:`load_in_parts`: promoted in
+    parts of ``part_bytes``, one part ahead, each part copied out of the pool into ``dst``, the
+    engine's KV cache here, while the next is read). Its seconds; the DRAM copies dropped after."""
+    import numpy as np
+
+    from hpkv.connectors.promote import load_in_parts
+
+    def copy(idx: Any, offs: Any) -> bool:
+        for i, off in zip(idx, offs, strict=True):
+            dst[i * shard : (i + 1) * shard] = pool.array[off : off + shard]
+        return True
+
+    t0 = time.perf_counter()
+    ok = load_in_parts(c, ns_id, keys, np.full(len(keys), -1, np.int64), 0, shard, part_bytes, 120.0, copy)
+    took = time.perf_counter() - t0
+    if not ok.all():
+        raise RuntimeError(f"hpkv phase: {int((~ok).sum())} block(s) not loaded in parts")
+    _drop(c, ns_id, keys)
+    return took
+
+
+def _drop(c: Any, ns_id: int, keys: list[bytes]) -> None:
+    """Drop node B's DRAM copies (unpinned) until every block is a remote hit again."""
+    from hpkv.protocol.wire import Tier
+
+    n = len(keys)
     c.clear(ns_id)
     deadline = time.monotonic() + 60
     while c.lookup(ns_id, keys) != (n, [Tier.REMOTE] * n):
         if time.monotonic() > deadline:
             raise RuntimeError("hpkv phase: node B's DRAM copies were not dropped")
         time.sleep(0.01)
-    return took
 
 
 class _RawClient:
@@ -664,12 +708,28 @@ def _hpkv_phase(args: argparse.Namespace, a: Any, b: Any, m: Any) -> dict[str, A
             "node B's lookup to find every block",
         )
         discover_s = time.perf_counter() - t0
+        kv = np.ones(n * shard, np.uint8)  # the engine's KV cache of the loads (touched)
+        loads: dict[str, dict[str, Any]] = {}
         with _RawClient(b, m, shard + 4096, n, args.batch) as raw:
             times, raw_s = _paired(
                 args.repeat,
                 lambda r: _remote_hit(cb, nb.ns_id, keys, pb, shard, crcs if r == 0 else None),
                 raw.round,
             )
+            for name, part in (("parts", args.part_mib << 20), ("one_part", 0)):
+                lt, lr = _paired(
+                    args.repeat,
+                    lambda r, part=part: _remote_load(cb, nb.ns_id, keys, pb, shard, part, kv),
+                    raw.round,
+                )
+                loads[name] = {
+                    "part_mib": part >> 20,
+                    "load_s": [round(t, 4) for t in lt],
+                    "raw_get_s": [round(t, 4) for t in lr],
+                    "vs_raw": round(statistics.median(t / r for t, r in zip(lt, lr, strict=True)), 3),
+                }
+        if [zlib.crc32(kv[i * shard : (i + 1) * shard].data) for i in range(n)] != crcs:
+            raise RuntimeError("hpkv phase: the blocks loaded in parts differ from node A's")
         nbytes = n * shard
         sweep = raw_sweep(b, m, shard + 4096, n, args.repeat) if args.sweep else None
         for c in (ca, cb):
@@ -688,6 +748,9 @@ def _hpkv_phase(args: argparse.Namespace, a: Any, b: Any, m: Any) -> dict[str, A
             "raw_get_gbps": round(n * (shard + 4096) / statistics.median(raw_s) / 1e9, 3),
             # hpkv's time for a remote hit over the same bytes' raw batch_get_into time
             "vs_raw": round(statistics.median(t / r for t, r in zip(times, raw_s, strict=True)), 3),
+            # the same blocks loaded as vLLM's connector loads them (in parts, each copied out
+            # of the pool while the next is read), and in one part, each paired with raw gets
+            "load": loads,
             **({"sweep": sweep} if sweep else {}),
         }
     finally:
