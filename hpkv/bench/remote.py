@@ -395,14 +395,26 @@ def _floor_cmd(
     return cmd, mc.client_env(ns.addr, env)
 
 
+#: A process that does what vLLM's EngineCore and its worker do while waiting for each other
+#: (shm MessageQueue readers spin on ``sched_yield`` for up to 1 s after their last read).
+SPINNER = "import os\nwhile True:\n    os.sched_yield()\n"
+
+
 def raw_get_gbps(
-    ns: Any, m: Any, object_bytes: int, count: int, repeat: int = 3, batch: int = 16
+    ns: Any, m: Any, object_bytes: int, count: int, repeat: int = 3, batch: int = 16, spinners: int = 0
 ) -> dict[str, Any]:
     """The raw ``batch_get_into`` rate of ``count`` objects of ``object_bytes``, read by a pure
     client inside ``ns`` (a namespace of :mod:`hpkv.testing.netns`, in the master ``m``'s
-    cluster): ``{"best": GB/s, "rounds": [...]}`` over ``repeat`` rounds."""
+    cluster): ``{"best": GB/s, "rounds": [...]}`` over ``repeat`` rounds. ``spinners``:
+    processes spinning on ``sched_yield`` meanwhile (:data:`SPINNER`: an engine waiting for a
+    load), stopped before it returns."""
     cmd, env = _floor_cmd(ns, m, object_bytes, count, "--repeat", str(repeat), "--batch", str(batch))
-    r = ns.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    spin = [ns.popen([sys.executable, "-c", SPINNER]) for _ in range(spinners)]
+    try:
+        r = ns.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        for p in spin:
+            ns.stop(p)
     if r.returncode != 0:
         raise RuntimeError(f"the raw batch_get_into floor failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
