@@ -127,6 +127,33 @@ def test_objects_held_in_one_namespace_are_read_from_another_over_a_veth(tmp_pat
         assert holder.wait(30) == 0
 
 
+def test_the_raw_floor_beside_a_spinning_process_stops_its_spinner(tmp_path: Path) -> None:
+    # bench ttft --remote's second floor: raw gets from node B while a process spins on
+    # sched_yield there, as a waiting vLLM engine does; the spinner ends with the floor
+    from hpkv.bench.remote import raw_get_gbps
+
+    _require()
+    with netns.namespaces(2, veth=True) as (a, b), mc.master(a, tmp_path) as m:
+        holder = a.popen(
+            _client(a, m, "--hold", "--prefix", "held"),
+            env=mc.client_env(a.addr),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert holder.stdout is not None and holder.stdin is not None
+        json.loads(holder.stdout.readline())  # its segment is up
+        spinners_before = len(b.procs)
+        rates = raw_get_gbps(b, m, (1 << 20) + 4096, 4, repeat=2, spinners=1)
+        assert len(rates["rounds"]) == 2 and rates["best"] == max(rates["rounds"]) > 0
+        started = b.procs[spinners_before:]
+        assert len(started) == 1 and started[0].poll() is not None  # the spinner, stopped
+        assert b.pids() == []  # nothing left in node B's namespace
+        holder.stdin.close()
+        assert holder.wait(30) == 0
+
+
 def test_bench_remote_reports_floors_for_every_object_size_and_leaves_no_namespace() -> None:
     _require()
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
