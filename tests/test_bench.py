@@ -209,6 +209,29 @@ def test_the_remote_hit_is_set_against_the_raw_batch_get_into_time_of_its_bytes(
     out = capsys.readouterr().out
     assert "node B: remote hit (Mooncake)" in out
     assert "remote hit: hpkv adds 3.0 ms" in out and "raw batch_get_into, best of 0.9, 1, 0.95" in out
+    assert "spinning on sched_yield" not in out  # no such floor measured: no such line
+
+
+def test_the_remote_hit_is_also_set_against_the_floor_beside_a_spinning_engine(capsys):
+    # the same hit; the raw gets beside a process spinning on sched_yield ran at 0.5 GB/s: 2.1 ms
+    res = {
+        "ttft": {"remote_hit": [0.105, 0.104], "remote_hit_repeat": [0.102, 0.101]},
+        "served_tokens": {"remote_hit": {"dram": 0, "storage": 0, "remote": 2 * 32}},
+        "requests": 2,
+        "tokens": 40,
+        "model": "m",
+        "kv_bytes_per_token": 32 * 1024,
+        "remote_floor_gbps": {"best": 1.0, "rounds": [1.0]},
+        "remote_floor_spin_gbps": {"best": 0.5, "rounds": [0.4, 0.5]},
+    }
+    s = ttft.summarize(res)
+    spin_ms = 32 * 32 * 1024 / 0.5e9 * 1000
+    assert s["remote_floor_spin_ms"] == pytest.approx(spin_ms, abs=0.05)
+    assert s["remote_added_vs_floor_spin"] == pytest.approx(3.0 / spin_ms, abs=0.01)
+    assert s["remote_added_vs_floor"] == pytest.approx(2 * s["remote_added_vs_floor_spin"], abs=0.02)
+    ttft.print_table(s)
+    out = capsys.readouterr().out
+    assert f"floor {spin_ms:.1f} ms (raw batch_get_into, best of 0.4, 0.5 GB/s)" in out
 
 
 def test_remote_phases_skip_with_the_reason_where_namespaces_cannot_be_made(monkeypatch, capsys):

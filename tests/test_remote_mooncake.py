@@ -127,11 +127,38 @@ def test_objects_held_in_one_namespace_are_read_from_another_over_a_veth(tmp_pat
         assert holder.wait(30) == 0
 
 
+def test_the_raw_floor_beside_a_spinning_process_stops_its_spinner(tmp_path: Path) -> None:
+    # bench ttft --remote's second floor: raw gets from node B while a process spins on
+    # sched_yield there, as a waiting vLLM engine does; the spinner ends with the floor
+    from hpkv.bench.remote import raw_get_gbps
+
+    _require()
+    with netns.namespaces(2, veth=True) as (a, b), mc.master(a, tmp_path) as m:
+        holder = a.popen(
+            _client(a, m, "--hold", "--prefix", "held"),
+            env=mc.client_env(a.addr),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert holder.stdout is not None and holder.stdin is not None
+        json.loads(holder.stdout.readline())  # its segment is up
+        spinners_before = len(b.procs)
+        rates = raw_get_gbps(b, m, (1 << 20) + 4096, 4, repeat=2, spinners=1)
+        assert len(rates["rounds"]) == 2 and rates["best"] == max(rates["rounds"]) > 0
+        started = b.procs[spinners_before:]
+        assert len(started) == 1 and started[0].poll() is not None  # the spinner, stopped
+        assert b.pids() == []  # nothing left in node B's namespace
+        holder.stdin.close()
+        assert holder.wait(30) == 0
+
+
 def test_bench_remote_reports_floors_for_every_object_size_and_leaves_no_namespace() -> None:
     _require()
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     cmd = [sys.executable, "-m", "hpkv", "bench", "remote", "--json", "--mib", "16", "--repeat", "1"]
-    cmd += ["--samples", "5", "--blocks", "4", "--block-mib", "2"]
+    cmd += ["--samples", "5", "--blocks", "4", "--block-mib", "2", "--sweep"]
     bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = bench.communicate(timeout=300)
@@ -153,6 +180,20 @@ def test_bench_remote_reports_floors_for_every_object_size_and_leaves_no_namespa
     assert h["blocks"] == 4 and len(h["promote_s"]) == len(h["raw_get_s"]) == 1 and h["promote_gbps"] > 0
     assert h["raw_get_gbps"] > 0
     assert h["vs_raw"] == pytest.approx(h["promote_s"][0] / h["raw_get_s"][0], rel=0.05)
+    # the same blocks loaded as vLLM's connector loads them, in parts and in one, each paired with raw gets
+    for name, part_mib in (("parts", 16), ("one_part", 0)):
+        ld = h["load"][name]
+        assert ld["part_mib"] == part_mib and len(ld["load_s"]) == len(ld["raw_get_s"]) == 1
+        assert ld["vs_raw"] == pytest.approx(ld["load_s"][0] / ld["raw_get_s"][0], rel=0.05)
+    # --sweep: raw gets of the phase's objects by threads x objects a call, plain and in the remote
+    # worker's header + slot form, each with its ratio to one call of all; hpkv's CRC32C rate
+    sw = h["sweep"]
+    assert sw["objects"] == 4 and sw["object_bytes"] == (2 << 20) + 4096
+    # 4 objects: 8/16/32/all a call are all one call of 4, which one thread makes (no second to share it)
+    got = [(c["threads"], c["batch"], c["multi_buffers"]) for c in sw["cases"]]
+    assert got == [(1, 4, False), (1, 4, True)]
+    assert all(c["gbps"] > 0 and c["vs_one_call"] > 0 for c in sw["cases"])
+    assert sw["crc32c_gbps"] > 0
     # (the bench's namespaces are named after its pid; other sessions' come and go meanwhile)
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     assert not [n for n in listed if n.startswith(f"hpkv{bench.pid % 100000}") and n not in before]

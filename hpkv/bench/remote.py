@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -56,6 +57,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=7,
         help="MiB per block in the hpkv phase (7: 128 tokens of Qwen2.5-7B)",
+    )
+    p.add_argument(
+        "--part-mib",
+        type=int,
+        default=16,
+        help="the hpkv phase's loads in parts: HPKV_PROMOTE_PART_SIZE in MiB (default 16, its default)",
+    )
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="after the hpkv phase: raw gets of its objects by 1/2/4 threads x 8/16/32/all objects a "
+        "call (plain and as the remote worker reads them) and hpkv's CRC32C rate, from node B",
     )
 
 
@@ -237,6 +250,62 @@ class _RawGets:
         self.rounds += 1
         return took
 
+    def threaded_round(self, threads: int, batch: int, multi: bool) -> float:
+        """Seconds to read every object once in calls of ``batch`` objects taken in turn by
+        ``threads`` threads (as the remote worker's getters take promotes); ``multi``: each
+        object read as the remote worker reads it, with ``batch_get_into_multi_buffers`` into
+        a 4096-byte header page and the rest (here adjacent)."""
+        parts = [list(range(i, min(i + batch, self.n))) for i in range(0, self.n, batch)]
+        todo = iter(parts)
+        lock = threading.Lock()
+        errors: list[str] = []
+        dst = self.base + self.span
+
+        def work() -> None:
+            while True:
+                with lock:
+                    part = next(todo, None)
+                if part is None:
+                    return
+                names = [self.keys[i] for i in part]
+                if multi:
+                    head = 4096
+                    ptrs = [[dst + i * self.size, dst + i * self.size + head] for i in part]
+                    sizes = [[head, self.size - head] for _ in part]
+                    rcs = self.store.batch_get_into_multi_buffers(names, ptrs, sizes)
+                else:
+                    rcs = self.store.batch_get_into(
+                        names, [dst + i * self.size for i in part], [self.size] * len(part)
+                    )
+                if any(rc != self.size for rc in rcs):
+                    errors.append(f"threads {threads} batch {batch}: {rcs[:4]}")
+
+        t0 = time.perf_counter()
+        pool = [threading.Thread(target=work) for _ in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        took = time.perf_counter() - t0
+        if errors:
+            raise RuntimeError(f"threaded batch_get_into failed: {errors[0]}")
+        return took
+
+    def crc_gbps(self, repeat: int = 3) -> float:
+        """hpkv's CRC32C (the check every promoted object gets) over the round's bytes, GB/s."""
+        from hpkv.io_workers.checksum import crc32c
+
+        view = memoryview(self.buf)[self.span :]
+        best = min(self._timed(lambda: crc32c(view)) for _ in range(repeat))
+        view.release()
+        return self.span / best / 1e9
+
+    @staticmethod
+    def _timed(fn: Any) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
     def close(self) -> None:
         self.store.batch_remove(self.keys, True)
         self.store.unregister_buffer(self.base)
@@ -253,10 +322,62 @@ def _floor(args: argparse.Namespace) -> None:
             for _ in sys.stdin:
                 print(raw.round(), flush=True)
             return
+        if args.sweep:
+            print(json.dumps(_sweep(raw, args.repeat)), flush=True)
+            return
         rates = [raw.span / raw.round() / 1e9 for _ in range(args.repeat)]
         print(json.dumps({"best": round(max(rates), 3), "rounds": [round(r, 3) for r in rates]}), flush=True)
     finally:
         raw.close()
+
+
+SWEEP_THREADS = (1, 2, 4)
+SWEEP_BATCHES = (8, 16, 32, 0)  # 0: every object in one call
+
+
+def _sweep(raw: _RawGets, repeat: int) -> dict[str, Any]:
+    """Raw gets of ``raw``'s objects by 1/2/4 threads x 8/16/32/all objects a call, plain and
+    in the remote worker's two-buffer form, each the best of ``repeat`` rounds; the reference
+    (one thread, one plain call of every object) is measured between each case and the next,
+    so each case has a ratio to a reference of the same moment (``vs_one_call``)."""
+    raw.round()  # the first round checks the bytes
+    cases = []
+    for multi in (False, True):
+        for threads in SWEEP_THREADS:
+            for b in sorted({min(batch or raw.n, raw.n) for batch in SWEEP_BATCHES}):
+                if threads > 1 and -(-raw.n // b) < threads:
+                    continue  # fewer calls than threads
+                ts, refs = [], []
+                for _ in range(repeat):
+                    refs.append(raw.threaded_round(1, raw.n, False))
+                    ts.append(raw.threaded_round(threads, b, multi))
+                cases.append(
+                    {
+                        "threads": threads,
+                        "batch": b,
+                        "multi_buffers": multi,
+                        "gbps": round(raw.span / min(ts) / 1e9, 3),
+                        "vs_one_call": round(
+                            statistics.median(t / r for t, r in zip(ts, refs, strict=True)), 3
+                        ),
+                    }
+                )
+    return {
+        "objects": raw.n,
+        "object_bytes": raw.size,
+        "repeat": repeat,
+        "cases": cases,
+        "crc32c_gbps": round(raw.crc_gbps(), 2),
+    }
+
+
+def raw_sweep(ns: Any, m: Any, object_bytes: int, count: int, repeat: int = 3) -> dict[str, Any]:
+    """:func:`_sweep` run by a pure client inside ``ns``."""
+    cmd, env = _floor_cmd(ns, m, object_bytes, count, "--repeat", str(repeat), "--sweep")
+    r = ns.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        raise RuntimeError(f"the raw batch_get_into sweep failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def _floor_cmd(
@@ -274,14 +395,26 @@ def _floor_cmd(
     return cmd, mc.client_env(ns.addr, env)
 
 
+#: A process that does what vLLM's EngineCore and its worker do while waiting for each other
+#: (shm MessageQueue readers spin on ``sched_yield`` for up to 1 s after their last read).
+SPINNER = "import os\nwhile True:\n    os.sched_yield()\n"
+
+
 def raw_get_gbps(
-    ns: Any, m: Any, object_bytes: int, count: int, repeat: int = 3, batch: int = 16
+    ns: Any, m: Any, object_bytes: int, count: int, repeat: int = 3, batch: int = 16, spinners: int = 0
 ) -> dict[str, Any]:
     """The raw ``batch_get_into`` rate of ``count`` objects of ``object_bytes``, read by a pure
     client inside ``ns`` (a namespace of :mod:`hpkv.testing.netns`, in the master ``m``'s
-    cluster): ``{"best": GB/s, "rounds": [...]}`` over ``repeat`` rounds."""
+    cluster): ``{"best": GB/s, "rounds": [...]}`` over ``repeat`` rounds. ``spinners``:
+    processes spinning on ``sched_yield`` meanwhile (:data:`SPINNER`: an engine waiting for a
+    load), stopped before it returns."""
     cmd, env = _floor_cmd(ns, m, object_bytes, count, "--repeat", str(repeat), "--batch", str(batch))
-    r = ns.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    spin = [ns.popen([sys.executable, "-c", SPINNER]) for _ in range(spinners)]
+    try:
+        r = ns.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        for p in spin:
+            ns.stop(p)
     if r.returncode != 0:
         raise RuntimeError(f"the raw batch_get_into floor failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -337,7 +470,40 @@ def _print(out: dict[str, Any]) -> None:
             f"promote: {h['vs_raw']:.2f}x the raw time (median of the pairs; target <= 1.3); publish "
             f"{h['publish_gbps']:.2f} GB/s; first lookup {h['discover_ms']} ms"
         )
+    for ld in (h or {}).get("load", {}).values():
+        how = (
+            f"in parts of >= {ld['part_mib']} MiB, each copied out of the pool while the next is read"
+            if ld["part_mib"]
+            else "in one part, then copied out of the pool"
+        )
+        print(
+            f"hpkv remote hit loaded as vLLM's connector loads it ({how}): "
+            f"{statistics.median(ld['load_s']):.3f} s, {ld['vs_raw']:.2f}x the raw time (median of the pairs)"
+        )
+    if h and h.get("sweep"):
+        _print_sweep(h["sweep"], h)
     print(f"({out['seconds']} s)")
+
+
+def _print_sweep(sw: dict[str, Any], h: dict[str, Any]) -> None:
+    """The raw gets by threads x objects a call next to the one-call floor, and what the
+    checks of a promote's bytes cost at hpkv's CRC32C rate."""
+    n, size = sw["objects"], sw["object_bytes"]
+    print(
+        f"raw gets of the {n} objects of {size} bytes from node B, best of {sw['repeat']} rounds; "
+        "vs_one_call: the median ratio to one thread reading all in one plain call, measured "
+        "right before each round"
+    )
+    print(f"{'threads':>8} {'objects/call':>13} {'form':>12} {'GB/s':>7} {'vs_one_call':>12}")
+    for c in sw["cases"]:
+        form = "hdr+slot" if c["multi_buffers"] else "plain"
+        print(f"{c['threads']:>8} {c['batch']:>13} {form:>12} {c['gbps']:>7.2f} {c['vs_one_call']:>11.2f}x")
+    verify_ms = n * size / (sw["crc32c_gbps"] * 1e9) * 1e3
+    floor_ms = n * size / (h["raw_get_gbps"] * 1e9) * 1e3
+    print(
+        f"CRC32C (hpkv's check of every promoted byte) {sw['crc32c_gbps']:.2f} GB/s: {verify_ms:.1f} ms for "
+        f"the {n} objects, {verify_ms / floor_ms:.2f}x of their raw get ({floor_ms:.1f} ms) if none overlapped"
+    )
 
 
 def _measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -390,9 +556,6 @@ def _remote_hit(
 ) -> float:
     """One promote of blocks that are remote hits (checked against ``crcs`` when given); their
     DRAM copies are dropped again after. Returns its seconds."""
-    from hpkv.protocol.wire import Tier
-
-    n = len(keys)
     t0 = time.perf_counter()
     rows = c.promote(ns_id, keys)
     took = time.perf_counter() - t0
@@ -401,13 +564,45 @@ def _remote_hit(
     if crcs is not None and [zlib.crc32(pool.array[off : off + shard].data) for off in rows[:, 0]] != crcs:
         raise RuntimeError("hpkv phase: node B's blocks differ from node A's")
     c.unpin(ns_id, keys)
+    _drop(c, ns_id, keys)
+    return took
+
+
+def _remote_load(
+    c: Any, ns_id: int, keys: list[bytes], pool: Any, shard: int, part_bytes: int, dst: Any
+) -> float:
+    """A remote hit loaded as vLLM's connector loads it (:func:`load_in_parts`: promoted in
+    parts of ``part_bytes``, one part ahead, each part copied out of the pool into ``dst``, the
+    engine's KV cache here, while the next is read). Its seconds; the DRAM copies dropped after."""
+    import numpy as np
+
+    from hpkv.connectors.promote import load_in_parts
+
+    def copy(idx: Any, offs: Any) -> bool:
+        for i, off in zip(idx, offs, strict=True):
+            dst[i * shard : (i + 1) * shard] = pool.array[off : off + shard]
+        return True
+
+    t0 = time.perf_counter()
+    ok = load_in_parts(c, ns_id, keys, np.full(len(keys), -1, np.int64), 0, shard, part_bytes, 120.0, copy)
+    took = time.perf_counter() - t0
+    if not ok.all():
+        raise RuntimeError(f"hpkv phase: {int((~ok).sum())} block(s) not loaded in parts")
+    _drop(c, ns_id, keys)
+    return took
+
+
+def _drop(c: Any, ns_id: int, keys: list[bytes]) -> None:
+    """Drop node B's DRAM copies (unpinned) until every block is a remote hit again."""
+    from hpkv.protocol.wire import Tier
+
+    n = len(keys)
     c.clear(ns_id)
     deadline = time.monotonic() + 60
     while c.lookup(ns_id, keys) != (n, [Tier.REMOTE] * n):
         if time.monotonic() > deadline:
             raise RuntimeError("hpkv phase: node B's DRAM copies were not dropped")
         time.sleep(0.01)
-    return took
 
 
 class _RawClient:
@@ -501,7 +696,7 @@ def _hpkv_phase(args: argparse.Namespace, a: Any, b: Any, m: Any) -> dict[str, A
 
     servers: list[ServerProcess] = []
     try:
-        sa = node(a, f"{2 * n * (args.block_mib + 1) + 64}m")  # hpkv's objects and the raw ones
+        sa = node(a, f"{3 * n * (args.block_mib + 1) + 64}m")  # hpkv's objects, the raw ones, room
         servers.append(sa.start())
         sb = node(b, "0", HPKV_REMOTE_LOOKUP_WAIT_MS="5000")
         servers.append(sb.start())
@@ -525,13 +720,30 @@ def _hpkv_phase(args: argparse.Namespace, a: Any, b: Any, m: Any) -> dict[str, A
             "node B's lookup to find every block",
         )
         discover_s = time.perf_counter() - t0
+        kv = np.ones(n * shard, np.uint8)  # the engine's KV cache of the loads (touched)
+        loads: dict[str, dict[str, Any]] = {}
         with _RawClient(b, m, shard + 4096, n, args.batch) as raw:
             times, raw_s = _paired(
                 args.repeat,
                 lambda r: _remote_hit(cb, nb.ns_id, keys, pb, shard, crcs if r == 0 else None),
                 raw.round,
             )
+            for name, part in (("parts", args.part_mib << 20), ("one_part", 0)):
+                lt, lr = _paired(
+                    args.repeat,
+                    lambda r, part=part: _remote_load(cb, nb.ns_id, keys, pb, shard, part, kv),
+                    raw.round,
+                )
+                loads[name] = {
+                    "part_mib": part >> 20,
+                    "load_s": [round(t, 4) for t in lt],
+                    "raw_get_s": [round(t, 4) for t in lr],
+                    "vs_raw": round(statistics.median(t / r for t, r in zip(lt, lr, strict=True)), 3),
+                }
+        if [zlib.crc32(kv[i * shard : (i + 1) * shard].data) for i in range(n)] != crcs:
+            raise RuntimeError("hpkv phase: the blocks loaded in parts differ from node A's")
         nbytes = n * shard
+        sweep = raw_sweep(b, m, shard + 4096, n, args.repeat) if args.sweep else None
         for c in (ca, cb):
             c.close()
         for p in (pa, pb):
@@ -548,6 +760,10 @@ def _hpkv_phase(args: argparse.Namespace, a: Any, b: Any, m: Any) -> dict[str, A
             "raw_get_gbps": round(n * (shard + 4096) / statistics.median(raw_s) / 1e9, 3),
             # hpkv's time for a remote hit over the same bytes' raw batch_get_into time
             "vs_raw": round(statistics.median(t / r for t, r in zip(times, raw_s, strict=True)), 3),
+            # the same blocks loaded as vLLM's connector loads them (in parts, each copied out
+            # of the pool while the next is read), and in one part, each paired with raw gets
+            "load": loads,
+            **({"sweep": sweep} if sweep else {}),
         }
     finally:
         for s in servers:

@@ -1007,6 +1007,10 @@ def remote_phases(
             count = max(1, -(-prompt_bytes // shard))
             _log(f"floor: raw batch_get_into of {count} objects of {obj} bytes from node B")
             results["remote_floor_gbps"] = raw_get_gbps(ns_b, m, obj, count)
+            # vLLM's EngineCore and its worker spin on sched_yield while they wait for each other
+            # (a load in the background included): the same floor beside one such spinner
+            _log("floor: the same beside a process spinning on sched_yield, as a waiting engine does")
+            results["remote_floor_spin_gbps"] = raw_get_gbps(ns_b, m, obj, count, spinners=1)
         finally:
             for _, _, proc in reversed(nodes):
                 proc.cleanup()
@@ -1099,6 +1103,16 @@ def _floor_columns(out: dict[str, Any], res: dict[str, Any], tier: str, hit: str
                     "dram_added_vs_floor_all_cpus": round(added / all_cpus, 3),
                 }
             )
+    spin = (res.get(f"{tier}_floor_spin_gbps") or {}).get("best")
+    if spin:  # the remote floor beside a process spinning as a waiting engine does
+        spin_ms = nbytes / (spin * 1e9) * 1000
+        out.update(
+            {
+                f"{tier}_floor_spin_gbps": res[f"{tier}_floor_spin_gbps"],
+                f"{tier}_floor_spin_ms": round(spin_ms, 1),
+                f"{tier}_added_vs_floor_spin": round(added / spin_ms, 3),
+            }
+        )
     floor = nbytes / (gbps * 1e9) * 1000
     out.update(
         {
@@ -1218,11 +1232,7 @@ def print_table(s: dict[str, Any]) -> None:
                 f"({rates} GB/s) -> {s[f'{tier}_added_vs_floor']:.3f}x the floor "
                 f"(target <= 1.3x: {'met' if s[f'{tier}_added_vs_floor'] <= 1.3 else 'NOT met'})"
             )
-            if tier == "dram" and "dram_floor_all_cpus_ms" in s:
-                print(
-                    f"    against all {s['cpus']} CPUs, as if the engine used none: floor "
-                    f"{s['dram_floor_all_cpus_ms']:.1f} ms -> {s['dram_added_vs_floor_all_cpus']:.3f}x"
-                )
+            _print_other_floors(s, tier)
     _print_remote_skipped(s)
     _print_hybrid_bytes(s)
     for label, key in (
@@ -1258,6 +1268,22 @@ def print_table(s: dict[str, Any]) -> None:
             f"{_seconds(alone['in_step'])} s; in the background {_seconds(alone['background'])} s"
         )
     _print_cold(s)
+
+
+def _print_other_floors(s: dict[str, Any], tier: str) -> None:
+    """The DRAM floor on every CPU; the remote floor beside a spinning engine."""
+    if f"{tier}_floor_spin_ms" in s:
+        print(
+            f"    the same raw gets beside one process spinning on sched_yield (as vLLM's EngineCore "
+            f"and worker do while they wait for each other): floor {s[f'{tier}_floor_spin_ms']:.1f} ms "
+            f"({_floor_rates(tier, s[f'{tier}_floor_spin_gbps'])} GB/s) -> "
+            f"{s[f'{tier}_added_vs_floor_spin']:.3f}x"
+        )
+    if tier == "dram" and "dram_floor_all_cpus_ms" in s:
+        print(
+            f"    against all {s['cpus']} CPUs, as if the engine used none: floor "
+            f"{s['dram_floor_all_cpus_ms']:.1f} ms -> {s['dram_added_vs_floor_all_cpus']:.3f}x"
+        )
 
 
 def _floor_rates(tier: str, floor: dict[str, Any]) -> str:
