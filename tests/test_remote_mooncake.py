@@ -23,6 +23,7 @@ import pytest
 
 from hpkv.client import connect
 from hpkv.common.pool import PoolFile
+from hpkv.engine.remote import PRESENT_TTL_S
 from hpkv.io_workers import kvfile, mooncake_api
 from hpkv.io_workers.kvfile import BlockId
 from hpkv.monitor.status import format_status
@@ -501,6 +502,46 @@ def test_an_object_overwritten_with_garbage_is_detected_removed_and_recomputed(t
                   env=mc.client_env(b.addr), capture_output=True, text=True, timeout=60)  # fmt: skip
         assert r.stdout.strip() == "[0]", "the corrupt object was removed from the store"
         assert "corrupt" in nb.srv.log()
+
+
+_REMOVE = """import sys
+from hpkv.testing import mooncake as mc
+local, metadata, master, name = sys.argv[1:5]
+store = mc.connect(local, metadata, master, segment=0)
+print(store.remove(name, True))
+store.close()
+"""
+
+
+def test_a_remote_hit_the_store_no_longer_holds_is_asked_about_again_and_ends_the_prefix(
+    tmp_path: Path,
+) -> None:
+    """An object another node removed (or the store evicted): a hit confirmed less than
+    PRESENT_TTL_S ago is not asked about again; an older one is, in the lookup, which then
+    ends at it, rather than its promote failing."""
+    _require()
+    with two_nodes(tmp_path) as (na, nb, m):
+        keys = block_keys(FP, [f"gone{i}".encode() for i in range(3)])
+        data = na.put(keys)
+        na.wait_remote(lambda r: r["published"] == 3, "3 blocks published by node A")
+        deadline = time.monotonic() + 20
+        while nb.c.lookup(nb.ns.ns_id, keys) != (3, [P.Tier.REMOTE] * 3):
+            assert time.monotonic() < deadline, nb.remote()
+            time.sleep(0.2)
+        asked = nb.remote()["asked"]
+        assert nb.c.lookup(nb.ns.ns_id, keys) == (3, [P.Tier.REMOTE] * 3)
+        assert nb.remote()["asked"] == asked, "a hit the store confirmed lately is not asked about again"
+        name = mooncake_api.object_key(BlockId(bytes.fromhex(FP), keys[1], 0, 1))
+        b = nb.net
+        r = b.run([sys.executable, "-c", _REMOVE, b.addr, m.metadata, m.rpc, name],
+                  env=mc.client_env(b.addr), capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 0 and r.stdout.strip() == "0", r.stderr[-2000:]
+        time.sleep(PRESENT_TTL_S + 0.5)
+        assert nb.c.lookup(nb.ns.ns_id, keys) == (1, [P.Tier.REMOTE])
+        r = nb.remote()
+        assert r["asked"] == asked + 3 and r["gone"] == 1, r
+        rows = nb.c.promote(nb.ns.ns_id, keys[:1])
+        assert nb.pool.array[rows[0][0] : rows[0][0] + SHARD].tobytes() == data[keys[0]]
 
 
 def test_a_killed_remote_worker_is_restarted_and_publishes_again(tmp_path: Path) -> None:

@@ -76,6 +76,10 @@ NEGATIVE_TTL_S = 1.0  # a key the store did not have is not asked about again fo
 # A key whose object was gone or corrupt at a get: the master lists the objects of a dead
 # segment holder for ~10 s (its client_ttl), so it is not asked about again for longer.
 GONE_TTL_S = 12.0
+# A remote hit is asked about again when the store last said it holds it longer ago than this
+# (another node's capacity eviction or remove; a dead holder's objects are listed for ~10 s
+# anyway): the lookup parks for one batched exists, rather than the promote failing.
+PRESENT_TTL_S = 10.0
 MAX_NEGATIVE = 65536  # keys remembered as missing
 PROBE_KEY = b"hpkv-probe".ljust(16, b"\0")  # the key the breaker's probe asks about (any answer will do)
 MAX_CHECK_KEYS = 64  # keys one lookup asks about
@@ -123,6 +127,7 @@ class _Check:
     found: list[int | None]
     remaining: int
     waiters: list[ParkedLookup] = field(default_factory=list)
+    verify: bool = False  # hits known here, asked again (PRESENT_TTL_S): not new keys
 
 
 @dataclass
@@ -289,31 +294,68 @@ class RemoteTier:
         tiers: list[int],
         call: ParkedLookup | None = None,
     ) -> Presence:
-        if hit >= len(keys) or self._is_down() or not self._unknown(keys[hit], time.monotonic()):
+        """Remote hits of the prefix not confirmed for PRESENT_TTL_S are asked about again (one
+        batched exists; the prefix ends at one the store no longer holds); unknown keys after
+        the prefix are asked about (found ones extend it)."""
+        if self._is_down():
             return Presence(hit)
+        now = time.monotonic()
+        due = [
+            i for i in self.catalog.to_verify(ns, keys[:hit], now, PRESENT_TTL_S) if tiers[i] == P.Tier.REMOTE
+        ]
+        pending = False
+        if due:
+            rechecks = self._ask(ns, [keys[i] for i in due[:MAX_CHECK_KEYS]], call, verify=True)
+            if rechecks and call is not None:
+                pending = True
+            elif rechecks:  # answered at its bound: a hit still being asked about is none yet
+                first = next(i for i in due if keys[i] in self._checking)
+                del tiers[first:]
+                return Presence(first, True)
+        if hit >= len(keys) or not self._unknown(keys[hit], now):
+            return Presence(hit, pending)
         running = self._checking.get(keys[hit])
         if running is None:
             if call is None or self._checks >= MAX_CHECKS:
-                return Presence(hit)
-            now = time.monotonic()
+                return Presence(hit, pending)
             ask: list[bytes] = []
             for k in keys[hit : hit + MAX_CHECK_KEYS]:
                 if not self._unknown(k, now) or k in self._checking:
                     break
                 ask.append(k)
-            running = _Check(ns, ask, [None] * len(ask), len(ask))
-            for i, k in enumerate(ask):
-                self._checking[k] = running
-                self._checks_q.append(_Job(P.LOOKUP, running, i))
-            self._checks += 1
-            self.counts["asked"] += len(ask)
-            self._dispatch()
+            running = self._start_check(ns, ask)
         if call is None:
             return Presence(hit, True)
-        running.waiters.append(call)
+        self._wait(running, call)
+        return Presence(hit, True)
+
+    def _ask(self, ns: Namespace, keys: list[bytes], call: ParkedLookup | None, verify: bool) -> bool:
+        """Ask again about hits known here (``verify``); with ``call``, park it on the checks.
+        True while a check of one of them is outstanding."""
+        running = {id(c): c for k in keys if (c := self._checking.get(k)) is not None}
+        new = [k for k in keys if k not in self._checking]
+        if new and call is not None and self._checks < MAX_CHECKS:
+            c = self._start_check(ns, new, verify)
+            running[id(c)] = c
+        if call is not None:
+            for c in running.values():
+                self._wait(c, call)
+        return bool(running)
+
+    def _start_check(self, ns: Namespace, keys: list[bytes], verify: bool = False) -> _Check:
+        check = _Check(ns, keys, [None] * len(keys), len(keys), verify=verify)
+        for i, k in enumerate(keys):
+            self._checking[k] = check
+            self._checks_q.append(_Job(P.LOOKUP, check, i))
+        self._checks += 1
+        self.counts["asked"] += len(keys)
+        self._dispatch()
+        return check
+
+    def _wait(self, check: _Check, call: ParkedLookup) -> None:
+        check.waiters.append(call)
         call.outstanding += 1
         call.deadline = max(call.deadline, time.monotonic() + self.lookup_wait)
-        return Presence(hit, True)
 
     def discover(self, ns: Namespace, keys: list[bytes], call: ParkedLookup | None = None) -> bool:
         return False  # nothing to learn at attach: presence is asked of the store per lookup
@@ -633,6 +675,17 @@ class RemoteTier:
         now = time.monotonic()
         for k in check.keys:
             self._checking.pop(k, None)
+        if check.verify:
+            self._rechecked(check, now)
+        else:
+            self._found(check, now)
+        self._checks -= 1
+        for call in check.waiters:
+            call.outstanding -= 1
+
+    def _found(self, check: _Check, now: float) -> None:
+        """Keys after a prefix asked about: those the store holds, up to the first it does not,
+        are known here (confirmed now); that first one is remembered missing."""
         for k, found in zip(check.keys, check.found, strict=True):
             if found != 1:
                 if found == 0:
@@ -640,10 +693,26 @@ class RemoteTier:
                     self._remember_missing(k, now + NEGATIVE_TTL_S)
                 break
             if self.catalog.add(check.ns, k, recent=False):
+                self.catalog.verified(k, now)
                 self.counts["found"] += 1
-        self._checks -= 1
-        for call in check.waiters:
-            call.outstanding -= 1
+
+    def _rechecked(self, check: _Check, now: float) -> None:
+        """Hits asked about again: those the store no longer holds are no hits any more (their
+        promote would fail), the others are confirmed for PRESENT_TTL_S; a failed ask proves
+        nothing either way."""
+        gone = 0
+        for k, found in zip(check.keys, check.found, strict=True):
+            if self.catalog.owner(k) is not check.ns:
+                continue
+            if found == 0 and k not in self._promoting:
+                self.catalog.forget(k)
+                self._remember_missing(k, now + NEGATIVE_TTL_S)
+                gone += 1
+            elif found == 1:
+                self.catalog.verified(k, now)
+        if gone:
+            self.counts["gone"] += gone
+            log.info("remote tier: %d known block(s) no longer in the store: forgotten", gone)
 
     def _remember_missing(self, key: bytes, until: float) -> None:
         self._missing[key] = until
@@ -657,7 +726,8 @@ class RemoteTier:
         self._evicting -= op.evicting
         self.index.set_io(b, -1)
         if op.status == 0:
-            self.catalog.add(b.ns, b.key, recent=True)
+            if self.catalog.add(b.ns, b.key, recent=True):
+                self.catalog.verified(b.key, time.monotonic())
         else:
             if op.evicting:
                 self._put_failed[b.key] = None
@@ -674,6 +744,7 @@ class RemoteTier:
         if ok:
             self.counts["loaded"] += 1
             self.catalog.touch(key)
+            self.catalog.verified(key, time.monotonic())
         else:
             if op.status == Status.CORRUPT:
                 self.counts["corrupt"] += 1

@@ -196,9 +196,12 @@ class FileCatalog:
         seen = m >> 8
         return seen == 0 or (int(now * 1000) - seen) & _STAMP_MASK >= int(VERIFY_TTL_S * 1000)
 
-    def to_verify(self, ns: Namespace, keys: list[bytes], now: float) -> list[int]:
-        """The positions in ``keys`` where :meth:`needs_verify` is true, in one native call
-        over the keys (for a lookup's whole prefix of storage hits)."""
+    def to_verify(
+        self, ns: Namespace, keys: list[bytes], now: float, ttl_s: float | None = None
+    ) -> list[int]:
+        """The positions in ``keys`` where :meth:`needs_verify` is true (seen ``ttl_s`` ago or
+        never, VERIFY_TTL_S by default), in one native call over the keys (for a lookup's whole
+        prefix of hits below)."""
         if not keys or self._ns.get(ns.ns_id) is not ns:
             return []
         flags = self._t.stale(
@@ -207,7 +210,7 @@ class FileCatalog:
             ns.ns_id,
             FILES,
             int(now * 1000) & _STAMP_MASK,
-            int(VERIFY_TTL_S * 1000),
+            int((VERIFY_TTL_S if ttl_s is None else ttl_s) * 1000),
         )
         owner = self.index.owner
         return [i for i, f in enumerate(flags) if f and owner(keys[i]) is None]
