@@ -406,6 +406,10 @@ def test_a_block_in_the_files_and_the_store_is_read_from_the_first_tier_of_the_o
                 )
                 assert st["storage"]["promotes"] >= 2 and n.remote()["loaded"] == 0
             assert st["storage"]["path"] == str(tmp_path / "files"), "the files' path, whatever the order"
+            slots = [w["slot"] for w in st["workers"]]
+            assert len(slots) == len(set(slots)), (
+                f"every worker its own stats row, whatever the order: {slots}"
+            )
         finally:
             n.close()
 

@@ -357,8 +357,11 @@ class RemoteTier:
         call.outstanding += 1
         call.deadline = max(call.deadline, time.monotonic() + self.lookup_wait)
 
-    def discover(self, ns: Namespace, keys: list[bytes], call: ParkedLookup | None = None) -> bool:
+    def learning(self, ns: Namespace) -> bool:
         return False  # nothing to learn at attach: presence is asked of the store per lookup
+
+    def discover(self, ns: Namespace, keys: list[bytes], call: ParkedLookup | None = None) -> bool:
+        return False
 
     def holds(self, ns: Namespace, key: bytes) -> bool:
         return key in self._promoting or self.catalog.owner(key) is ns

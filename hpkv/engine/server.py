@@ -316,25 +316,24 @@ class Server(OperatorCalls):
             log.info(
                 "HPKV_TIER_ORDER=%s: %s is off on this node, left out", ",".join(order), " and ".join(off)
             )
-        below: list[LowerTier] = []
-        fallback = 0
-        for name in order:
-            if not on[name]:
-                continue
-            if name == "files":
-                files = FileTier(
-                    self.cfg, self.dir, self.stats, self.index, self.lock, self.doorbell, self.pool.path
-                )
-                self.workers += files.start(list(range(self.cfg["HPKV_NUM_IO_WORKERS"])))
-                fallback = len(below)
-                below.append(files)
-            else:
-                remote = RemoteTier(
-                    self.cfg, self.dir, self.stats, self.index, self.lock, self.doorbell, self.pool.path
-                )
-                self.workers += remote.start(self._free_worker_slot())
-                below.append(remote)
-        return TierList(below, fallback=fallback)
+        # Started files first whatever the order: the IO workers take the stats rows 0..N-1,
+        # the remote worker the next free one.
+        started: dict[str, LowerTier] = {}
+        if on["files"]:
+            files = FileTier(
+                self.cfg, self.dir, self.stats, self.index, self.lock, self.doorbell, self.pool.path
+            )
+            self.workers += files.start(list(range(self.cfg["HPKV_NUM_IO_WORKERS"])))
+            started["files"] = files
+        if on["remote"]:
+            remote = RemoteTier(
+                self.cfg, self.dir, self.stats, self.index, self.lock, self.doorbell, self.pool.path
+            )
+            self.workers += remote.start(self._free_worker_slot())
+            started["remote"] = remote
+        names = [name for name in order if name in started]
+        below = [started[name] for name in names]
+        return TierList(below, fallback=names.index("files") if "files" in started else 0)
 
     def _pool_warm_progress(self, done: int) -> None:
         self.stats.glob[G.POOL_WARM] = done
@@ -697,7 +696,8 @@ class Server(OperatorCalls):
                 if hit < end - start:
                     out[start + hit] = Tier.MISS
                 pos = start + hit + 1
-            nowhere = [keys[i] for i in np.flatnonzero(out == Tier.MISS)]
+            learning = self.tiers.learning(ns)
+            nowhere = [keys[i] for i in np.flatnonzero(out == Tier.MISS)] if learning else []
             if nowhere and self.tiers.discover(ns, nowhere, call):
                 if call is not None:
                     parked = True

@@ -159,6 +159,11 @@ class LowerTier(Protocol):
         ``call`` it says ``pending`` when the key after its prefix is still being checked."""
         ...
 
+    def learning(self, ns: Namespace) -> bool:
+        """The tier is still learning what it holds of ``ns`` (its journals read after a
+        restart): a key it does not know yet may be one it holds."""
+        ...
+
     def discover(self, ns: Namespace, keys: list[bytes], call: ParkedLookup | None = None) -> bool:
         """Keys a FLAG_EACH lookup found nowhere past its leading prefix: while the tier is
         still learning what it holds of ``ns`` (after a restart), check them as
@@ -287,6 +292,9 @@ class TierList:
                 self._lookups.append(call)
             return Presence(hit, True)
         return Presence(hit, False)
+
+    def learning(self, ns: Namespace) -> bool:
+        return any(t.learning(ns) for t in self.tiers)
 
     def discover(self, ns: Namespace, keys: list[bytes], call: ParkedLookup | None = None) -> bool:
         """:meth:`LowerTier.discover` of every tier; a pending one parks ``call`` as

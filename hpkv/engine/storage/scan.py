@@ -95,6 +95,12 @@ class Scanner:
         self._threads.pop(ns.ns_id, None)
         self.done.pop(ns.ns_id, None)
 
+    def _done(self, ns: Namespace) -> None:
+        """The namespace's files are learned; not said of a released one (its id may already
+        be a new namespace's, whose scan runs)."""
+        if not ns.released:
+            self.done[ns.ns_id] = True
+
     def stop(self) -> None:
         self._stop.set()
         for t in list(self._threads.values()):
@@ -113,7 +119,7 @@ class Scanner:
             return
         found = self._add_scanned(ns, journaled)
         self.finished = True
-        self.done[ns.ns_id] = True
+        self._done(ns)
         log.info(
             "namespace %d (%s): %d block(s) from the journals (%d live) in %.2fs, no scan",
             ns.ns_id,
@@ -148,7 +154,7 @@ class Scanner:
             self._io_error("scan", exc.errno or errno.EIO, self.tree.rel_path(top))
         finally:
             self.finished = True
-            self.done[ns.ns_id] = True
+            self._done(ns)
         if self.shared is not None:
             self.shared.adopt(ns, bytes(adopted))
         log.info(

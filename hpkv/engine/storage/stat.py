@@ -60,12 +60,15 @@ def check_block(tree: StorageTree, ns: Namespace, key: bytes) -> tuple[int, OSEr
 class StatBatch:
     """The checks of one lookup. ``verify``: storage hits whose files were not seen lately
     (each checked); ``extend``: unknown keys after the prefix, checked in order until the first
-    whose files are not all there. ``results`` (key → THERE / GONE / UNKNOWN) and ``errors``
-    are written by the stat thread, read by the request loop once the batch is done."""
+    whose files are not all there; ``each``: unknown keys each checked (a FLAG_EACH lookup's
+    keys past its prefix while the journals are read). ``results`` (key → THERE / GONE /
+    UNKNOWN) and ``errors`` are written by the stat thread, read by the request loop once the
+    batch is done."""
 
     ns: Namespace
     verify: list[bytes]
     extend: list[bytes]
+    each: list[bytes] = field(default_factory=list)
     submitted: float = 0.0
     results: dict[bytes, int] = field(default_factory=dict)
     errors: list[OSError] = field(default_factory=list)
@@ -73,10 +76,14 @@ class StatBatch:
     late: bool = False  # counted once as a stat that outlived the lookup bound
 
     def checked(self) -> list[bytes]:
-        return self.verify + self.extend
+        return self.verify + self.extend + self.each
+
+    def unknown(self) -> list[bytes]:
+        """The keys nobody knew when the batch was made (``extend`` then ``each``)."""
+        return self.extend + self.each
 
     def run(self, tree: StorageTree) -> None:
-        for key in self.verify:
+        for key in self.verify + self.each:
             self.results[key], exc = check_block(tree, self.ns, key)
             if exc is not None:
                 self.errors.append(exc)

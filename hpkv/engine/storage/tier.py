@@ -330,31 +330,42 @@ class FileTier:
             self.g[G.STORAGE_LOOKUPS_BOUNDED] += 1
         return Presence(hit, unconfirmed)
 
+    def learning(self, ns: Namespace) -> bool:
+        """The namespace's journals are still read (or its directory scanned), and the mount
+        answers: a key nobody knows may be a file the catalog has not reached yet."""
+        return not self.health.degraded and not self.scanner.done.get(ns.ns_id, True)
+
     def discover(self, ns: Namespace, keys: list[bytes], call: ParkedLookup | None = None) -> bool:
         """Keys a FLAG_EACH lookup found nowhere past its leading prefix, while the namespace's
         files are still being learned (its journals read or its directory scanned after a
         restart): they may be files the catalog has not reached yet, so they are stat-ed as
         the prefix's unknown keys are (at most MAX_STAT_KEYS a lookup). Once the namespace is
         learned such keys are misses without a stat (the sliding-window rule). True while a
-        check of them is outstanding: ``call`` parked on it, or, without ``call``, the answer
-        is unconfirmed."""
-        if self.health.degraded or self.scanner.done.get(ns.ns_id, True):
+        check of them is due: ``call`` parked on it (or, when the stat threads are saturated,
+        answered at once), and without ``call`` the answer is unconfirmed: the engine asks
+        again rather than take these keys as misses."""
+        if not self.learning(ns):
             return False
         now = time.monotonic()
         todo = [k for k in keys if self.catalog.unknown(k) and not self._known_missing(k)][:MAX_STAT_KEYS]
         if not todo:
             return False
-        if call is not None:
-            return self._park_on_checks(ns, [], todo, call, now)
-        self._check(ns, [], todo)
-        return any(k in self._checking for k in todo)
+        if call is None or not self._park_on_checks(ns, [], [], call, now, each=todo):
+            self._check(ns, [], [], each=todo)  # (none when saturated: still unconfirmed)
+        return True
 
     def _park_on_checks(
-        self, ns: Namespace, verify: list[bytes], extend: list[bytes], call: ParkedLookup, now: float
+        self,
+        ns: Namespace,
+        verify: list[bytes],
+        extend: list[bytes],
+        call: ParkedLookup,
+        now: float,
+        each: list[bytes] | None = None,
     ) -> bool:
         """Start (or join) the stats of these keys and park ``call`` on them, its deadline at
         the lookup bound; False (counted) when the stat threads are saturated."""
-        batches = self._check(ns, verify, extend)
+        batches = self._check(ns, verify, extend, each)
         if not batches:
             self.g[G.STORAGE_STAT_SATURATED] += 1
             return False
@@ -400,11 +411,13 @@ class FileTier:
         del self._missing[key]
         return False
 
-    def _check(self, ns: Namespace, verify: list[bytes], extend: list[bytes]) -> list[StatBatch]:
+    def _check(
+        self, ns: Namespace, verify: list[bytes], extend: list[bytes], each: list[bytes] | None = None
+    ) -> list[StatBatch]:
         """The stat batches these keys wait on: the ones running for some of them, and one new
         batch for the rest. Empty when a new batch was needed and the pool is saturated."""
         waiting: dict[int, StatBatch] = {}
-        new_verify, new_extend = [], []
+        new_verify, new_extend, new_each = [], [], []
         for k in verify:
             b = self._checking.get(k)
             if b is not None:
@@ -417,8 +430,14 @@ class FileTier:
                 waiting[id(b)] = b
             else:
                 new_extend.append(k)
-        if new_verify or new_extend:
-            batch = StatBatch(ns, new_verify, new_extend)
+        for k in each or ():
+            b = self._checking.get(k)
+            if b is not None:
+                waiting[id(b)] = b
+            else:
+                new_each.append(k)
+        if new_verify or new_extend or new_each:
+            batch = StatBatch(ns, new_verify, new_extend, new_each)
             if not self.stats_pool.submit(batch):
                 return []
             for k in batch.checked():
@@ -466,7 +485,7 @@ class FileTier:
         missing = self._missing
         while missing and next(iter(missing.values())) <= now:
             missing.popitem(last=False)
-        for k in b.extend:
+        for k in b.unknown():
             found = b.results.get(k)
             if found == THERE:
                 if self.catalog.unknown(k) and self.catalog.add(b.ns, k, recent=True):
