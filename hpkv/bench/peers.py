@@ -1210,8 +1210,8 @@ def run_system(name: str, budget: Budget, args: argparse.Namespace, ns: list[int
 
 
 def summarize(doc: dict[str, Any]) -> dict[str, Any]:
-    """Ratios: each phase to the same system's cold; each system's many-users figures to vLLM
-    alone's and to hpkv's (same N)."""
+    """Ratios: each phase to the same system's cold; each hit's TTFT less the same system's GPU
+    hit; each system's many-users figures to vLLM alone's and to hpkv's (same N)."""
     runs = doc["systems"]
     for r in runs.values():
         ph = r.get("phases")
@@ -1219,6 +1219,15 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
             cold = statistics.mean(ph["ttft"]["cold"])
             ph["mean_s"] = {p: round(statistics.mean(t), 4) for p, t in ph["ttft"].items()}
             ph["vs_cold"] = {p: round(statistics.mean(t) / cold, 3) for p, t in ph["ttft"].items()}
+        if ph and ph["ttft"].get("gpu_hit"):
+            # a hit's own cost: its TTFT less the GPU hit's of the same run (the forward of the
+            # prompt's last token and the request's overhead), which the machine's load moves too
+            gpu = statistics.mean(ph["ttft"]["gpu_hit"])
+            ph["over_gpu_hit_s"] = {
+                p: round(statistics.mean(ph["ttft"][p]) - gpu, 4)
+                for p in ("dram_hit", "storage_hit")
+                if ph["ttft"].get(p)
+            }
     for base in ("vllm", "hpkv", "sglang-hpkv"):
         b = runs.get(base, {}).get("users")
         if not b:
@@ -1262,6 +1271,13 @@ def print_report(doc: dict[str, Any]) -> None:
                 else:
                     cells.append("n/a (no persistent tier)" if p == "storage_hit" else "-")
             print(f"{PHASE_LABELS[p]:38}" + "".join(f"{c:>30}" for c in cells))
+        for p, label in (("dram_hit", "DRAM hit"), ("storage_hit", "storage hit")):
+            over = [(r.get("phases") or {}).get("over_gpu_hit_s", {}).get(p) for r in runs.values()]
+            if any(o is not None for o in over):
+                print(
+                    f"{'  ' + label + ' - GPU hit (same run)':38}"
+                    + "".join(f"{'-' if o is None else f'{o * 1000:+.0f} ms':>30}" for o in over)
+                )
         print(
             "  prompt tokens by source (vLLM's count: prefix cache / connector / computed; SGLang's: device / "
             "host + storage / computed), per phase:"
