@@ -139,7 +139,10 @@ def test_report_ratios_to_cold_and_to_the_baseline(capsys):
     assert h["phases"]["vs_cold"] == {"cold": 1.0, "gpu_hit": 0.05, "dram_hit": 0.1, "storage_hit": 0.25}
     assert doc["systems"]["vllm"]["phases"]["vs_cold"]["dram_hit"] == 1.0
     # a hit's cost over the same run's GPU hit, the figure the machine's load moves least
-    assert h["phases"]["over_gpu_hit_s"] == {"dram_hit": pytest.approx(0.1), "storage_hit": pytest.approx(0.4)}
+    assert h["phases"]["over_gpu_hit_s"] == {
+        "dram_hit": pytest.approx(0.1),
+        "storage_hit": pytest.approx(0.4),
+    }
     assert doc["systems"]["vllm"]["phases"]["over_gpu_hit_s"] == {"dram_hit": pytest.approx(1.9)}
     assert h["users"]["4"]["vs_vllm"] == {"requests_per_s": 1.5, "ttft_p50": 0.5, "ttft_p99": 1.0}
     assert doc["systems"]["vllm"]["users"]["4"]["vs_hpkv"]["requests_per_s"] == pytest.approx(0.667)

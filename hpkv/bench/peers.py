@@ -1249,6 +1249,42 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
+def _print_phases(runs: dict[str, Any], w: dict[str, Any]) -> None:
+    print(
+        f"\n1. CT-HPKV phases: {w['requests']} prompt(s) of {w['tokens']} tokens, max_tokens=1; mean TTFT (x cold)"
+        + ("; page cache dropped before the storage phase" if w.get("drop_caches") else "")
+    )
+    print(f"{'phase':38}" + "".join(f"{LABELS[n]:>30}" for n in runs))
+    for p in PHASES:
+        cells = []
+        for r in runs.values():
+            ph = r.get("phases") or {}
+            if p in ph.get("mean_s", {}):
+                cells.append(f"{ph['mean_s'][p]:.3f}s ({ph['vs_cold'][p]:.2f}x)")
+            else:
+                cells.append("n/a (no persistent tier)" if p == "storage_hit" else "-")
+        print(f"{PHASE_LABELS[p]:38}" + "".join(f"{c:>30}" for c in cells))
+    for p, label in (("dram_hit", "DRAM hit"), ("storage_hit", "storage hit")):
+        over = [(r.get("phases") or {}).get("over_gpu_hit_s", {}).get(p) for r in runs.values()]
+        if any(o is not None for o in over):
+            print(
+                f"{'  ' + label + ' - GPU hit (same run)':38}"
+                + "".join(f"{'-' if o is None else f'{o * 1000:+.0f} ms':>30}" for o in over)
+            )
+    print(
+        "  prompt tokens by source (vLLM's count: prefix cache / connector / computed; SGLang's: device / "
+        "host + storage / computed), per phase:"
+    )
+    for name, r in runs.items():
+        ph = r.get("phases") or {}
+        cells = [
+            f"{p} {s['local_cache_hit']}/{s['external_kv_transfer']}/{s['local_compute']}"
+            + (f" tiers {ph['tiers'][p]}" if ph["tiers"].get(p) and any(ph["tiers"][p].values()) else "")
+            for p, s in ph.get("sources", {}).items()
+        ]
+        print(f"    {LABELS[name]}: " + "; ".join(cells))
+
+
 def print_report(doc: dict[str, Any]) -> None:
     w = doc["workload"]
     print(
@@ -1257,39 +1293,7 @@ def print_report(doc: dict[str, Any]) -> None:
     )
     runs = doc["systems"]
     if any(r.get("phases") for r in runs.values()):
-        print(
-            f"\n1. CT-HPKV phases: {w['requests']} prompt(s) of {w['tokens']} tokens, max_tokens=1; mean TTFT (x cold)"
-            + ("; page cache dropped before the storage phase" if w.get("drop_caches") else "")
-        )
-        print(f"{'phase':38}" + "".join(f"{LABELS[n]:>30}" for n in runs))
-        for p in PHASES:
-            cells = []
-            for r in runs.values():
-                ph = r.get("phases") or {}
-                if p in ph.get("mean_s", {}):
-                    cells.append(f"{ph['mean_s'][p]:.3f}s ({ph['vs_cold'][p]:.2f}x)")
-                else:
-                    cells.append("n/a (no persistent tier)" if p == "storage_hit" else "-")
-            print(f"{PHASE_LABELS[p]:38}" + "".join(f"{c:>30}" for c in cells))
-        for p, label in (("dram_hit", "DRAM hit"), ("storage_hit", "storage hit")):
-            over = [(r.get("phases") or {}).get("over_gpu_hit_s", {}).get(p) for r in runs.values()]
-            if any(o is not None for o in over):
-                print(
-                    f"{'  ' + label + ' - GPU hit (same run)':38}"
-                    + "".join(f"{'-' if o is None else f'{o * 1000:+.0f} ms':>30}" for o in over)
-                )
-        print(
-            "  prompt tokens by source (vLLM's count: prefix cache / connector / computed; SGLang's: device / "
-            "host + storage / computed), per phase:"
-        )
-        for name, r in runs.items():
-            ph = r.get("phases") or {}
-            cells = [
-                f"{p} {s['local_cache_hit']}/{s['external_kv_transfer']}/{s['local_compute']}"
-                + (f" tiers {ph['tiers'][p]}" if ph["tiers"].get(p) and any(ph["tiers"][p].values()) else "")
-                for p, s in ph.get("sources", {}).items()
-            ]
-            print(f"    {LABELS[name]}: " + "; ".join(cells))
+        _print_phases(runs, w)
     if any(r.get("users") for r in runs.values()):
         print(
             f"\n2. Many users: a {w['system_tokens']}-token shared system prompt, {w['turns']} turns of "
