@@ -138,11 +138,18 @@ def test_report_ratios_to_cold_and_to_the_baseline(capsys):
     h = doc["systems"]["hpkv"]
     assert h["phases"]["vs_cold"] == {"cold": 1.0, "gpu_hit": 0.05, "dram_hit": 0.1, "storage_hit": 0.25}
     assert doc["systems"]["vllm"]["phases"]["vs_cold"]["dram_hit"] == 1.0
+    # a hit's cost over the same run's GPU hit, the figure the machine's load moves least
+    assert h["phases"]["over_gpu_hit_s"] == {
+        "dram_hit": pytest.approx(0.1),
+        "storage_hit": pytest.approx(0.4),
+    }
+    assert doc["systems"]["vllm"]["phases"]["over_gpu_hit_s"] == {"dram_hit": pytest.approx(1.9)}
     assert h["users"]["4"]["vs_vllm"] == {"requests_per_s": 1.5, "ttft_p50": 0.5, "ttft_p99": 1.0}
     assert doc["systems"]["vllm"]["users"]["4"]["vs_hpkv"]["requests_per_s"] == pytest.approx(0.667)
     peers.print_report(doc)
     out = capsys.readouterr().out
     assert "0.500s (0.25x)" in out and "n/a (no persistent tier)" in out
+    assert "+1900 ms" in out and "+100 ms" in out and "+400 ms" in out
     assert "not run: lmcache: no LMCache environment" in out
     assert "1.50x" in out  # hpkv's requests/s against vLLM alone's
     json.dumps(doc)

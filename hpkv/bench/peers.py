@@ -1210,8 +1210,8 @@ def run_system(name: str, budget: Budget, args: argparse.Namespace, ns: list[int
 
 
 def summarize(doc: dict[str, Any]) -> dict[str, Any]:
-    """Ratios: each phase to the same system's cold; each system's many-users figures to vLLM
-    alone's and to hpkv's (same N)."""
+    """Ratios: each phase to the same system's cold; each hit's TTFT less the same system's GPU
+    hit; each system's many-users figures to vLLM alone's and to hpkv's (same N)."""
     runs = doc["systems"]
     for r in runs.values():
         ph = r.get("phases")
@@ -1219,6 +1219,15 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
             cold = statistics.mean(ph["ttft"]["cold"])
             ph["mean_s"] = {p: round(statistics.mean(t), 4) for p, t in ph["ttft"].items()}
             ph["vs_cold"] = {p: round(statistics.mean(t) / cold, 3) for p, t in ph["ttft"].items()}
+        if ph and ph["ttft"].get("gpu_hit"):
+            # a hit's own cost: its TTFT less the GPU hit's of the same run (the forward of the
+            # prompt's last token and the request's overhead), which the machine's load moves too
+            gpu = statistics.mean(ph["ttft"]["gpu_hit"])
+            ph["over_gpu_hit_s"] = {
+                p: round(statistics.mean(ph["ttft"][p]) - gpu, 4)
+                for p in ("dram_hit", "storage_hit")
+                if ph["ttft"].get(p)
+            }
     for base in ("vllm", "hpkv", "sglang-hpkv"):
         b = runs.get(base, {}).get("users")
         if not b:
@@ -1240,6 +1249,42 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
+def _print_phases(runs: dict[str, Any], w: dict[str, Any]) -> None:
+    print(
+        f"\n1. CT-HPKV phases: {w['requests']} prompt(s) of {w['tokens']} tokens, max_tokens=1; mean TTFT (x cold)"
+        + ("; page cache dropped before the storage phase" if w.get("drop_caches") else "")
+    )
+    print(f"{'phase':38}" + "".join(f"{LABELS[n]:>30}" for n in runs))
+    for p in PHASES:
+        cells = []
+        for r in runs.values():
+            ph = r.get("phases") or {}
+            if p in ph.get("mean_s", {}):
+                cells.append(f"{ph['mean_s'][p]:.3f}s ({ph['vs_cold'][p]:.2f}x)")
+            else:
+                cells.append("n/a (no persistent tier)" if p == "storage_hit" else "-")
+        print(f"{PHASE_LABELS[p]:38}" + "".join(f"{c:>30}" for c in cells))
+    for p, label in (("dram_hit", "DRAM hit"), ("storage_hit", "storage hit")):
+        over = [(r.get("phases") or {}).get("over_gpu_hit_s", {}).get(p) for r in runs.values()]
+        if any(o is not None for o in over):
+            print(
+                f"{'  ' + label + ' - GPU hit (same run)':38}"
+                + "".join(f"{'-' if o is None else f'{o * 1000:+.0f} ms':>30}" for o in over)
+            )
+    print(
+        "  prompt tokens by source (vLLM's count: prefix cache / connector / computed; SGLang's: device / "
+        "host + storage / computed), per phase:"
+    )
+    for name, r in runs.items():
+        ph = r.get("phases") or {}
+        cells = [
+            f"{p} {s['local_cache_hit']}/{s['external_kv_transfer']}/{s['local_compute']}"
+            + (f" tiers {ph['tiers'][p]}" if ph["tiers"].get(p) and any(ph["tiers"][p].values()) else "")
+            for p, s in ph.get("sources", {}).items()
+        ]
+        print(f"    {LABELS[name]}: " + "; ".join(cells))
+
+
 def print_report(doc: dict[str, Any]) -> None:
     w = doc["workload"]
     print(
@@ -1248,32 +1293,7 @@ def print_report(doc: dict[str, Any]) -> None:
     )
     runs = doc["systems"]
     if any(r.get("phases") for r in runs.values()):
-        print(
-            f"\n1. CT-HPKV phases: {w['requests']} prompt(s) of {w['tokens']} tokens, max_tokens=1; mean TTFT (x cold)"
-            + ("; page cache dropped before the storage phase" if w.get("drop_caches") else "")
-        )
-        print(f"{'phase':38}" + "".join(f"{LABELS[n]:>30}" for n in runs))
-        for p in PHASES:
-            cells = []
-            for r in runs.values():
-                ph = r.get("phases") or {}
-                if p in ph.get("mean_s", {}):
-                    cells.append(f"{ph['mean_s'][p]:.3f}s ({ph['vs_cold'][p]:.2f}x)")
-                else:
-                    cells.append("n/a (no persistent tier)" if p == "storage_hit" else "-")
-            print(f"{PHASE_LABELS[p]:38}" + "".join(f"{c:>30}" for c in cells))
-        print(
-            "  prompt tokens by source (vLLM's count: prefix cache / connector / computed; SGLang's: device / "
-            "host + storage / computed), per phase:"
-        )
-        for name, r in runs.items():
-            ph = r.get("phases") or {}
-            cells = [
-                f"{p} {s['local_cache_hit']}/{s['external_kv_transfer']}/{s['local_compute']}"
-                + (f" tiers {ph['tiers'][p]}" if ph["tiers"].get(p) and any(ph["tiers"][p].values()) else "")
-                for p, s in ph.get("sources", {}).items()
-            ]
-            print(f"    {LABELS[name]}: " + "; ".join(cells))
+        _print_phases(runs, w)
     if any(r.get("users") for r in runs.values()):
         print(
             f"\n2. Many users: a {w['system_tokens']}-token shared system prompt, {w['turns']} turns of "
