@@ -98,19 +98,33 @@ def test_put_get_exists_through_a_master_in_a_namespace(tmp_path: Path) -> None:
         assert out["crc"] == out["crc_put"]
 
 
+@contextlib.contextmanager
+def holding(ns: netns.Netns, m: mc.Master, prefix: str) -> Iterator[dict]:
+    """A client in ``ns`` that put 3 objects named after ``prefix`` into its own segment and
+    holds them (its answer: what it put) until the block ends; it must then exit cleanly."""
+    holder = ns.popen(
+        _client(ns, m, "--hold", "--prefix", prefix),
+        env=mc.client_env(ns.addr),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdin is not None
+    try:
+        yield json.loads(holder.stdout.readline())  # its segment is up
+    finally:
+        holder.stdin.close()  # it exits when its stdin closes (the namespace's end kills it otherwise)
+    assert holder.wait(30) == 0
+
+
 def test_objects_held_in_one_namespace_are_read_from_another_over_a_veth(tmp_path: Path) -> None:
     _require()
-    with netns.namespaces(2, veth=True) as (a, b), mc.master(a, tmp_path) as m:
-        holder = a.popen(
-            _client(a, m, "--hold", "--prefix", "shared"),
-            env=mc.client_env(a.addr),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        assert holder.stdout is not None and holder.stdin is not None
-        held = json.loads(holder.stdout.readline())
+    with (
+        netns.namespaces(2, veth=True) as (a, b),
+        mc.master(a, tmp_path) as m,
+        holding(a, m, "shared") as held,
+    ):
         assert held["put"] == [0, 0, 0]
         r = b.run(
             _client(b, m, "--no-put", "--segment", "0", "--prefix", "shared"),
@@ -124,8 +138,6 @@ def test_objects_held_in_one_namespace_are_read_from_another_over_a_veth(tmp_pat
         assert out["exists"] == [1, 1, 1, 0]
         assert out["get"] == [1 << 20] * 3
         assert out["crc"] == held["crc_put"]
-        holder.stdin.close()
-        assert holder.wait(30) == 0
 
 
 def test_the_raw_floor_beside_a_spinning_process_stops_its_spinner(tmp_path: Path) -> None:
@@ -134,25 +146,13 @@ def test_the_raw_floor_beside_a_spinning_process_stops_its_spinner(tmp_path: Pat
     from hpkv.bench.remote import raw_get_gbps
 
     _require()
-    with netns.namespaces(2, veth=True) as (a, b), mc.master(a, tmp_path) as m:
-        holder = a.popen(
-            _client(a, m, "--hold", "--prefix", "held"),
-            env=mc.client_env(a.addr),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        assert holder.stdout is not None and holder.stdin is not None
-        json.loads(holder.stdout.readline())  # its segment is up
+    with netns.namespaces(2, veth=True) as (a, b), mc.master(a, tmp_path) as m, holding(a, m, "held"):
         spinners_before = len(b.procs)
         rates = raw_get_gbps(b, m, (1 << 20) + 4096, 4, repeat=2, spinners=1)
         assert len(rates["rounds"]) == 2 and rates["best"] == max(rates["rounds"]) > 0
         started = b.procs[spinners_before:]
         assert len(started) == 1 and started[0].poll() is not None  # the spinner, stopped
         assert b.pids() == []  # nothing left in node B's namespace
-        holder.stdin.close()
-        assert holder.wait(30) == 0
 
 
 def test_bench_remote_reports_floors_for_every_object_size_and_leaves_no_namespace() -> None:
@@ -252,6 +252,13 @@ class Node:
             time.sleep(0.05)
         return r
 
+    def wait_spilled(self, n: int, timeout: float = 30.0) -> None:
+        """Until the node's file tier wrote ``n`` blocks (write-through is asynchronous)."""
+        deadline = time.monotonic() + timeout
+        while self.c.stats()["storage"]["spills"] < n:
+            assert time.monotonic() < deadline, self.srv.log()[-3000:]
+            time.sleep(0.05)
+
     def close(self) -> None:
         self.c.close()
         self.pool.close()
@@ -325,20 +332,14 @@ def test_with_files_and_the_store_a_node_hits_another_nodes_blocks_and_its_own_f
         theirs = block_keys(FP, [f"a{i}".encode() for i in range(2)])
         data = na.put(theirs)
         na.wait_remote(lambda r: r["published"] == 2, "2 blocks published by node A")
-        deadline = time.monotonic() + 30
-        while na.c.stats()["storage"]["spills"] < 2:
-            assert time.monotonic() < deadline, na.srv.log()[-3000:]
-            time.sleep(0.05)
+        na.wait_spilled(2)
         assert list((tmp_path / "a").rglob("*.kv")), "A wrote its files too"
         # node B: two blocks of its own that leave its DRAM (in its files and the store now),
         # then two it keeps in DRAM
         files = block_keys(FP, [f"b{i}".encode() for i in range(2)])
         data |= nb.put(files)
         nb.wait_remote(lambda r: r["published"] == 2, "B's 2 blocks published")
-        deadline = time.monotonic() + 30
-        while nb.c.stats()["storage"]["spills"] < 2:
-            assert time.monotonic() < deadline, nb.srv.log()[-3000:]
-            time.sleep(0.05)
+        nb.wait_spilled(2)
         assert nb.c.evict("remote-test", tier="dram")["dram"]["blocks"] == 2
         dram = block_keys(FP, [f"d{i}".encode() for i in range(2)])
         data |= nb.put(dram)
@@ -385,10 +386,7 @@ def test_a_block_in_the_files_and_the_store_is_read_from_the_first_tier_of_the_o
             keys = block_keys(FP, [f"o{i}".encode() for i in range(2)])
             data = n.put(keys)
             n.wait_remote(lambda r: r["published"] == 2, "2 blocks published")
-            deadline = time.monotonic() + 30
-            while n.c.stats()["storage"]["spills"] < 2:
-                assert time.monotonic() < deadline, n.srv.log()[-3000:]
-                time.sleep(0.05)
+            n.wait_spilled(2)
             assert n.c.evict("remote-test", tier="dram")["dram"]["blocks"] == 2
             wait_lookup(n, keys, (2, [first] * 2))  # in both tiers: a hit of the first
             rows = n.c.promote(n.ns.ns_id, keys)
