@@ -788,7 +788,10 @@ def test_the_remote_state_and_counters_in_status_top_and_prometheus(tmp_path: Pa
             assert status["state"] == "up" and status["blocks"] == 2 and status["asked"] == 1
             assert status["published"] == 2 and status["bytes_put"] == 2 * kvfile.file_size(SHARD)
             assert status["down_events"] == 0 and status["errors"] == 0
-            assert re.search(rf"^remote    {m.rpc}  UP$", human, re.M), human
+            assert (status["tier_order"], status["write_policy"]) == ("files,remote", "commit")
+            assert re.search(
+                rf"^remote    {m.rpc}  UP  \(order dram,files,remote; publish on commit\)$", human, re.M
+            ), human
             assert "puts 2" in human and "misses 1" in human and "down events 0" in human
             assert re.search(rf"^REMOTE   {m.rpc}  UP", top, re.M) and "puts 2" in top, top
             assert prom["hpkv_remote_enabled"] == 1 and prom["hpkv_remote_up"] == 1

@@ -259,6 +259,8 @@ class RemoteTier:
                 "master": self.cfg["HPKV_REMOTE_MASTER"],
                 "down_since": self._down_wall,
                 "down_reason": self._down_reason,
+                "write_policy": self.cfg["HPKV_REMOTE_WRITE_POLICY"],
+                "tier_order": ",".join(self.cfg["HPKV_TIER_ORDER"]),
             },
         }
 

@@ -55,6 +55,8 @@ def remote_summary(rt: dict) -> tuple[str, list[str]]:
         since = rt.get("down_since")
         when = time.strftime(" since %H:%M:%S", time.localtime(since)) if since else ""
         state = f"{rt.get('master') or ''}  DOWN{when}: {rt.get('down_reason') or 'the store failed'}"
+    if rt.get("tier_order") and rt.get("write_policy"):  # (from a server that says them)
+        state += f"  (order dram,{rt['tier_order']}; publish on {rt['write_policy']})"
     shown = []
     for key, label, _ in REMOTE_COUNTER_HELP:
         v = rt.get(key, 0)

@@ -492,7 +492,8 @@ def _storage_snapshot(g: np.ndarray, cat: dict[str, Any]) -> dict[str, Any]:
 
 def _remote_snapshot(g: np.ndarray, cat: dict[str, Any] | None) -> dict[str, Any] | None:
     """The remote tier's section (``storage.remote``): None when it is off. The counters are
-    live; ``master`` and ``down_since``/``down_reason`` come with the catalog."""
+    live; ``master``, ``down_since``/``down_reason``, the write policy and the tier order come
+    with the catalog."""
     state = int(g[G.REMOTE_STATE])
     if state == RemoteState.OFF:
         return None
@@ -506,5 +507,7 @@ def _remote_snapshot(g: np.ndarray, cat: dict[str, Any] | None) -> dict[str, Any
         "master": cat.get("master"),
         "down_since": cat.get("down_since") if down else None,
         "down_reason": cat.get("down_reason") if down else None,
+        "write_policy": cat.get("write_policy"),
+        "tier_order": cat.get("tier_order"),
         **{k: int(g[slot]) for k, slot in REMOTE_COUNTERS.items()},
     }
