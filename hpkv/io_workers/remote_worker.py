@@ -144,8 +144,8 @@ class RemoteStore:
         try:
             if got == mooncake_api.INVALID_PARAMS:  # an object larger than the header + slot
                 raise CorruptFile("the object is larger than the block's image")
-            if got < 0:
-                raise OSError(mooncake_api.errno_of(got), f"get of {name}: {mooncake_api.describe(got)}")
+            if got < 0:  # (a master that did not answer latches the puts, as for an exists)
+                raise self._failure(got, f"get of {name}")
             if got != kvfile.file_size(length):
                 raise CorruptFile(f"object is {got} bytes, expected {kvfile.file_size(length)}")
             payload = self.pool[offset : offset + kvfile.align_up(length)]
