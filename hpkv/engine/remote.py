@@ -302,12 +302,18 @@ class RemoteTier:
         if self._is_down():
             return Presence(hit)
         now = time.monotonic()
-        due = [
-            i for i in self.catalog.to_verify(ns, keys[:hit], now, PRESENT_TTL_S) if tiers[i] == P.Tier.REMOTE
-        ]
+        due = (
+            [
+                i
+                for i in self.catalog.to_verify(ns, keys[:hit], now, PRESENT_TTL_S)
+                if tiers[i] == P.Tier.REMOTE
+            ]
+            if P.Tier.REMOTE in tiers  # (no remote hit: no native call over the prefix)
+            else []
+        )
         pending = False
         if due:
-            rechecks = self._ask(ns, [keys[i] for i in due[:MAX_CHECK_KEYS]], call, verify=True)
+            rechecks = self._recheck(ns, [keys[i] for i in due[:MAX_CHECK_KEYS]], call)
             if rechecks and call is not None:
                 pending = True
             elif rechecks:  # answered at its bound: a hit still being asked about is none yet
@@ -331,13 +337,13 @@ class RemoteTier:
         self._wait(running, call)
         return Presence(hit, True)
 
-    def _ask(self, ns: Namespace, keys: list[bytes], call: ParkedLookup | None, verify: bool) -> bool:
-        """Ask again about hits known here (``verify``); with ``call``, park it on the checks.
-        True while a check of one of them is outstanding."""
+    def _recheck(self, ns: Namespace, keys: list[bytes], call: ParkedLookup | None) -> bool:
+        """Ask again about hits known here; with ``call``, park it on the checks. True while a
+        check of one of them is outstanding."""
         running = {id(c): c for k in keys if (c := self._checking.get(k)) is not None}
         new = [k for k in keys if k not in self._checking]
         if new and call is not None and self._checks < MAX_CHECKS:
-            c = self._start_check(ns, new, verify)
+            c = self._start_check(ns, new, verify=True)
             running[id(c)] = c
         if call is not None:
             for c in running.values():
@@ -452,8 +458,11 @@ class RemoteTier:
         if b.key in self.catalog:
             return False
         size = b.ns.slot_bytes * b.ns.world_size
+        failed_before = b.key in self._put_failed  # tried once: not again
+        if failed_before:
+            del self._put_failed[b.key]
         if (
-            (self._put_failed and self._put_failed.pop(b.key, False) is None)  # tried once: no again
+            failed_before
             or self._is_down()
             or self._spills >= MAX_QUEUED_SPILLS
             or self._evicting + size > self._evicting_limit

@@ -287,11 +287,15 @@ class TierList:
                 parked = True
         if parked:
             assert call is not None
-            # (a FLAG_EACH lookup parks once for all its runs)
-            if not any(c is call for c in self._lookups):
-                self._lookups.append(call)
+            self._park(call)
             return Presence(hit, True)
         return Presence(hit, False)
+
+    def _park(self, call: ParkedLookup) -> None:
+        """Answered by :meth:`poll` once its checks ended (a FLAG_EACH lookup parks once for
+        all its runs)."""
+        if not any(c is call for c in self._lookups):
+            self._lookups.append(call)
 
     def learning(self, ns: Namespace) -> bool:
         return any(t.learning(ns) for t in self.tiers)
@@ -302,8 +306,8 @@ class TierList:
         pending = False
         for t in self.tiers:
             pending |= t.discover(ns, keys, call)
-        if pending and call is not None and not any(c is call for c in self._lookups):
-            self._lookups.append(call)
+        if pending and call is not None:
+            self._park(call)
         return pending
 
     def _route(self, ns: Namespace, key: bytes) -> int:

@@ -417,25 +417,19 @@ class FileTier:
         """The stat batches these keys wait on: the ones running for some of them, and one new
         batch for the rest. Empty when a new batch was needed and the pool is saturated."""
         waiting: dict[int, StatBatch] = {}
-        new_verify, new_extend, new_each = [], [], []
-        for k in verify:
-            b = self._checking.get(k)
-            if b is not None:
-                waiting[id(b)] = b
-            else:
-                new_verify.append(k)
-        for k in extend:
-            b = self._checking.get(k)
-            if b is not None:
-                waiting[id(b)] = b
-            else:
-                new_extend.append(k)
-        for k in each or ():
-            b = self._checking.get(k)
-            if b is not None:
-                waiting[id(b)] = b
-            else:
-                new_each.append(k)
+
+        def not_running(keys: list[bytes]) -> list[bytes]:
+            """The keys no batch is checking; the batches checking the others are waited on."""
+            new = []
+            for k in keys:
+                b = self._checking.get(k)
+                if b is not None:
+                    waiting[id(b)] = b
+                else:
+                    new.append(k)
+            return new
+
+        new_verify, new_extend, new_each = not_running(verify), not_running(extend), not_running(each or [])
         if new_verify or new_extend or new_each:
             batch = StatBatch(ns, new_verify, new_extend, new_each)
             if not self.stats_pool.submit(batch):
