@@ -159,7 +159,7 @@ def test_bench_remote_reports_floors_for_every_object_size_and_leaves_no_namespa
     _require()
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     cmd = [sys.executable, "-m", "hpkv", "bench", "remote", "--json", "--mib", "16", "--repeat", "1"]
-    cmd += ["--samples", "5", "--blocks", "4", "--block-mib", "2", "--sweep"]
+    cmd += ["--samples", "5", "--blocks", "4", "--block-mib", "2", "--sweep", "--spinners", "1"]
     bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = bench.communicate(timeout=300)
@@ -181,10 +181,13 @@ def test_bench_remote_reports_floors_for_every_object_size_and_leaves_no_namespa
     assert h["blocks"] == 4 and len(h["promote_s"]) == len(h["raw_get_s"]) == 1 and h["promote_gbps"] > 0
     assert h["raw_get_gbps"] > 0
     assert h["vs_raw"] == pytest.approx(h["promote_s"][0] / h["raw_get_s"][0], rel=0.05)
-    # the same blocks loaded as vLLM's connector loads them, in parts and in one, each paired with raw gets
-    for name, part_mib in (("parts", 16), ("one_part", 0)):
+    assert h["spinners"] == 1  # (stopped with the phase: the namespaces' check below would see them)
+    # the same blocks loaded as vLLM's connector loads them (parts through two connections, then
+    # one), and in one part, each paired with raw gets
+    for name, part_mib, conns in (("parts", 16, 2), ("parts_one_connection", 16, 1), ("one_part", 0, 2)):
         ld = h["load"][name]
-        assert ld["part_mib"] == part_mib and len(ld["load_s"]) == len(ld["raw_get_s"]) == 1
+        assert (ld["part_mib"], ld["connections"]) == (part_mib, conns)
+        assert len(ld["load_s"]) == len(ld["raw_get_s"]) == 1
         assert ld["vs_raw"] == pytest.approx(ld["load_s"][0] / ld["raw_get_s"][0], rel=0.05)
     # --sweep: raw gets of the phase's objects by threads x objects a call, plain and in the remote
     # worker's header + slot form, each with its ratio to one call of all; hpkv's CRC32C rate

@@ -119,6 +119,25 @@ def load(
     return lost
 
 
+class Connection:
+    """One of several connections to ``store``: records the keys its promotes pinned and the
+    keys unpinned through it (the server's pins belong to the connection that made them)."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.pinned: list[bytes] = []
+        self.unpinned: list[bytes] = []
+
+    def promote(self, ns_id, keys, timeout=None):
+        rows = self.store.promote(ns_id, keys, timeout)
+        self.pinned += [k for k, row in zip(keys, rows, strict=True) if (row >= 0).all()]
+        return rows
+
+    def unpin(self, ns_id, keys):
+        self.unpinned += list(keys)
+        self.store.unpin(ns_id, keys)
+
+
 def test_parts_are_at_least_the_part_size_and_at_most_eight():
     missing = np.arange(64)
     seven_mib = 7 << 20  # Qwen2.5-7B: one 128-token block
@@ -292,4 +311,48 @@ def test_a_prefix_load_stops_after_a_part_that_came_back_short():
     assert store.promotes == [keys[0:2], keys[2:4], keys[4:6]], "part 3 was read ahead; part 4 never starts"
     assert copies == [[0, 1], [2]]
     assert ok.tolist() == [True, True, True] + [False] * 5
+    assert store.pinned() == 0
+
+
+def test_a_second_connection_reads_the_next_part_while_the_first_is_read():
+    store = Store()
+    keys, offsets = stored_blocks(store, 8)
+    first_saw_second: list[bool] = []
+    promote = store.promote
+
+    def first_part_waits(ns_id, ks, timeout=None):
+        rows = promote(ns_id, ks, timeout)
+        if list(ks) == keys[0:2]:  # ends only once the second part's promote has begun
+            with store.entered:
+                first_saw_second.append(store.entered.wait_for(lambda: len(store.promotes) >= 2, timeout=2.0))
+        return rows
+
+    store.promote = first_part_waits
+    a, b = Connection(store), Connection(store)
+    copies: list[list[int]] = []
+
+    def copy(idx, offs):
+        copies.append([int(i) for i in idx])
+        return True
+
+    ok = load_in_parts(a, NS, keys, offsets[:, 0].copy(), 0, SHARD, 2 * SHARD, 5.0, copy, ahead=b)
+    assert ok.all()
+    assert first_saw_second == [True], "two parts in flight at once"
+    assert copies == [[0, 1], [2, 3], [4, 5], [6, 7]], "copied in order"
+    assert (a.pinned, b.pinned) == (keys[0:2] + keys[4:6], keys[2:4] + keys[6:8]), "parts alternate"
+    assert sorted(a.unpinned) == sorted(a.pinned) and sorted(b.unpinned) == sorted(b.pinned)
+    assert store.pinned() == 0
+
+
+def test_a_prefix_load_read_two_parts_ahead_unpins_both_through_their_connections():
+    store = Store()
+    keys, offsets = stored_blocks(store, 8)
+    del store.blocks[(NS, keys[1])]
+    a, b = Connection(store), Connection(store)
+    ok = load_in_parts(
+        a, NS, keys, offsets[:, 0].copy(), 0, SHARD, 2 * SHARD, 5.0, lambda i, o: True, True, b
+    )
+    assert ok.tolist() == [True] + [False] * 7
+    assert len(store.promotes) == 3, "parts 2 and 3 were being read ahead when part 1 came back short"
+    assert sorted(a.unpinned) == sorted(a.pinned) and sorted(b.unpinned) == sorted(b.pinned)
     assert store.pinned() == 0

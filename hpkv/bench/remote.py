@@ -65,6 +65,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the hpkv phase's loads in parts: HPKV_PROMOTE_PART_SIZE in MiB (default 16, its default)",
     )
     p.add_argument(
+        "--spinners",
+        type=int,
+        default=0,
+        help="the hpkv phase: processes spinning on sched_yield on node B meanwhile, as vLLM's "
+        "EngineCore and worker do while a request waits for its load (default 0)",
+    )
+    p.add_argument(
         "--sweep",
         action="store_true",
         help="after the hpkv phase: raw gets of its objects by 1/2/4 threads x 8/16/32/all objects a "
@@ -409,12 +416,8 @@ def raw_get_gbps(
     processes spinning on ``sched_yield`` meanwhile (:data:`SPINNER`: an engine waiting for a
     load), stopped before it returns."""
     cmd, env = _floor_cmd(ns, m, object_bytes, count, "--repeat", str(repeat), "--batch", str(batch))
-    spin = [ns.popen([sys.executable, "-c", SPINNER]) for _ in range(spinners)]
-    try:
+    with _stopped(ns, [ns.popen([sys.executable, "-c", SPINNER]) for _ in range(spinners)]):
         r = ns.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    finally:
-        for p in spin:
-            ns.stop(p)
     if r.returncode != 0:
         raise RuntimeError(f"the raw batch_get_into floor failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -472,7 +475,8 @@ def _print(out: dict[str, Any]) -> None:
         )
     for ld in (h or {}).get("load", {}).values():
         how = (
-            f"in parts of >= {ld['part_mib']} MiB, each copied out of the pool while the next is read"
+            f"in parts of >= {ld['part_mib']} MiB, {ld['connections']} read at once, each copied out "
+            "of the pool while the next ones are read"
             if ld["part_mib"]
             else "in one part, then copied out of the pool"
         )
@@ -569,11 +573,12 @@ def _remote_hit(
 
 
 def _remote_load(
-    c: Any, ns_id: int, keys: list[bytes], pool: Any, shard: int, part_bytes: int, dst: Any
+    c: Any, ahead: Any, ns_id: int, keys: list[bytes], pool: Any, shard: int, part_bytes: int, dst: Any
 ) -> float:
     """A remote hit loaded as vLLM's connector loads it (:func:`load_in_parts`: promoted in
-    parts of ``part_bytes``, one part ahead, each part copied out of the pool into ``dst``, the
-    engine's KV cache here, while the next is read). Its seconds; the DRAM copies dropped after."""
+    parts of ``part_bytes``, two at once through ``c`` and ``ahead``, each part copied out of the
+    pool into ``dst``, the engine's KV cache here, while the next ones are read). Its seconds;
+    the DRAM copies dropped after."""
     import numpy as np
 
     from hpkv.connectors.promote import load_in_parts
@@ -584,7 +589,8 @@ def _remote_load(
         return True
 
     t0 = time.perf_counter()
-    ok = load_in_parts(c, ns_id, keys, np.full(len(keys), -1, np.int64), 0, shard, part_bytes, 120.0, copy)
+    missing = np.full(len(keys), -1, np.int64)
+    ok = load_in_parts(c, ns_id, keys, missing, 0, shard, part_bytes, 120.0, copy, ahead=ahead)
     took = time.perf_counter() - t0
     if not ok.all():
         raise RuntimeError(f"hpkv phase: {int((~ok).sum())} block(s) not loaded in parts")
@@ -635,6 +641,16 @@ class _RawClient:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.ns.stop(self.proc)
+
+
+@contextlib.contextmanager
+def _stopped(ns: Any, procs: list[Any]) -> Any:
+    """``procs`` (started in ``ns``) are stopped at the block's end."""
+    try:
+        yield
+    finally:
+        for p in procs:
+            ns.stop(p)
 
 
 def _paired(repeat: int, hit: Any, raw: Any) -> tuple[list[float], list[float]]:
@@ -700,8 +716,9 @@ def _hpkv_phase(args: argparse.Namespace, a: Any, b: Any, m: Any) -> dict[str, A
         servers.append(sa.start())
         sb = node(b, "0", HPKV_REMOTE_LOOKUP_WAIT_MS="5000")
         servers.append(sb.start())
-        ca, cb = (connect(s.cfg, spawn=False, call_timeout=120.0) for s in (sa, sb))
-        na, nb = (c.attach_namespace(fp, 1, shard, name="bench-remote") for c in (ca, cb))
+        ca, cb, cb2 = (connect(s.cfg, spawn=False, call_timeout=120.0) for s in (sa, sb, sb))
+        na, nb, nb2 = (c.attach_namespace(fp, 1, shard, name="bench-remote") for c in (ca, cb, cb2))
+        assert nb2.ns_id == nb.ns_id, "one namespace, one id on a server"
         pa, pb = (PoolFile.attach(os.path.join(s.pool_dir, P.POOL_FILE)) for s in (sa, sb))
         keys = block_keys(fp, [str(i).encode() for i in range(n)])
         rng = np.random.default_rng(0)
@@ -722,20 +739,29 @@ def _hpkv_phase(args: argparse.Namespace, a: Any, b: Any, m: Any) -> dict[str, A
         discover_s = time.perf_counter() - t0
         kv = np.ones(n * shard, np.uint8)  # the engine's KV cache of the loads (touched)
         loads: dict[str, dict[str, Any]] = {}
-        with _RawClient(b, m, shard + 4096, n, args.batch) as raw:
+        spin = [b.popen([sys.executable, "-c", SPINNER]) for _ in range(args.spinners)]
+        with _stopped(b, spin), _RawClient(b, m, shard + 4096, n, args.batch) as raw:
             times, raw_s = _paired(
                 args.repeat,
                 lambda r: _remote_hit(cb, nb.ns_id, keys, pb, shard, crcs if r == 0 else None),
                 raw.round,
             )
-            for name, part in (("parts", args.part_mib << 20), ("one_part", 0)):
+            # as the connector loads (two connections: two parts read at once), the same through
+            # one connection (one part ahead: what the second connection gains), in one part
+            variants = (
+                ("parts", args.part_mib << 20, cb2),
+                ("parts_one_connection", args.part_mib << 20, None),
+                ("one_part", 0, cb2),
+            )
+            for name, part, c2 in variants:
                 lt, lr = _paired(
                     args.repeat,
-                    lambda r, part=part: _remote_load(cb, nb.ns_id, keys, pb, shard, part, kv),
+                    lambda r, part=part, c2=c2: _remote_load(cb, c2, nb.ns_id, keys, pb, shard, part, kv),
                     raw.round,
                 )
                 loads[name] = {
                     "part_mib": part >> 20,
+                    "connections": 1 if c2 is None else 2,
                     "load_s": [round(t, 4) for t in lt],
                     "raw_get_s": [round(t, 4) for t in lr],
                     "vs_raw": round(statistics.median(t / r for t, r in zip(lt, lr, strict=True)), 3),
@@ -744,13 +770,14 @@ def _hpkv_phase(args: argparse.Namespace, a: Any, b: Any, m: Any) -> dict[str, A
             raise RuntimeError("hpkv phase: the blocks loaded in parts differ from node A's")
         nbytes = n * shard
         sweep = raw_sweep(b, m, shard + 4096, n, args.repeat) if args.sweep else None
-        for c in (ca, cb):
+        for c in (ca, cb, cb2):
             c.close()
         for p in (pa, pb):
             p.close()
         return {
             "block_mib": args.block_mib,
             "blocks": n,
+            "spinners": args.spinners,
             "publish_gbps": round(nbytes / publish_s / 1e9, 3),
             "discover_ms": round(discover_s * 1e3, 1),
             "promote_s": [round(t, 4) for t in times],

@@ -1,5 +1,5 @@
-"""Storage loads in parts: a load's blocks that only storage holds are promoted (disk → pool)
-in a few parts, one after the other on a helper thread, while the caller copies each part
+"""Storage loads in parts: a load's blocks that only storage holds are promoted (disk or remote
+store → pool) in a few parts, read ahead on helper threads, while the caller copies each part
 that has arrived (pool → the engine's KV cache or host pool). Shared by the vLLM and SGLang
 connectors."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -35,64 +35,78 @@ def promote_parts(missing: np.ndarray, shard_bytes: int, min_part_bytes: int) ->
 
 
 class PromoteAhead:
-    """Promotes the parts of a load one after the other on a thread of its own, one part ahead
-    of the caller, who copies each part while the next is read. On exit every promote that
-    was started has ended and ``promoted`` lists the keys pinned for the caller (to unpin),
-    also when a part failed or the caller stopped early."""
+    """Promotes the parts of a load on threads of their own, ahead of the caller, who copies
+    each part while the next ones are read. Part ``i`` goes through ``clients[i % depth]``
+    (a client takes one call at a time): with two clients two parts are in flight, so the
+    IO or remote workers read the next part while the server answers one and the caller
+    starts the one after (measured: with one, the workers sat idle ~25 ms per part of a
+    remote hit). On exit every promote that was started has ended and ``promoted`` lists,
+    per client, the keys it pinned for the caller (to unpin through it), also when a part
+    failed or the caller stopped early."""
 
     def __init__(
-        self, client: KvStore, ns_id: int, keys: list[bytes], parts: list[np.ndarray], timeout: float
+        self,
+        clients: Sequence[KvStore],
+        ns_id: int,
+        keys: list[bytes],
+        parts: list[np.ndarray],
+        timeout: float,
     ):
         """``timeout`` bounds all the parts' promotes together."""
-        self.client, self.ns_id, self.keys, self.parts = client, ns_id, keys, parts
+        self.clients, self.ns_id, self.keys, self.parts = list(clients), ns_id, keys, parts
         self._deadline = time.monotonic() + timeout
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: deque[tuple[np.ndarray, Future[np.ndarray]]] = deque()
-        self.promoted: list[bytes] = []
+        self._pending: deque[tuple[int, Future[np.ndarray]]] = deque()
+        self.promoted: list[list[bytes]] = [[] for _ in self.clients]
 
-    def _answered(self, part: np.ndarray, rows: np.ndarray) -> None:
-        self.promoted.extend(self.keys[i] for i, row in zip(part, rows, strict=True) if (row >= 0).all())
+    def _answered(self, i: int, rows: np.ndarray) -> None:
+        keys = self.promoted[i % len(self.clients)]
+        keys.extend(self.keys[k] for k, row in zip(self.parts[i], rows, strict=True) if (row >= 0).all())
 
     def __enter__(self) -> PromoteAhead:
-        """With several parts, starts the first part's promote (the caller copies its DRAM
+        """With several parts, starts the first parts' promotes (the caller copies its DRAM
         blocks meanwhile)."""
         if len(self.parts) > 1:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hpkv-promote")
-            self._start(self.parts[0])
+            depth = min(len(self.clients), len(self.parts))
+            self._pool = ThreadPoolExecutor(depth, thread_name_prefix="hpkv-promote")
+            for i in range(depth):
+                self._start(i)
         return self
 
     def _left(self) -> float:
         return max(0.001, self._deadline - time.monotonic())
 
-    def _start(self, part: np.ndarray) -> None:
+    def _promote(self, i: int) -> np.ndarray:
+        client = self.clients[i % len(self.clients)]
+        return client.promote(self.ns_id, [self.keys[k] for k in self.parts[i]], timeout=self._left())
+
+    def _start(self, i: int) -> None:
         assert self._pool is not None
-        keys = [self.keys[i] for i in part]
-        self._pending.append(
-            (part, self._pool.submit(self.client.promote, self.ns_id, keys, timeout=self._left()))
-        )
+        self._pending.append((i, self._pool.submit(self._promote, i)))
 
     def results(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(part, its rows) in order."""
         if self._pool is None:  # one part: no thread
-            for part in self.parts:
-                rows = self.client.promote(self.ns_id, [self.keys[i] for i in part], timeout=self._left())
-                self._answered(part, rows)
+            for i, part in enumerate(self.parts):
+                rows = self._promote(i)
+                self._answered(i, rows)
                 yield part, rows
             return
-        for nxt in [*self.parts[1:], None]:
-            part, fut = self._pending.popleft()
+        while self._pending:
+            i, fut = self._pending.popleft()
             rows = fut.result()
-            self._answered(part, rows)
-            if nxt is not None:
+            self._answered(i, rows)
+            nxt = i + len(self.clients)
+            if nxt < len(self.parts):  # its client is free again
                 self._start(nxt)
-            yield part, rows
+            yield self.parts[i], rows
 
     def __exit__(self, *exc: object) -> None:
         if self._pool is None:
             return
-        for part, fut in self._pending:  # started, never collected: its pins are ours too
+        for i, fut in self._pending:  # started, never collected: its pins are ours too
             with contextlib.suppress(Exception):
-                self._answered(part, fut.result())
+                self._answered(i, fut.result())
         self._pending.clear()
         self._pool.shutdown(wait=True)
 
@@ -108,6 +122,7 @@ def load_in_parts(
     timeout: float,
     copy: Callable[[np.ndarray, np.ndarray], bool],
     stop_after_short_part: bool = False,
+    ahead: KvStore | None = None,
 ) -> np.ndarray:
     """Copy ``keys`` out of the pool, promoting from storage those not in DRAM; per key, True
     when its copy succeeded.
@@ -118,12 +133,15 @@ def load_in_parts(
     while the first part of the others is promoted (:func:`promote_parts` of ``part_bytes``),
     each part while the next is, all on this thread; ``timeout`` bounds all the promotes.
     ``stop_after_short_part``: once a part came back with a key missing, copy nothing more and
-    start no further promote (a caller that can use only a prefix; the part already being read
-    ahead still completes, and is unpinned). The keys promoted here are unpinned before it
-    returns, also when it raises (what ``copy`` or a promote raised)."""
+    start no further promote (a caller that can use only a prefix; the parts already being read
+    ahead still complete, and are unpinned). ``ahead``: a second connection to the same server
+    and namespace (same ``ns_id``), through which every other part is promoted, so that two
+    parts are read at once (:class:`PromoteAhead`). The keys promoted here are unpinned before
+    it returns, also when it raises (what ``copy`` or a promote raised)."""
     ok = np.zeros(len(keys), bool)
     parts = promote_parts(np.flatnonzero(offsets < 0), shard_bytes, part_bytes)
-    ahead = PromoteAhead(client, ns_id, keys, parts, timeout)
+    clients = [client] if ahead is None else [client, ahead]
+    reading = PromoteAhead(clients, ns_id, keys, parts, timeout)
 
     def copy_ready(idx: np.ndarray) -> None:
         idx = idx[offsets[idx] >= 0]
@@ -131,15 +149,16 @@ def load_in_parts(
             ok[idx] = copy(idx, offsets[idx])
 
     try:
-        with ahead:
+        with reading:
             copy_ready(np.flatnonzero(offsets >= 0))
-            for part, rows in ahead.results():
+            for part, rows in reading.results():
                 offsets[part] = rows[:, rank]
                 copy_ready(part)
                 if stop_after_short_part and (rows[:, rank] < 0).any():
                     break
-    finally:
-        if ahead.promoted:  # every promote has ended (PromoteAhead's exit waits for them)
-            with contextlib.suppress(Exception):
-                client.unpin(ns_id, ahead.promoted)
+    finally:  # every promote has ended (PromoteAhead's exit waits for them)
+        for owner, promoted in zip(clients, reading.promoted, strict=True):
+            if promoted:  # pins are the connection's: released through it
+                with contextlib.suppress(Exception):
+                    owner.unpin(ns_id, promoted)
     return ok

@@ -10,8 +10,8 @@ the pool mapping once, and serves three kinds of job, each one rank's shard of o
 * PROMOTE: read the object into the pool slot, then verify it exactly as a KV file is
   verified (:meth:`KvFileIO.verify`) before the completion makes the slot readable; a
   mismatch removes the object (forced: a plain remove fails for 10 s after any get) and
-  answers E_CORRUPT. Read in batches and verified on threads of their own, one thread's
-  checks overlapping another's transfer (:class:`Getter`);
+  answers E_CORRUPT. Read in batches, one after the other, by a thread of its own, each
+  batch verified by another thread while the next one is read (:class:`Getter`);
 * LOOKUP: does the object of every rank exist? (the completion's a0: 1 or 0). Answered by a
   thread of its own (:class:`Checker`), the lookups queued at once in one ``batch_is_exist``.
 
@@ -55,10 +55,12 @@ PUT_ATTEMPTS = 3  # a put placed in a dead node's segment is tried again (placed
 # blocking ~4.3 s: the publishes queued when the master died end in moments, not minutes
 # (their blocks stay unevictable until then). The server's probes (exists) always ask.
 MASTER_DOWN_LATCH_S = 1.0
-# Promotes: GETTERS threads, each reading up to GET_BATCH objects a call and checking them
-# while another thread reads (each get reads its object's header into a page of its own).
-GETTERS = 2
-GET_BATCH = 16
+# Promotes: one thread reads up to GET_BATCH objects a call, one call after the other, while
+# another checks the batch before (each get reads its object's header into a page of its own).
+# A connector promotes a load in parts of 8 blocks of Qwen2.5-7B's shape, two at once: a batch
+# of 8 answers the first part after its own transfer, not after both parts'.
+GET_BATCH = 8
+READ_AHEAD = 2  # batches read or being checked at once (header pages: READ_AHEAD * GET_BATCH)
 
 
 def _address(buf: Any) -> int:
@@ -282,38 +284,38 @@ class Checker:
 
 
 class Getter:
-    """Answers PROMOTE jobs on :data:`GETTERS` threads of their own. Each takes the promotes
-    queued when it wakes up (at most :data:`GET_BATCH`), reads them in one
+    """Answers PROMOTE jobs on two threads of their own. The reader takes the promotes queued
+    when it wakes up (at most :data:`GET_BATCH`) and reads them in one
     ``batch_get_into_multi_buffers`` (each into a header page of its own and the pool slot),
-    then checks each object (:meth:`RemoteStore.verify`) and answers it, while another thread's
-    get is on the wire: the checks (CRC32C of every byte) overlap the transfers, and the last
-    batch's checks, the one part that cannot, are one small batch's."""
+    then the next batch; the checker checks each object of a batch read
+    (:meth:`RemoteStore.verify`) and answers it meanwhile. Transfers never overlap one another:
+    on a 2-CPU node two batch gets at once each took 1.5-2x one alone (so the first part of a
+    load waited for both), while the checks (CRC32C of every byte) run beside the next
+    transfer and only the last batch's checks add to a load."""
 
     def __init__(self, remote: RemoteStore, rt: WorkerRuntime, errors: RateLimitedLog):
         self.remote = remote
         self.rt = rt
         self.errors = errors
         self._pages: queue.SimpleQueue[tuple[ReadSlot, int]] = queue.SimpleQueue()
-        for _ in range(GETTERS * GET_BATCH):
+        for _ in range(READ_AHEAD * GET_BATCH):  # the reader waits for a page: bounded ahead
             self._pages.put(remote.header_page())
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._count = threading.Lock()  # the loaded-bytes counter, added to by every thread
-        self._threads = [
-            threading.Thread(target=self._run, name=f"get{i}", daemon=True) for i in range(GETTERS)
-        ]
-        for t in self._threads:
-            t.start()
+        self._read_q: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
+        self._reader = threading.Thread(target=self._read_loop, name="get", daemon=True)
+        self._checker = threading.Thread(target=self._check_loop, name="check", daemon=True)
+        self._reader.start()
+        self._checker.start()
 
     def put(self, d: Any) -> None:
         self._q.put(d)
 
     def close(self) -> None:
-        for _ in self._threads:
-            self._q.put(None)
-        for t in self._threads:
-            t.join()
+        self._q.put(None)
+        self._reader.join()  # it hands the checker its end after its last batch
+        self._checker.join()
 
-    def _run(self) -> None:
+    def _read_loop(self) -> None:
         done = False
         while not done:
             batch = [self._q.get()]
@@ -322,10 +324,15 @@ class Getter:
                     batch.append(self._q.get_nowait())
                 except queue.Empty:
                     break
-            done = batch[-1] is None  # this thread's end (each thread takes one None)
+            done = batch[-1] is None
             jobs = [d for d in batch if d is not None]
             if jobs:
-                self._verify(self._read(jobs))
+                self._read_q.put(self._read(jobs))
+        self._read_q.put(None)
+
+    def _check_loop(self) -> None:
+        while (items := self._read_q.get()) is not None:
+            self._verify(items)
 
     def _read(self, jobs: list[Any]) -> list[tuple[Any, BlockId, int, int, tuple[ReadSlot, int], int]]:
         todo, names, ptrs, sizes = [], [], [], []
@@ -357,8 +364,7 @@ class Getter:
         for d, block, offset, length, page, got in items:
             try:
                 nbytes = self.remote.verify(block, offset, length, page[0], got)
-                with self._count:
-                    self.rt.row[W.BYTES_LOADED] += nbytes
+                self.rt.row[W.BYTES_LOADED] += nbytes
                 self.rt.finish(d, 0, nbytes)
             except FileNotFoundError:
                 self.rt.finish(d, -errno.ENOENT, 0)

@@ -201,6 +201,7 @@ class WorkerSide:
         lost: Callable[[BaseException], None],
         promote_timeout: float | None = None,
         copy_batch_bytes: int = 0,
+        ahead: KvStore | None = None,
     ) -> None:
         """Load ``ops`` into the KV cache: promote what is not in DRAM, copy, unpin what was
         promoted for us. Blocks that could not be loaded are reported (vLLM recomputes them).
@@ -208,7 +209,8 @@ class WorkerSide:
         A large storage load is promoted in parts, each copied into the KV cache while the
         next one is read from disk; the copies stay on this thread (:func:`load_in_parts`).
         ``copy_batch_bytes`` > 0 cuts each copy into batches of about that size (of this rank's
-        shards), one after the other."""
+        shards), one after the other. ``ahead``: a second connection (same namespace id) that
+        reads every other part, two parts at once."""
         nowhere = [op for op in ops if NULL_BLOCK_ID in op.block_ids]
         if nowhere:  # a hit's block vLLM did not allocate (a state group's): recompute the request
             self._fail_loads(nowhere, "vLLM allocated no block for part of the hit (the null block)")
@@ -247,6 +249,7 @@ class WorkerSide:
                 self.promote_part_bytes,
                 promote_timeout,
                 copy,
+                ahead=ahead,
             )
         except Exception as exc:  # noqa: BLE001 - whatever failed, vLLM recomputes
             lost(exc)
@@ -395,9 +398,10 @@ def pool_dir_usage(pool_dir: str) -> str:
 
 class BackgroundLoads:
     """Loads run while the engine steps its other requests (vLLM's async KV load: those that
-    need the disk, and DRAM hits the scheduler sends here): one thread, its own hpkv
-    connection (a promote waits for the disk; the step thread's calls must not queue behind
-    it), the worker's device for the copy, in batches (``BACKGROUND_COPY_BATCH_BYTES``). Every load
+    need the disk, and DRAM hits the scheduler sends here): one thread, two hpkv connections
+    of its own (a promote waits for the disk; the step thread's calls must not queue behind
+    it; the second reads every other part of a load, :func:`load_in_parts`), the worker's
+    device for the copy, in batches (``BACKGROUND_COPY_BATCH_BYTES``). Every load
     ends, loaded or failed, within the client's bounds; the request is then reported finished
     (after its failed blocks were reported) and vLLM recomputes what failed."""
 
@@ -406,6 +410,9 @@ class BackgroundLoads:
         self._open_store = open_store
         self.ns_id = -1
         self.hpkv: Reconnecting[KvStore] = Reconnecting(f"worker rank {side.rank} loads", self._connect, log)
+        self.ahead: Reconnecting[KvStore] = Reconnecting(
+            f"worker rank {side.rank} loads ahead", self._connect_ahead, log
+        )
         self._queue: queue.SimpleQueue[LoadOp | None] = queue.SimpleQueue()
         self._finished: set[str] = set()
         self._pending = 0  # submitted, not yet finished
@@ -417,6 +424,21 @@ class BackgroundLoads:
             raise RuntimeError("background loads are not configured")
         store, self.ns_id = self._open_store()
         return store
+
+    def _connect_ahead(self) -> KvStore:
+        if self._open_store is None:
+            raise RuntimeError("background loads are not configured")
+        store, ns_id = self._open_store()
+        if ns_id != self.ns_id:  # (one server, one namespace: the same id; never expected)
+            store.close()
+            raise RuntimeError(f"the second load connection got namespace id {ns_id}, not {self.ns_id}")
+        return store
+
+    def _lost(self, exc: BaseException) -> None:
+        """A load failed on either connection: both are connected anew (which one broke is
+        not known here, and a server restart breaks both)."""
+        self.hpkv.lost(exc)
+        self.ahead.lost(exc)
 
     def submit(self, op: LoadOp) -> None:
         if self._thread is None:
@@ -435,6 +457,8 @@ class BackgroundLoads:
                 if client is None:
                     self.hpkv.connect_now(timeout=LOAD_CONNECT_TIMEOUT_S)
                     client = self.hpkv.client
+                    if client is not None and self.ahead.client is None:
+                        self.ahead.connect_now(timeout=LOAD_CONNECT_TIMEOUT_S)
                 if client is None or not self._side.enabled:
                     self._side._fail_loads([op], self._side.unavailable_reason())
                 else:
@@ -442,9 +466,10 @@ class BackgroundLoads:
                         client,
                         self.ns_id,
                         [op],
-                        self.hpkv.lost,
+                        self._lost,
                         BACKGROUND_PROMOTE_TIMEOUT_S,
                         BACKGROUND_COPY_BATCH_BYTES,
+                        ahead=self.ahead.get(),  # None (not connected yet, or lost): one part at a time
                     )
             except Exception as exc:  # noqa: BLE001 - the request must end; vLLM recomputes
                 self._side._fail_loads([op], f"background load failed: {exc}")
@@ -465,3 +490,4 @@ class BackgroundLoads:
             self._queue.put(None)
             self._thread.join(timeout=10.0)
         self.hpkv.close()
+        self.ahead.close()
