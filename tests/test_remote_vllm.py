@@ -24,7 +24,6 @@ from test_vllm_connector import (
     MODULE_PATH_FORM,
     THRESHOLD,
     assert_same_up_to_noise,
-    complete,
     complete_with,
     delta,
     letters,
@@ -68,6 +67,12 @@ def wait_remote(env: dict[str, str], cond, what: str, timeout: float = 60.0) -> 
     return r
 
 
+def by_id(srv: VllmServer, **body: object) -> tuple[str, list]:
+    """The greedy completion of PROMPT with its top logprobs keyed by token id: the tiny model's
+    byte-fallback tokens share one string ("\ufffd"), which would hide a near tie's flip."""
+    return complete_with(srv, PROMPT, return_tokens_as_token_ids=True, **body)
+
+
 def engine(model: str, env: dict[str, str], ns: netns.Netns, log: Path) -> VllmServer:
     return VllmServer(
         model,
@@ -95,9 +100,10 @@ def test_a_prompt_vllm_computed_on_node_a_is_a_remote_hit_for_vllm_on_node_b(tin
             va = engine(tiny_model, env_a, a, tmp_path / "vllm-a.log")
             try:
                 va.start().wait_ready()
-                cold_text, cold_lp = complete(va, PROMPT)  # computed; A's hpkv saves 6 blocks
-                gpu_text, gpu_lp = complete(va, PROMPT)  # A's prefix cache: the KV of a hit
-                assert gpu_text == cold_text
+                cold_text, cold_lp = by_id(va)  # computed; A's hpkv saves 6 blocks
+                gpu_text, gpu_lp = by_id(va)  # A's prefix cache: the KV of a hit
+                # (a hit's tail is computed over stored KV, a cold prefill in one pass: the tiny
+                # model's near ties may flip between the two, so cold is compared up to noise)
                 wait_remote(env_a, lambda r: r["published"] >= BLOCKS, f"{BLOCKS} blocks published by A")
             finally:
                 va.interrupt()  # Ctrl-C in A's terminal
@@ -110,7 +116,7 @@ def test_a_prompt_vllm_computed_on_node_a_is_a_remote_hit_for_vllm_on_node_b(tin
             try:
                 vb.start().wait_ready()
                 before = hpkv_loads(env_b, remote=True)
-                text_b, lp_b = complete(vb, PROMPT)
+                text_b, lp_b = by_id(vb)
                 assert delta(before, hpkv_loads(env_b, remote=True)) == {
                     "dram": 0,
                     "storage": 0,
@@ -122,11 +128,10 @@ def test_a_prompt_vllm_computed_on_node_a_is_a_remote_hit_for_vllm_on_node_b(tin
                 assert r["found"] >= BLOCKS and r["corrupt"] == 0 and r["errors"] == 0, r
                 # B's own recompute, for the same prompt (hpkv skipped: neither loaded nor saved)
                 vb.post("/reset_prefix_cache")
-                text_r, lp_r = complete_with(vb, PROMPT, kv_transfer_params={"hpkv_skip": True})
+                text_r, lp_r = by_id(vb, kv_transfer_params={"hpkv_skip": True})
             finally:
                 vb.stop()
-            assert text_b == cold_text == gpu_text == text_r
-            assert lp_b == gpu_lp, "A's KV bytes, the same computation: identical logprobs"
+            assert text_b == gpu_text and lp_b == gpu_lp, "A's KV bytes, the same computation: identical"
             assert_same_up_to_noise([(text_b, lp_b)], [(cold_text, cold_lp)])
             assert_same_up_to_noise([(text_b, lp_b)], [(text_r, lp_r)])
         finally:
