@@ -232,15 +232,19 @@ class HpkvClient:
             n = len(keys)
             return Probe(hit, self._mbox[P.MAILBOX_HALF : P.MAILBOX_HALF + n].tolist(), bool(unconfirmed))
 
-    def settled_lookup(self, ns_id: int, keys: Sequence[bytes], patience_s: float) -> tuple[int, list[int]]:
-        """A lookup asked again (every RECHECK_S) while its next key is still being checked
+    def settled_lookup(
+        self, ns_id: int, keys: Sequence[bytes], patience_s: float, *, each: bool = False
+    ) -> tuple[int, list[int]]:
+        """A lookup asked again (every RECHECK_S) while a key it needs is still being checked
         on storage, for at most ``patience_s``: for callers that may wait (not a scheduler
-        loop), such as SGLang's prefetch thread and the benches."""
+        loop), such as SGLang's prefetch thread and the benches. ``each``: answer every key
+        (:meth:`probe_each`), not only the leading ones present."""
+        probe = self.probe_each if each else self.probe
         give_up = time.monotonic() + patience_s
-        hit, tiers, unconfirmed = self.probe(ns_id, keys)
+        hit, tiers, unconfirmed = probe(ns_id, keys)
         while unconfirmed and time.monotonic() < give_up:
             time.sleep(RECHECK_S)
-            hit, tiers, unconfirmed = self.probe(ns_id, keys)
+            hit, tiers, unconfirmed = probe(ns_id, keys)
         return hit, tiers
 
     def _batches(self, ns_id: int, keys: Sequence[bytes]) -> list[Sequence[bytes]]:

@@ -68,7 +68,6 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from hpkv.client import HpkvClient, connect
-from hpkv.client.client import RECHECK_S
 from hpkv.common import shm
 from hpkv.common.layout import pages_fit
 from hpkv.common.numa import current_numa_node
@@ -451,15 +450,8 @@ class HpkvHiCacheStorage(HiCacheStorage):
         client = self._client()
         if client is None or not keys:
             return 0
-        hkeys = self._keys(keys)
-        hit = 0
         try:
-            for i in range(0, len(hkeys), MAX_KEYS_PER_CALL):
-                chunk = hkeys[i : i + MAX_KEYS_PER_CALL]
-                n, _ = client.settled_lookup(self.ns_id, chunk, self.lookup_retry_s)
-                hit += n
-                if n < len(chunk):
-                    break
+            hit = len(self._settled(client, self.ns_id, self._keys(keys)))
         except Exception as exc:  # noqa: BLE001 - hpkv trouble means a miss
             self._conn.lost(exc)
             return 0
@@ -660,32 +652,23 @@ class HpkvHiCacheStorage(HiCacheStorage):
             res[:] = False
         return res, already
 
-    # ------------------------------------------------------------------ v2 (hybrid models)
-    def _leading(self, client: HpkvClient, ns_id: int, hkeys: list[bytes]) -> int:
-        hit = 0
-        for i in range(0, len(hkeys), MAX_KEYS_PER_CALL):
-            chunk = hkeys[i : i + MAX_KEYS_PER_CALL]
-            n, _ = client.settled_lookup(ns_id, chunk, self.lookup_retry_s)
-            hit += n
-            if n < len(chunk):
-                break
-        return hit
-
-    def _present(self, client: HpkvClient, side: SidePool, keys: Sequence[str]) -> list[bool]:
-        """Whether each page of ``keys`` is in the sidecar pool's namespace (DRAM or storage); a
-        page still being checked on storage is asked about again for HPKV_STORAGE_LOOKUP_RETRY_MS."""
-        hkeys = self._keys(keys, side.fingerprint)
-        out: list[bool] = []
+    # ------------------------------------------------------------------ lookups
+    def _settled(self, client: HpkvClient, ns_id: int, hkeys: list[bytes], each: bool = False) -> list[int]:
+        """The tiers of the leading ``hkeys`` present (``each``: of every key, 0 where missing), in
+        lookups of at most MAX_KEYS_PER_CALL keys; a key still being checked on storage is asked
+        about again, for at most HPKV_STORAGE_LOOKUP_RETRY_MS in all."""
+        tiers: list[int] = []
         give_up = time.monotonic() + self.lookup_retry_s
         for i in range(0, len(hkeys), MAX_KEYS_PER_CALL):
             chunk = hkeys[i : i + MAX_KEYS_PER_CALL]
-            probe = client.probe_each(side.ns_id, chunk)
-            while probe.unconfirmed and time.monotonic() < give_up:
-                time.sleep(RECHECK_S)
-                probe = client.probe_each(side.ns_id, chunk)
-            out += [t > 0 for t in probe.tiers]
-        return out
+            patience = max(0.0, give_up - time.monotonic())
+            n, got = client.settled_lookup(ns_id, chunk, patience, each=each)
+            tiers += got
+            if n < len(chunk) and not each:
+                break
+        return tiers
 
+    # ------------------------------------------------------------------ v2 (hybrid models)
     def batch_exists_v2(
         self,
         keys: list[str],
@@ -700,7 +683,7 @@ class HpkvHiCacheStorage(HiCacheStorage):
         if client is None or not keys:
             return PoolTransferResult.empty()
         try:
-            kv = self._leading(client, self.ns_id, self._keys(keys))
+            kv = len(self._settled(client, self.ns_id, self._keys(keys)))
             hits: dict[str, int] = {PoolName.KV: kv} if kv else {}
             restorable = set(range(1, kv + 1))
             for t in pool_transfers or []:
@@ -710,7 +693,8 @@ class HpkvHiCacheStorage(HiCacheStorage):
                 if side is None or side.ns_id < 0 or t.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
                     restorable = set()
                     break
-                present = self._present(client, side, keys[:kv])
+                side_keys = self._keys(keys[:kv], side.fingerprint)
+                present = [tier > 0 for tier in self._settled(client, side.ns_id, side_keys, each=True)]
                 if t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
                     tail = max(1, len(t.keys) if t.keys else 1)
                     mine = {n for n in range(1, kv + 1) if all(present[max(0, n - tail) : n])}
