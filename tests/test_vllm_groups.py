@@ -550,6 +550,37 @@ def test_a_state_layers_padded_page_is_copied_whole():
         describe_kv(layout, {"gdn": narrow}, "/x", raw.data_ptr(), raw.numel())
 
 
+def test_a_padded_page_that_would_be_copied_past_its_memory_is_refused_at_registration():
+    """The whole-page copy of a state layer's last block takes ``page - content`` bytes past the
+    tensor's last element: describe_kv refuses a layout where those bytes are not the layer's own
+    (past the allocation, or another layer's first page), naming the sizes."""
+    import torch
+
+    from hpkv.connectors.vllm.layout import describe_kv
+
+    blocks, page, content = 4, 64, 40
+    raw = torch.zeros(2 * blocks * page, dtype=torch.int8)
+
+    def state(at: int, n: int = blocks) -> torch.Tensor:
+        return raw.as_strided((n, 1, 1, content), (page, content, content, 1), at)
+
+    def describe(layers: int, kv_caches: dict[str, torch.Tensor], size: int = raw.numel()) -> dict:
+        layout = Layout("ef" * 16, "unit", 1, BS, layers, page, (FULL, STATE))
+        return describe_kv(layout, kv_caches, "/x", raw.data_ptr(), size)
+
+    tight = (blocks - 1) * page + content  # the allocation ends at the last block's last state byte
+    with pytest.raises(ValueError, match=rf"4 pages of {page} bytes .* end at byte 256, past the shared-"):
+        describe(1, {"gdn": state(0)}, size=tight)
+    with pytest.raises(
+        ValueError, match=rf"end at byte 256, past the next layer's first page at byte {tight}"
+    ):
+        describe(2, {"gdn.0": state(0), "gdn.1": state(tight)})
+    with pytest.raises(ValueError, match=r"different block counts \[3, 4\]"):  # block 3 would pass 0's end
+        describe(2, {"gdn.0": state(0, 3), "gdn.1": state(blocks * page)})
+    kv = describe(2, {"gdn.0": state(0), "gdn.1": state(blocks * page)})
+    assert (kv["layer_bases"], kv["num_blocks"]) == ([(0, 0), (0, blocks * page)], blocks)
+
+
 def test_a_hit_whose_state_block_vllm_did_not_allocate_is_recomputed_not_run_from_no_state():
     from hpkv.connectors.vllm.metadata import LoadOp
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from hpkv.common.layout import pages_span
 from hpkv.connectors.vllm.groups import FULL, GroupNeed, group_needs
 from hpkv.protocol.keys import namespace_fingerprint
 from hpkv.protocol.model_identity import ModelIdentityError, model_identity
@@ -185,8 +186,7 @@ def describe_kv(
     layers = sorted(seen.values(), key=lambda t: t.data_ptr())
     if len(layers) != layout.num_layers:
         raise ValueError(f"{len(layers)} KV cache tensors, the namespace expects {layout.num_layers}")
-    bases, strides = [], set()
-    num_blocks = 0
+    bases, strides, block_counts = [], set(), set()
     for t in layers:
         elem = t.element_size()
         per_kernel_block = t[0].numel() * elem
@@ -209,18 +209,38 @@ def describe_kv(
                 f"unsupported KV cache tensor layout: shape {tuple(t.shape)}, strides "
                 f"{t.stride()}, page {layout.page_bytes} bytes"
             )
-        off = t.data_ptr() - base
-        if not 0 <= off < size:
-            raise ValueError("a KV cache tensor lies outside hpkv's shared-memory allocation")
-        bases.append((0, off))
+        bases.append((0, t.data_ptr() - base))
         strides.add(k * t.stride(0) * elem)  # per_kernel_block, or a padded page
-        num_blocks = t.shape[0] // k
+        block_counts.add(t.shape[0] // k)
     if len(strides) != 1:
         raise ValueError(f"KV cache layers have different block strides {sorted(strides)}")
+    if len(block_counts) != 1:
+        raise ValueError(f"KV cache layers have different block counts {sorted(block_counts)}")
+    stride, num_blocks = strides.pop(), block_counts.pop()
+    _check_pages_in_bounds([off for _, off in bases], layers, size, num_blocks, stride, layout.page_bytes)
     return dict(
         regions=[{"path": path, "size": size}],
         layer_bases=bases,
-        block_stride=strides.pop(),
+        block_stride=stride,
         page_bytes=layout.page_bytes,
         num_blocks=num_blocks,
     )
+
+
+def _check_pages_in_bounds(
+    offsets: list[int], layers: list[torch.Tensor], size: int, num_blocks: int, stride: int, page: int
+) -> None:
+    """Every page a copy takes, whole (a padded state page's padding past its tensor's last
+    element included), lies in the ``size``-byte allocation and before the next layer's first
+    page; ValueError naming the sizes otherwise (the server would refuse only the first kind, and
+    the second would copy another layer's bytes)."""
+    span = pages_span(num_blocks, stride, page)
+    ends = [*offsets[1:], size]
+    for off, end, t in zip(offsets, ends, layers, strict=True):
+        if off < 0 or off + span > end:
+            what = "the shared-memory allocation's end" if end == size else "the next layer's first page"
+            raise ValueError(
+                f"KV cache tensor of shape {tuple(t.shape)} at byte {off}: its {num_blocks} pages of "
+                f"{page} bytes (stride {stride}) end at byte {off + span}, past {what} at byte {end} "
+                f"({size}-byte allocation)"
+            )
