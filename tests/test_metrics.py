@@ -17,16 +17,11 @@ from hpkv.monitor.metrics import families, namespace_labels
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.testing.device import make_device
 from hpkv.testing.server import ServerProcess, private_env
+from hpkv.testing.vllm_server import free_port, lost_port
 
 FP = namespace_fingerprint({"model": "metrics-test"})
 PAGE, LAYERS, BLOCK_TOKENS = 4096, 4, 16
 SLOT = PAGE * LAYERS
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> str:
@@ -51,10 +46,21 @@ def value(text: str, name: str, **labels: str) -> float:
     return got[key]
 
 
+def start_with_metrics() -> tuple[ServerProcess, int]:
+    """A server with its metrics endpoint on a free port; started again on another port when the
+    one free_port picked was taken before the server bound it (it logs that and runs on without)."""
+    for _ in range(3):
+        port = free_port()
+        srv = ServerProcess(private_env(pool_size="64m", HPKV_METRICS_PORT=str(port))).start()
+        if not lost_port(srv.log()):
+            return srv, port
+        srv.cleanup()
+    raise AssertionError(f"three free ports were taken before the server bound them:\n{srv.log()}")
+
+
 @pytest.fixture
 def metrics_server():
-    port = free_port()
-    srv = ServerProcess(private_env(pool_size="64m", HPKV_METRICS_PORT=str(port))).start()
+    srv, port = start_with_metrics()
     try:
         yield srv, port
     finally:
@@ -275,3 +281,18 @@ def test_a_degraded_storage_tier_and_its_counters_are_exported():
     assert value(text, "hpkv_storage_promote_timeouts_total") == 0
     ok = _exposition(_snapshot(storage={**storage, "state": "ok"}))
     assert value(ok, "hpkv_storage_degraded") == 0
+
+
+def test_the_metrics_fixture_moves_to_another_port_when_its_first_was_taken(monkeypatch):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        taken = busy.getsockname()[1]
+        picks = iter([taken, free_port()])
+        monkeypatch.setitem(globals(), "free_port", lambda: next(picks))  # what start_with_metrics calls
+        srv, port = start_with_metrics()
+        try:
+            assert port != taken
+            assert "hpkv_pool_capacity_bytes" in scrape(port)
+        finally:
+            srv.cleanup()

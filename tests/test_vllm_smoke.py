@@ -106,10 +106,11 @@ if args.mode == "crash":
 
 # A child that ignores SIGTERM, and a grandchild that will be orphaned.
 stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
-subprocess.Popen([sys.executable, "-c", stubborn])
-subprocess.Popen([sys.executable, "-c",
-    "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
-    "time.sleep(600)"])
+if args.mode != "childless":
+    subprocess.Popen([sys.executable, "-c", stubborn])
+    subprocess.Popen([sys.executable, "-c",
+        "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        "time.sleep(600)"])
 
 def on_term(*_):
     print("fake server: SIGTERM, leaving my children behind", flush=True)
@@ -184,3 +185,33 @@ def test_restart_reuses_port(fake_vllm: dict[str, str], tmp_path: Path) -> None:
     finally:
         srv.stop(timeout=4)
     assert srv.leftover_processes() == []
+
+
+@pytest.mark.timeout(120)
+def test_a_port_taken_before_the_server_binds_it_is_traded_for_another(
+    fake_vllm: dict[str, str], tmp_path: Path
+) -> None:
+    """free_port's port is free when picked, not when the server binds it: a server that lost it
+    starts again on another; one whose port the caller gave fails (never a silent move)."""
+    childless = ["--mode", "childless"]
+    srv = VllmServer("unused-model", extra_args=childless, env=fake_vllm, log_path=tmp_path / "taken.log")
+    with socket.socket() as squatter:  # another process binds the port first
+        squatter.bind((srv.host, srv.port))
+        squatter.listen(1)
+        taken = srv.port
+        try:
+            srv.start().wait_ready(30)
+            assert srv.port != taken and srv.get("/health").status_code == 200
+            assert srv.log_path.read_text().count("=== start:") == 2
+        finally:
+            srv.stop(timeout=4)
+        given = VllmServer(
+            "unused-model", extra_args=childless, env=fake_vllm, port=taken, log_path=tmp_path / "given.log"
+        )
+        try:
+            with pytest.raises(VllmServerError, match="Address already in use"):
+                given.start().wait_ready(30)
+            assert given.port == taken
+        finally:
+            given.stop(timeout=4)
+    assert srv.leftover_processes() == given.leftover_processes() == []

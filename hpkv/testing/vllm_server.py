@@ -15,6 +15,7 @@ machine: ``VLLM_CPU_KVCACHE_SPACE=2`` and ``--gpu-memory-utilization 0.3``.
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import os
 import signal
@@ -42,10 +43,17 @@ class VllmServerError(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that is free right now (the OS picks it)."""
+    """A TCP port on ``host`` that is free right now (the OS picks it). Another process may take
+    it before the server handed it binds it: see :func:`lost_port` and :attr:`VllmServer.port_tries`."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def lost_port(log: str) -> bool:
+    """A server's log (since its start) says a port was taken before the server could bind it
+    (EADDRINUSE: vLLM's OSError, uvicorn's for SGLang, the hpkv metrics endpoint's error)."""
+    return os.strerror(errno.EADDRINUSE).lower() in log.lower()
 
 
 SHM_DIR = "/dev/shm"
@@ -109,6 +117,9 @@ class VllmServer:
     #: also after Ctrl-C): :meth:`stop` removes those that appeared while it ran and that no
     #: live process maps.
     leaked_shm_prefixes: tuple[str, ...] = ("vllm_dist_",)
+    #: Starts on a new port when the one :func:`free_port` picked was taken before the server
+    #: bound it (another test's server, any process). A port the caller gave is never replaced.
+    port_tries = 3
 
     def __init__(
         self,
@@ -135,6 +146,7 @@ class VllmServer:
         self.extra_env = {str(k): str(v) for k, v in (env or {}).items()}
         self.host = host
         self.port = port if port is not None else free_port(host)
+        self._own_port = port is None  # picked here: wait_ready may pick another if it is taken
         self.max_model_len = max_model_len
         self.dtype = dtype
         self.gpu_memory_utilization = gpu_memory_utilization
@@ -263,6 +275,10 @@ class VllmServer:
         text = data.decode("utf-8", errors="replace")
         return "\n".join(text.splitlines()[-lines:])
 
+    def _lost_port(self) -> bool:
+        """This start's log says the port was taken (see :func:`lost_port`)."""
+        return lost_port(self.log_tail().rsplit("=== start:", 1)[-1])
+
     def process_tree(self) -> list[psutil.Process]:
         """The server process and all its live descendants (also recorded in ``seen_pids``)."""
         if self.proc is None:
@@ -302,13 +318,21 @@ class VllmServer:
         return self
 
     def wait_ready(self, timeout: float | None = None, poll_s: float = 1.0) -> VllmServer:
-        """Poll ``/health`` every ``poll_s`` until it answers 200; raise early if the process exits."""
+        """Poll ``/health`` every ``poll_s`` until it answers 200; raise early if the process exits
+        (unless it lost the port it was handed: then it starts again on another)."""
         if self.proc is None:
             raise VllmServerError("vLLM server was not started; call start() first")
         timeout = self.ready_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
+        tries = 1
         while True:
             rc = self.proc.poll()
+            if rc is not None and self._own_port and tries < self.port_tries and self._lost_port():
+                tries += 1
+                self.stop(timeout=30.0)
+                self.port = free_port(self.host)
+                self.start()
+                continue
             if rc is not None:
                 raise VllmServerError(
                     f"vLLM server exited with code {rc} before it became ready "
