@@ -276,8 +276,9 @@ class VllmServer:
         return "\n".join(text.splitlines()[-lines:])
 
     def _lost_port(self) -> bool:
-        """This start's log says the port was taken (see :func:`lost_port`)."""
-        return lost_port(self.log_tail().rsplit("=== start:", 1)[-1])
+        """This start's log says the port was taken (see :func:`lost_port`). All of it: SGLang
+        binds after loading the model and logs some 70 lines of shutdown after the error."""
+        return lost_port(self.log_tail(lines=100_000).rsplit("=== start:", 1)[-1])
 
     def process_tree(self) -> list[psutil.Process]:
         """The server process and all its live descendants (also recorded in ``seen_pids``)."""
