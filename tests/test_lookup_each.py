@@ -68,11 +68,8 @@ def test_each_key_is_answered_from_the_files_and_after_a_restart(tmp_path):
     with running(private_env(pool_size="64m", storage=str(tmp_path), **slow_ok)) as srv:
         c = connect(srv.cfg, spawn=False, call_timeout=30.0)
         ns = c.attach_namespace(w.fp, 1, 4096, name="storage-test")
-        deadline = time.monotonic() + 30  # the journals' blocks are checked on their first hit
-        while (p := c.probe_each(ns.ns_id, keys)).unconfirmed:
-            assert time.monotonic() < deadline, "still unconfirmed after 30 s"
-            time.sleep(0.05)
-        assert p == (3, [t and S for t in want], False)
+        # the journals' blocks are checked on their first hit: asked again until they are settled
+        assert c.settled_lookup(ns.ns_id, keys, 30.0, each=True) == (3, [t and S for t in want])
         c.close()
 
 
@@ -98,11 +95,9 @@ def test_each_key_is_answered_while_the_journals_are_still_read(tmp_path):
     with running(private_env(pool_size="64m", storage=str(tmp_path))) as srv:
         c = connect(srv.cfg, spawn=False, call_timeout=30.0)
         ns = c.attach_namespace(w.fp, 1, 4096, name="storage-test")
-        p = c.probe_each(ns.ns_id, keys)  # the journals take about a second to read here
-        deadline = time.monotonic() + 30
-        while p.unconfirmed:
-            assert time.monotonic() < deadline, "still unconfirmed after 30 s"
-            time.sleep(0.05)
-            p = c.probe_each(ns.ns_id, keys)
-        assert p == (3, [0 if i in absent else S for i in range(n)], False)
+        # the journals take about a second to read here: a key not reached yet is asked again
+        assert c.settled_lookup(ns.ns_id, keys, 30.0, each=True) == (
+            3,
+            [0 if i in absent else S for i in range(n)],
+        )
         c.close()
