@@ -62,7 +62,15 @@ import numpy as np
 from hpkv.config import Config, ConfigError
 from hpkv.engine.index import Block, Index, Namespace
 from hpkv.engine.storage.catalog import FileCatalog
-from hpkv.engine.tiers import Client, ParkedLookup, ParkedPromote, Presence, PromoteAnswer, settle_waiters
+from hpkv.engine.tiers import (
+    CatalogTier,
+    Client,
+    ParkedLookup,
+    ParkedPromote,
+    Presence,
+    PromoteAnswer,
+    settle_waiters,
+)
 from hpkv.engine.workers import WorkerProcess
 from hpkv.io_workers import kvfile
 from hpkv.protocol import wire as P
@@ -159,7 +167,7 @@ class _Counts:
         self._g[REMOTE_COUNTERS[name]] = value
 
 
-class RemoteTier:
+class RemoteTier(CatalogTier):
     name = "storage"
 
     def __init__(
@@ -370,9 +378,6 @@ class RemoteTier:
 
     def discover(self, ns: Namespace, keys: list[bytes], call: ParkedLookup | None = None) -> bool:
         return False
-
-    def holds(self, ns: Namespace, key: bytes) -> bool:
-        return key in self._promoting or self.catalog.owner(key) is ns
 
     def _unknown(self, key: bytes, now: float) -> bool:
         if not self.catalog.unknown(key):

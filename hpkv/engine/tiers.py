@@ -22,12 +22,15 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
 from hpkv.engine.index import Block, Index, Namespace
 from hpkv.protocol.stats import NsCounter
+
+if TYPE_CHECKING:
+    from hpkv.engine.storage.catalog import FileCatalog
 
 
 class Client(Protocol):
@@ -233,6 +236,18 @@ class LowerTier(Protocol):
     def shutdown(self) -> None:
         """Stop the tier's threads and close its rings (the server stopped its workers)."""
         ...
+
+
+class CatalogTier:
+    """What every tier here shares: the keys it holds are its catalog's (``catalog``), and the
+    reads of them into the pool that are running are ``_promoting`` (key -> the tier's op)."""
+
+    catalog: FileCatalog
+    _promoting: dict[bytes, Any]
+
+    def holds(self, ns: Namespace, key: bytes) -> bool:
+        """:meth:`LowerTier.holds`: the catalog has ``ns``'s ``key``, or a read of it runs."""
+        return key in self._promoting or self.catalog.owner(key) is ns
 
 
 class _Joint(NamedTuple):

@@ -32,7 +32,15 @@ import numpy as np
 
 from hpkv.engine.index import Block, Index, Namespace
 from hpkv.engine.storage.catalog import FileCatalog
-from hpkv.engine.tiers import Client, ParkedLookup, ParkedPromote, Presence, PromoteAnswer, settle_waiters
+from hpkv.engine.tiers import (
+    CatalogTier,
+    Client,
+    ParkedLookup,
+    ParkedPromote,
+    Presence,
+    PromoteAnswer,
+    settle_waiters,
+)
 from hpkv.protocol.stats import NsCounter
 from hpkv.protocol.wire import Tier
 
@@ -55,7 +63,7 @@ class _Check:
     waiters: list[ParkedLookup] = field(default_factory=list)
 
 
-class MemoryTier:
+class MemoryTier(CatalogTier):
     name = "storage"
     degraded = False
 
@@ -153,9 +161,6 @@ class MemoryTier:
 
     def _learn(self, ns: Namespace, key: bytes) -> bool:
         return self.catalog.unknown(key) and key in self.medium and self.catalog.add(ns, key)
-
-    def holds(self, ns: Namespace, key: bytes) -> bool:
-        return key in self._promoting or self.catalog.owner(key) is ns
 
     def promote(
         self, client: Client, seq: int, ns: Namespace, keys: list[bytes], timeout: float

@@ -51,7 +51,15 @@ from hpkv.engine.storage.scan import Scanner
 from hpkv.engine.storage.shared import SharedDir
 from hpkv.engine.storage.stat import GONE, THERE, StatBatch, StatPool
 from hpkv.engine.storage.upkeep import IoErrorLog, Upkeep, unlink_quietly
-from hpkv.engine.tiers import Client, ParkedLookup, ParkedPromote, Presence, PromoteAnswer, settle_waiters
+from hpkv.engine.tiers import (
+    CatalogTier,
+    Client,
+    ParkedLookup,
+    ParkedPromote,
+    Presence,
+    PromoteAnswer,
+    settle_waiters,
+)
 from hpkv.engine.workers import WorkerProcess
 from hpkv.io_workers import kvfile
 from hpkv.io_workers.tree import StorageTree
@@ -78,7 +86,7 @@ GONE_STATUSES = (-errno.ENOENT, -errno.ESTALE)  # a promote's file vanished: gon
 SLOW_IO_S = 5.0  # an IO job (spill or promote) outstanding this long marks the tier degraded
 
 
-class FileTier:
+class FileTier(CatalogTier):
     """The file tier as the server drives it (see the module docstring)."""
 
     name = "storage"
@@ -916,6 +924,3 @@ class FileTier:
 
     def promoting(self, key: bytes) -> bool:
         return key in self._promoting
-
-    def holds(self, ns: Namespace, key: bytes) -> bool:
-        return key in self._promoting or self.catalog.owner(key) is ns
