@@ -628,9 +628,10 @@ KEYS: dict[str, Key] = {
             _choice_parser("commit", "evict"),
             "commit or evict",
             "when a block is published to the remote store: `commit`, as soon as it is committed "
-            "(write-through); `evict`, when the DRAM pool evicts it (its slots wait for the put, at most a "
-            "quarter of the pool at once; beyond that, or while the store is down, the block is evicted "
-            "unpublished, counted as dropped). A block the store holds already is not published again",
+            "(write-through); `evict`, when the DRAM pool evicts it (its slots wait for the put, the "
+            "allocation takes the next victim; at most a quarter of the pool waits at once: beyond that, "
+            "or while the store is down, the victim is evicted unpublished, counted as dropped and logged "
+            "once). A block the store holds already is not published again",
         ),
         Key(
             "HPKV_TIER_ORDER",

@@ -18,10 +18,11 @@ this is the server's side of it, under the server's lock, and it never waits on 
   a committed block is not published then: it is evictable at once, and when the pool picks
   it as a victim (:attr:`Index.before_evict`) it is published instead of evicted (its slots
   unevictable until the put ended, then the next to go, the store holding it); the
-  allocation takes the next victim meanwhile, never waiting. At most a quarter of the pool
-  waits for such puts (and :data:`MAX_QUEUED_SPILLS` blocks); beyond that, or while the store
-  is down, the victim is evicted unpublished (counted in ``dropped``), and so is a victim
-  whose put failed (the failure counted in ``errors``) at its next turn.
+  allocation takes the next victim meanwhile, never waiting. An allocation that meets only
+  victims not yet published thus starts their puts until a quarter of the pool waits for
+  them, then evicts the next one unpublished (it needs a slot now): counted in ``dropped``,
+  logged once. So is a victim while the store is down, and one whose put failed (the failure
+  counted in ``errors``) at its next turn.
 
 Which keys the store holds (as far as this node knows) is a
 :class:`~hpkv.engine.storage.catalog.FileCatalog` of its own (``Tier.REMOTE``), the index's
@@ -194,7 +195,10 @@ class RemoteTier(CatalogTier):
         # HPKV_REMOTE_WRITE_POLICY=evict: blocks are published when the pool evicts them
         self.on_evict = cfg["HPKV_REMOTE_WRITE_POLICY"] == "evict"
         self._evicting = 0  # pool bytes of victims waiting for their publish
+        # Victims waiting for their put hold at most this much of the pool; no count bound
+        # (MAX_QUEUED_SPILLS, write-through's: it evicted 1 victim in 257 unpublished in a burst)
         self._evicting_limit = index.alloc.capacity // 4
+        self._told_bound = False  # that bound was met (logged once)
         self._put_failed: OrderedDict[bytes, None] = OrderedDict()  # victims whose publish failed
         if self.on_evict:
             index.before_evict = self._publish_victim
@@ -459,21 +463,27 @@ class RemoteTier(CatalogTier):
         """:attr:`Index.before_evict` under HPKV_REMOTE_WRITE_POLICY=evict: publish the pool's
         victim ``b`` first (True: its slots stay until the put ended), unless the store holds
         it already (evicted now: False), or, counted as dropped, its put failed before, the
-        store is down or the puts of victims are at their bound (evicted now, unpublished)."""
+        store is down or the victims' puts hold a quarter of the pool (evicted now, unpublished)."""
         if b.key in self.catalog:
             return False
         size = b.ns.slot_bytes * b.ns.world_size
         failed_before = b.key in self._put_failed  # tried once: not again
         if failed_before:
             del self._put_failed[b.key]
-        if (
-            failed_before
-            or self._is_down()
-            or self._spills >= MAX_QUEUED_SPILLS
-            or self._evicting + size > self._evicting_limit
-            or b.ns.ns_id not in self._ns_raw
-        ):
+        if failed_before or self._is_down() or b.ns.ns_id not in self._ns_raw:
             self.counts["dropped"] += 1
+            return False
+        if self._evicting + size > self._evicting_limit:
+            # every victim this allocation met before waits for its put, and it needs a slot
+            # now: this one goes unpublished (the bound that keeps the pool from waiting)
+            self.counts["dropped"] += 1
+            if not self._told_bound:
+                self._told_bound = True
+                log.warning(
+                    "remote tier: victims waiting for their publish hold a quarter of the pool "
+                    "(%d bytes): a victim was evicted unpublished (counted in dropped; logged once)",
+                    self._evicting,
+                )
             return False
         self._evicting += size
         self._start_publish(b, evicting=size)

@@ -1,0 +1,112 @@
+"""The remote tier's rules on the server's side (:class:`hpkv.engine.remote.RemoteTier`), in
+process: a fake remote worker takes its jobs from the request ring and answers them as the
+real one does, so what the store cannot be made to do on demand (a burst of evictions, a
+catalog of many keys, a holder that died mid-promote) is exercised here without Mooncake."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hpkv.config import load_config
+from hpkv.engine.index import Index, Namespace
+from hpkv.engine.remote import MAX_QUEUED_SPILLS, RemoteTier
+from hpkv.protocol import wire as P
+from hpkv.protocol.keys import block_keys, namespace_fingerprint
+from hpkv.protocol.stats import StatsSegment
+from hpkv.ring.desc import Desc
+
+FP = namespace_fingerprint({"model": "remote-tier"})
+SLOT = 4096
+
+
+class FakeWorker:
+    """The remote worker's rings: jobs pushed are kept (seq -> kind), answers are popped."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[int, int] = {}
+        self.answers: list[Desc] = []
+        self.depth = 0
+
+    # the request ring
+    def try_push(self, kind: int, seq: int, *args: Any, flags: int = 0) -> bool:
+        self.jobs[seq] = kind
+        return True
+
+    # the response ring
+    def try_pop(self) -> Desc | None:
+        return self.answers.pop(0) if self.answers else None
+
+    def close(self) -> None:
+        pass
+
+    def answer(self, kind: int, status: int = 0, a0: int = 1, flags: int = 0) -> int:
+        """Answer every job of ``kind`` taken so far; returns how many."""
+        seqs = [s for s, k in self.jobs.items() if k == kind]
+        for s in seqs:
+            del self.jobs[s]
+            self.answers.append(Desc(kind, flags, status, s, a0))
+        return len(seqs)
+
+
+class Client:
+    cid = 1
+    alive = True
+
+
+def remote_tier(
+    tmp_path: Path, slots: int, **keys: str
+) -> tuple[RemoteTier, Namespace, FakeWorker, StatsSegment]:
+    ini = tmp_path / "hpkv.ini"
+    ini.write_text("")
+    env = {"HPKV_CONFIG_FILE_PATH": str(ini), "HPKV_REMOTE_BACKEND": "mooncake", "HPKV_KV_STORAGE_PATH": ""}
+    cfg = load_config({**env, **keys})
+    stats = StatsSegment.create(str(tmp_path))
+    idx = Index(slots * SLOT, storage_enabled=True, below_order=[P.Tier.REMOTE])
+    ns = Namespace(0, "m", FP, 1, SLOT)
+    idx.add_namespace(ns)
+    t = RemoteTier(cfg, str(tmp_path), stats, idx, threading.RLock(), None, "")  # type: ignore[arg-type]
+    w = FakeWorker()
+    t._req = t._resp = w  # type: ignore[assignment]
+    t.attach(ns)
+    return t, ns, w, stats
+
+
+def commit(t: RemoteTier, ns: Namespace, keys: list[bytes]) -> np.ndarray:
+    idx = t.index
+    slots = idx.reserve(ns.ns_id, keys)
+    idx.commit(ns.ns_id, keys, 0)
+    t.spill([idx.blocks[k] for k in keys if k in idx.blocks])
+    return slots
+
+
+def test_a_burst_of_evictions_publishes_victims_until_a_quarter_of_the_pool_waits_then_drops_one_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """HPKV_REMOTE_WRITE_POLICY=evict with a pool of more than 4 x MAX_QUEUED_SPILLS blocks: an
+    allocation meeting only unpublished victims publishes them until a quarter of the pool
+    waits (not 256 blocks, write-through's bound), then takes its slot from the next one
+    (dropped, logged once); once the puts end, the published victims go first, none dropped."""
+    slots = 6 * MAX_QUEUED_SPILLS
+    quarter = slots // 4
+    t, ns, w, stats = remote_tier(tmp_path, slots, HPKV_REMOTE_WRITE_POLICY="evict")
+    caplog.set_level("INFO", logger="hpkv.remote")
+    keys = block_keys(FP, [f"k{i}".encode() for i in range(slots + 2 + quarter)])
+    assert (commit(t, ns, keys[:slots]) >= 0).all()  # the pool is full, every block evictable
+    assert t.counts["dropped"] == 0 and not w.jobs, "nothing published at commit (evict policy)"
+    assert (commit(t, ns, keys[slots : slots + 1]) >= 0).all()
+    assert len(w.jobs) == quarter > MAX_QUEUED_SPILLS, "victims published up to a quarter of the pool"
+    assert t.counts["dropped"] == 1, "the next victim gave its slot unpublished"
+    assert (commit(t, ns, keys[slots + 1 : slots + 2]) >= 0).all()
+    assert t.counts["dropped"] == 2 and caplog.text.count("evicted unpublished") == 1, "logged once"
+    assert w.answer(P.SPILL, a0=SLOT) == quarter
+    t.poll()
+    assert t.counts["published"] == quarter and len(t.catalog) == quarter
+    for k in keys[slots + 2 :]:  # one allocation each: the published victims go, none dropped
+        assert (commit(t, ns, [k]) >= 0).all()
+    assert t.counts["dropped"] == 2 and not w.jobs
+    stats.close()
