@@ -5,7 +5,9 @@ catalog of many keys, a holder that died mid-promote) is exercised here without 
 
 from __future__ import annotations
 
+import errno
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,8 @@ import pytest
 
 from hpkv.config import load_config
 from hpkv.engine.index import Index, Namespace
-from hpkv.engine.remote import MAX_QUEUED_SPILLS, RemoteTier
+from hpkv.engine.remote import GONE_TTL_S, MAX_QUEUED_SPILLS, RemoteTier
+from hpkv.engine.tiers import ParkedLookup
 from hpkv.protocol import wire as P
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
 from hpkv.protocol.stats import StatsSegment
@@ -109,4 +112,46 @@ def test_a_burst_of_evictions_publishes_victims_until_a_quarter_of_the_pool_wait
     for k in keys[slots + 2 :]:  # one allocation each: the published victims go, none dropped
         assert (commit(t, ns, [k]) >= 0).all()
     assert t.counts["dropped"] == 2 and not w.jobs
+    stats.close()
+
+
+def lookup(t: RemoteTier, ns: Namespace, keys: list[bytes]) -> tuple[int, list[int], bool]:
+    """The server's lookup of ``keys``: the index's prefix, then the tier's turn with a call to
+    park (its checks go to the worker)."""
+    hit, tiers = t.index.lookup(ns.ns_id, keys)
+    call = ParkedLookup(Client(), 1, ns, len(keys), time.monotonic() + 1.0)
+    got = t.lookup(ns, keys, hit, tiers, call)
+    return got.hit, tiers[: got.hit], got.pending
+
+
+def test_a_promote_whose_holder_died_is_a_miss_not_asked_again_until_the_store_forgot_it(
+    tmp_path: Path,
+) -> None:
+    """A get that fails because the node holding the object is gone (the worker answers
+    TRANSFER_FAIL as -ENOENT; the master lists the object ~10.8 s more): the promote answers
+    -1 (recomputed, no failure), the key is counted gone and is a miss for lookups, not asked
+    about again for GONE_TTL_S (past the store's liveness window); then asked again."""
+    t, ns, w, stats = remote_tier(tmp_path, 16)
+    keys = block_keys(FP, [b"held0", b"held1"])
+    now = time.monotonic()
+    for k in keys:  # found in the store by an earlier lookup
+        t.catalog.add(ns, k, recent=False)
+        t.catalog.verified(k, now)
+    assert lookup(t, ns, keys) == (2, [P.Tier.REMOTE] * 2, False) and not w.jobs
+    assert t.promote(Client(), 7, ns, keys, timeout=5.0) is None  # parked on the gets
+    assert w.answer(P.PROMOTE, status=-errno.ENOENT, a0=0) == 2
+    (answer,) = t.poll()
+    assert answer.seq == 7 and (answer.rows == -1).all(), "a miss, recomputed, never an error"
+    assert t.counts["gone"] == 2 and t.counts["errors"] == 0 and not t.degraded
+    assert t.index.lookup(ns.ns_id, keys) == (0, []), "no longer a hit"
+    for _ in range(3):  # asked again and again within the window: a miss, the store not asked
+        assert lookup(t, ns, keys) == (0, [], False)
+    assert not w.jobs and t.counts["asked"] == 0
+    for k in keys:  # GONE_TTL_S later (the store has dropped the dead holder's objects by then)
+        assert t._missing[k] >= now + GONE_TTL_S
+        t._missing[k] = time.monotonic() - 0.001
+    assert lookup(t, ns, keys) == (0, [], True), "asked again"
+    assert w.answer(P.LOOKUP, a0=1) == 2  # (republished by another node meanwhile)
+    t.poll()
+    assert t.index.lookup(ns.ns_id, keys) == (2, [P.Tier.REMOTE] * 2)
     stats.close()
