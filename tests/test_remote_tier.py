@@ -16,7 +16,7 @@ import pytest
 
 from hpkv.config import load_config
 from hpkv.engine.index import Index, Namespace
-from hpkv.engine.remote import GONE_TTL_S, MAX_QUEUED_SPILLS, RemoteTier
+from hpkv.engine.remote import FORGET_SLICE, GONE_TTL_S, MAX_QUEUED_SPILLS, RemoteTier
 from hpkv.engine.tiers import ParkedLookup
 from hpkv.protocol import wire as P
 from hpkv.protocol.keys import block_keys, namespace_fingerprint
@@ -154,4 +154,71 @@ def test_a_promote_whose_holder_died_is_a_miss_not_asked_again_until_the_store_f
     assert w.answer(P.LOOKUP, a0=1) == 2  # (republished by another node meanwhile)
     t.poll()
     assert t.index.lookup(ns.ns_id, keys) == (2, [P.Tier.REMOTE] * 2)
+    stats.close()
+
+
+def test_going_down_retires_what_the_store_held_at_once_and_forgets_it_a_slice_a_poll(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store went down (or a worker's segment was lost): nothing this node knew it held is a
+    hit any more, at once, but the catalog is not walked under the lock at once: it is forgotten
+    FORGET_SLICE entries a poll. What the store confirms meanwhile stays; the blocks still in
+    the pool that it held are evictable and kept to publish again, the most recent first."""
+    caplog.set_level("INFO", logger="hpkv.remote")
+    t, ns, w, stats = remote_tier(tmp_path, 8)
+    n = 3 * FORGET_SLICE + 5
+    keys = block_keys(FP, [f"s{i}".encode() for i in range(n)])
+    now = time.monotonic()
+    for k in keys:
+        t.catalog.add(ns, k, recent=False)
+        t.catalog.verified(k, now)
+    pool = block_keys(FP, [f"p{i}".encode() for i in range(8)])
+    for k in pool:  # committed here and published: in the pool and in the store
+        commit(t, ns, [k])
+    assert w.answer(P.SPILL, a0=SLOT) == 8
+    t.poll()
+    assert len(t.catalog) == n + 8 and t.index.lookup(ns.ns_id, keys[:3]) == (3, [P.Tier.REMOTE] * 3)
+    t._go_down("a test")
+    assert len(t.catalog) == n + 8, "not walked at once"
+    assert lookup(t, ns, keys[:3]) == (0, [], False), "no remote hit while down"
+    assert not any(t.holds(ns, k) for k in keys[:3] + pool)
+    assert t._republish_keys == pool[::-1], "the pool's blocks it held, the most recently used first"
+    assert (commit(t, ns, block_keys(FP, [b"new"])) >= 0).all(), "the pool's blocks stay evictable"
+    later = keys[:2]  # confirmed by the store again (here: found by a check answered late)
+    for k in later:
+        assert t.catalog.add(ns, k, recent=False)
+        t.catalog.verified(k, time.monotonic())
+    polls = 0
+    while t.catalog.retiring:
+        before = len(t.catalog)
+        t.poll()
+        polls += 1
+        assert before - len(t.catalog) <= FORGET_SLICE
+    assert polls == 4 and len(t.catalog) == 2 and all(k in t.catalog for k in later)
+    assert "stale block(s) forgotten" in caplog.text
+    stats.close()
+
+
+def test_after_a_lost_segment_a_stale_hit_is_asked_about_again_and_kept_when_the_store_has_it(
+    tmp_path: Path,
+) -> None:
+    """While the store is up (a restarted worker's segment was lost), a stale remote hit is
+    asked about again in the lookup (parked on one batched exists), as a hit not confirmed for
+    PRESENT_TTL_S is: the store's yes makes it a hit again, and the slices never forget it."""
+    t, ns, w, stats = remote_tier(tmp_path, 8)
+    keys = block_keys(FP, [b"a", b"b", b"c"])
+    now = time.monotonic()
+    for k in keys:
+        t.catalog.add(ns, k, recent=False)
+        t.catalog.verified(k, now)
+    assert lookup(t, ns, keys) == (3, [P.Tier.REMOTE] * 3, False) and not w.jobs
+    t._forget_known()
+    assert lookup(t, ns, keys) == (3, [P.Tier.REMOTE] * 3, True), "parked on the question"
+    assert len(w.jobs) == 3 and set(w.jobs.values()) == {P.LOOKUP}
+    w.answers += [Desc(P.LOOKUP, 0, 0, s, int(i != 1)) for i, s in enumerate(sorted(w.jobs))]
+    w.jobs.clear()
+    while t.catalog.retiring:
+        t.poll()
+    assert t.index.lookup(ns.ns_id, keys) == (1, [P.Tier.REMOTE]), "b is gone, a and c stay"
+    assert keys[0] in t.catalog and keys[1] not in t.catalog and keys[2] in t.catalog
     stats.close()

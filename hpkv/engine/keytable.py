@@ -164,10 +164,14 @@ class KeyTable:
 
     def select(self, mask: int, ns: int | None = None) -> list[bytes]:
         """The keys (of namespace ``ns``, or all) whose value has a bit of ``mask``."""
+        raw = self.select_raw(mask, ns)
+        return [raw[i : i + 16] for i in range(0, len(raw), 16)]
+
+    def select_raw(self, mask: int, ns: int | None = None) -> bytes:
+        """:meth:`select` as one string of 16-byte keys (no Python object per key)."""
         cap = len(self)
         if cap == 0:
-            return []
+            return b""
         keys = ffi.new("uint8_t[]", 16 * cap)
         n = int(lib.hpkv_keytable_select(self._t, -1 if ns is None else ns, mask, keys, cap))
-        raw = ffi.buffer(keys, 16 * n)[:]
-        return [raw[16 * i : 16 * i + 16] for i in range(n)]
+        return ffi.buffer(keys, 16 * n)[:]

@@ -50,6 +50,7 @@ holds the key; a committed block is written to files and published).
 from __future__ import annotations
 
 import errno
+import heapq
 import logging
 import threading
 import time
@@ -94,6 +95,7 @@ PROBE_KEY = b"hpkv-probe".ljust(16, b"\0")  # the key the breaker's probe asks a
 MAX_CHECK_KEYS = 64  # keys one lookup asks about
 MAX_CHECKS = 8  # lookups' questions in flight at once (beyond: answered from what is known)
 MAX_QUEUED_SPILLS = 256  # blocks waiting to be published (beyond: not published, counted)
+FORGET_SLICE = 4096  # stale catalog entries forgotten a poll (_forget_known)
 GONE = (-errno.ENOENT, Status.CORRUPT)
 # Failures of one object or one peer, not of the store (the tier stays up): a worker that died,
 # a put placed in the segment of a node that is gone, a put no segment had room for.
@@ -230,6 +232,7 @@ class RemoteTier(CatalogTier):
         self._probing = False
         self._republish_at: float | None = None  # when to publish again what _forget_known kept
         self._republish_keys: list[bytes] = []
+        self._forgotten = 0  # stale entries forgotten since the last _forget_known
         self._dirty = False
         stats.glob[G.REMOTE_STATE] = RemoteState.UP
         self.counts = _Counts(stats.glob)
@@ -311,27 +314,15 @@ class RemoteTier(CatalogTier):
         """Remote hits of the prefix not confirmed for PRESENT_TTL_S are asked about again (one
         batched exists; the prefix ends at one the store no longer holds); unknown keys after
         the prefix are asked about (found ones extend it)."""
-        if self._is_down():
-            return Presence(hit)
+        if self._is_down():  # no remote hit can be promoted now
+            if P.Tier.REMOTE in tiers:
+                del tiers[tiers.index(P.Tier.REMOTE) :]
+            return Presence(min(hit, len(tiers)))
         now = time.monotonic()
-        due = (
-            [
-                i
-                for i in self.catalog.to_verify(ns, keys[:hit], now, PRESENT_TTL_S)
-                if tiers[i] == P.Tier.REMOTE
-            ]
-            if P.Tier.REMOTE in tiers  # (no remote hit: no native call over the prefix)
-            else []
-        )
-        pending = False
-        if due:
-            rechecks = self._recheck(ns, [keys[i] for i in due[:MAX_CHECK_KEYS]], call)
-            if rechecks and call is not None:
-                pending = True
-            elif rechecks:  # answered at its bound: a hit still being asked about is none yet
-                first = next(i for i in due if keys[i] in self._checking)
-                del tiers[first:]
-                return Presence(first, True)
+        verdict = self._verify_hits(ns, keys, hit, tiers, call, now)
+        if isinstance(verdict, Presence):
+            return verdict
+        pending = verdict
         if hit >= len(keys) or not self._unknown(keys[hit], now):
             return Presence(hit, pending)
         running = self._checking.get(keys[hit])
@@ -348,6 +339,38 @@ class RemoteTier(CatalogTier):
             return Presence(hit, True)
         self._wait(running, call)
         return Presence(hit, True)
+
+    def _verify_hits(
+        self,
+        ns: Namespace,
+        keys: list[bytes],
+        hit: int,
+        tiers: list[int],
+        call: ParkedLookup | None,
+        now: float,
+    ) -> Presence | bool:
+        """:meth:`lookup`'s remote hits of the prefix not confirmed for PRESENT_TTL_S (or stale:
+        :meth:`_forget_known`) asked about again: True when ``call`` is parked on that, or the
+        answer now when the prefix ends at one of them (still being asked about, or stale and
+        not asked: the checks are saturated), else False."""
+        if P.Tier.REMOTE not in tiers:  # (no remote hit: no native call over the prefix)
+            return False
+        due = [
+            i for i in self.catalog.to_verify(ns, keys[:hit], now, PRESENT_TTL_S) if tiers[i] == P.Tier.REMOTE
+        ]
+        if not due:
+            return False
+        rechecks = self._recheck(ns, [keys[i] for i in due[:MAX_CHECK_KEYS]], call)
+        if rechecks and call is not None:
+            return True
+        if rechecks:  # answered at its bound: a hit still being asked about is none yet
+            first = next(i for i in due if keys[i] in self._checking)
+            del tiers[first:]
+            return Presence(first, True)
+        if self.catalog.retiring:  # not asked (checks saturated): a stale entry is no hit
+            del tiers[due[0] :]
+            return Presence(due[0])
+        return False
 
     def _recheck(self, ns: Namespace, keys: list[bytes], call: ParkedLookup | None) -> bool:
         """Ask again about hits known here; with ``call``, park it on the checks. True while a
@@ -651,6 +674,13 @@ class RemoteTier(CatalogTier):
         elif self._republish_at is not None and now >= self._republish_at:
             self._republish_at = None
             self._republish()
+        if self.catalog.retiring:
+            gone, done = self.catalog.retire_step(FORGET_SLICE, self._promoting.__contains__)
+            self._forgotten += gone
+            if done:
+                log.info("remote tier: %d stale block(s) forgotten", self._forgotten)
+            elif self.doorbell is not None:
+                self.doorbell.ring()  # the next slice on the next turn of the loop
         self.counts["blocks"] = len(self.catalog)
 
     def _probe_done(self, status: int) -> None:
@@ -671,19 +701,27 @@ class RemoteTier(CatalogTier):
 
     def _forget_known(self) -> None:
         """What this node knew the store held is stale (a restarted master starts empty; a
-        restarted worker's segment is gone): forgotten (lookups ask again), and the most
-        recently used of those blocks still in the pool are kept to publish again later."""
-        known = self.catalog.keys()  # least recently used first
-        keys = [k for k in known if k not in self._promoting]
-        for k in keys:
-            self.catalog.forget(k)
-        again = [k for k in reversed(keys) if self.index.spillable(k) is not None][:MAX_QUEUED_SPILLS]
+        restarted worker's segment is gone): retired at once (no hit any more; lookups ask
+        again, and what the store confirms is known again), forgotten :data:`FORGET_SLICE`
+        entries a poll (never the whole catalog under the lock at once). The most recently
+        used of those blocks still in the pool (a walk of the pool's blocks, not of the
+        catalog) are kept to publish again later."""
+        cat, idx = self.catalog, self.index
+        held = [b for b in idx.blocks.values() if b.key in cat]
+        cat.retire_all(time.monotonic())
+        self._forgotten = 0
+        for b in held:  # as for a forgotten entry: the DRAM copy stays, evictable without one below
+            idx.files_gone(b.key)
+        spillable = [b for b in held if idx.spillable(b.key) is b]
+        again = [b.key for b in heapq.nlargest(MAX_QUEUED_SPILLS, spillable, key=lambda b: b.used)]
         fresh = set(again)
         self._republish_keys = again + [k for k in self._republish_keys if k not in fresh]
         del self._republish_keys[MAX_QUEUED_SPILLS:]
         log.info(
-            "remote tier: %d block(s) known to the store forgotten; %d still in the pool to publish again",
-            len(keys),
+            "remote tier: %d block(s) known to the store are stale (forgotten %d a poll); "
+            "%d still in the pool to publish again",
+            len(cat),
+            FORGET_SLICE,
             len(again),
         )
 
@@ -731,7 +769,7 @@ class RemoteTier(CatalogTier):
         nothing either way."""
         gone = 0
         for k, found in zip(check.keys, check.found, strict=True):
-            if self.catalog.owner(k) is not check.ns:
+            if self.catalog.owner(k, retired=True) is not check.ns:
                 continue
             if found == 0 and k not in self._promoting:
                 self.catalog.forget(k)

@@ -77,17 +77,67 @@ class FileCatalog:
         self._candidates: list[tuple[bytes, int]] = []
         self.files = 0
         self.bytes = 0
+        # retire_all: the keys still to walk (16 bytes each, from _retire_pos), and the stamp
+        # and time entries confirmed before are stale
+        self._retiring = b""
+        self._retire_pos = 0
+        self._retire_stamp = 0
+        self._retire_since = 0.0
         index.add_below(self, tier)
 
     def __len__(self) -> int:
         return self._entries
 
     def __contains__(self, key: bytes) -> bool:
-        return bool(self._peek(key) & FILES)
-
-    def owner(self, key: bytes) -> Namespace | None:
         m = self._peek(key)
-        return self._ns[m >> 2 & 63] if m & FILES else None
+        return bool(m & FILES) and not (self._retiring and self._retired(m))
+
+    def owner(self, key: bytes, retired: bool = False) -> Namespace | None:
+        """The namespace of the key's entry; None when there is none, or (unless ``retired``)
+        when it is retired (:meth:`retire_all`)."""
+        m = self._peek(key)
+        if not m & FILES or (self._retiring and not retired and self._retired(m)):
+            return None
+        return self._ns[m >> 2 & 63]
+
+    # ------------------------------------------------------------ retirement
+    def retire_all(self, now: float) -> None:
+        """Every entry not confirmed (:meth:`verified`) after ``now`` is stale: at once no
+        entry for ``in``, :meth:`owner` and :meth:`add`, due for :meth:`to_verify`, and
+        forgotten by :meth:`retire_step` a slice at a time (a catalog of millions is not walked
+        under the server's lock at once). One native pass takes the keys to walk."""
+        self._retire_stamp = _stamp(now)
+        self._retire_since = now
+        self._retiring = self._t.select_raw(FILES)
+        self._retire_pos = 0
+
+    def retire_step(self, n: int, in_use: Callable[[bytes], bool]) -> tuple[int, bool]:
+        """Forget up to ``n`` more of the entries :meth:`retire_all` took that are still
+        retired, skipping those ``in_use``; returns (how many, whether all are done)."""
+        raw, pos = self._retiring, self._retire_pos
+        end = min(len(raw), pos + 16 * n)
+        gone = 0
+        for at in range(pos, end, 16):
+            key = raw[at : at + 16]
+            m = self._peek(key)
+            if m & FILES and self._retired(m) and not in_use(key):
+                self.forget(key)
+                gone += 1
+        self._retire_pos = end
+        if end < len(raw):
+            return gone, False
+        self._retiring = b""
+        return gone, True
+
+    @property
+    def retiring(self) -> bool:
+        return bool(self._retiring)
+
+    def _retired(self, m: int) -> bool:
+        """The entry (its peek ``m``) was not confirmed after the last :meth:`retire_all` (its
+        stamp is not a later millisecond: :meth:`verified` makes one confirmed since so)."""
+        after = (m >> 8) - self._retire_stamp & _STAMP_MASK
+        return after == 0 or after >= 1 << 31 or not m >> 8
 
     def keys(self) -> list[bytes]:
         """The keys with files, least recently used first."""
@@ -115,6 +165,9 @@ class FileCatalog:
         """All ranks' files of ``ns``'s ``key`` are on storage. False, and nothing changed, when
         the key is another namespace's (its files are no hit for ``ns``) or already known."""
         m = self._peek(key)
+        if m & FILES and self._retiring and self._retired(m):
+            self.forget(key)  # a stale entry: the key comes in anew
+            m = self._peek(key)
         if m & FILES:
             if recent and self._ns[m >> 2 & 63] is ns:
                 self._t.set_recency(key, self._next_hot())
@@ -200,23 +253,30 @@ class FileCatalog:
         self, ns: Namespace, keys: list[bytes], now: float, ttl_s: float | None = None
     ) -> list[int]:
         """The positions in ``keys`` where :meth:`needs_verify` is true (seen ``ttl_s`` ago or
-        never, VERIFY_TTL_S by default), in one native call over the keys (for a lookup's whole
-        prefix of hits below)."""
+        never, VERIFY_TTL_S by default, or retired), in one native call over the keys (for a
+        lookup's whole prefix of hits below)."""
         if not keys or self._ns.get(ns.ns_id) is not ns:
             return []
+        if ttl_s is None:
+            ttl_s = VERIFY_TTL_S
+        if self._retiring:  # (retired at most ~now - _retire_since ago)
+            ttl_s = min(ttl_s, max(0.0, now - self._retire_since))
         flags = self._t.stale(
             b"".join(keys),
             len(keys),
             ns.ns_id,
             FILES,
             int(now * 1000) & _STAMP_MASK,
-            int((VERIFY_TTL_S if ttl_s is None else ttl_s) * 1000),
+            int(ttl_s * 1000),
         )
         owner = self.index.owner
         return [i for i, f in enumerate(flags) if f and owner(keys[i]) is None]
 
     def verified(self, key: bytes, now: float) -> None:
-        self._t.set_stamp(key, _stamp(now))
+        stamp = _stamp(now)
+        if self._retiring and self._retired(stamp << 8):  # confirmed since (in the same millisecond)
+            stamp = (self._retire_stamp + 1) & _STAMP_MASK or 1
+        self._t.set_stamp(key, stamp)
 
     def take_victims(self, capacity: int, in_use: Callable[[bytes], bool]) -> list[tuple[Namespace, bytes]]:
         """Forget least recently used entries, skipping those ``in_use``, until the files fit in
