@@ -71,6 +71,30 @@ def test_a_scans_batch_with_a_key_held_in_dram_takes_the_index_checks_key_by_key
     assert idx.lookup(ns.ns_id, [mine, plain]) == (2, [Tier.DRAM, Tier.STORAGE])
 
 
+def test_with_the_store_first_a_scans_batch_enters_in_one_native_call_and_the_stores_hits_stay(monkeypatch):
+    """HPKV_TIER_ORDER=remote,files: the file catalog's batches (a scan, a journal) are not taken
+    key by key because the files are the second tier: the keys the store's catalog has stay
+    remote hits, the others become file hits, in one native call; while the store's catalog
+    retires entries (a retired entry has no owner), key by key as before."""
+    idx = Index(1 << 24, storage_enabled=True, below_order=[Tier.REMOTE, Tier.STORAGE])
+    ns = Namespace(1, "a", namespace_fingerprint({"m": "a"}), 1, SHARD)
+    idx.add_namespace(ns)
+    remote, files = FileCatalog(idx, Tier.REMOTE), FileCatalog(idx)
+    batch = keys(6)
+    remote.add(ns, batch[1], recent=False)
+    remote.add(ns, batch[4], recent=False)
+    one_by_one: list[bytes] = []
+    present_below = idx._present_below
+    monkeypatch.setattr(idx, "_present_below", lambda k: (one_by_one.append(k), present_below(k)))
+    assert files.add_found(ns, batch[:5], skip=lambda k: False) == 5
+    assert not one_by_one, "no key taken one by one"
+    want = [Tier.STORAGE, Tier.REMOTE, Tier.STORAGE, Tier.STORAGE, Tier.REMOTE]
+    assert idx.lookup(ns.ns_id, batch[:5]) == (5, want)
+    remote.retire_all(0.0)  # (every entry stale: no owner)
+    assert files.add_found(ns, batch[5:], skip=lambda k: False) == 1
+    assert one_by_one == batch[5:] and idx.lookup(ns.ns_id, batch[5:]) == (1, [Tier.STORAGE])
+
+
 def test_victims_are_the_least_recent_and_one_in_use_stays_least_recent_for_the_next_round():
     _, cat, ns, _ = make()
     k = keys(6)

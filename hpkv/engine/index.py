@@ -87,6 +87,11 @@ class FileOwner(Protocol):
         """The namespace whose copy ``key`` has there, None when it has none."""
         ...
 
+    def held_many(self, keys: bytes, n: int) -> bytes | None:
+        """For each of ``n`` 16-byte keys: 1 when :meth:`owner` has a namespace for it, else 0,
+        in one native call; None when that cannot be said in one (ask :meth:`owner`)."""
+        ...
+
 
 @dataclass
 class Namespace:
@@ -606,13 +611,24 @@ class Index:
 
     def files_found(self, ns: Namespace, keys: bytes, n: int, tier: int = Tier.STORAGE) -> None:
         """:meth:`files_added` of ``n`` keys (16 bytes each in ``keys``) that hold no slots (a
-        scan's batch), found by the catalog of ``tier``: in one native call when that is the
-        first tier below (its hits win over the others')."""
-        if self.below and self.below[0][0] == tier:
+        scan's or a journal's batch), found by the catalog of ``tier``: a key a tier before it
+        has keeps that tier's hit (its hits win), the others are hits of ``tier``, in one native
+        call per tier (HPKV_TIER_ORDER=remote,files: the files' batches too)."""
+        at = next((i for i, (t, _) in enumerate(self.below) if t == tier), len(self.below))
+        earlier: list[bytes] = []
+        for _, cat in self.below[:at]:
+            held = cat.held_many(keys, n)
+            if held is None:
+                for i in range(n):
+                    self._present_below(keys[16 * i : 16 * i + 16])
+                return
+            earlier.append(held)
+        if earlier:
+            taken = earlier[0] if len(earlier) == 1 else bytes(map(max, *earlier))
+            keys = b"".join([keys[16 * i : 16 * i + 16] for i, t in enumerate(taken) if not t])
+            n = len(keys) // 16
+        if n:
             self.present.set_many(keys, n, ns.ns_id, tier)
-        else:
-            for i in range(n):
-                self._present_below(keys[16 * i : 16 * i + 16])
 
     def files_gone(self, key: bytes) -> None:
         """A catalog forgot the key's copy (evicted, corrupt, missing, namespace released): a

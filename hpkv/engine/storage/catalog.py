@@ -48,6 +48,7 @@ VICTIM_CANDIDATES = 1024  # least recent entries found per pass over the table
 SLOT_BYTES = 16 + 1 + 1 + 8 + 4  # a table slot: key, state, namespace and flags, recency, stamp
 _MID = 1 << 62  # recencies: keys used here count up from it, keys found by a scan down
 _STAMP_MASK = 0xFFFFFFFF  # stamps are milliseconds of time.monotonic(), modulo 2**32
+_HAS_FILES = bytes(v & FILES for v in range(256))  # a table value -> 1 when it has FILES (bytes.translate)
 
 
 def _stamp(now: float) -> int:
@@ -99,6 +100,14 @@ class FileCatalog:
         if not m & FILES or (self._retiring and not retired and self._retired(m)):
             return None
         return self._ns[m >> 2 & 63]
+
+    def held_many(self, keys: bytes, n: int) -> bytes | None:
+        """:meth:`Index.files_found`'s question (:class:`~hpkv.engine.index.FileOwner`): which of
+        ``n`` 16-byte keys have an entry, in one native call; None while entries are retiring
+        (a retired entry has no owner: asked key by key then)."""
+        if self._retiring:
+            return None
+        return self._t.get_many(keys, n).translate(_HAS_FILES)
 
     # ------------------------------------------------------------ retirement
     def retire_all(self, now: float) -> None:
