@@ -669,6 +669,31 @@ def test_blocks_held_by_a_killed_node_are_misses_within_the_bound_never_wrong_by
         assert nb.remote()["blocks"] == 0
 
 
+def test_after_one_failed_promote_the_other_blocks_of_a_killed_node_are_misses_not_hits(
+    tmp_path: Path,
+) -> None:
+    """The master lists a dead node's objects ~10.8 s more (exists says yes, every get fails).
+    Once one get from it failed, its other objects are misses for lookups at once (they were
+    confirmed a moment ago, so without it each would be promised and its promote would fail),
+    never an error and never the tier down."""
+    _require()
+    with two_nodes(tmp_path) as (na, nb, m):
+        keys = block_keys(FP, [f"lost{i}".encode() for i in range(3)])
+        na.put(keys)
+        na.wait_remote(lambda r: r["published"] == 3, "3 blocks published by node A")
+        _wait_lookup(nb, keys, (3, [P.Tier.REMOTE] * 3))
+        (pid,) = [w["pid"] for w in na.c.stats()["workers"] if w["kind"] == "remote"]
+        os.kill(pid, signal.SIGKILL)  # the segment the objects live in goes with it
+        time.sleep(0.5)
+        assert (nb.c.promote(nb.ns.ns_id, keys[:1]) == -1).all()
+        t0 = time.monotonic()
+        assert nb.c.lookup(nb.ns.ns_id, keys[1:]) == (0, []), nb.remote()
+        assert time.monotonic() - t0 < 5.0
+        r = nb.remote()  # (the others were forgotten, then asked about: missing)
+        assert r["gone"] == 1 and r["loaded"] == 0 and r["errors"] == 0 and not r["down"], r
+        assert "is gone (a get from it failed)" in nb.srv.log()
+
+
 def test_config_check_says_what_the_remote_tier_lacks(tmp_path: Path) -> None:
     ini = tmp_path / "hpkv.ini"
     ini.write_text("")

@@ -97,6 +97,10 @@ MAX_CHECKS = 8  # lookups' questions in flight at once (beyond: answered from wh
 MAX_QUEUED_SPILLS = 256  # blocks waiting to be published (beyond: not published, counted)
 FORGET_SLICE = 4096  # stale catalog entries forgotten a poll (_forget_known)
 GONE = (-errno.ENOENT, Status.CORRUPT)
+# A get whose object's holder (the node whose segment it is in) is gone: the worker then
+# answers that node's other objects missing (remote_worker.DEAD_HOLDER_S), and every remote hit
+# known here is asked about again (_holder_gone): which node holds what is not known here.
+HOLDER_GONE = -errno.EHOSTUNREACH
 # Failures of one object or one peer, not of the store (the tier stays up): a worker that died,
 # a put placed in the segment of a node that is gone, a put no segment had room for.
 NOT_THE_STORE = (Status.WORKER_DIED, -errno.EHOSTUNREACH, -errno.ENOSPC)
@@ -233,6 +237,7 @@ class RemoteTier(CatalogTier):
         self._republish_at: float | None = None  # when to publish again what _forget_known kept
         self._republish_keys: list[bytes] = []
         self._forgotten = 0  # stale entries forgotten since the last _forget_known
+        self._holder_gone_until = 0.0  # (monotonic) a lost holder was acted on (_holder_gone)
         self._dirty = False
         stats.glob[G.REMOTE_STATE] = RemoteState.UP
         self.counts = _Counts(stats.glob)
@@ -610,7 +615,8 @@ class RemoteTier(CatalogTier):
 
     def _complete(self, job: _Job, status: int, a0: int, flags: int) -> None:
         w = job.what
-        if status < 0 and status not in GONE:
+        lost = status in GONE or (status == HOLDER_GONE and isinstance(w, _Op) and w.kind == P.PROMOTE)
+        if status < 0 and not lost:
             self._failed(job, status)
         elif job.sent >= self._up_since:
             self._fails = 0  # the store answered
@@ -725,6 +731,20 @@ class RemoteTier(CatalogTier):
             len(again),
         )
 
+    def _holder_gone(self) -> None:
+        """A get failed because the node holding its object is gone: the other objects that
+        node held are lost too, and the worker answers them missing now, but which they are is
+        not known here: every remote hit is asked about again before it is promised (once per
+        GONE_TTL_S), and what this node published that is still in the pool is published again
+        once the store has dropped the dead node's objects (some were in its segment)."""
+        now = time.monotonic()
+        if now < self._holder_gone_until:
+            return
+        self._holder_gone_until = now + GONE_TTL_S
+        log.warning("remote tier: a node holding objects is gone: every remote hit is asked about again")
+        self._forget_known()
+        self._republish_at = now + GONE_TTL_S
+
     def _republish(self) -> None:
         """Publish again the blocks :meth:`_forget_known` kept that are still in the pool (the
         worker skips objects that are still there: counted as existed)."""
@@ -815,9 +835,11 @@ class RemoteTier(CatalogTier):
         else:
             if op.status == Status.CORRUPT:
                 self.counts["corrupt"] += 1
-            elif op.status == -errno.ENOENT:
+            elif op.status in (-errno.ENOENT, HOLDER_GONE):
                 self.counts["gone"] += 1
-            if op.status in GONE:
+            if op.status in GONE or op.status == HOLDER_GONE:
                 self._remember_missing(key, time.monotonic() + GONE_TTL_S)
             self.catalog.forget(key)  # no hit any more; a later lookup asks the store again
+            if op.status == HOLDER_GONE:
+                self._holder_gone()
         settle_waiters(self.index, b, ok, op.waiters, self._answers, NsCounter.LOADS_REMOTE)

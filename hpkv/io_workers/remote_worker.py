@@ -61,6 +61,10 @@ MASTER_DOWN_LATCH_S = 1.0
 # of 8 answers the first part after its own transfer, not after both parts'.
 GET_BATCH = 8
 READ_AHEAD = 2  # batches read or being checked at once (header pages: READ_AHEAD * GET_BATCH)
+# A node whose get failed (TRANSFER_FAIL: the process holding the segment is gone) is taken for
+# dead this long: the master lists its objects for ~10.8 s more (exists says yes, gets fail),
+# so meanwhile an object only it holds is answered missing (the replicas' holders are asked).
+DEAD_HOLDER_S = 12.0
 
 
 def _address(buf: Any) -> int:
@@ -76,6 +80,8 @@ class RemoteStore:
         self.pool_address = pool_address
         self.slot = ReadSlot()  # the header page, registered once
         self.master_down_until = 0.0  # (monotonic) puts fail at once until then
+        self._dead: dict[str, float] = {}  # transport endpoint -> (monotonic) taken for dead until
+        self._dead_mu = threading.Lock()  # (the getter's checking thread writes it, the exists thread reads it)
         self.hdr_address = _address(self.slot.hdr)
         for addr, size in ((pool_address, len(pool)), (self.hdr_address, kvfile.HEADER_BYTES)):
             rc = store.register_buffer(addr, size)
@@ -104,6 +110,36 @@ class RemoteStore:
         if bad:
             raise self._failure(bad[0], "batch_is_exist")
         return int(all(c == 1 for c in got))
+
+    def holder_lost(self, name: str) -> None:
+        """A get of ``name`` failed because its holder is gone: that node is dead for
+        DEAD_HOLDER_S (what :meth:`exists_many` answers for the objects it holds)."""
+        try:
+            ends = _endpoints(self.store.get_replica_desc(name))
+        except Exception as exc:  # noqa: BLE001 - the get's answer stands without it
+            log.warning("the holder of %s is gone but could not be named: %r", name, exc)
+            return
+        until = time.monotonic() + DEAD_HOLDER_S
+        with self._dead_mu:
+            for end in ends:
+                if end not in self._dead:
+                    log.warning("remote store: node %s is gone (a get from it failed): its objects are "
+                                "missing for %gs", end, DEAD_HOLDER_S)  # fmt: skip
+                self._dead[end] = until
+
+    def exists_many(self, names: list[str]) -> list[int]:
+        """``batch_is_exist`` of ``names`` (1, 0, or a negative code each), except while a node is
+        taken for dead: then an object counts as existing when a replica is held by another node
+        (the master still lists the dead one's)."""
+        now = time.monotonic()
+        with self._dead_mu:
+            for end in [e for e, until in self._dead.items() if until <= now]:
+                del self._dead[end]
+            dead = set(self._dead)
+        if not dead:
+            return list(self.store.batch_is_exist(names))
+        found = self.store.batch_get_replica_desc(names)
+        return [int(bool(_endpoints(found.get(n, [])) - dead)) for n in names]
 
     def _failure(self, code: int, what: str) -> OSError:
         if code == mooncake_api.RPC_FAIL:
@@ -136,12 +172,17 @@ class RemoteStore:
     def verify(self, block: BlockId, offset: int, length: int, slot: ReadSlot, got: int) -> int:
         """Check what a get of the block's object into ``slot``'s header page and the pool slot
         answered (``got``: its bytes, or a Mooncake code) as a KV file is checked; returns the
-        bytes. Raises FileNotFoundError when the object is gone, OSError when the store
+        bytes. Raises FileNotFoundError when the object is gone, ConnectionError when its holder is (the
+        other objects it holds are missing for DEAD_HOLDER_S: :meth:`holder_lost`), OSError when the store
         failed, :class:`CorruptFile` (after removing the object) when it does not match."""
         name = mooncake_api.object_key(block)
-        if got in (mooncake_api.OBJECT_NOT_FOUND, mooncake_api.TRANSFER_FAIL):
-            # TRANSFER_FAIL: the node holding its segment is gone (the master still lists the
-            # object for ~10 s after): this object is lost, the store is not failing
+        if got == mooncake_api.TRANSFER_FAIL:
+            # the node holding its segment is gone (the master still lists the object for ~10 s
+            # after): this object is lost, and so are the others that node holds; the store is
+            # not failing
+            self.holder_lost(name)
+            raise ConnectionError(errno.EHOSTUNREACH, f"object {name}: {mooncake_api.describe(got)}")
+        if got == mooncake_api.OBJECT_NOT_FOUND:
             raise FileNotFoundError(errno.ENOENT, f"no object {name} ({mooncake_api.describe(got)})")
         try:
             if got == mooncake_api.INVALID_PARAMS:  # an object larger than the header + slot
@@ -155,6 +196,15 @@ class RemoteStore:
         except CorruptFile:
             self.store.remove(name, True)  # forced: a plain remove fails for 10 s after a get
             raise
+
+
+def _endpoints(replicas: Any) -> set[str]:
+    """The transport endpoints (holders) of an object's memory replicas."""
+    return {
+        r.get_memory_descriptor().buffer_descriptor.transport_endpoint
+        for r in replicas
+        if r.is_memory_replica()
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -267,7 +317,7 @@ class Checker:
             spans.append((len(names), world))
             names += [mooncake_api.object_key(BlockId(ns, key, r, world)) for r in range(world)]
         try:
-            got = self.remote.store.batch_is_exist(names)
+            got = self.remote.exists_many(names)
         except Exception as exc:  # noqa: BLE001 - every job is answered
             self.errors.log(logging.WARNING, "exists", "batch_is_exist failed: %r", exc)
             got = [-1] * len(names)
@@ -368,6 +418,8 @@ class Getter:
                 self.rt.finish(d, 0, nbytes)
             except FileNotFoundError:
                 self.rt.finish(d, -errno.ENOENT, 0)
+            except ConnectionError:  # its holder is gone
+                self.rt.finish(d, -errno.EHOSTUNREACH, 0)
             except CorruptFile as exc:
                 self.errors.log(logging.ERROR, "corrupt", "remote object of block %s-r%d is corrupt (%s): "
                                 "removed; the block will be recomputed", block.key.hex(), block.rank, exc)  # fmt: skip
