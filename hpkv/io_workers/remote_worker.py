@@ -81,7 +81,7 @@ class RemoteStore:
         self.slot = ReadSlot()  # the header page, registered once
         self.master_down_until = 0.0  # (monotonic) puts fail at once until then
         self._dead: dict[str, float] = {}  # transport endpoint -> (monotonic) taken for dead until
-        self._dead_mu = threading.Lock()  # (the getter's checking thread writes it, the exists thread reads it)
+        self._dead_mu = threading.Lock()  # (the checking thread writes it, the exists thread reads)
         self.hdr_address = _address(self.slot.hdr)
         for addr, size in ((pool_address, len(pool)), (self.hdr_address, kvfile.HEADER_BYTES)):
             rc = store.register_buffer(addr, size)
