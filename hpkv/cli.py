@@ -347,13 +347,11 @@ def _prompt_namespace(cfg, args: argparse.Namespace) -> dict:
     listed = ", ".join(f"{n['id']} {n['fingerprint'][:12]} {n['name']!r}" for n in known) or "none"
     sel = args.namespace
     if sel:
+        from hpkv.protocol.keys import namespaces_named
+
         sel = sel.strip()
-        if sel.isdigit():
-            found = [n for n in known if n["id"] == int(sel)]
-        else:
-            found = [n for n in known if n["name"] == sel] or [
-                n for n in known if n["fingerprint"].startswith(sel.lower())
-            ]
+        entries = [(n["id"], n["fingerprint"], n["name"]) for n in known]
+        found = [known[i] for i in namespaces_named(sel, entries)]
         what = f"--namespace {sel!r}"
     elif args.model:
         base = os.path.basename(args.model.rstrip("/"))

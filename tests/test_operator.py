@@ -16,7 +16,7 @@ import pytest
 from hpkv.io_workers import kvfile
 from hpkv.protocol.errors import HpkvError
 from hpkv.protocol.events import REMOVED
-from hpkv.protocol.keys import block_keys, namespace_fingerprint
+from hpkv.protocol.keys import block_keys, namespace_fingerprint, namespaces_named
 from hpkv.protocol.wire import Tier
 from hpkv.testing.server import ServerProcess, client_of, control_call_as, private_env, wait_for
 
@@ -152,6 +152,30 @@ def test_an_unknown_namespace_or_bad_duration_is_refused_naming_the_value(srv):
     assert out.returncode == 2 and "'soon' is not a duration" in out.stderr, out.stderr
     out = hpkv_cli(srv, "prefetch", "--namespace", "nope")
     assert out.returncode == 1 and "no namespace 'nope'" in out.stderr, out.stderr
+
+
+def test_a_fingerprint_prefix_of_digits_names_its_namespace_unless_it_is_an_id():
+    known = [(1, "1234abcd" * 8, "a"), (2, "123456789012" + "f" * 52, "b"), (3, "ab" * 32, "123456789012")]
+    assert namespaces_named("2", known) == [1], "digits that are an id: that namespace"
+    assert namespaces_named("123456789012", known) == [2], "a name first"
+    assert namespaces_named("12345678", known) == [1], "digits that are no id: a fingerprint prefix"
+    assert namespaces_named("1234", known) == [0, 1]  # (the caller says it is ambiguous)
+    assert namespaces_named("xyz", known) == []
+
+
+def test_the_server_and_the_cli_find_a_namespace_by_a_fingerprint_prefix_of_digits(srv):
+    # a fingerprint whose first 12 characters are digits (one in ~280): the CLI took them for
+    # a namespace id and found none, so a pin by prompt stayed pinned (CI, 2026-12-06)
+    fp = next(f for i in range(100_000) if (f := namespace_fingerprint({"digits": i}))[:12].isdigit())
+    c = client_of(srv)
+    try:
+        c.attach_namespace(fp, 1, SHARD, name="digits", block_tokens=4)
+        out = hpkv_cli(srv, "evict", "--namespace", fp[:12], "--dry-run")  # the server's matching
+        assert out.returncode == 0, out.stderr
+        out = hpkv_cli(srv, "unpin", "--namespace", fp[:12], "--tokens", "1,2,3,4")  # the CLI's
+        assert out.returncode == 0, out.stderr
+    finally:
+        c.close()
 
 
 # ------------------------------------------------------------------ hpkv prefetch

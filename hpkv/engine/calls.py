@@ -32,7 +32,7 @@ from hpkv.engine.storage.tier import FileTier
 from hpkv.engine.supervisor import Supervision
 from hpkv.io_workers import kvfile
 from hpkv.protocol.errors import TOO_MANY_CONNECTIONS, HpkvError, NamespaceNotAttached, Status, refusal
-from hpkv.protocol.keys import KEY_BYTES
+from hpkv.protocol.keys import KEY_BYTES, namespaces_named
 from hpkv.protocol.stats import MAX_NS, TIERS, G, NsCounter
 
 log = logging.getLogger("hpkv.server")
@@ -364,12 +364,9 @@ class OperatorCalls(ControlCalls):
             raise ValueError("'namespace' must be a namespace id, fingerprint prefix or name")
         sel = sel.strip()
         known = list(self.index.namespaces.values())
-        if sel.isdigit():
-            found = [ns for ns in known if ns.ns_id == int(sel)]
-        else:
-            found = [ns for ns in known if ns.name == sel]
-            if not found and all(c in "0123456789abcdef" for c in sel.lower()):
-                found = [ns for ns in known if ns.fingerprint.startswith(sel.lower())]
+        found = [
+            known[i] for i in namespaces_named(sel, [(ns.ns_id, ns.fingerprint, ns.name) for ns in known])
+        ]
         if len(found) == 1:
             return found[0]
         names = ", ".join(f"{ns.ns_id} {ns.fingerprint[:12]} {ns.name!r}" for ns in known) or "none"

@@ -56,3 +56,19 @@ def block_keys(fingerprint: str, block_hashes: Sequence[bytes | int], group: int
 
 def block_key(fingerprint: str, block_hash: bytes | int) -> bytes:
     return block_keys(fingerprint, [block_hash])[0]
+
+
+def namespaces_named(sel: str, known: Sequence[tuple[int, str, str]]) -> list[int]:
+    """The positions in ``known`` ((id, fingerprint, name) of each namespace) that ``sel``
+    names, as `hpkv status` shows them: the namespace of that id (all digits), else those of
+    that name, else those whose fingerprint starts with it (hex). Digits that are no id are a
+    fingerprint prefix too: a fingerprint's first 12 characters are all digits once in ~280."""
+    sel = sel.strip()
+    if sel.isdigit():
+        found = [i for i, (ns_id, _, _) in enumerate(known) if ns_id == int(sel)]
+        if found:
+            return found
+    found = [i for i, (_, _, name) in enumerate(known) if name == sel]
+    if not found and sel and all(c in "0123456789abcdef" for c in sel.lower()):
+        found = [i for i, (_, fp, _) in enumerate(known) if fp.startswith(sel.lower())]
+    return found
