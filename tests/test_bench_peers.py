@@ -155,6 +155,63 @@ def test_report_ratios_to_cold_and_to_the_baseline(capsys):
     json.dumps(doc)
 
 
+def _with_lmcache(doc: dict, scale: float) -> dict:
+    """``doc`` with an LMCache run whose TTFTs are hpkv's times ``scale``, its req/s divided by it."""
+    h = doc["systems"]["hpkv"]
+    ttft = {p: [t * scale for t in ts] for p, ts in h["phases"]["ttft"].items()}
+    users = {n: {**u, "requests_per_s": u["requests_per_s"] / scale, "ttft_p50_s": u["ttft_p50_s"] * scale}
+             for n, u in h["users"].items()}  # fmt: skip
+    doc["systems"]["lmcache"] = {**h, "phases": {**h["phases"], "ttft": ttft}, "users": users}
+    return doc
+
+
+def test_interleaved_rounds_report_hpkvs_lead_over_each_peer_per_round_and_its_median(capsys):
+    assert peers.round_orders(["vllm", "hpkv", "lmcache"], 3) == [
+        ["vllm", "hpkv", "lmcache"],
+        ["lmcache", "hpkv", "vllm"],
+        ["vllm", "hpkv", "lmcache"],
+    ]
+    rounds = [
+        {"order": o, "systems": _with_lmcache(_doc(), k)["systems"]}
+        for o, k in zip(peers.round_orders(["hpkv", "lmcache"], 3), (1.2, 0.9, 2.0), strict=True)
+    ]
+    e = peers.interleaved(rounds)
+    assert set(e) == {"lmcache"} and e["lmcache"]["vs"] == "hpkv" and e["lmcache"]["rounds"] == 3
+    assert e["lmcache"]["phases"]["storage_hit"] == {"each": [1.2, 0.9, 2.0], "median": 1.2}
+    assert e["lmcache"]["requests_per_s"]["4"] == {"each": [1.2, 0.9, 2.0], "median": 1.2}
+    assert e["lmcache"]["ttft_p50"]["4"]["median"] == 1.2
+    doc = {**_doc(), "rounds": rounds, "interleaved": e}
+    peers.print_report(peers.summarize(doc))
+    out = capsys.readouterr().out
+    assert "3 rounds interleaved (hpkv lmcache; lmcache hpkv; hpkv lmcache)" in out
+    assert re.search(r"storage hit TTFT +1\.20x  1\.20 0\.90 2\.00", out), out
+
+
+def test_rounds_run_in_alternating_order_and_a_failed_peer_is_not_run_again(monkeypatch):
+    ran: list[str] = []
+
+    def run_system(name, budget, args, ns):
+        ran.append(name)
+        if name == "lmcache":
+            raise RuntimeError("LMCache's server exited")
+        return {"label": name}
+
+    monkeypatch.setattr(peers, "run_system", run_system)
+    rounds: list[dict] = []
+    skipped: dict[str, str] = {}
+    names = ["vllm", "lmcache", "hpkv"]
+    peers.run_rounds(names, None, _args("--rounds", "2"), [1], skipped, rounds)
+    assert ran == ["vllm", "lmcache", "hpkv", "hpkv", "vllm"]
+    assert [r["order"] for r in rounds] == [names, names[::-1]] and list(rounds[1]["systems"]) == [
+        "hpkv",
+        "vllm",
+    ]
+    assert skipped == {"lmcache": "failed: LMCache's server exited"}
+    monkeypatch.setattr(peers, "run_system", lambda name, *a: run_system("lmcache", *a))
+    with pytest.raises(RuntimeError, match="exited"):  # hpkv itself failing ends the run
+        peers.run_rounds(["hpkv"], None, _args(), [1], {}, [])
+
+
 def _args(*argv: str) -> argparse.Namespace:
     return build_parser().parse_args(["bench", "peers", *argv])
 
@@ -167,6 +224,7 @@ def _args(*argv: str) -> argparse.Namespace:
         (("--shape", "huge"), "--shape"),
         (("--hpkv-env", "VLLM_HPKV_TOKEN_THRESHOLD"), "KEY=VALUE"),
         (("--tokens", "9000"), "--engine-cache-tokens"),
+        (("--rounds", "0"), "--rounds"),
     ],
 )
 def test_bad_flags_are_refused_with_what_to_do(capsys, argv, says):

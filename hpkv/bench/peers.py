@@ -103,6 +103,8 @@ REFERENCE = {
     "vllm-tiering": "vllm",
     "sglang-file": "sglang-hpkv",
 }
+#: Each peer's hpkv: the same engine with hpkv as its cache, which the peer is measured against.
+HPKV_OF = {"lmcache": "hpkv", "vllm-offload": "hpkv", "vllm-tiering": "hpkv", "sglang-file": "sglang-hpkv"}
 NOT_RUN: dict[str, str] = {}
 LMCACHE_VERSION = "0.5.6"
 LMCACHE_EXTRA_PACKAGES = ("aiofiles",)  # imported by its fs L2 adapter
@@ -207,6 +209,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="drop the OS page cache before the storage phase (root): storage hits at the device's speed; "
         "without it a peer's buffered files (LMCache's fs L2) may be read back from the page cache, "
         "memory outside the DRAM budget, while hpkv reads with O_DIRECT",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every system this many times, each round in the reverse order of the round before "
+        "(A B, B A, A B, ...), and report hpkv's lead over each peer per round and its median: on a "
+        "shared machine the load drifts over a run, and a system run once, first or last, carries the "
+        "drift (default 1)",
     )
     p.add_argument("--no-phases", action="store_true", help="skip workload 1 (CT-HPKV's phases)")
     p.add_argument("--no-users", action="store_true", help="skip workload 2 (many users)")
@@ -1209,6 +1220,34 @@ def run_system(name: str, budget: Budget, args: argparse.Namespace, ns: list[int
     return res
 
 
+def run_rounds(
+    names: list[str],
+    budget: Budget,
+    args: argparse.Namespace,
+    ns: list[int],
+    skipped: dict[str, str],
+    rounds: list[dict[str, Any]],
+) -> None:
+    """Run the systems ``args.rounds`` times in :func:`round_orders`, appending each round's
+    ``{"order", "systems"}`` to ``rounds`` as it starts. A peer that fails is recorded in
+    ``skipped`` and not run again; hpkv or the engine alone failing ends the run."""
+    for r, order in enumerate(round_orders(names, args.rounds)):
+        systems: dict[str, Any] = {}
+        rounds.append({"order": order, "systems": systems})
+        for name in order:
+            if name in skipped:  # failed in an earlier round
+                continue
+            if args.rounds > 1:
+                _log(f"round {r + 1} of {args.rounds}: {name}")
+            try:
+                systems[name] = run_system(name, budget, args, ns)
+            except (RuntimeError, OSError) as exc:
+                if name in ("vllm", "hpkv", "sglang-hpkv"):
+                    raise
+                skipped[name] = f"failed: {exc}"[:2000]  # a failed peer is reported, not fatal
+                _log(f"{name} failed: {exc}")
+
+
 def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     """Ratios: each phase to the same system's cold; each hit's TTFT less the same system's GPU
     hit; each system's many-users figures to vLLM alone's and to hpkv's (same N)."""
@@ -1247,6 +1286,56 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
+
+
+def round_orders(names: list[str], rounds: int) -> list[list[str]]:
+    """The systems' order in each round: as given, then reversed, and so on (A B, B A, A B):
+    a load that drifts over the run weighs on every system alike over two rounds."""
+    return [list(names) if r % 2 == 0 else names[::-1] for r in range(rounds)]
+
+
+def leads(systems: Mapping[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
+    """hpkv's lead over each peer that ran beside it (the peer's hpkv, :data:`HPKV_OF`), in one
+    round: per phase the peer's mean TTFT over hpkv's, per N hpkv's requests/s over the peer's
+    and the peer's TTFT p50 over hpkv's. Above 1: hpkv is ahead."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for peer, ours in HPKV_OF.items():
+        p, h = systems.get(peer), systems.get(ours)
+        if not p or not h:
+            continue
+        lead: dict[str, dict[str, float]] = {"phases": {}, "requests_per_s": {}, "ttft_p50": {}}
+        pt, ht = (p.get("phases") or {}).get("ttft", {}), (h.get("phases") or {}).get("ttft", {})
+        for ph in PHASES:
+            if pt.get(ph) and ht.get(ph):
+                lead["phases"][ph] = _ratio(statistics.mean(pt[ph]), statistics.mean(ht[ph]))
+        pu, hu = p.get("users") or {}, h.get("users") or {}
+        for n in pu.keys() & hu.keys():
+            lead["requests_per_s"][n] = _ratio(hu[n]["requests_per_s"], pu[n]["requests_per_s"])
+            lead["ttft_p50"][n] = _ratio(pu[n]["ttft_p50_s"], hu[n]["ttft_p50_s"])
+        out[peer] = {k: {q: v for q, v in d.items() if v is not None} for k, d in lead.items()}
+    return out
+
+
+def interleaved(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each peer's :func:`leads` in every round and their median over the rounds."""
+    per_round = [leads(r["systems"]) for r in rounds]
+    out: dict[str, Any] = {}
+    for peer in HPKV_OF:
+        seen = [r[peer] for r in per_round if peer in r]
+        if not seen:
+            continue
+        entry: dict[str, Any] = {"vs": HPKV_OF[peer], "rounds": len(seen)}
+        for kind in ("phases", "requests_per_s", "ttft_p50"):
+            keys = sorted({k for r in seen for k in r[kind]}, key=lambda k: (len(k), k))
+            entry[kind] = {
+                k: {
+                    "each": [r[kind][k] for r in seen if k in r[kind]],
+                    "median": round(statistics.median(r[kind][k] for r in seen if k in r[kind]), 3),
+                }
+                for k in keys
+            }
+        out[peer] = entry
+    return out
 
 
 def _print_phases(runs: dict[str, Any], w: dict[str, Any]) -> None:
@@ -1324,6 +1413,8 @@ def print_report(doc: dict[str, Any]) -> None:
             "processes (none for HiCache + file: its I/O runs in SGLang's scheduler threads), all CPU-s: the "
             "engine's and the cache server's process trees together"
         )
+    if doc.get("interleaved"):
+        _print_interleaved(doc)
     print(
         "load average (1 min) at each system's start and end: "
         + "; ".join(
@@ -1334,6 +1425,25 @@ def print_report(doc: dict[str, Any]) -> None:
         print(f"not run: {name}: {why}")
     for name, why in NOT_RUN.items():
         print(f"not run: {name}: {why}")
+
+
+def _print_interleaved(doc: dict[str, Any]) -> None:
+    rounds = doc["rounds"]
+    print(
+        f"\nhpkv's lead over each peer, {len(rounds)} rounds interleaved ("
+        + "; ".join(" ".join(r["order"]) for r in rounds)
+        + "): the peer's TTFT / hpkv's per phase, hpkv's req/s / the peer's per N; above 1: hpkv ahead"
+    )
+    print(f"{'peer':28} {'against':24} {'measure':22} {'median':>7}  each round")
+    for peer, e in doc["interleaved"].items():
+        rows = [(PHASE_LABELS[p].split(" (")[0] + " TTFT", v) for p, v in e["phases"].items()]
+        rows += [(f"N={n} req/s", v) for n, v in e["requests_per_s"].items()]
+        rows += [(f"N={n} TTFT p50", v) for n, v in e["ttft_p50"].items()]
+        for what, v in rows:
+            print(
+                f"{LABELS[peer]:28} {LABELS[e['vs']]:24} {what:22} {v['median']:>6.2f}x  "
+                + " ".join(f"{x:.2f}" for x in v["each"])
+            )
 
 
 def check_args(args: argparse.Namespace) -> tuple[list[str], list[int]] | str:
@@ -1355,6 +1465,8 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[int]] | str:
         return f"--hpkv-env {bad_env[0]!r}: give KEY=VALUE, e.g. VLLM_HPKV_TOKEN_THRESHOLD=auto"
     if args.shape not in SHAPES:
         return f"--shape {args.shape!r}: choose from {', '.join(sorted(SHAPES))}"
+    if getattr(args, "rounds", 1) < 1:
+        return f"--rounds {args.rounds}: give 1 or more (2 runs every system twice, A B then B A)"
     longest = max(args.tokens, args.system_tokens + args.turns * (args.turn_tokens + args.output_tokens) + 64)
     if longest > max_model_len(args.engine_cache_tokens):
         return (
@@ -1407,28 +1519,27 @@ def run(args: argparse.Namespace) -> int:
                 "engine_cache_tokens",
                 "drop_caches",
                 "sglang_omp_wait_policy",
+                "rounds",
             )
         },
         "systems": {},
         "skipped": skipped,
         "not_run": NOT_RUN,
     }
+    rounds: list[dict[str, Any]] = []
     try:
-        for name in names:
-            try:
-                doc["systems"][name] = run_system(name, budget, args, ns)
-            except (RuntimeError, OSError) as exc:
-                if name not in ("vllm", "hpkv", "sglang-hpkv"):  # a failed peer is reported, not fatal
-                    skipped[name] = f"failed: {exc}"[:2000]
-                    _log(f"{name} failed: {exc}")
-                    continue
-                raise
+        run_rounds(names, budget, args, ns, skipped, rounds)
     finally:
         if args.keep:
             _log(f"kept {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
-    summarize(doc)
+    for r in rounds:
+        summarize(r)
+    doc["systems"] = {n: rounds[0]["systems"][n] for n in names if n in rounds[0]["systems"]}
+    if args.rounds > 1:
+        doc["rounds"] = rounds
+        doc["interleaved"] = interleaved(rounds)
     if args.json:
         print(json.dumps(doc))
     else:
