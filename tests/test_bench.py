@@ -234,6 +234,56 @@ def test_the_remote_hit_is_also_set_against_the_floor_beside_a_spinning_engine(c
     assert f"floor {spin_ms:.1f} ms (raw batch_get_into, best of 0.4, 0.5 GB/s)" in out
 
 
+def test_the_remote_hit_shows_whether_the_machines_cpus_bound_it(capsys):
+    # the raw gets of 2 MiB took 0.004 and 0.006 CPU-s of the machine (at 1.0 and 0.5 GB/s);
+    # a hit of 1 MiB took 0.016 CPU-s more than its GPU hit, on 2 CPUs at least 8 ms
+    res = {
+        "ttft": {"remote_hit": [0.105, 0.104], "remote_hit_repeat": [0.102, 0.101]},
+        "served_tokens": {"remote_hit": {"dram": 0, "storage": 0, "remote": 2 * 32}},
+        "requests": 2,
+        "tokens": 40,
+        "model": "m",
+        "cpus": 2,
+        "kv_bytes_per_token": 32 * 1024,
+        "remote_floor_gbps": {
+            "best": 1.0,
+            "rounds": [1.0, 0.5],
+            "bytes": 2 << 20,
+            "machine_cpu_s": [0.004, 0.006],
+        },
+        "cpu_s_per_request": {
+            "remote_hit": {"engine": 0.01, "hpkv": 0.004, "machine": 0.02},
+            "remote_hit_repeat": {"engine": 0.002, "hpkv": 0.0, "machine": 0.004},
+        },
+    }
+    s = ttft.summarize(res)
+    floor_ms = (1 << 20) / 1e9 * 1000
+    assert s["remote_floor_machine_cpu_s"] == pytest.approx(0.0025, abs=1e-4)
+    assert s["remote_floor_cpus_busy"] == pytest.approx((0.004 / 2.097e-3 + 0.006 / 4.194e-3) / 2, abs=0.01)
+    assert s["remote_added_machine_cpu_s"] == {"machine": 0.016, "engine": 0.008, "hpkv": 0.004}
+    assert s["remote_cpu_bound_ms"] == pytest.approx(8.0)
+    assert s["remote_cpu_bound_vs_floor"] == pytest.approx(8.0 / floor_ms, abs=0.01)
+    ttft.print_table(s)
+    out = capsys.readouterr().out
+    assert (
+        "a remote hit added 0.016 CPU-s to its GPU hit (vLLM 0.008, this node's hpkv 0.004, the rest 0.004"
+        in out
+    )
+    assert f"at least 8.0 ms on 2 CPUs -> {8.0 / floor_ms:.3f}x the floor by CPU work alone" in out
+    del res["cpu_s_per_request"]["remote_hit_repeat"]  # nothing to set the hit against: no such line
+    ttft.print_table(ttft.summarize(res))
+    assert "the machine's CPU" not in capsys.readouterr().out
+
+
+def test_machine_busy_seconds_count_this_process_work():
+    from hpkv.bench.floors import machine_busy_s
+
+    b0, c0 = machine_busy_s(), time.process_time()
+    while time.process_time() - c0 < 0.3:
+        pass
+    assert machine_busy_s() - b0 >= 0.25  # (ticks of 10 ms; every CPU counts, others' work too)
+
+
 def test_remote_phases_skip_with_the_reason_where_namespaces_cannot_be_made(monkeypatch, capsys):
     monkeypatch.setattr(ttft, "remote_unavailable", lambda: "needs root to create network namespaces")
     results: dict = {"requests": 1}

@@ -5,7 +5,9 @@ end-to-end times that an engine's fixed costs can hide.
 * :func:`memcpy_gbps`: the best copy between two populated shared-memory mappings (the
   kind of memory the pool and vLLM's CPU KV cache are), single- and multi-threaded;
 * :func:`raw_read_gbps`: the best raw ``open(O_DIRECT) + preadv + close`` of a set of
-  files (buffered after dropping the page cache where O_DIRECT is refused), 1..N threads.
+  files (buffered after dropping the page cache where O_DIRECT is refused), 1..N threads;
+* :func:`machine_busy_s`: the CPU the whole machine spent, to tell a floor bound by the
+  CPUs (where any added work adds time) from one bound by a device.
 """
 
 from __future__ import annotations
@@ -19,6 +21,16 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from hpkv.common import shm
+
+
+def machine_busy_s() -> float:
+    """CPU seconds every CPU of the machine has spent busy since boot (``/proc/stat``: user,
+    nice, system, irq and softirq; not idle, iowait or time stolen by the hypervisor), kernel
+    network work included, which no process's counters show."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:8]]
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def _parallel_copy(dst: np.ndarray, src: np.ndarray, threads: int, pool: ThreadPoolExecutor) -> float:

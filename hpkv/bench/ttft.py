@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from hpkv.bench import order_balanced
+from hpkv.bench.floors import machine_busy_s
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXY"
 WARMUP_LETTER = "Z"  # never measured
@@ -435,6 +436,7 @@ class CpuMeter:
         return {
             "engine": _tree_cpu_s(engine_pid, self._seen["engine"]),
             "hpkv": _tree_cpu_s(live_server_pid(self.pool_dir), self._seen["hpkv"]),
+            "machine": machine_busy_s(),  # everything: other nodes, the kernel, the benchmark
         }
 
     def start(self, phase: str, engine_pid: int | None) -> None:
@@ -1114,6 +1116,8 @@ def _floor_columns(out: dict[str, Any], res: dict[str, Any], tier: str, hit: str
             }
         )
     floor = nbytes / (gbps * 1e9) * 1000
+    if tier == "remote":
+        out.update(_machine_cpu(res, hit, nbytes, floor))
     out.update(
         {
             f"{tier}_bytes_per_request": int(nbytes),
@@ -1123,6 +1127,32 @@ def _floor_columns(out: dict[str, Any], res: dict[str, Any], tier: str, hit: str
             f"{tier}_floor_gbps": rates,
         }
     )
+
+
+def _machine_cpu(res: dict[str, Any], hit: str, nbytes: float, floor_ms: float) -> dict[str, Any]:
+    """Whether the machine's CPUs bound a remote hit: the CPU seconds the whole machine spent
+    on the raw floor's gets of ``nbytes`` (both nodes and the kernel's network work) and on a
+    hit beyond its GPU hit (the repeat right after), by whom, and the least time that CPU work
+    takes on this machine's CPUs. Where that is above the floor's time times the target, no
+    overlap can meet the target here: the work, not waiting, sets the time."""
+    fl = res.get("remote_floor_gbps") or {}
+    rounds, span = fl.get("machine_cpu_s"), fl.get("bytes")
+    cpu = res.get("cpu_s_per_request", {})
+    hit_cpu, gpu_cpu = cpu.get(hit, {}), cpu.get(f"{hit}_repeat", {})
+    cpus = int(res.get("cpus") or 0)
+    if not rounds or not span or "machine" not in hit_cpu or "machine" not in gpu_cpu or not cpus:
+        return {}
+    floor_cpu = statistics.median(rounds) * nbytes / span
+    busy = statistics.median(c / (span / (r * 1e9)) for c, r in zip(rounds, fl["rounds"], strict=True))
+    added = {k: max(0.0, hit_cpu[k] - gpu_cpu.get(k, 0.0)) for k in ("machine", "engine", "hpkv")}
+    least_ms = added["machine"] / cpus * 1000
+    return {
+        "remote_floor_machine_cpu_s": round(floor_cpu, 4),
+        "remote_floor_cpus_busy": round(busy, 2),
+        "remote_added_machine_cpu_s": {k: round(v, 4) for k, v in added.items()},
+        "remote_cpu_bound_ms": round(least_ms, 1),
+        "remote_cpu_bound_vs_floor": round(least_ms / floor_ms, 3),
+    }
 
 
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
@@ -1278,6 +1308,16 @@ def _print_other_floors(s: dict[str, Any], tier: str) -> None:
             f"and worker do while they wait for each other): floor {s[f'{tier}_floor_spin_ms']:.1f} ms "
             f"({_floor_rates(tier, s[f'{tier}_floor_spin_gbps'])} GB/s) -> "
             f"{s[f'{tier}_added_vs_floor_spin']:.3f}x"
+        )
+    if tier == "remote" and "remote_cpu_bound_ms" in s:
+        a = s["remote_added_machine_cpu_s"]
+        print(
+            f"    the machine's CPU: the raw gets of these bytes took {s['remote_floor_machine_cpu_s']:.3f} "
+            f"CPU-s ({s['remote_floor_cpus_busy']:.2f} of {s['cpus']} CPUs busy while they ran); "
+            f"a remote hit added {a['machine']:.3f} CPU-s to its GPU hit (vLLM {a['engine']:.3f}, this "
+            f"node's hpkv {a['hpkv']:.3f}, the rest {max(0.0, a['machine'] - a['engine'] - a['hpkv']):.3f}: "
+            f"the other node, the kernel's network work), at least {s['remote_cpu_bound_ms']:.1f} ms on "
+            f"{s['cpus']} CPUs -> {s['remote_cpu_bound_vs_floor']:.3f}x the floor by CPU work alone"
         )
     if tier == "dram" and "dram_floor_all_cpus_ms" in s:
         print(
