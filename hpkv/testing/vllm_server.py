@@ -108,7 +108,7 @@ class VllmServer:
     and :meth:`stop` yourself. ``extra_args`` are appended to the command line
     (e.g. ``["--kv-transfer-config", json]``); ``env`` entries override the
     inherited environment, which overrides the CPU defaults
-    (``VLLM_CPU_KVCACHE_SPACE=2``, offline Hugging Face Hub); explicit
+    (``VLLM_CPU_KVCACHE_SPACE=2``, offline Hugging Face Hub, ``VLLM_USE_AOT_COMPILE=0``); explicit
     ``kv_cache_space_gib`` and ``dev_mode`` arguments override the inherited environment.
     """
 
@@ -232,6 +232,10 @@ class VllmServer:
                 "TRANSFORMERS_OFFLINE": "1",
                 "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1",
+                # vllm-cpu 0.32 (torch 2.13) cannot load its own AOT compile cache ("'function'
+                # object has no attribute 'finalize_loading'") and compiles again at every start:
+                # 25 s of a 55-75 s start here, 5 s from vLLM's other compile cache
+                "VLLM_USE_AOT_COMPILE": "0",
             }
         ).items():
             e.setdefault(k, v)
