@@ -1303,7 +1303,7 @@ def leads(systems: Mapping[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
         p, h = systems.get(peer), systems.get(ours)
         if not p or not h:
             continue
-        lead: dict[str, dict[str, float]] = {"phases": {}, "requests_per_s": {}, "ttft_p50": {}}
+        lead: dict[str, dict[str, float | None]] = {"phases": {}, "requests_per_s": {}, "ttft_p50": {}}
         pt, ht = (p.get("phases") or {}).get("ttft", {}), (h.get("phases") or {}).get("ttft", {})
         for ph in PHASES:
             if pt.get(ph) and ht.get(ph):
