@@ -187,11 +187,16 @@ def test_interleaved_rounds_report_hpkvs_lead_over_each_peer_per_round_and_its_m
     assert re.search(r"storage hit TTFT +1\.20x  1\.20 0\.90 2\.00", out), out
 
 
-def test_rounds_run_in_alternating_order_and_a_failed_peer_is_not_run_again(monkeypatch):
+def test_rounds_run_in_alternating_order_and_a_failed_peer_is_not_run_again(monkeypatch, tmp_path):
     ran: list[str] = []
+    works: dict[str, list[str]] = {}
 
     def run_system(name, budget, args, ns):
         ran.append(name)
+        works.setdefault(name, []).append(budget.work)
+        mine = os.path.join(budget.work, f"{name}-storage")
+        assert not os.path.exists(mine), "a round starts without an earlier round's files"
+        open(mine, "w").close()
         if name == "lmcache":
             raise RuntimeError("LMCache's server exited")
         return {"label": name}
@@ -200,8 +205,10 @@ def test_rounds_run_in_alternating_order_and_a_failed_peer_is_not_run_again(monk
     rounds: list[dict] = []
     skipped: dict[str, str] = {}
     names = ["vllm", "lmcache", "hpkv"]
-    peers.run_rounds(names, None, _args("--rounds", "2"), [1], skipped, rounds)
+    budget = peers.Budget(model="m", work=str(tmp_path), dram_bytes=1, engine_cache_tokens=1)
+    peers.run_rounds(names, budget, _args("--rounds", "2"), [1], skipped, rounds)
     assert ran == ["vllm", "lmcache", "hpkv", "hpkv", "vllm"]
+    assert works["hpkv"] == [str(tmp_path / "round-1"), str(tmp_path / "round-2")]
     assert [r["order"] for r in rounds] == [names, names[::-1]] and list(rounds[1]["systems"]) == [
         "hpkv",
         "vllm",
@@ -209,7 +216,7 @@ def test_rounds_run_in_alternating_order_and_a_failed_peer_is_not_run_again(monk
     assert skipped == {"lmcache": "failed: LMCache's server exited"}
     monkeypatch.setattr(peers, "run_system", lambda name, *a: run_system("lmcache", *a))
     with pytest.raises(RuntimeError, match="exited"):  # hpkv itself failing ends the run
-        peers.run_rounds(["hpkv"], None, _args(), [1], {}, [])
+        peers.run_rounds(["hpkv"], budget, _args(), [1], {}, [])
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import glob
 import json
 import os
@@ -1229,18 +1230,24 @@ def run_rounds(
     rounds: list[dict[str, Any]],
 ) -> None:
     """Run the systems ``args.rounds`` times in :func:`round_orders`, appending each round's
-    ``{"order", "systems"}`` to ``rounds`` as it starts. A peer that fails is recorded in
-    ``skipped`` and not run again; hpkv or the engine alone failing ends the run."""
+    ``{"order", "systems"}`` to ``rounds`` as it starts. Each round works in a directory of its
+    own under ``budget.work``: a system's files from an earlier round (hpkv's storage, vLLM's
+    fs tier) would turn the next round's cold phase into a hit. A peer that fails is recorded
+    in ``skipped`` and not run again; hpkv or the engine alone failing ends the run."""
     for r, order in enumerate(round_orders(names, args.rounds)):
         systems: dict[str, Any] = {}
         rounds.append({"order": order, "systems": systems})
+        here = budget
+        if args.rounds > 1:
+            here = dataclasses.replace(budget, work=os.path.join(budget.work, f"round-{r + 1}"))
+            os.makedirs(here.work, exist_ok=True)
         for name in order:
             if name in skipped:  # failed in an earlier round
                 continue
             if args.rounds > 1:
                 _log(f"round {r + 1} of {args.rounds}: {name}")
             try:
-                systems[name] = run_system(name, budget, args, ns)
+                systems[name] = run_system(name, here, args, ns)
             except (RuntimeError, OSError) as exc:
                 if name in ("vllm", "hpkv", "sglang-hpkv"):
                     raise
