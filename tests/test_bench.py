@@ -212,18 +212,25 @@ def test_the_remote_hit_is_set_against_the_raw_batch_get_into_time_of_its_bytes(
     assert "spinning on sched_yield" not in out  # no such floor measured: no such line
 
 
-def test_the_remote_hit_is_also_set_against_the_floor_beside_a_spinning_engine(capsys):
-    # the same hit; the raw gets beside a process spinning on sched_yield ran at 0.5 GB/s: 2.1 ms
-    res = {
+def _remote_hit(**extra: object) -> dict:
+    """A --remote result: node B's hit of 1 MiB a request, 3 ms over its GPU hit (pairs)."""
+    return {
         "ttft": {"remote_hit": [0.105, 0.104], "remote_hit_repeat": [0.102, 0.101]},
         "served_tokens": {"remote_hit": {"dram": 0, "storage": 0, "remote": 2 * 32}},
         "requests": 2,
         "tokens": 40,
         "model": "m",
         "kv_bytes_per_token": 32 * 1024,
-        "remote_floor_gbps": {"best": 1.0, "rounds": [1.0]},
-        "remote_floor_spin_gbps": {"best": 0.5, "rounds": [0.4, 0.5]},
+        **extra,
     }
+
+
+def test_the_remote_hit_is_also_set_against_the_floor_beside_a_spinning_engine(capsys):
+    # the same hit; the raw gets beside a process spinning on sched_yield ran at 0.5 GB/s: 2.1 ms
+    res = _remote_hit(
+        remote_floor_gbps={"best": 1.0, "rounds": [1.0]},
+        remote_floor_spin_gbps={"best": 0.5, "rounds": [0.4, 0.5]},
+    )
     s = ttft.summarize(res)
     spin_ms = 32 * 32 * 1024 / 0.5e9 * 1000
     assert s["remote_floor_spin_ms"] == pytest.approx(spin_ms, abs=0.05)
@@ -237,25 +244,19 @@ def test_the_remote_hit_is_also_set_against_the_floor_beside_a_spinning_engine(c
 def test_the_remote_hit_shows_whether_the_machines_cpus_bound_it(capsys):
     # the raw gets of 2 MiB took 0.004 and 0.006 CPU-s of the machine (at 1.0 and 0.5 GB/s);
     # a hit of 1 MiB took 0.016 CPU-s more than its GPU hit, on 2 CPUs at least 8 ms
-    res = {
-        "ttft": {"remote_hit": [0.105, 0.104], "remote_hit_repeat": [0.102, 0.101]},
-        "served_tokens": {"remote_hit": {"dram": 0, "storage": 0, "remote": 2 * 32}},
-        "requests": 2,
-        "tokens": 40,
-        "model": "m",
-        "cpus": 2,
-        "kv_bytes_per_token": 32 * 1024,
-        "remote_floor_gbps": {
+    res = _remote_hit(
+        cpus=2,
+        remote_floor_gbps={
             "best": 1.0,
             "rounds": [1.0, 0.5],
             "bytes": 2 << 20,
             "machine_cpu_s": [0.004, 0.006],
         },
-        "cpu_s_per_request": {
+        cpu_s_per_request={
             "remote_hit": {"engine": 0.01, "hpkv": 0.004, "machine": 0.02},
             "remote_hit_repeat": {"engine": 0.002, "hpkv": 0.0, "machine": 0.004},
         },
-    }
+    )
     s = ttft.summarize(res)
     floor_ms = (1 << 20) / 1e9 * 1000
     assert s["remote_floor_machine_cpu_s"] == pytest.approx(0.0025, abs=1e-4)
