@@ -1333,7 +1333,8 @@ def interleaved(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         entry: dict[str, Any] = {"vs": HPKV_OF[peer], "rounds": len(seen)}
         for kind in ("phases", "requests_per_s", "ttft_p50"):
-            keys = sorted({k for r in seen for k in r[kind]}, key=lambda k: (len(k), k))
+            got = {k for r in seen for k in r[kind]}
+            keys = [p for p in PHASES if p in got] if kind == "phases" else sorted(got, key=int)
             entry[kind] = {
                 k: {
                     "each": [r[kind][k] for r in seen if k in r[kind]],
