@@ -567,6 +567,8 @@ def test_a_killed_remote_worker_is_restarted_and_publishes_again(tmp_path: Path)
             # The new worker mounts a new segment (the old one's objects went with it) and
             # publishes again. For ~10 s the master still lists the dead segment and may place a
             # put there: such a put fails (tried again, then dropped), never the tier.
+            r0 = n.remote()
+            ended = r0["published"] + r0["errors"]  # puts that ended so far (`first`'s among them)
             later: list[bytes] = []
             deadline = time.monotonic() + 30
             while n.remote()["published"] < 2:
@@ -574,16 +576,18 @@ def test_a_killed_remote_worker_is_restarted_and_publishes_again(tmp_path: Path)
                     f"nothing published again: {n.remote()}\n{n.srv.log()[-3000:]}"
                 )
                 later += n.put(block_keys(FP, [f"after{len(later)}".encode()])).keys()
-                tried = len(later)
+                tried = ended + len(later)
                 n.wait_remote(lambda r: r["published"] + r["errors"] >= tried, "the put's end")  # noqa: B023
             assert not n.remote()["down"]
             assert n.c.lookup(n.ns.ns_id, first + later) == (1 + len(later), [1] * (1 + len(later)))
             # The block published before the restart (its object went with the old segment) is
-            # still in the pool: published again once the master has dropped the old segment.
-            # (under load the republish may have ended already: it counts in both counters)
-            before = n.remote()
-            r = n.wait_remote(lambda r: r["republished"] == 1, "republish")
-            assert r["published"] == before["published"] + 1 - before["republished"], (before, r)
+            # still in the pool: published again once the master has dropped the old segment
+            # (it may have been before the last put above ended).
+            r = n.wait_remote(
+                lambda r: r["republished"] == 1 and r["published"] + r["errors"] >= ended + len(later) + 1,
+                "republish",
+            )
+            assert r["published"] + r["errors"] == ended + len(later) + 1, (r0, r)
             assert r["existed"] == 0 and not r["down"]
             name = mooncake_api.object_key(BlockId(bytes.fromhex(FP), first[0], 0, 1))
             r = a.run([sys.executable, "-c", _EXISTS, a.addr, m.metadata, m.rpc, name],
