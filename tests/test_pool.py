@@ -32,9 +32,18 @@ def pool_path():
 
 @pytest.fixture
 def busy_cpus():
-    """One spinning process per CPU, at the test's own priority."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    """One spinning process per CPU, at the test's own priority, each spinning when it returns
+    (a loaded machine takes a while to start a Python, and an idle-priority warmer has the
+    CPUs meanwhile)."""
+    hogs = [
+        subprocess.Popen(
+            [sys.executable, "-c", "print(flush=True)\nwhile True: pass"], stdout=subprocess.PIPE
+        )
+        for _ in range(os.cpu_count() or 1)
+    ]
     try:
+        for p in hogs:
+            assert p.stdout is not None and p.stdout.readline() == b"\n"
         yield
     finally:
         for p in hogs:
