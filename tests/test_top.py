@@ -90,7 +90,10 @@ class Tmux:
 
     def __init__(self, env: dict[str, str]):
         self.socket = f"hpkv-top-test-{uuid.uuid4().hex[:8]}"
-        self.env = {**env, "TERM": "xterm-256color", "LANG": "C.UTF-8"}
+        # without COLUMNS and LINES: curses takes them over the terminal's size (pytest-xdist's
+        # workers export 80 x 24), and hpkv-top would never follow the window
+        self.env = {k: v for k, v in env.items() if k not in ("COLUMNS", "LINES")}
+        self.env.update(TERM="xterm-256color", LANG="C.UTF-8")
         # where tmux puts a -L socket; it leaves the file behind when its server is killed
         self.socket_path = os.path.join(
             self.env.get("TMUX_TMPDIR", "/tmp"), f"tmux-{os.getuid()}", self.socket
@@ -245,7 +248,6 @@ def test_screen_shows_the_blocks_hits_and_workers_the_test_caused(server, traffi
 def test_layout_follows_the_terminal_size(server, traffic, tmux_top):
     top = tmux_top(server.env, 100, 30, "-d", "0.5")
     pid = f"server {server.proc.pid}"
-    # (on a loaded machine hpkv-top's first frame may still be drawn at tmux's default 80 columns)
     screen = top.wait_for("the 100-column layout", lambda s: pid in s and "TIME SAVED" in s)
     assert "TIME SAVED" in line_with(screen, "^NAMESPACE") and "COMMITS" not in screen
 
