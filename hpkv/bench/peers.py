@@ -195,14 +195,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "SGLang's own)",
     )
     p.add_argument(
+        "--omp-wait-policy",
         "--sglang-omp-wait-policy",
+        dest="omp_wait_policy",
         choices=("passive", "active", "inherit"),
         default="passive",
-        help="SGLang systems: OMP_WAIT_POLICY of both engines (default passive). With libgomp's default, "
-        "idle OpenMP threads spin for about 3 ms at every barrier unless the process runs more OpenMP "
-        "threads than CPUs, which HiCache + file does by accident (its backup thread's page copies start "
-        "a second OpenMP team) and SGLang + hpkv does not (zero-copy): on a loaded machine the spinning "
-        "made the same forward 3-4x slower. inherit: leave it to the environment",
+        help="OMP_WAIT_POLICY of every engine, the same for all (default passive). With libgomp's "
+        "default, idle OpenMP threads spin for about 3 ms at every barrier unless the process runs more "
+        "OpenMP threads than CPUs, which some systems do by accident (HiCache + file's backup thread "
+        "starts a second OpenMP team): on a 2-vCPU machine the spinning competes with the engine's "
+        "other processes and the cache engine, and moved vLLM's TTFT at one user by up to 3x from run "
+        "to run. inherit: leave it to the environment",
     )
     p.add_argument(
         "--drop-caches",
@@ -554,6 +557,7 @@ class System:
 
     name = "vllm"
     persistent = False
+    omp_wait_policy = "passive"  # --omp-wait-policy: the same for every system (omp_env)
 
     def __init__(self, budget: Budget) -> None:
         self.b = budget
@@ -569,7 +573,21 @@ class System:
     def env(self) -> dict[str, str]:
         from hpkv.testing.server import env_without_hpkv
 
-        return {**env_without_hpkv(), **TELEMETRY_OFF}
+        return {**env_without_hpkv(), **TELEMETRY_OFF, **self.omp_env()}
+
+    def omp_env(self) -> dict[str, str]:
+        """The OpenMP wait policy every engine runs with (``--omp-wait-policy``).
+
+        libgomp's idle threads spin (about 3 ms) at each barrier of the forward, or only 100
+        iterations while the process has more OpenMP threads than CPUs (``do_spin`` in libgomp's
+        ``config/linux/wait.h``). Which systems get the short spin is an accident: HiCache + file's
+        backup thread copies pages with torch (``_generic_page_set`` → ``get_data_page``), which
+        starts a second OpenMP team; SGLang + hpkv's zero-copy path never runs torch there. With
+        the long spin a busy 2-vCPU machine ran the same 2304-token SGLang turn 3-4x slower, and
+        vLLM's worker spent 1.15-2.33 CPU-s per one-user turn where it spends 0.81-1.01 passive
+        (TTFT p50 0.08-0.25 s against 0.07-0.09 s, run to run, for vLLM + hpkv and vLLM's
+        offloading alike), so the policy is set alike for all."""
+        return {} if self.omp_wait_policy == "inherit" else {"OMP_WAIT_POLICY": self.omp_wait_policy.upper()}
 
     def kv_transfer_args(self) -> list[str]:
         return []
@@ -895,12 +913,9 @@ class SglangSystem(System):
     persistent = True
     page_tokens = 16  # SglangServer's default: HiCache's page (and hpkv's key on SGLang)
 
-    def __init__(
-        self, budget: Budget, prefetch_policy: str = "timeout", omp_wait_policy: str = "passive"
-    ) -> None:
+    def __init__(self, budget: Budget, prefetch_policy: str = "timeout") -> None:
         super().__init__(budget)
         self.prefetch_policy = prefetch_policy
-        self.omp_wait_policy = omp_wait_policy
         self.storage = os.path.join(budget.work, f"{self.name}-storage")
         self._lock = threading.Lock()
         self._served = dict.fromkeys((*SOURCES, "device", "host", "storage"), 0)
@@ -926,19 +941,8 @@ class SglangSystem(System):
             json.dumps(cfg),
         ]
 
-    def omp_env(self) -> dict[str, str]:
-        """The OpenMP wait policy both SGLang systems run with (``--sglang-omp-wait-policy``).
-
-        libgomp's idle threads spin (about 3 ms) at each barrier of the forward, or only 100
-        iterations while the process has more OpenMP threads than CPUs (``do_spin`` in libgomp's
-        ``config/linux/wait.h``). HiCache + file gets the short spin by accident: its backup thread
-        copies pages with torch (``_generic_page_set`` → ``get_data_page``), which starts a second
-        OpenMP team; SGLang + hpkv's zero-copy path never runs torch there. With the long spin, a
-        busy 2-vCPU machine ran the same 2304-token turn 3-4x slower, so the policy is set alike."""
-        return {} if self.omp_wait_policy == "inherit" else {"OMP_WAIT_POLICY": self.omp_wait_policy.upper()}
-
     def env(self) -> dict[str, str]:
-        return {**super().env(), "VLLM_ENABLE_HPKV": "0", **self.omp_env()}
+        return {**super().env(), "VLLM_ENABLE_HPKV": "0"}
 
     def start(self) -> None:
         from hpkv.testing.sglang_server import SglangServer
@@ -1068,9 +1072,8 @@ class SglangHpkvSystem(SglangSystem):
         budget: Budget,
         prefetch_policy: str = "timeout",
         extra_env: dict[str, str] | None = None,
-        omp_wait_policy: str = "passive",
     ) -> None:
-        super().__init__(budget, prefetch_policy, omp_wait_policy)
+        super().__init__(budget, prefetch_policy)
         self.hpkv = HpkvSystem(budget, extra_env)
         self.hpkv.pool_dir += "-sglang"
         self.hpkv.storage = self.storage  # its own, not vLLM + hpkv's
@@ -1085,7 +1088,7 @@ class SglangHpkvSystem(SglangSystem):
         return hpkv_backend_args()
 
     def env(self) -> dict[str, str]:
-        return {**self.hpkv.env(), "VLLM_ENABLE_HPKV": "1", **self.omp_env(), **self.extra_env}
+        return {**self.hpkv.env(), "VLLM_ENABLE_HPKV": "1", **self.extra_env}
 
     def cache_pid(self) -> int | None:
         return self.hpkv.cache_pid()
@@ -1107,6 +1110,14 @@ class SglangHpkvSystem(SglangSystem):
 
 
 def make_system(name: str, budget: Budget, args: argparse.Namespace) -> System:
+    sysm = _new_system(name, budget, args)
+    sysm.omp_wait_policy = args.omp_wait_policy
+    if isinstance(sysm, SglangHpkvSystem):
+        sysm.hpkv.omp_wait_policy = args.omp_wait_policy
+    return sysm
+
+
+def _new_system(name: str, budget: Budget, args: argparse.Namespace) -> System:
     if name == "hpkv":
         extra = dict(kv.split("=", 1) for kv in getattr(args, "hpkv_env", []))
         return HpkvSystem(budget, extra)
@@ -1115,10 +1126,10 @@ def make_system(name: str, budget: Budget, args: argparse.Namespace) -> System:
     if name in ("vllm-offload", "vllm-tiering"):
         return OffloadSystem(budget, fs=name == "vllm-tiering")
     if name == "sglang-file":
-        return SglangSystem(budget, args.sglang_prefetch_policy, args.sglang_omp_wait_policy)
+        return SglangSystem(budget, args.sglang_prefetch_policy)
     if name == "sglang-hpkv":
         extra = dict(kv.split("=", 1) for kv in getattr(args, "hpkv_env", []))
-        return SglangHpkvSystem(budget, args.sglang_prefetch_policy, extra, args.sglang_omp_wait_policy)
+        return SglangHpkvSystem(budget, args.sglang_prefetch_policy, extra)
     return System(budget)
 
 
@@ -1526,7 +1537,7 @@ def run(args: argparse.Namespace) -> int:
                 "dram_mib",
                 "engine_cache_tokens",
                 "drop_caches",
-                "sglang_omp_wait_policy",
+                "omp_wait_policy",
                 "rounds",
             )
         },
