@@ -37,6 +37,20 @@ def _test_failed(item: pytest.Item) -> bool:
     return any(getattr(getattr(item, f"rep_{when}", None), "failed", False) for when in ("setup", "call"))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """scripts/test.sh runs the suite in two phases: on parallel workers every test but those
+    marked ``alone`` (``HPKV_TEST_PHASE=parallel``), then those by themselves (``alone``).
+    Without the variable, everything selected runs."""
+    phase = os.environ.get("HPKV_TEST_PHASE")
+    if phase not in ("parallel", "alone"):
+        return
+    keep = [i for i in items if (i.get_closest_marker("alone") is not None) == (phase == "alone")]
+    dropped = [i for i in items if i not in keep]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = keep
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
     """Directory of the deterministic tiny Qwen2 model (generated on first use)."""
