@@ -44,8 +44,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     phase = os.environ.get("HPKV_TEST_PHASE")
     if phase not in ("parallel", "alone"):
         return
-    keep = [i for i in items if (i.get_closest_marker("alone") is not None) == (phase == "alone")]
-    dropped = [i for i in items if i not in keep]
+    keep: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for i in items:
+        (keep if (i.get_closest_marker("alone") is not None) == (phase == "alone") else dropped).append(i)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
     items[:] = keep

@@ -34,10 +34,9 @@ def pool_path():
 def busy_cpus():
     """One spinning process pinned to each CPU, at the test's own priority, each spinning when
     this returns (a loaded machine takes a while to start a Python, and an idle-priority warmer
-    has the CPUs meanwhile). Pinned: with the kernel's autogroups (sched_autogroup_enabled=1
-    here) an idle-priority thread is idle only next to its own session's tasks on the same CPU;
-    a CPU where other work (another test worker's engine) ran instead of a hog gave the warmer
-    its session's whole share: 416 MiB warmed in 3 s."""
+    has the CPUs meanwhile). Pinned, so that every CPU has one of the test's own hogs: next to
+    another test worker's load the warmer once warmed 416 MiB in 3 s (why is not known; the
+    kernel's autogroups, sched_autogroup_enabled=1 here, are the unchecked guess)."""
     spin = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nprint(flush=True)\nwhile True: pass"
     hogs = [
         subprocess.Popen([sys.executable, "-c", spin, str(cpu)], stdout=subprocess.PIPE)

@@ -68,9 +68,9 @@ def wait_remote(env: dict[str, str], cond, what: str, timeout: float = 60.0) -> 
 
 
 def by_id(srv: VllmServer, **body: object) -> tuple[str, list]:
-    """The greedy completion of PROMPT with its top logprobs keyed by token id: the tiny model's
-    byte-fallback tokens share one string ("\ufffd"), which would hide a near tie's flip."""
-    return complete_with(srv, PROMPT, return_tokens_as_token_ids=True, **body)
+    """The greedy completion of PROMPT with its top logprobs keyed by token id (complete_with's
+    default)."""
+    return complete_with(srv, PROMPT, **body)
 
 
 def engine(model: str, env: dict[str, str], ns: netns.Netns, log: Path) -> VllmServer:

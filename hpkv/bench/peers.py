@@ -1079,6 +1079,15 @@ class SglangHpkvSystem(SglangSystem):
         self.hpkv.storage = self.storage  # its own, not vLLM + hpkv's
         self.extra_env = self.hpkv.extra_env
 
+    @property
+    def omp_wait_policy(self) -> str:
+        """hpkv's environment, which this engine runs with, holds the policy."""
+        return self.hpkv.omp_wait_policy
+
+    @omp_wait_policy.setter
+    def omp_wait_policy(self, policy: str) -> None:
+        self.hpkv.omp_wait_policy = policy
+
     def host_pool_tokens(self) -> int:
         return self.b.engine_cache_tokens
 
@@ -1112,8 +1121,6 @@ class SglangHpkvSystem(SglangSystem):
 def make_system(name: str, budget: Budget, args: argparse.Namespace) -> System:
     sysm = _new_system(name, budget, args)
     sysm.omp_wait_policy = args.omp_wait_policy
-    if isinstance(sysm, SglangHpkvSystem):
-        sysm.hpkv.omp_wait_policy = args.omp_wait_policy
     return sysm
 
 
