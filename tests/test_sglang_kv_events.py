@@ -28,7 +28,6 @@ import requests
 from hpkv.testing.kv_events import Subscriber
 from hpkv.testing.server import engine_env
 from hpkv.testing.sglang_server import SglangServer, hpkv_backend_args, sglang_python
-from hpkv.testing.vllm_server import free_port
 
 pytestmark = [
     pytest.mark.sglang,
@@ -43,9 +42,8 @@ PAGE = 16
 def events_server(
     tiny_model: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[SglangServer, Subscriber, dict]]:
-    port = free_port()
-    sub = Subscriber(f"tcp://127.0.0.1:{port}", lambda payload: msgspec.msgpack.decode(payload)[1])
-    config = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv"}
+    sub = Subscriber(lambda payload: msgspec.msgpack.decode(payload)[1])
+    config = {"publisher": "zmq", "endpoint": sub.endpoint, "topic": "kv"}
     log = tmp_path_factory.mktemp("sglang-events") / "sglang.log"
     with engine_env("sglang-events", pool_size="256m", VLLM_HPKV_TOKEN_THRESHOLD="64") as env:
         args = [*hpkv_backend_args(), "--kv-events-config", json.dumps(config)]

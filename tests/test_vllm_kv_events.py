@@ -28,7 +28,7 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from hpkv.io_workers import kvfile
 from hpkv.testing.kv_events import Subscriber
 from hpkv.testing.server import engine_env
-from hpkv.testing.vllm_server import VllmServer, free_port
+from hpkv.testing.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -41,7 +41,6 @@ PROMPT_BLOCKS = 8
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
     with engine_env(
         "events",
         pool_size=f"{POOL_BLOCKS * BLOCK_BYTES}",
@@ -51,13 +50,13 @@ def engine(tiny_model):
         HPKV_LOG_LEVEL="INFO",
     ) as env:
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        sub = Subscriber(endpoint, lambda payload: decoder.decode(payload).events)
+        sub = Subscriber(lambda payload: decoder.decode(payload).events)
         ktc = {
             "kv_connector": "HpkvConnectorV1",
             "kv_role": "kv_both",
             "kv_connector_module_path": "hpkv.connectors.vllm",
         }
-        kec = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
+        kec = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": sub.endpoint, "topic": "kv"}
         srv = VllmServer(
             tiny_model,
             extra_args=[
@@ -72,8 +71,8 @@ def engine(tiny_model):
             dev_mode=True,  # /reset_prefix_cache
             max_model_len=4096,
         )
-        srv.start().wait_ready()
         try:
+            srv.start().wait_ready()
             yield srv, sub
         finally:
             srv.stop()

@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Callable, Iterator
@@ -58,6 +59,8 @@ def test_vllm_with_hpkv_disabled_serves_the_tiny_model_and_stops_cleanly(
     tree = srv.process_tree()
     names = [p.name() for p in tree]
     assert len(tree) >= 2, f"expected the API server plus EngineCore/worker processes, got {names}"
+    ipc_dir = Path(psutil.Process(srv.pid).environ()["VLLM_RPC_BASE_PATH"])
+    assert any(ipc_dir.iterdir()), "vLLM's ZMQ sockets are in the server's own directory"
 
     # Temperature 0 and ignore_eos: random weights may pick EOS at once.
     resp = srv.completion("A B C D", max_tokens=4, temperature=0, ignore_eos=True)
@@ -88,6 +91,7 @@ def test_vllm_with_hpkv_disabled_serves_the_tiny_model_and_stops_cleanly(
     # psutil.Process remembers each start time, so a reused pid does not count.
     assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in tree)
     assert not _port_open(srv.host, srv.port)
+    assert not ipc_dir.exists()
 
 
 # --------------------------------------------------------------------- fake server
@@ -103,6 +107,15 @@ args, _ = ap.parse_known_args()
 if args.mode == "crash":
     print("fake server: bad configuration, exiting", flush=True)
     sys.exit(3)
+if args.mode == "leaky":  # what a vLLM killed in its shutdown leaves behind
+    import socket, tempfile, uuid
+    ipc = socket.socket(socket.AF_UNIX)
+    ipc.bind(os.path.join(os.environ["VLLM_RPC_BASE_PATH"], str(uuid.uuid4())))
+    store = os.path.join(tempfile.gettempdir(), "vllm_dist_" + uuid.uuid4().hex)
+    open(store, "w").close()
+    print(f"world_size=1 rank=0 distributed_init_method=file://{store} backend=gloo", flush=True)
+    for name in ("psm_" + uuid.uuid4().hex[:8], "sem.mp-" + uuid.uuid4().hex[:8]):
+        open("/dev/shm/" + name, "w").close()
 
 # A child that ignores SIGTERM, and a grandchild that will be orphaned.
 stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
@@ -158,6 +171,33 @@ def test_stop_kills_stubborn_and_orphaned_children(fake_vllm: dict[str, str], tm
     assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in tree)
     assert "SIGTERM, leaving my children behind" in srv.log_tail()
     assert srv.stop() == 0  # idempotent
+
+
+@pytest.mark.timeout(120)
+def test_stop_removes_the_sockets_store_and_segments_a_killed_engine_leaves(
+    fake_vllm: dict[str, str], tmp_path: Path
+) -> None:
+    unrelated = Path(tempfile.gettempdir()) / "vllm_dist_0123456789abcdef"  # not this server's
+    unrelated.touch()
+    shm_before = set(os.listdir("/dev/shm"))
+    srv = VllmServer(
+        "unused-model", extra_args=["--mode", "leaky"], env=fake_vllm, log_path=tmp_path / "l.log"
+    )
+    try:
+        srv.start().wait_ready(30)
+        ipc_dir = Path(psutil.Process(srv.pid).environ()["VLLM_RPC_BASE_PATH"])
+        assert ipc_dir.parent == Path(tempfile.gettempdir()) and len(list(ipc_dir.iterdir())) == 1
+        store = srv.log_tail().split("distributed_init_method=file://")[1].split()[0]
+        assert os.path.exists(store)
+        leaked = set(os.listdir("/dev/shm")) - shm_before
+        assert {n.split("-")[0].split("_")[0] for n in leaked} >= {"psm", "sem.mp"}, leaked
+    finally:
+        srv.stop(timeout=4)
+        unrelated_kept = unrelated.exists()
+        unrelated.unlink()
+    assert not ipc_dir.exists() and not os.path.exists(store)
+    assert not leaked & set(os.listdir("/dev/shm"))
+    assert unrelated_kept
 
 
 @pytest.mark.timeout(120)

@@ -14,14 +14,17 @@ class Subscriber:
     engine's publisher connects: vLLM and SGLang bind only a wildcard (``tcp://*:port``, every
     interface) or ipc endpoint, and connect to a ``tcp://host:port`` one.
 
-    ``events_of(payload)``: the events of one batch's msgpack payload."""
+    ``events_of(payload)``: the events of one batch's msgpack payload. The default endpoint
+    lets the OS pick a free loopback port as it binds (no window in which another process can
+    take it); :attr:`endpoint` is the one bound, for the engine's ``--kv-events-config``."""
 
-    def __init__(self, endpoint: str, events_of: Callable[[bytes], list[Any]]):
+    def __init__(self, events_of: Callable[[bytes], list[Any]], endpoint: str = "tcp://127.0.0.1:*"):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.setsockopt(zmq.RCVTIMEO, 200)
         self.sock.bind(endpoint)
+        self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.events_of = events_of
         self.events: list[Any] = []
         self.lock = threading.Lock()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -27,10 +28,23 @@ def env_without_hpkv() -> dict[str, str]:
     }
 
 
+_config_files: list[tuple[int, str]] = []  # (the creating pid, the path): a fork removes none
+
+
+@atexit.register
+def _remove_config_files() -> None:
+    for pid, path in _config_files:
+        if pid == os.getpid():
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
 def private_env(pool_size: str = "64m", storage: str | None = None, **extra: str) -> dict[str, str]:
-    """An environment with its own pool directory under /dev/shm and an empty config file."""
+    """An environment with its own pool directory under /dev/shm and an empty config file
+    (removed when this process exits, if nothing removed it before)."""
     pool_dir = f"/dev/shm/hpkv-test-{uuid.uuid4().hex[:12]}"
     cfg_file = os.path.join(tempfile.gettempdir(), f"hpkv-test-{uuid.uuid4().hex[:8]}.ini")
+    _config_files.append((os.getpid(), cfg_file))
     with open(cfg_file, "w") as f:
         f.write("# empty: tests configure hpkv through the environment\n")
     env = env_without_hpkv()

@@ -55,6 +55,9 @@ class SglangServer(VllmServer):
 
     #: SGLang's load-snapshot files, left by a killed scheduler (SGLang's own CI sweeps them).
     leaked_shm_prefixes = ("sglang_loads_",)
+    #: SGLang names its ZMQ sockets after ``tempfile`` files it never removes; it compiles nothing
+    #: here, so a temporary directory of its own costs no cache.
+    scratch_variables = ("TMPDIR",)
 
     def __init__(
         self,

@@ -18,6 +18,8 @@ import atexit
 import errno
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -116,10 +118,16 @@ class VllmServer:
     #: tensor-parallel communicator, ``vllm_dist_<uuid>-...-cpushm_<rank>``, 4 MiB per rank,
     #: also after Ctrl-C): :meth:`stop` removes those that appeared while it ran and that no
     #: live process maps.
-    leaked_shm_prefixes: tuple[str, ...] = ("vllm_dist_",)
+    #: Also ``shm_broadcast``'s message queues (``psm_<hex>``, 160-240 MiB each) and their
+    #: ``multiprocessing`` semaphores (``sem.mp-<id>``), left when the engine is SIGKILLed.
+    leaked_shm_prefixes: tuple[str, ...] = ("vllm_dist_", "psm_", "sem.mp-")
     #: Starts on a new port when the one :func:`free_port` picked was taken before the server
     #: bound it (another test's server, any process). A port the caller gave is never replaced.
     port_tries = 3
+    #: Variables that point the engine's temporary files into a directory :meth:`stop` removes
+    #: (unless ``env`` sets them): vLLM's ZMQ sockets. Not ``TMPDIR``, which would move
+    #: torch's compile caches and make every start compile again.
+    scratch_variables: tuple[str, ...] = ("VLLM_RPC_BASE_PATH",)
 
     def __init__(
         self,
@@ -167,6 +175,9 @@ class VllmServer:
         # psutil.Process remembers the start time, so a reused pid is never mistaken.
         self._seen: dict[int, psutil.Process] = {}
         self._shm_before: set[str] | None = None  # None: unknown, remove nothing
+        # The engine's IPC sockets (and SGLang's temporary files) go here, removed by stop():
+        # a killed engine leaves them in the temporary directory, thousands a day here.
+        self._scratch: str | None = None
         self._log_file: Any = None
         self._session = requests.Session()
         #: Share of stop()'s timeout the server gets to shut down on its own.
@@ -305,9 +316,14 @@ class VllmServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - closed by stop()
         self._log_file.write(f"\n=== start: {' '.join(self.command())}\n".encode())
+        self._scratch = tempfile.mkdtemp(prefix="hpkv-engine-")
+        env = self.environment()
+        for key in self.scratch_variables:
+            if key not in self.extra_env:
+                env[key] = self._scratch
         self.proc = subprocess.Popen(
             self.command(),
-            env=self.environment(),
+            env=env,
             cwd=self.cwd,
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
@@ -395,6 +411,7 @@ class VllmServer:
             self._kill(proc, others)
         rc = proc.returncode
         self._remove_leaked_shm()
+        self._remove_scratch()
         self._close_log(f"=== stopped: rc={rc}\n")
         with _live_lock:
             _live.discard(self)
@@ -425,6 +442,22 @@ class VllmServer:
                     os.unlink(os.path.join(SHM_DIR, name))
                 except OSError:
                     pass
+
+    def _remove_scratch(self) -> None:
+        """The engine's temporary files, now that none of its processes runs: its scratch
+        directory and the torch ``FileStore`` that this start's log names (vLLM puts it in the
+        temporary directory, ``distributed_init_method=file:///tmp/vllm_dist_<uuid>``)."""
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
+        this_start = self.log_tail(lines=100_000).rsplit("=== start:", 1)[-1]
+        for path in set(
+            re.findall(r"distributed_init_method=file://(\S*/vllm_dist_[0-9a-f]+)\b", this_start)
+        ):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
     def _close_log(self, last_line: str) -> None:
         if self._log_file is None:
