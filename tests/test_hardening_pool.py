@@ -375,6 +375,7 @@ def late_reaper() -> Iterator[None]:
 
 @needs_root
 @pytest.mark.vllm
+@pytest.mark.alone  # Ctrl-C's bounded wait and the warming wait, next to another engine's start
 @pytest.mark.timeout(1500)
 def test_a_vllm_restarted_after_ctrl_c_still_places_its_kv_cache_once_the_pool_is_warm(tiny_model, tmp_path):
     """CT-HPKV's sequence, scaled down: the pool directory on a tmpfs that holds the pool and
