@@ -118,9 +118,11 @@ class VllmServer:
     #: tensor-parallel communicator, ``vllm_dist_<uuid>-...-cpushm_<rank>``, 4 MiB per rank,
     #: also after Ctrl-C): :meth:`stop` removes those that appeared while it ran and that no
     #: live process maps.
-    #: Also ``shm_broadcast``'s message queues (``psm_<hex>``, 160-240 MiB each) and their
-    #: ``multiprocessing`` semaphores (``sem.mp-<id>``), left when the engine is SIGKILLed.
-    leaked_shm_prefixes: tuple[str, ...] = ("vllm_dist_", "psm_", "sem.mp-")
+    #: Also ``shm_broadcast``'s message queues (``psm_<hex>``, 160-240 MiB each), left when the
+    #: engine is SIGKILLed. Not ``multiprocessing``'s semaphores (``sem.mp-<id>``): glibc maps
+    #: one under a temporary name, so a live one looks unmapped (removing them broke other
+    #: engines' starts when tests ran in parallel).
+    leaked_shm_prefixes: tuple[str, ...] = ("vllm_dist_", "psm_")
     #: Starts on a new port when the one :func:`free_port` picked was taken before the server
     #: bound it (another test's server, any process). A port the caller gave is never replaced.
     port_tries = 3
