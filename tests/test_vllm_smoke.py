@@ -114,7 +114,12 @@ if args.mode == "leaky":  # what a vLLM killed in its shutdown leaves behind
     store = os.path.join(tempfile.gettempdir(), "vllm_dist_" + uuid.uuid4().hex)
     open(store, "w").close()
     print(f"world_size=1 rank=0 distributed_init_method=file://{store} backend=gloo", flush=True)
-    open("/dev/shm/psm_" + uuid.uuid4().hex[:8], "w").close()  # shm_broadcast's queue, unmapped
+    import mmap
+    queue = "/dev/shm/psm_" + uuid.uuid4().hex[:8]  # shm_broadcast's queue, mapped while it runs
+    fd = os.open(queue, os.O_CREAT | os.O_RDWR)
+    os.ftruncate(fd, 4096)
+    mapped = mmap.mmap(fd, 4096)
+    print(f"fake server: queue {queue}", flush=True)
 
 # A child that ignores SIGTERM, and a grandchild that will be orphaned.
 stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
@@ -178,7 +183,6 @@ def test_stop_removes_the_sockets_store_and_segments_a_killed_engine_leaves(
 ) -> None:
     unrelated = Path(tempfile.gettempdir()) / "vllm_dist_0123456789abcdef"  # not this server's
     unrelated.touch()
-    shm_before = set(os.listdir("/dev/shm"))
     srv = VllmServer(
         "unused-model", extra_args=["--mode", "leaky"], env=fake_vllm, log_path=tmp_path / "l.log"
     )
@@ -188,14 +192,14 @@ def test_stop_removes_the_sockets_store_and_segments_a_killed_engine_leaves(
         assert ipc_dir.parent == Path(tempfile.gettempdir()) and len(list(ipc_dir.iterdir())) == 1
         store = srv.log_tail().split("distributed_init_method=file://")[1].split()[0]
         assert os.path.exists(store)
-        leaked = set(os.listdir("/dev/shm")) - shm_before
-        assert any(n.startswith("psm_") for n in leaked), leaked
+        queue = srv.log_tail().split("fake server: queue ")[1].split()[0]
+        assert os.path.exists(queue)
     finally:
         srv.stop(timeout=4)
         unrelated_kept = unrelated.exists()
         unrelated.unlink()
     assert not ipc_dir.exists() and not os.path.exists(store)
-    assert not leaked & set(os.listdir("/dev/shm"))
+    assert not os.path.exists(queue)
     assert unrelated_kept
 
 
