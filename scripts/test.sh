@@ -9,7 +9,7 @@ bash scripts/setup.sh
 bash scripts/check.sh
 # The modules run on two pytest-xdist workers, a whole module on each (its shared engine with
 # it), then the tests marked `alone` (they measure the kernel's scheduling next to CPUs they
-# keep busy, or stop an engine on a timer) by themselves: about 25 minutes instead of 39 here.
+# keep busy, or wait on a timer) by themselves: about 30 minutes instead of 39 here.
 # An engine start is mostly one process importing and compiling on one CPU, so two overlap
 # even on two CPUs. HPKV_TEST_WORKERS=N sets the workers, 0 runs everything in this process
 # (the default on one CPU). Extra arguments go to both phases.

@@ -25,6 +25,7 @@ import pytest
 
 from hpkv.client import HpkvError, connect
 from hpkv.common.pool import PoolFile
+from hpkv.common.proc import pid_stopped
 from hpkv.engine.index import Index, Namespace
 from hpkv.engine.storage.catalog import FileCatalog
 from hpkv.protocol import wire as P
@@ -373,13 +374,6 @@ def late_reaper() -> Iterator[None]:
                     os.waitpid(child.pid, os.WNOHANG)
 
 
-def _stopped(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
-    except psutil.Error:
-        return False
-
-
 @needs_root
 @pytest.mark.vllm
 @pytest.mark.alone  # Ctrl-C's bounded wait and the warming wait, next to another engine's start
@@ -433,7 +427,7 @@ def test_a_vllm_restarted_after_ctrl_c_still_places_its_kv_cache_once_the_pool_i
             worker = P.device_file_pid(first[0])
             assert worker is not None
             os.kill(worker, signal.SIGSTOP)  # busy: it runs no shutdown code before vLLM kills it
-            if srv.interrupt(timeout=60) is None and _stopped(worker):
+            if srv.interrupt(timeout=60) is None and pid_stopped(worker):
                 # vLLM's shutdown sometimes kills EngineCore before it lists the worker, which
                 # then stays stopped, orphaned: end it as the shutdown meant to (SIGKILL)
                 os.kill(worker, signal.SIGKILL)

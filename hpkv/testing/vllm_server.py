@@ -292,10 +292,14 @@ class VllmServer:
         text = data.decode("utf-8", errors="replace")
         return "\n".join(text.splitlines()[-lines:])
 
+    def _this_start_log(self) -> str:
+        """The log since the last :meth:`start` (as far as :meth:`log_tail` reads)."""
+        return self.log_tail(lines=100_000).rsplit("=== start:", 1)[-1]
+
     def _lost_port(self) -> bool:
         """This start's log says the port was taken (see :func:`lost_port`). All of it: SGLang
         binds after loading the model and logs some 70 lines of shutdown after the error."""
-        return lost_port(self.log_tail(lines=100_000).rsplit("=== start:", 1)[-1])
+        return lost_port(self._this_start_log())
 
     def process_tree(self) -> list[psutil.Process]:
         """The server process and all its live descendants (also recorded in ``seen_pids``)."""
@@ -452,9 +456,8 @@ class VllmServer:
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
-        this_start = self.log_tail(lines=100_000).rsplit("=== start:", 1)[-1]
         for path in set(
-            re.findall(r"distributed_init_method=file://(\S*/vllm_dist_[0-9a-f]+)\b", this_start)
+            re.findall(r"distributed_init_method=file://(\S*/vllm_dist_[0-9a-f]+)\b", self._this_start_log())
         ):
             try:
                 os.unlink(path)
