@@ -664,9 +664,9 @@ def hung_stats(files, monkeypatch):
     release = threading.Event()
     real = stat_mod.stat_block
 
-    def stat_block(tree, ns, key):
+    def stat_block(tree, ns, key, by_open=False):
         release.wait(10)
-        return real(tree, ns, key)
+        return real(tree, ns, key, by_open)
 
     monkeypatch.setattr(stat_mod, "stat_block", stat_block)
     idx, ns, tier, links, g = files
@@ -753,10 +753,33 @@ def test_a_key_stat_ed_missing_is_not_stat_ed_again_for_a_while(files, monkeypat
     assert lookup(idx, tiers, ns, [k]) == (0, [])
     _, pending = park(tiers, idx, ns, [k])
     assert not pending, "remembered missing: no stat"
-    monkeypatch.setattr(tier_mod, "NEGATIVE_TTL_S", 0.0)
-    tier._missing.clear()
     write_kv_file(tier.root, k)
+    tier._missing.prune(time.monotonic() + tier_mod.NEGATIVE_TTL_S)  # the TTL passed
     assert lookup(idx, tiers, ns, [k]) == (1, [Tier.STORAGE]), "after the TTL a stat finds it"
+
+
+def test_a_key_a_promote_found_gone_comes_back_only_when_its_files_open(files, monkeypatch):
+    """A caching mount (NFS attributes, a FUSE attr_timeout) shows a stat the files another
+    node deleted: after a promote found them gone, the lookup's check opens them."""
+    from hpkv.engine.storage import tier as tier_mod
+
+    idx, ns, tier, links, g = files
+    tiers = TierList([tier])
+    (k,) = keys_of("k")
+    write_kv_file(tier.root, k)
+    path = kvfile.file_path(tier.root, FP, k, 0)
+    cached = os.stat(path)
+    monkeypatch.setattr(tier.tree, "stat", lambda rel, name: cached)  # the mount's attribute cache
+    tier.catalog.add(ns, k)
+    os.unlink(path)  # another node's evictor
+    links.status = lambda job: -errno.ENOENT
+    assert tier.promote(FakeClient(), 1, ns, [k], timeout=1.0) is None
+    (answer,) = tier.poll()
+    assert (answer.rows == -1).all() and k not in tier.catalog
+    assert lookup(idx, tiers, ns, [k]) == (0, []), "gone when opened, whatever the stat says"
+    write_kv_file(tier.root, k)  # written again, by another node
+    tier._missing.prune(time.monotonic() + tier_mod.NEGATIVE_TTL_S)
+    assert lookup(idx, tiers, ns, [k]) == (1, [Tier.STORAGE]), "opened: there again"
 
 
 @pytest.mark.parametrize("err", [errno.ENOENT, errno.ESTALE])
@@ -782,7 +805,7 @@ def test_a_stat_that_gets_estale_means_the_files_are_gone(files, monkeypatch):
     (k,) = keys_of("k")
     tier.catalog.add(ns, k)
 
-    def stale(tree, ns, key):
+    def stale(tree, ns, key, by_open=False):
         raise OSError(errno.ESTALE, "Stale file handle")
 
     monkeypatch.setattr(stat_mod, "stat_block", stale)

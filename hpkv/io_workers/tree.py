@@ -232,6 +232,16 @@ class StorageTree:
         finally:
             self._release(d)
 
+    def stat_opened(self, rel: str, name: str) -> os.stat_result:
+        """fstat of ``rel/name`` once opened (never through a symlink: ELOOP). An open asks the
+        file server (NFS's close-to-open check, a FUSE daemon) where a stat may answer from the
+        client's cached attributes for a file another host deleted."""
+        fd = self.open_file(rel, name, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            return os.fstat(fd)
+        finally:
+            os.close(fd)
+
     def unlink(self, rel: str, name: str) -> None:
         with self.dir(rel) as fd:
             os.unlink(name, dir_fd=fd)

@@ -35,17 +35,22 @@ STALE_TMP_AGE_S = 3600.0  # another host's temporary file older than this is aba
 IoError = Callable[[str, int, str], None]  # (what, errno, path): count and log a storage error
 
 
-def stat_block(tree: StorageTree, ns: Namespace, key: bytes) -> bool:
+def stat_block(tree: StorageTree, ns: Namespace, key: bytes, by_open: bool = False) -> bool:
     """Are all ranks' files of ``key`` on storage, each a regular file of the right size?
+    ``by_open``: each file is opened rather than stat-ed (:meth:`StorageTree.stat_opened`), for
+    a key whose files a caching mount may still show after another host deleted them.
     Raises OSError for an error other than ENOENT (which is no proof either way)."""
     want = kvfile.file_size(ns.shard_bytes)
     rel = kvfile.rel_dir(ns.fingerprint, key)
+    look = tree.stat_opened if by_open else tree.stat
     for rank in range(ns.world_size):
         try:
-            st = tree.stat(rel, kvfile.file_name(key, rank))
+            st = look(rel, kvfile.file_name(key, rank))
         except FileNotFoundError:
             return False
         except OSError as exc:
+            if exc.errno == errno.ELOOP:  # (opened) a symlink: not a KV file, as a stat says
+                return False
             exc.filename = tree.rel_path(rel, kvfile.file_name(key, rank))
             raise
         if not (stat.S_ISREG(st.st_mode) and st.st_size == want):

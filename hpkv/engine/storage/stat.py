@@ -45,11 +45,13 @@ JOIN_S = 0.5  # per thread at shutdown (a thread stuck in a hung mount is left b
 THERE, GONE, UNKNOWN = 1, 0, -1
 
 
-def check_block(tree: StorageTree, ns: Namespace, key: bytes) -> tuple[int, OSError | None]:
-    """Whether all of ``key``'s files are there; ESTALE (a file handle of a file another NFS
-    client removed) means gone, like ENOENT."""
+def check_block(
+    tree: StorageTree, ns: Namespace, key: bytes, by_open: bool = False
+) -> tuple[int, OSError | None]:
+    """Whether all of ``key``'s files are there (``by_open``: see :func:`stat_block`); ESTALE
+    (a file handle of a file another NFS client removed) means gone, like ENOENT."""
     try:
-        return (THERE if stat_block(tree, ns, key) else GONE), None
+        return (THERE if stat_block(tree, ns, key, by_open) else GONE), None
     except OSError as exc:
         if exc.errno == errno.ESTALE:
             return GONE, None
@@ -61,14 +63,16 @@ class StatBatch:
     """The checks of one lookup. ``verify``: storage hits whose files were not seen lately
     (each checked); ``extend``: unknown keys after the prefix, checked in order until the first
     whose files are not all there; ``each``: unknown keys each checked (a FLAG_EACH lookup's
-    keys past its prefix while the journals are read). ``results`` (key → THERE / GONE /
-    UNKNOWN) and ``errors`` are written by the stat thread, read by the request loop once the
-    batch is done."""
+    keys past its prefix while the journals are read). ``reopen``: keys a promote found gone
+    lately, checked by opening their files (a caching mount's stat may still show them).
+    ``results`` (key → THERE / GONE / UNKNOWN) and ``errors`` are written by the stat thread,
+    read by the request loop once the batch is done."""
 
     ns: Namespace
     verify: list[bytes]
     extend: list[bytes]
     each: list[bytes] = field(default_factory=list)
+    reopen: frozenset[bytes] = frozenset()
     submitted: float = 0.0
     results: dict[bytes, int] = field(default_factory=dict)
     errors: list[OSError] = field(default_factory=list)
@@ -84,11 +88,11 @@ class StatBatch:
 
     def run(self, tree: StorageTree) -> None:
         for key in self.verify + self.each:
-            self.results[key], exc = check_block(tree, self.ns, key)
+            self.results[key], exc = check_block(tree, self.ns, key, key in self.reopen)
             if exc is not None:
                 self.errors.append(exc)
         for key in self.extend:
-            found, exc = check_block(tree, self.ns, key)
+            found, exc = check_block(tree, self.ns, key, key in self.reopen)
             self.results[key] = found
             if exc is not None:
                 self.errors.append(exc)

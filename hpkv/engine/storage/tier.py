@@ -79,11 +79,46 @@ MAX_STAT_KEYS = 256  # unknown keys after a lookup's prefix checked by one stat 
 MAX_UNADMITTED = 1 << 20  # blocks remembered waiting for HPKV_STORAGE_ADMIT's reuse (~100 MB at most)
 NEGATIVE_TTL_S = 1.0  # a key whose files a stat found missing is not stat-ed again for this long
 MAX_NEGATIVE = 65_536  # keys remembered missing (the oldest are forgotten first)
+# A key whose files a promote found gone is checked by opening them, not by a stat, for this
+# long: a caching mount (NFS's attribute cache, up to 60 s by default; a FUSE attr_timeout)
+# may still show deleted files to a stat, and a lookup would bring the key back.
+REOPEN_TTL_S = 300.0
 MAX_WAITERS = 64  # parked lookups on one stat batch before those answered already are dropped
 SPILL_QUEUE_SHARE = 4  # degraded: queued spills hold at most 1/this of the pool (beyond: dropped)
 SLOW_STAT_S = 1.0  # a stat outstanding this long marks the tier degraded
 GONE_STATUSES = (-errno.ENOENT, -errno.ESTALE)  # a promote's file vanished: gone, not an error
 SLOW_IO_S = 5.0  # an IO job (spill or promote) outstanding this long marks the tier degraded
+
+
+class ExpiringKeys:
+    """Keys remembered for ``ttl_s`` after they were added, at most ``limit`` of them (the
+    oldest are forgotten first). Request loop only."""
+
+    def __init__(self, ttl_s: float, limit: int = MAX_NEGATIVE):
+        self.ttl_s = ttl_s
+        self.limit = limit
+        self._until: OrderedDict[bytes, float] = OrderedDict()  # in adding order = expiry order
+
+    def add(self, key: bytes, now: float) -> None:
+        self._until[key] = now + self.ttl_s
+        self._until.move_to_end(key)
+        while len(self._until) > self.limit:
+            self._until.popitem(last=False)
+
+    def has(self, key: bytes, now: float) -> bool:
+        until = self._until.get(key)
+        if until is None:
+            return False
+        if until > now:
+            return True
+        del self._until[key]
+        return False
+
+    def prune(self, now: float) -> None:
+        """Drop the expired ones (oldest first) rather than keep them until asked about."""
+        until = self._until
+        while until and next(iter(until.values())) <= now:
+            until.popitem(last=False)
 
 
 class FileTier(CatalogTier):
@@ -134,7 +169,8 @@ class FileTier(CatalogTier):
         self.stats_pool: StatPool
         self._checking: dict[bytes, StatBatch] = {}  # key -> the batch stat-ing it
         self._waiters: dict[int, list[ParkedLookup]] = {}  # id(batch) -> lookups waiting for it
-        self._missing: OrderedDict[bytes, float] = OrderedDict()  # key -> stat-ed missing until
+        self._missing = ExpiringKeys(NEGATIVE_TTL_S)  # keys a stat found missing
+        self._gone_lately = ExpiringKeys(REOPEN_TTL_S)  # keys a promote found gone
         self._spill_limit = max(index.alloc.capacity // SPILL_QUEUE_SHARE, 1)  # bytes of queued spills
         # HPKV_STORAGE_ADMIT=reuse:N (0: always): blocks saved but not yet hit N times from DRAM
         self.admit_uses = int(cfg["HPKV_STORAGE_ADMIT"])
@@ -181,7 +217,7 @@ class FileTier(CatalogTier):
             self.lock,
             self.g,
             self.errors.io_error,
-            skip=lambda key: key in self._promoting,
+            skip=lambda key: key in self._promoting or self._gone_lately.has(key, time.monotonic()),
             wake=self.upkeep.wake,
             shared=self.shared,
         )
@@ -411,13 +447,7 @@ class FileTier(CatalogTier):
         return out
 
     def _known_missing(self, key: bytes) -> bool:
-        until = self._missing.get(key)
-        if until is None:
-            return False
-        if until > time.monotonic():
-            return True
-        del self._missing[key]
-        return False
+        return self._missing.has(key, time.monotonic())
 
     def _check(
         self, ns: Namespace, verify: list[bytes], extend: list[bytes], each: list[bytes] | None = None
@@ -440,6 +470,8 @@ class FileTier(CatalogTier):
         new_verify, new_extend, new_each = not_running(verify), not_running(extend), not_running(each or [])
         if new_verify or new_extend or new_each:
             batch = StatBatch(ns, new_verify, new_extend, new_each)
+            now = time.monotonic()
+            batch.reopen = frozenset(k for k in batch.checked() if self._gone_lately.has(k, now))
             if not self.stats_pool.submit(batch):
                 return []
             for k in batch.checked():
@@ -482,21 +514,19 @@ class FileTier(CatalogTier):
 
     def _apply_extend(self, b: StatBatch, now: float) -> None:
         """Unknown keys checked: found files join the catalog, missing keys are remembered for
-        NEGATIVE_TTL_S (at most MAX_NEGATIVE of them; expired ones are dropped here, oldest
-        first, rather than kept until a lookup of the same key)."""
-        missing = self._missing
-        while missing and next(iter(missing.values())) <= now:
-            missing.popitem(last=False)
+        NEGATIVE_TTL_S. A key a promote found gone comes back only when its files were opened
+        (a stat made before that promote, or through a caching mount, may still show them)."""
+        self._missing.prune(now)
+        self._gone_lately.prune(now)
         for k in b.unknown():
             found = b.results.get(k)
             if found == THERE:
+                if k not in b.reopen and self._gone_lately.has(k, now):
+                    continue
                 if self.catalog.unknown(k) and self.catalog.add(b.ns, k, recent=True):
                     self.catalog.verified(k, b.finished)
             elif found == GONE:
-                self._missing[k] = now + NEGATIVE_TTL_S
-                self._missing.move_to_end(k)
-                while len(self._missing) > MAX_NEGATIVE:
-                    self._missing.popitem(last=False)
+                self._missing.add(k, now)
 
     def _gone(self, n: int, where: str) -> None:
         """Files of known blocks vanished: another server's capacity eviction or an operator,
@@ -831,8 +861,10 @@ class FileTier(CatalogTier):
             self.shared.used(b.ns, key)
         elif op.status == Status.CORRUPT:
             self.catalog.forget(key)  # quarantined
-        elif op.status in GONE_STATUSES and self.catalog.forget(key) is not None:
-            self._gone(1, "a promote")  # another server's evictor, an operator
+        elif op.status in GONE_STATUSES:
+            self._gone_lately.add(key, time.monotonic())
+            if self.catalog.forget(key) is not None:
+                self._gone(1, "a promote")  # another server's evictor, an operator
         settle_waiters(self.index, b, ok, op.waiters, self._answers)
 
     # ================================================================ operator calls
