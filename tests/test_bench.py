@@ -147,7 +147,7 @@ def test_the_paired_cold_ratio_is_the_median_of_the_pairs_so_a_slow_minute_cance
     ttft.print_table(s)
     out = capsys.readouterr().out
     assert "cold with hpkv / baseline: 1.010, paired prompts, both orders alike (target <= 1.03: met)" in out
-    assert "save copies on the engine's path: 40.0 ms per cold request (0.20% of its TTFT)" in out
+    assert "save copies, beside the engine's next step: 40.0 ms per cold request (0.20% of its TTFT)" in out
     with pytest.raises(ValueError):  # a pair that lost a half is a bug, not a shorter median
         ttft.cold_vs_baseline({"cold_no_hpkv": [1.0, 1.0], "cold": [1.0]}, paired=True)
     # The demo's one request per phase: one pair, one order; the line says so.

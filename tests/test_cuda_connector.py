@@ -20,9 +20,10 @@ pytest.importorskip("vllm")  # the connector's metadata types come from vLLM
 
 from hpkv.client import connect  # noqa: E402
 from hpkv.connectors.vllm.cuda_layout import vllm_views  # noqa: E402
-from hpkv.connectors.vllm.cuda_worker import CudaBackend, CudaWorkerSide, HostBackend, SaveTracker  # noqa: E402
+from hpkv.connectors.vllm.cuda_worker import CudaBackend, CudaWorkerSide, HostBackend  # noqa: E402
 from hpkv.connectors.vllm.layout import Layout  # noqa: E402
 from hpkv.connectors.vllm.metadata import HpkvMetadata, LoadOp, SaveOp  # noqa: E402
+from hpkv.connectors.vllm.worker import SaveTracker  # noqa: E402
 from hpkv.protocol.keys import block_keys, namespace_fingerprint  # noqa: E402
 from hpkv.protocol.stats import StatsSegment, W  # noqa: E402
 
@@ -102,9 +103,9 @@ def test_a_save_returns_at_once_and_the_request_is_freed_once_copied(rank):
     rank.side.wait_for_save(HpkvMetadata(saves=[op]))
     assert time.monotonic() - t0 < 0.5, "wait_for_save must not wait for the copy"
     time.sleep(0.3)
-    assert rank.side.get_finished({"r1"}) == (None, None), "freed while its save was in flight"
+    assert rank.side.finished_saves({"r1"}) == set(), "freed while its save was in flight"
     rank.backend.cells[:] = 0  # the forward finished
-    assert _until(lambda: rank.side.get_finished(set())[0]) == {"r1"}
+    assert _until(lambda: rank.side.finished_saves(set())) == {"r1"}
     hit, _ = rank.sched.lookup(rank.ns.ns_id, op.keys)
     assert hit == 4  # committed
     # and back into other blocks, through the load path (event + bounded host wait)
@@ -134,7 +135,7 @@ def test_a_worker_killed_during_a_save_releases_the_blocks_and_aborts(rank, serv
     _until(lambda: int(row[W.INFLIGHT_SEQ]) != 0)
     os.kill(int(row[W.PID]), signal.SIGKILL)
     t0 = time.monotonic()
-    assert _until(lambda: rank.side.get_finished({"r9"})[0]) == {"r9"}
+    assert _until(lambda: rank.side.finished_saves({"r9"})) == {"r9"}
     assert time.monotonic() - t0 < 5
     assert rank.side.stats.data["save_failed_blocks"] == 2
     assert rank.sched.lookup(rank.ns.ns_id, op.keys)[0] == 0  # aborted, never visible
@@ -165,7 +166,7 @@ def test_without_libcuda_the_worker_disables_itself_with_one_line(server, tmp_pa
         "no libcuda (libcuda.so.1 could not be loaded: no NVIDIA driver on this machine)"
     )
     r.side.wait_for_save(HpkvMetadata(saves=[r.save_op("z", [1], "z")]))
-    assert r.side.get_finished({"z"}) == ({"z"}, None)  # vLLM still gets its blocks back
+    assert r.side.finished_saves({"z"}) == {"z"}  # vLLM still gets its blocks back
     r.close()
 
 
@@ -179,7 +180,7 @@ def test_without_cuda_ipc_copies_run_in_process_with_the_same_bytes(server, tmp_
         op = r.save_op("q1", [9, 10, 11], "q")
         expected = [r.block(b) for b in op.block_ids]
         r.side.wait_for_save(HpkvMetadata(saves=[op]))
-        assert _until(lambda: r.side.get_finished({"q1"})[0]) == {"q1"}
+        assert _until(lambda: r.side.finished_saves({"q1"})) == {"q1"}
         assert r.sched.lookup(r.ns.ns_id, op.keys)[0] == 3
         assert all(w["kind"] != "transfer" for w in r.sched.stats()["workers"])  # no transfer worker
         offsets = r.sched.pin(r.ns.ns_id, op.keys)

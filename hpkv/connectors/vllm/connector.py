@@ -118,9 +118,8 @@ class HpkvConnectorV1(KVConnectorBase_V1, SupportsHMA):
         self._orphan_loads: set[str] = set()  # background loads promised with no worker here
         self._orphan_failed: set[str] = set()
         self._idle_step = False
-        # CUDA: saves complete after wait_for_save returns, so finished requests' blocks are
-        # freed only once the workers report them (request_finished -> True, get_finished).
-        self._async_saves = str(vllm_config.device_config.device_type) == "cuda"
+        # Saves complete after wait_for_save returns, so finished requests' blocks are freed
+        # only once the workers report them (request_finished -> True, get_finished).
         self._saving: set[str] = set()
         if not self.enabled:
             log.warning(
@@ -266,9 +265,8 @@ class HpkvConnectorV1(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is None:
             return HpkvMetadata()
         meta = self._scheduler.build_connector_meta(scheduler_output)
-        if self._async_saves:
-            self._saving.update(op.req_id for op in meta.saves)
-            meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        self._saving.update(op.req_id for op in meta.saves)
+        meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -285,10 +283,10 @@ class HpkvConnectorV1(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         if self._scheduler is not None:
             self._scheduler.request_finished(request.request_id)
-        if request.request_id in self._saving:  # CUDA: saves may still read its blocks (SaveTracker)
+        if request.request_id in self._saving:  # saves may still read its blocks (SaveTracker)
             self._saving.discard(request.request_id)
             return True, None
-        return False, None  # CPU: saves were copied synchronously in wait_for_save
+        return False, None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """hpkv's tier changes as vLLM KV events (``--kv-events-config``; :mod:`.events`)."""
@@ -391,35 +389,38 @@ class HpkvConnectorV1(KVConnectorBase_V1, SupportsHMA):
             self._worker.wait_for_save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """CUDA: requests whose saves completed. CPU: requests whose background (storage) load
-        ended (CPU saves are synchronous)."""
+        """(requests whose saves completed: vLLM may free their blocks, requests whose
+        background load ended)."""
         from hpkv.connectors.vllm.cuda_worker import CudaWorkerSide
 
-        if isinstance(self._worker, CudaWorkerSide):
-            return self._worker.get_finished(finished_req_ids)
         orphans, self._orphan_loads = self._orphan_loads, set()
         if self._worker is None:
             return None, orphans or None
-        return None, (self._worker.take_finished_loads(idle_step=self._idle_step) | orphans) or None
+        sending = self._worker.finished_saves(finished_req_ids, idle_step=self._idle_step)
+        if isinstance(self._worker, CudaWorkerSide):
+            return sending or None, orphans or None
+        return sending or None, (
+            self._worker.take_finished_loads(idle_step=self._idle_step) | orphans
+        ) or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """``get_finished`` plus the loads that failed, by request (hybrid models: vLLM cannot
         recompute their failed blocks by id)."""
+        from hpkv.connectors.vllm.cuda_worker import CudaWorkerSide
+
         sending, recving = self.get_finished(finished_req_ids)
         done = set(recving or ())
         failed = self._orphan_failed & done
         self._orphan_failed -= failed
-        if self._worker is not None and not self._async_saves:
+        if self._worker is not None and not isinstance(self._worker, CudaWorkerSide):
             failed |= self._worker.take_failed_loads(done)
         return KVConnectorTransferResults(
             finished_sending=set(sending or ()), finished_recving=done, failed_recving=failed
         )
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        from hpkv.connectors.vllm.cuda_worker import CudaWorkerSide
-
         meta = kv_connector_metadata
-        if isinstance(self._worker, CudaWorkerSide) and isinstance(meta, HpkvMetadata) and meta.preempted:
+        if self._worker is not None and isinstance(meta, HpkvMetadata) and meta.preempted:
             self._worker.handle_preemptions(meta.preempted)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

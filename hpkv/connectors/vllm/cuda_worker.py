@@ -11,7 +11,7 @@ What differs from the CPU backend (:mod:`.worker`):
   the save without waiting. Saved keys are committed when the worker's completion arrives
   (polled at the next step, in ``get_finished`` and at shutdown). vLLM must keep the blocks until
   then: the scheduler delays the free of every request that had a save
-  (``request_finished`` → True, see :class:`SaveTracker`), and ``get_finished`` reports it once
+  (``request_finished`` → True, see :class:`~.worker.SaveTracker`), and ``get_finished`` reports it once
   none of its saves is in flight. A save not answered within ``SAVE_TIMEOUT_S`` is aborted, so
   a dead or stuck worker never holds vLLM's blocks for long.
 * Loads record an event (ordering them after the zeroing of their blocks) and wait on the host,
@@ -30,7 +30,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -38,8 +37,7 @@ import torch
 
 from hpkv.common.cuda_copy import Driver, HostDriver
 from hpkv.connectors.vllm.cuda_layout import CudaKvLayout, UnsupportedKvLayout, describe_cuda_kv
-from hpkv.connectors.vllm.metadata import HpkvMetadata
-from hpkv.connectors.vllm.worker import Opened, WorkerSide
+from hpkv.connectors.vllm.worker import SAVE_TIMEOUT_S, Opened, PendingSave, TicketMover, WorkerSide
 from hpkv.protocol import wire as P
 
 if TYPE_CHECKING:
@@ -48,44 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.hpkv")
 
 EVENTS = 64  # interprocess events in the ring; a slot is reused only after its job completed
-SAVE_TIMEOUT_S = 30.0  # a save unanswered this long is aborted and its blocks released
 LOAD_TIMEOUT_S = 10.0  # a load unanswered this long fails: vLLM recomputes its blocks
-
-
-class SaveTracker:
-    """Which finished requests vLLM may free: the same rule on both sides of the connector.
-
-    The scheduler delays the free of every request that appeared in a save op (it sees the ops
-    it builds); every worker sees the same ops and reports such a request in ``finished_sending``
-    once vLLM told it the request finished and none of its saves is in flight. A worker that is
-    disabled still reports, so vLLM never waits for blocks forever."""
-
-    def __init__(self) -> None:
-        self.saved: set[str] = set()
-        self.inflight: dict[str, int] = {}
-        self.awaiting: set[str] = set()
-
-    def scheduled(self, meta: HpkvMetadata) -> None:
-        self.saved.update(op.req_id for op in meta.saves)
-
-    def started(self, req_ids: list[str]) -> None:
-        for r in req_ids:
-            self.inflight[r] = self.inflight.get(r, 0) + 1
-
-    def ended(self, req_ids: list[str]) -> None:
-        for r in req_ids:
-            n = self.inflight.get(r, 0) - 1
-            if n > 0:
-                self.inflight[r] = n
-            else:
-                self.inflight.pop(r, None)
-
-    def finished(self, finished_req_ids: set[str]) -> set[str]:
-        self.awaiting |= finished_req_ids & self.saved
-        ready = {r for r in self.awaiting if r not in self.inflight}
-        self.awaiting -= ready
-        self.saved -= ready
-        return ready
 
 
 class IpcUnavailable(RuntimeError):
@@ -223,15 +184,6 @@ def gpu_numa_node(index: int) -> int:
         return -1
 
 
-@dataclass
-class _Save:
-    tickets: list[tuple[int, int]]
-    keys: list[bytes]
-    req_ids: list[str]
-    event: int
-    started: float
-
-
 class CudaWorkerSide(WorkerSide):
     """:class:`~.worker.WorkerSide` for CUDA engines (see the module docstring)."""
 
@@ -246,11 +198,9 @@ class CudaWorkerSide(WorkerSide):
     ):
         super().__init__(layout, rank, pool_dir, "cuda", open_store)
         self.backend: Backend = backend or CudaBackend()
-        self.tracker = SaveTracker()
         self._kv_cache_config = kv_cache_config
-        self._pending: list[_Save] = []
         self._next_event = 0
-        self._event_busy: dict[int, _Save] = {}
+        self._event_busy: dict[int, PendingSave] = {}
         self._mover: InProcessMover | None = None
         self.desc: CudaKvLayout | None = None
 
@@ -309,90 +259,30 @@ class CudaWorkerSide(WorkerSide):
             self._event_busy.pop(k, None)
         return k
 
-    # ---------------------------------------------------------------- saves
-    def wait_for_save(self, meta: HpkvMetadata) -> None:
-        self.tracker.scheduled(meta)  # even when disabled: vLLM is told when it may free the blocks
-        self._reap()
-        if not self.enabled or not meta.saves:
-            return
-        client, device = self.hpkv.get(), self._device
-        if client is None or not isinstance(device, _EventMover):
-            return
-        keys = [k for op in meta.saves for k in op.keys]
-        req_ids = [op.req_id for op in meta.saves]
-        blocks = np.asarray([b for op in meta.saves for b in op.block_ids], np.int64)
-        offsets = np.concatenate([op.offsets[:, self.rank] for op in meta.saves])
-        try:
-            k = self.take_event()
-            self.backend.record(k)  # after the forward vLLM just queued on this stream
-            tickets = device.inner.submit(P.COPY_SAVE, blocks, offsets, event=k)
-        except Exception as exc:  # noqa: BLE001 - a lost save is a future miss
-            self.stats.data["save_failed_blocks"] += len(keys)
-            self.hpkv.lost(exc)
-            return
-        save = _Save(tickets, keys, req_ids, k, time.monotonic())
-        self._pending.append(save)
-        self._event_busy[k] = save
-        self.tracker.started(req_ids)
-
-    def _reap(self, wait_for: list[_Save] | None = None) -> None:
-        """Commit (or abort) every save whose completion arrived; with ``wait_for``, first wait
-        (bounded by SAVE_TIMEOUT_S from each one's start) until those have completed."""
+    # ---------------------------------------------------------------- saves (WorkerSide's, ordered by an event)
+    def _save_copier(self) -> TicketMover | None:
         device = self._device
-        for save in list(self._pending):
-            if not isinstance(device, _EventMover):
-                self._finish(save, ok=False)
-                continue
-            deadline = save.started + SAVE_TIMEOUT_S
-            remaining = max(deadline - time.monotonic(), 0.0)
-            if wait_for and save in wait_for:
-                res = device.inner.wait(save.tickets, timeout=remaining)
-            else:
-                res = device.inner.poll(save.tickets)
-            if len(res) == len(save.tickets):
-                self._finish(save, ok=all(s == 0 for s in res.values()))
-            elif time.monotonic() > deadline:
-                log.warning(
-                    "hpkv: a save of %d blocks got no answer in %.0fs: aborted",
-                    len(save.keys),
-                    SAVE_TIMEOUT_S,
-                )
-                self._finish(save, ok=False)
+        return device.inner if isinstance(device, _EventMover) else None
 
-    def _finish(self, save: _Save, ok: bool) -> None:
-        self._pending.remove(save)
+    def _submit_save(
+        self,
+        copier: TicketMover,
+        blocks: np.ndarray,
+        offsets: np.ndarray,
+        keys: list[bytes],
+        req_ids: list[str],
+    ) -> PendingSave:
+        k = self.take_event()
+        self.backend.record(k)  # after the forward vLLM just queued on this stream
+        tickets = copier.submit(P.COPY_SAVE, blocks, offsets, event=k)
+        save = PendingSave(tickets, keys, req_ids, k, time.monotonic(), copier)
+        self._event_busy[k] = save
+        return save
+
+    def _finish(self, save: PendingSave, ok: bool) -> None:
         if self._event_busy.get(save.event) is save:
             self._event_busy.pop(save.event)
-        self.tracker.ended(save.req_ids)
-        s = self.stats.data
-        client = self.hpkv.client
-        try:
-            if ok and client is not None:
-                client.commit(self.ns_id, save.keys, rank=self.rank)
-                s["saved_tokens"] += len(save.keys) * self.layout.block_size
-                s["saved_bytes"] += len(save.keys) * self.layout.shard_bytes
-                return
-            s["save_failed_blocks"] += len(save.keys)
-            if client is not None:
-                client.abort(self.ns_id, save.keys)
-        except Exception as exc:  # noqa: BLE001 - a lost commit is a future miss
-            self.hpkv.lost(exc)
-        finally:
-            s["save_time_s"] += time.monotonic() - save.started
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        self._reap()
-        return self.tracker.finished(finished_req_ids) or None, None
-
-    def handle_preemptions(self, preempted: set[str]) -> None:
-        """Preempted requests' blocks are reused without a request_finished: finish their saves first."""
-        hit = [s for s in self._pending if preempted & set(s.req_ids)]
-        if hit:
-            self._reap(wait_for=hit)
-
-    def shutdown(self) -> None:
-        self._reap(wait_for=list(self._pending))
-        super().shutdown()
+        super()._finish(save, ok)
 
 
 class _EventMover:

@@ -35,7 +35,9 @@ class SaveOp:
 class HpkvMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
-    preempted: set[str] = field(default_factory=set)  # CUDA: finish these requests' saves before reuse
+    preempted: set[str] = field(
+        default_factory=set
+    )  # finish these requests' saves before their blocks are reused
 
 
 STAT_KEYS = (

@@ -3,7 +3,10 @@ has the rank's transfer worker copy blocks pool → KV cache before the forward 
 KV cache → pool after it (saves), then commits the saved shards.
 
 On the CPU backend the KV cache is allocated in a shared-memory file the transfer worker
-maps (:meth:`WorkerSide.shared_kv_allocation`). A DRAM hit is copied before the forward, or
+maps (:meth:`WorkerSide.shared_kv_allocation`). Saves are submitted at the end of the step
+and not waited for: the transfer worker copies while vLLM samples and runs its next step, the
+keys are committed when the copy completes, and vLLM frees a finished request's blocks only
+once none of its saves is in flight (:class:`SaveTracker`). A DRAM hit is copied before the forward, or
 in the background (vLLM's async load) while other requests run (``HPKV_ASYNC_DRAM_LOADS``); a
 storage hit loads in the background, promoted into the pool by the IO workers part by part,
 each part copied while the next one is read.
@@ -20,7 +23,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -32,12 +36,14 @@ from hpkv.connectors.promote import load_in_parts
 from hpkv.connectors.reconnect import Reconnecting
 from hpkv.connectors.vllm.layout import Layout, describe_kv
 from hpkv.connectors.vllm.metadata import NULL_BLOCK_ID, HpkvConnectorStats, HpkvMetadata, LoadOp
+from hpkv.protocol import wire as P
 from hpkv.protocol.wire import POOL_FILE, device_file_name, device_file_pid
 
 log = logging.getLogger("vllm.hpkv")
 
 LOAD_CONNECT_TIMEOUT_S = 10.0  # a background load waits this long for an hpkv connection
-IDLE_STEP_WAIT_S = 0.02  # an empty step waits this long for a background load to finish
+IDLE_STEP_WAIT_S = 0.02  # an empty step waits this long for a background load (or a save) to finish
+SAVE_TIMEOUT_S = 30.0  # a save unanswered this long is aborted and its blocks released
 # A background load's disk read may take longer than a step's (the request waits, the others
 # run); on a loaded machine a few blocks took over 5 s. Still bounded: it then recomputes.
 BACKGROUND_PROMOTE_TIMEOUT_S = 30.0
@@ -48,6 +54,67 @@ BACKGROUND_COPY_BATCH_BYTES = 16 << 20
 
 #: (store, namespace id, block mover) of a connected worker.
 Opened = tuple[KvStore, int, BlockMover]
+
+
+class TicketMover(Protocol):
+    """Copies submitted now and answered later (:class:`hpkv.client.device.DeviceHandle`)."""
+
+    def submit(
+        self, kind: int, blocks: np.ndarray, offsets: np.ndarray, event: int = -1
+    ) -> list[tuple[int, int]]: ...
+
+    def poll(self, tickets: list[tuple[int, int]]) -> dict[tuple[int, int], int]: ...
+
+    def wait(
+        self, tickets: list[tuple[int, int]], timeout: float | None = None
+    ) -> dict[tuple[int, int], int]: ...
+
+
+class SaveTracker:
+    """Which finished requests vLLM may free: the same rule on both sides of the connector.
+
+    The scheduler delays the free of every request that appeared in a save op (it sees the ops
+    it builds); every worker sees the same ops and reports such a request in ``finished_sending``
+    once vLLM told it the request finished and none of its saves is in flight. A worker that is
+    disabled still reports, so vLLM never waits for blocks forever."""
+
+    def __init__(self) -> None:
+        self.saved: set[str] = set()
+        self.inflight: dict[str, int] = {}
+        self.awaiting: set[str] = set()
+
+    def scheduled(self, meta: HpkvMetadata) -> None:
+        self.saved.update(op.req_id for op in meta.saves)
+
+    def started(self, req_ids: list[str]) -> None:
+        for r in req_ids:
+            self.inflight[r] = self.inflight.get(r, 0) + 1
+
+    def ended(self, req_ids: list[str]) -> None:
+        for r in req_ids:
+            n = self.inflight.get(r, 0) - 1
+            if n > 0:
+                self.inflight[r] = n
+            else:
+                self.inflight.pop(r, None)
+
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        self.awaiting |= finished_req_ids & self.saved
+        ready = {r for r in self.awaiting if r not in self.inflight}
+        self.awaiting -= ready
+        self.saved -= ready
+        return ready
+
+
+@dataclass
+class PendingSave:
+    tickets: list[tuple[int, int]]
+    keys: list[bytes]
+    req_ids: list[str]
+    event: int  # CUDA: the engine event the copy waits for; -1 on the CPU
+    started: float
+    mover: TicketMover  # what it was submitted to (a reconnect brings another)
+    results: dict[tuple[int, int], int] = field(default_factory=dict)  # ticket -> status, as answered
 
 
 class WorkerSide:
@@ -85,6 +152,8 @@ class WorkerSide:
         self._device_spec: dict[str, Any] = {}
         self.hpkv: Reconnecting[KvStore] = Reconnecting(f"worker rank {rank}", self._connect, log)
         self._background = BackgroundLoads(self, open_load_store)
+        self.tracker = SaveTracker()
+        self._pending: list[PendingSave] = []
 
     def _connect(self) -> KvStore:
         store, self.ns_id, self._device = self._open_store(self._device_spec)
@@ -305,32 +374,116 @@ class WorkerSide:
             self.stats.data["load_failed_blocks"] += len(failed)
         log.warning("hpkv: %d block(s) could not be loaded (%s); vLLM recomputes them", len(failed), why)
 
+    # ---------------------------------------------------------------- saves
     def wait_for_save(self, meta: HpkvMetadata) -> None:
+        """Submit the step's saves without waiting for them (the step's KV is final here: on the
+        CPU the forward is synchronous, on CUDA the copy waits for an event recorded after it)."""
+        self.tracker.scheduled(meta)  # even when disabled: vLLM is told when it may free the blocks
+        self._reap()
         if not self.enabled or not meta.saves:
             return
-        client = self.hpkv.get()
-        device = self._device
-        if client is None or device is None:
+        client, copier = self.hpkv.get(), self._save_copier()
+        if client is None or copier is None:
             return
         keys = [k for op in meta.saves for k in op.keys]
+        req_ids = [op.req_id for op in meta.saves]
         blocks = np.asarray([b for op in meta.saves for b in op.block_ids], np.int64)
         offsets = np.concatenate([op.offsets[:, self.rank] for op in meta.saves])
-        t0 = time.perf_counter()
-        s = self.stats.data
         try:
-            # On the CPU the forward is synchronous: the step's KV is final here. We wait for
-            # the copy, so vLLM may free or reuse these blocks as soon as we return.
-            if device.save(blocks, offsets):
-                client.commit(self.ns_id, keys, rank=self.rank)
-                s["saved_tokens"] += len(keys) * self.layout.block_size
-                s["saved_bytes"] += len(keys) * self.layout.shard_bytes
-            else:
-                s["save_failed_blocks"] += len(keys)
-                client.abort(self.ns_id, keys)
+            save = self._submit_save(copier, blocks, offsets, keys, req_ids)
         except Exception as exc:  # noqa: BLE001 - a lost save is a future miss
-            s["save_failed_blocks"] += len(keys)
+            with self._lock:
+                self.stats.data["save_failed_blocks"] += len(keys)
             self.hpkv.lost(exc)
-        s["save_time_s"] += time.perf_counter() - t0
+            return
+        self._pending.append(save)
+        self.tracker.started(req_ids)
+
+    def _save_copier(self) -> TicketMover | None:
+        """What the saves are submitted to (None: saves are off on this worker)."""
+        return self._device  # type: ignore[return-value]  # a DeviceHandle once connected
+
+    def _submit_save(
+        self,
+        copier: TicketMover,
+        blocks: np.ndarray,
+        offsets: np.ndarray,
+        keys: list[bytes],
+        req_ids: list[str],
+    ) -> PendingSave:
+        tickets = copier.submit(P.COPY_SAVE, blocks, offsets)
+        return PendingSave(tickets, keys, req_ids, -1, time.monotonic(), copier)
+
+    def _reap(self, wait_for: list[PendingSave] | None = None) -> None:
+        """Commit (or abort) every save whose completion arrived; with ``wait_for``, first wait
+        (bounded by SAVE_TIMEOUT_S from each one's start) until those have completed."""
+        copier = self._save_copier()
+        for save in list(self._pending):
+            if copier is None or save.mover is not copier:  # hpkv is off here, or was reconnected
+                self._finish(save, ok=False)
+                continue
+            deadline = save.started + SAVE_TIMEOUT_S
+            todo = [t for t in save.tickets if t not in save.results]
+            try:
+                if wait_for and save in wait_for:
+                    got = copier.wait(todo, timeout=max(deadline - time.monotonic(), 0.0))
+                else:
+                    got = copier.poll(todo)
+            except Exception as exc:  # noqa: BLE001 - hpkv trouble: the save is lost, vLLM goes on
+                self.hpkv.lost(exc)
+                self._finish(save, ok=False)
+                continue
+            save.results.update(got)  # (answered tickets are claimed: keep their statuses)
+            if len(save.results) == len(save.tickets):
+                self._finish(save, ok=all(st == 0 for st in save.results.values()))
+            elif time.monotonic() > deadline:
+                log.warning(
+                    "hpkv: a save of %d blocks got no answer in %.0fs: aborted",
+                    len(save.keys),
+                    SAVE_TIMEOUT_S,
+                )
+                self._finish(save, ok=False)
+
+    def _finish(self, save: PendingSave, ok: bool) -> None:
+        self._pending.remove(save)
+        self.tracker.ended(save.req_ids)
+        client = self.hpkv.client
+        committed = False
+        try:
+            if ok and client is not None:
+                client.commit(self.ns_id, save.keys, rank=self.rank)
+                committed = True
+            elif client is not None:
+                client.abort(self.ns_id, save.keys)
+        except Exception as exc:  # noqa: BLE001 - a lost commit is a future miss
+            self.hpkv.lost(exc)
+        with self._lock:
+            s = self.stats.data
+            if committed:
+                s["saved_tokens"] += len(save.keys) * self.layout.block_size
+                s["saved_bytes"] += len(save.keys) * self.layout.shard_bytes
+            else:
+                s["save_failed_blocks"] += len(save.keys)
+            s["save_time_s"] += time.monotonic() - save.started
+
+    def finished_saves(self, finished_req_ids: set[str], idle_step: bool = False) -> set[str]:
+        """Finished requests none of whose saves is in flight any more: vLLM may free their
+        blocks. In a step without a forward pass, wait up to ``IDLE_STEP_WAIT_S`` for a save
+        (an idle engine steps empty batches back to back while it waits for one)."""
+        self._reap()
+        if idle_step and self._pending:
+            until = time.monotonic() + IDLE_STEP_WAIT_S
+            oldest = self._pending[0]
+            while oldest in self._pending and time.monotonic() < until:
+                time.sleep(0.001)
+                self._reap()
+        return self.tracker.finished(finished_req_ids)
+
+    def handle_preemptions(self, preempted: set[str]) -> None:
+        """Preempted requests' blocks are reused without a request_finished: finish their saves first."""
+        hit = [s for s in self._pending if preempted & set(s.req_ids)]
+        if hit:
+            self._reap(wait_for=hit)
 
     def take_load_errors(self) -> set[int]:
         with self._lock:
@@ -360,6 +513,7 @@ class WorkerSide:
         return stats
 
     def shutdown(self) -> None:
+        self._reap(wait_for=list(self._pending))
         self._background.close()
         self.hpkv.close()
         if self._kv_file:
