@@ -37,7 +37,7 @@ import torch
 
 from hpkv.common.cuda_copy import Driver, HostDriver
 from hpkv.connectors.vllm.cuda_layout import CudaKvLayout, UnsupportedKvLayout, describe_cuda_kv
-from hpkv.connectors.vllm.worker import SAVE_TIMEOUT_S, Opened, PendingSave, TicketMover, WorkerSide
+from hpkv.connectors.vllm.worker import SAVE_TIMEOUT_S, Opened, TicketMover, WorkerSide
 from hpkv.protocol import wire as P
 
 if TYPE_CHECKING:
@@ -200,7 +200,6 @@ class CudaWorkerSide(WorkerSide):
         self.backend: Backend = backend or CudaBackend()
         self._kv_cache_config = kv_cache_config
         self._next_event = 0
-        self._event_busy: dict[int, PendingSave] = {}
         self._mover: InProcessMover | None = None
         self.desc: CudaKvLayout | None = None
 
@@ -254,9 +253,9 @@ class CudaWorkerSide(WorkerSide):
         """The next event slot, once the save that used it last has completed (bounded wait)."""
         k = self._next_event
         self._next_event = (k + 1) % EVENTS
-        if k in self._event_busy:
-            self._reap(wait_for=[self._event_busy[k]])
-            self._event_busy.pop(k, None)
+        busy = [s for s in self._pending if s.event == k]
+        if busy:
+            self._reap(wait_for=busy)  # (done or aborted: either way no longer pending)
         return k
 
     # ---------------------------------------------------------------- saves (WorkerSide's, ordered by an event)
@@ -264,25 +263,10 @@ class CudaWorkerSide(WorkerSide):
         device = self._device
         return device.inner if isinstance(device, _EventMover) else None
 
-    def _submit_save(
-        self,
-        copier: TicketMover,
-        blocks: np.ndarray,
-        offsets: np.ndarray,
-        keys: list[bytes],
-        req_ids: list[str],
-    ) -> PendingSave:
+    def _save_event(self) -> int:
         k = self.take_event()
         self.backend.record(k)  # after the forward vLLM just queued on this stream
-        tickets = copier.submit(P.COPY_SAVE, blocks, offsets, event=k)
-        save = PendingSave(tickets, keys, req_ids, k, time.monotonic(), copier)
-        self._event_busy[k] = save
-        return save
-
-    def _finish(self, save: PendingSave, ok: bool) -> None:
-        if self._event_busy.get(save.event) is save:
-            self._event_busy.pop(save.event)
-        super()._finish(save, ok)
+        return k
 
 
 class _EventMover:

@@ -35,9 +35,8 @@ class SaveOp:
 class HpkvMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
-    preempted: set[str] = field(
-        default_factory=set
-    )  # finish these requests' saves before their blocks are reused
+    # finish these requests' saves before their blocks are reused
+    preempted: set[str] = field(default_factory=set)
 
 
 STAT_KEYS = (

@@ -390,29 +390,24 @@ class WorkerSide:
         blocks = np.asarray([b for op in meta.saves for b in op.block_ids], np.int64)
         offsets = np.concatenate([op.offsets[:, self.rank] for op in meta.saves])
         try:
-            save = self._submit_save(copier, blocks, offsets, keys, req_ids)
+            event = self._save_event()
+            tickets = copier.submit(P.COPY_SAVE, blocks, offsets, event=event)
         except Exception as exc:  # noqa: BLE001 - a lost save is a future miss
             with self._lock:
                 self.stats.data["save_failed_blocks"] += len(keys)
             self.hpkv.lost(exc)
             return
-        self._pending.append(save)
+        self._pending.append(PendingSave(tickets, keys, req_ids, event, time.monotonic(), copier))
         self.tracker.started(req_ids)
 
     def _save_copier(self) -> TicketMover | None:
         """What the saves are submitted to (None: saves are off on this worker)."""
         return self._device  # type: ignore[return-value]  # a DeviceHandle once connected
 
-    def _submit_save(
-        self,
-        copier: TicketMover,
-        blocks: np.ndarray,
-        offsets: np.ndarray,
-        keys: list[bytes],
-        req_ids: list[str],
-    ) -> PendingSave:
-        tickets = copier.submit(P.COPY_SAVE, blocks, offsets)
-        return PendingSave(tickets, keys, req_ids, -1, time.monotonic(), copier)
+    def _save_event(self) -> int:
+        """The engine event a save's copy must wait for; -1: none (on the CPU the forward is
+        synchronous, the step's KV is final here)."""
+        return -1
 
     def _reap(self, wait_for: list[PendingSave] | None = None) -> None:
         """Commit (or abort) every save whose completion arrived; with ``wait_for``, first wait
